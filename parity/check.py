@@ -1,0 +1,231 @@
+"""Invariance checks: the same weights and tokens must give the same log-prob bits, however run.
+
+Each case compares a reference (the sequence scored alone by `sequence_logprobs`, no grad) with
+the same sequence's log-probs computed another way: inside random batches, behind padding, at
+another offset, by prefill + decode steps or random prefill chunks over the KV cache, under
+autograd, on another thread count, or in a separate process. A comparison is one sequence's
+whole float32 log-prob vector under `torch.equal`. `parity check` and `tests/parity/` both run
+these functions; with `standard` kernels some of them must fail (the control).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .model import Decoder, sequence_logprobs
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class CaseResult:
+    case: str
+    kernels: str
+    comparisons: int
+    mismatches: int
+    max_abs_diff: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare(pairs: Pairs) -> tuple[int, int, float]:
+    """(comparisons, mismatches, max |Δ|) over (reference, candidate) pairs."""
+    mismatches, worst = 0, 0.0
+    for ref, got in pairs:
+        if not torch.equal(ref, got):
+            mismatches += 1
+            worst = max(worst, float((ref - got).abs().max()) if ref.shape == got.shape else float("inf"))
+    return len(pairs), mismatches, worst
+
+
+def reference(model, seqs: Sequence[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor]:
+    """Each sequence scored alone (the reference every case compares against)."""
+    with torch.no_grad():
+        return [sequence_logprobs(model, [s], temperature)[0] for s in seqs]
+
+
+# ----------------------------------------------------------------------------- cases
+def case_batch(model, seqs, refs, order: Sequence[int], temperature: float = 1.0) -> Pairs:
+    """Score the sequences together, in `order` (batch composition and position)."""
+    with torch.no_grad():
+        out = sequence_logprobs(model, [seqs[i] for i in order], temperature)
+    return [(refs[i], out[j]) for j, i in enumerate(order)]
+
+
+def case_padding(model, seqs, refs, filler: Sequence[torch.Tensor], temperature=1.0) -> Pairs:
+    """Score each sequence next to fillers of other lengths (changes padded M and key length)."""
+    pairs = []
+    with torch.no_grad():
+        for s, r in zip(seqs, refs):
+            out = sequence_logprobs(model, [s, *filler], temperature)
+            pairs.append((r, out[0]))
+    return pairs
+
+
+def case_offset(model, seqs, refs, shift: int, temperature=1.0) -> Pairs:
+    """Place each sequence after `shift` copies of a 3-token filler (another row offset)."""
+    filler = [torch.arange(3) % model.config.vocab_size] * shift
+    pairs = []
+    with torch.no_grad():
+        for s, r in zip(seqs, refs):
+            out = sequence_logprobs(model, [*filler, s], temperature)
+            pairs.append((r, out[-1]))
+    return pairs
+
+
+def run_schedule(model, seqs, chunks: Sequence[Sequence[int]], temperature=1.0) -> list[torch.Tensor]:
+    """Run all sequences through a `Decoder`, sequence i fed in chunks `chunks[i]` (summing to its
+    length), all sequences' next chunks in one forward per step. Returns each sequence's log-probs.
+    """
+    dec = Decoder(model, max_tokens=sum(s.numel() for s in seqs) + model.block_size * len(seqs))
+    fed = [0] * len(seqs)
+    step = [0] * len(seqs)
+    got: list[list[torch.Tensor]] = [[] for _ in seqs]
+    while True:
+        feed = {i: seqs[i][fed[i]:fed[i] + chunks[i][step[i]]]
+                for i in range(len(seqs)) if step[i] < len(chunks[i])}
+        if not feed:
+            break
+        logits = dec.extend(feed, all_logits=True)
+        for i, toks in feed.items():
+            start, n = fed[i], toks.numel()
+            targets = seqs[i][start + 1:start + n + 1]
+            rows = logits[i][:targets.numel()]
+            if targets.numel():
+                got[i].append(model.kernels.token_logprobs(rows, targets, temperature))
+            fed[i] += n
+            step[i] += 1
+    return [torch.cat(g) for g in got]
+
+
+def case_decode(model, seqs, refs, chunks, temperature=1.0) -> Pairs:
+    """Prefill / chunked prefill / token-by-token decode over the paged KV cache."""
+    return list(zip(refs, run_schedule(model, seqs, chunks, temperature)))
+
+
+def case_autograd(model, seqs, refs, temperature=1.0) -> Pairs:
+    """The learner's forward with autograd recording (and a backward) vs inference."""
+    with torch.enable_grad():
+        out = sequence_logprobs(model, list(seqs), temperature)
+        torch.stack([o.sum() for o in out]).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return [(r, o.detach()) for r, o in zip(refs, out)]
+
+
+def case_threads(model, seqs, refs, temperature=1.0) -> Pairs:
+    """The same batch on 1 thread and on 2 threads, each against the reference."""
+    before = torch.get_num_threads()
+    pairs: Pairs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                out = sequence_logprobs(model, list(seqs), temperature)
+            pairs += list(zip(refs, out))
+    finally:
+        torch.set_num_threads(before)
+    return pairs
+
+
+_CHILD = """
+import sys, json, torch, parity
+spec = json.load(open(sys.argv[1]))
+model = parity.load_model(spec["path"], kernels=spec["kernels"], block_size=spec["block_size"])
+seqs = [torch.tensor(s) for s in spec["seqs"]]
+with torch.no_grad():
+    out = parity.sequence_logprobs(model, seqs, spec["temperature"])
+torch.save(out, spec["out"])
+"""
+
+
+def case_process(model, seqs, refs, temperature=1.0) -> Pairs:
+    """A separate Python process loads the saved checkpoint and scores the batch."""
+    with tempfile.TemporaryDirectory(prefix="parity-check-") as tmp:
+        model.save_pretrained(Path(tmp) / "ckpt")
+        spec = {"path": str(Path(tmp) / "ckpt"), "kernels": model.kernels.name,
+                "block_size": model.block_size, "seqs": [s.tolist() for s in seqs],
+                "temperature": temperature, "out": str(Path(tmp) / "out.pt")}
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(Path(tmp) / "spec.json")],
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"child process failed: {proc.stderr.strip().splitlines()[-1:]}")
+        out = torch.load(spec["out"])
+    return list(zip(refs, out))
+
+
+# ----------------------------------------------------------------------------- random runner
+def random_sequences(rng: random.Random, vocab: int, n: int, max_len: int) -> list[torch.Tensor]:
+    return [torch.tensor([rng.randrange(vocab) for _ in range(rng.randint(2, max_len))])
+            for _ in range(n)]
+
+
+def random_chunks(rng: random.Random, length: int) -> list[int]:
+    """A random split of `length` tokens: whole prefill, one by one, or random chunk sizes."""
+    mode = rng.choice(["prefill", "decode", "chunked", "chunked"])
+    if mode == "prefill":
+        return [length]
+    if mode == "decode":
+        first = rng.randint(1, length)
+        return [first] + [1] * (length - first)
+    out, left = [], length
+    while left:
+        out.append(min(left, rng.randint(1, max(1, length // 2))))
+        left -= out[-1]
+    return out
+
+
+CASES = ("batch", "padding", "offset", "decode", "autograd", "threads", "process")
+
+
+def run_checks(model, rounds: int = 4, seed: int = 0, max_len: int = 96,
+               cases: Sequence[str] = CASES, temperature: float = 1.0,
+               progress: Callable[[str], None] | None = None) -> list[CaseResult]:
+    """Run `rounds` random rounds of every case; return one aggregated result per case."""
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    max_len = min(max_len, model.config.max_position_embeddings)
+    totals = {c: [0, 0, 0.0] for c in cases}
+    for r in range(rounds):
+        seqs = random_sequences(rng, vocab, rng.randint(2, 8), max_len)
+        refs = reference(model, seqs, temperature)
+        for c in cases:
+            if progress:
+                progress(f"round {r + 1}/{rounds}: {c}")
+            if c == "batch":
+                order = list(range(len(seqs)))
+                rng.shuffle(order)
+                pairs = case_batch(model, seqs, refs, order, temperature)
+            elif c == "padding":
+                filler = random_sequences(rng, vocab, rng.randint(1, 3), max_len)
+                pairs = case_padding(model, seqs, refs, filler, temperature)
+            elif c == "offset":
+                pairs = case_offset(model, seqs, refs, rng.randint(1, 9), temperature)
+            elif c == "decode":
+                chunks = [random_chunks(rng, s.numel()) for s in seqs]
+                pairs = case_decode(model, seqs, refs, chunks, temperature)
+            elif c == "autograd":
+                pairs = case_autograd(model, seqs, refs, temperature)
+            elif c == "threads":
+                pairs = case_threads(model, seqs, refs, temperature)
+            elif c == "process":
+                if r > 0:
+                    continue  # one child process per run is enough and keeps it fast
+                pairs = case_process(model, seqs, refs, temperature)
+            else:
+                raise ValueError(f"unknown check case {c!r}: expected one of {', '.join(CASES)}")
+            n, bad, worst = compare(pairs)
+            totals[c][0] += n
+            totals[c][1] += bad
+            totals[c][2] = max(totals[c][2], worst)
+    return [CaseResult(c, model.kernels.name, *totals[c]) for c in cases]

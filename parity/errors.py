@@ -1,0 +1,17 @@
+"""The error types `parity` raises for bad input; the CLI prints them as one line, no traceback."""
+
+
+class ParityError(Exception):
+    """Base class: a user-facing problem with a message that names the culprit."""
+
+
+class ConfigError(ParityError, ValueError):
+    """A configuration field is unknown, of the wrong type, or inconsistent with another."""
+
+
+class CheckpointError(ParityError):
+    """A checkpoint file is missing, corrupt, or does not match its config."""
+
+
+class InputError(ParityError, ValueError):
+    """A token sequence or request is invalid (out-of-vocab id, too long, empty, ...)."""

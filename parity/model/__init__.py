@@ -1,0 +1,11 @@
+"""The Qwen3-style model, its config, checkpoints, KV cache and log-prob entry points."""
+
+from .batch import ForwardBatch
+from .checkpoint import load_model, save_pretrained
+from .config import ModelConfig
+from .kv_cache import KVCache, SimpleAllocator
+from .logprobs import Decoder, sequence_logprobs
+from .qwen3 import DEFAULT_BLOCK_SIZE, Model
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "Decoder", "ForwardBatch", "KVCache", "Model", "ModelConfig",
+           "SimpleAllocator", "load_model", "save_pretrained", "sequence_logprobs"]

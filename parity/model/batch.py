@@ -1,0 +1,80 @@
+"""`ForwardBatch`: how a set of sequences' new tokens are laid out for one model forward.
+
+Token-wise work (embeddings, projections, MLP, norms) runs on the packed tokens [T, ...];
+attention runs per sequence on a padded [B, M] view gathered from them. Keys come either from
+the same forward (`dense`: every sequence starts at position 0, the learner's path) or from a
+paged KV cache (`block_tables`: the engine's path, prefill chunks and decode steps alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] packed new tokens of all sequences
+    positions: torch.Tensor  # [T] absolute position of each new token
+    q_index: torch.Tensor  # [B, M] index into the packed tokens; padding points at row T
+    q_pos: torch.Tensor  # [B, M] absolute query positions; padding rows use 0
+    out_index: torch.Tensor  # [T] flat index into [B*M] for each packed token
+    seq_lens: list[int]  # new tokens per sequence
+    key_len: int  # padded key length L (a multiple of the block size)
+    k_index: torch.Tensor | None = None  # dense: [B, L] index into packed tokens (pad -> T)
+    block_tables: torch.Tensor | None = None  # cache: [B, L // block] block ids (pad -> 0)
+    slots: torch.Tensor | None = None  # cache: [T] flat cache slot of each new token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @staticmethod
+    def build(
+        new_tokens: Sequence[Sequence[int] | torch.Tensor],
+        start_positions: Sequence[int],
+        block_size: int,
+        block_tables: Sequence[Sequence[int]] | None = None,
+    ) -> ForwardBatch:
+        """Lay out `new_tokens[b]` at positions `start_positions[b]...` of sequence b.
+
+        Without `block_tables` every start must be 0 (dense). With them, sequence b's cache
+        blocks are `block_tables[b]` (enough for its full context after this forward).
+        """
+        seqs = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in new_tokens]
+        lens = [int(s.numel()) for s in seqs]
+        bsz, m = len(seqs), max(lens)
+        total = sum(lens)
+        input_ids = torch.cat(seqs)
+        starts = torch.tensor(list(start_positions), dtype=torch.long)
+        seq_of_tok = torch.repeat_interleave(torch.arange(bsz), torch.tensor(lens))
+        offsets = torch.tensor([0] + lens[:-1]).cumsum(0)
+        within = torch.arange(total) - offsets[seq_of_tok]
+        positions = starts[seq_of_tok] + within
+        cols = torch.arange(m)
+        valid = cols.view(1, m) < torch.tensor(lens).view(bsz, 1)
+        q_index = torch.where(valid, offsets.view(bsz, 1) + cols.view(1, m), total)
+        q_pos = torch.where(valid, starts.view(bsz, 1) + cols.view(1, m), 0)
+        out_index = seq_of_tok * m + within
+        ctx = [int(s) + n for s, n in zip(start_positions, lens)]
+        key_len = -(-max(ctx) // block_size) * block_size
+        batch = ForwardBatch(input_ids, positions, q_index, q_pos, out_index, lens, key_len)
+        if block_tables is None:
+            if any(int(s) != 0 for s in start_positions):
+                raise ValueError("a dense forward needs every sequence to start at position 0")
+            kcols = torch.arange(key_len)
+            kvalid = kcols.view(1, -1) < torch.tensor(lens).view(bsz, 1)
+            batch.k_index = torch.where(kvalid, offsets.view(bsz, 1) + kcols.view(1, -1), total)
+            return batch
+        nblk = key_len // block_size
+        table = torch.zeros(bsz, nblk, dtype=torch.long)
+        for b, blocks in enumerate(block_tables):
+            need = -(-ctx[b] // block_size)
+            if len(blocks) < need:
+                raise ValueError(f"sequence {b} needs {need} cache blocks, has {len(blocks)}")
+            table[b, :need] = torch.as_tensor(list(blocks[:need]), dtype=torch.long)
+        batch.block_tables = table
+        batch.slots = table[seq_of_tok, positions // block_size] * block_size + positions % block_size
+        return batch

@@ -1,0 +1,63 @@
+"""Paged KV cache storage: fixed-size blocks per layer, block 0 kept as an all-zero pad block.
+
+The block size is the aligned attention kernel's key-block size, so a sequence's cached keys
+are reduced in exactly the blocks a dense forward would use. Allocation policy (which sequence
+gets which blocks, preemption) belongs to the engine's block manager; `SimpleAllocator` here is
+the minimal one used by `Decoder` and the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class KVCache:
+    """Per-layer key/value blocks: k[layer] and v[layer] are [num_blocks + 1, block, Hkv, D]."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+        shape = (config.num_hidden_layers, num_blocks + 1, block_size,
+                 config.num_key_value_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values [T, Hkv, D] at flat slots [T] (block * block_size + offset)."""
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(self.v.dtype))
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of each sequence's context: [B, nblk * block, Hkv, D]."""
+        bsz, nblk = block_tables.shape
+        k = self.k[layer][block_tables].view(bsz, nblk * self.block_size, *self.k.shape[3:])
+        v = self.v[layer][block_tables].view(bsz, nblk * self.block_size, *self.v.shape[3:])
+        return k, v
+
+
+class SimpleAllocator:
+    """First-free block allocation for a fixed set of sequences (no preemption)."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.free = list(range(cache.num_blocks, 0, -1))  # block 0 is the zero pad block
+        self.tables: dict[int, list[int]] = {}
+
+    def ensure(self, seq_id: int, length: int) -> list[int]:
+        """Make sure `seq_id` owns enough blocks for `length` tokens; return its table."""
+        table = self.tables.setdefault(seq_id, [])
+        need = -(-length // self.cache.block_size)
+        while len(table) < need:
+            if not self.free:
+                raise MemoryError("KV cache is full")
+            table.append(self.free.pop())
+        return table
+
+    def release(self, seq_id: int) -> None:
+        blocks = self.tables.pop(seq_id, [])
+        for b in blocks:
+            self.cache.k[:, b].zero_()
+            self.cache.v[:, b].zero_()
+        self.free.extend(reversed(blocks))

@@ -1,0 +1,171 @@
+"""Aligned kernels: every output element's reduction order is fixed, whatever the batch.
+
+This module is the whole invariance idea in one place. It is built on plain PyTorch CPU ops,
+using only the properties that `parity check` and `tests/parity/` verify on the running machine:
+
+- GEMM rows: for M >= 4 rows, a row of `x @ W` does not depend on the other rows, on M, on the
+  row's offset or on the thread count (below 4 rows MKL takes a GEMV path with another order).
+  `linear` pads inputs to at least `MIN_GEMM_ROWS` rows, so every GEMM takes the GEMM path.
+- GEMM reduction length: the K-blocking of a GEMM depends on K, so a reduction over a *varying*
+  length (attention over a growing context) is cut into fixed key blocks of `block_size`, each
+  reduced by a GEMM of fixed K, and the blocks are combined by a fixed pairwise tree whose
+  padded leaves are exact zeros (so appending empty blocks never changes a value).
+- Element-wise transcendental ops (exp, silu, sigmoid, rsqrt, log) take a vectorised body and a
+  scalar tail whose results differ in the last bit. `pointwise` pads the flat tensor so that no
+  element ever lands in a tail (also not at the boundary between threads' chunks).
+- Row sums: a contiguous row reduction depends only on the row length, except when the result has
+  a single element and the input is large (ATen then splits the row across threads); `row_sum`
+  cuts long rows into fixed 1024-element blocks so that never happens.
+- Exact IEEE ops (+, -, *, /, sqrt, max, comparisons) are position-independent and used freely.
+
+Forward values are what matter for parity; every function here is differentiable with autograd
+(padding, slicing and the ops above), and `functions.py` wraps the hot ones in custom autograd
+functions with hand-written backward passes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+MIN_GEMM_ROWS = 8
+"""Smallest row count handed to a GEMM (MKL switches to a GEMV order below 4 rows)."""
+
+ROW_BLOCK = 1024
+"""Rows longer than this are summed in fixed blocks of this many elements, then over blocks."""
+
+_VEC_ALIGN = 64
+"""Twice the widest vector (32 bf16 lanes of AVX-512): a body/tail boundary is a multiple of it."""
+
+
+def _pad_multiple() -> int:
+    """Flat length multiple that keeps every thread's chunk free of a scalar tail."""
+    n = torch.get_num_threads()
+    lcm = 1
+    for i in range(2, n + 1):
+        lcm = lcm * i // math.gcd(lcm, i)
+    return _VEC_ALIGN * lcm
+
+
+def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Apply an element-wise `fn` so that every element takes the vectorised path."""
+    x = x.contiguous()
+    n = x.numel()
+    pad = (-n) % _pad_multiple()
+    if pad == 0:
+        return fn(x)
+    flat = torch.cat([x.reshape(-1), x.new_zeros(pad)])
+    return fn(flat)[:n].view(x.shape)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension with an order fixed by the row length alone. [..., L] -> [...]"""
+    x = x.contiguous()
+    length = x.shape[-1]
+    if length <= ROW_BLOCK:  # one row is under the parallel grain (32768): never split
+        return x.sum(-1)
+    pad = (-length) % ROW_BLOCK
+    if pad:
+        x = torch.cat([x, x.new_zeros(*x.shape[:-1], pad)], dim=-1)
+    blocks = x.view(*x.shape[:-1], -1, ROW_BLOCK)  # >= 2 blocks, so >= 2 partial results
+    return blocks.sum(-1).sum(-1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` with every row computed by the same GEMM path. [..., K] -> [..., N]"""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    if rows < MIN_GEMM_ROWS:
+        x2 = torch.cat([x2, x2.new_zeros(MIN_GEMM_ROWS - rows, x2.shape[1])])
+    y = F.linear(x2, weight, bias)
+    if rows < MIN_GEMM_ROWS:
+        y = y[:rows]
+    return y.view(*lead, weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm: statistics in float32, result cast back to the input dtype, then scaled."""
+    xf = x.float()
+    mean_sq = row_sum(xf * xf) / xf.shape[-1]
+    inv = 1.0 / torch.sqrt(mean_sq + eps)  # sqrt and division are correctly rounded everywhere
+    return weight * (xf * inv.unsqueeze(-1)).to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation `silu(gate) * up` in the input dtype."""
+    return pointwise(F.silu, gate) * up
+
+
+def _tree_sum(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """Pairwise sum over `dim`, padded with exact zeros to a power of two leaves."""
+    n = parts.shape[dim]
+    leaves = 1 << max(0, (n - 1).bit_length())
+    if leaves != n:
+        shape = list(parts.shape)
+        shape[dim] = leaves - n
+        parts = torch.cat([parts, parts.new_zeros(shape)], dim=dim)
+    while parts.shape[dim] > 1:
+        half = parts.shape[dim] // 2
+        parts = parts.narrow(dim, 0, half) + parts.narrow(dim, half, half)
+    return parts.squeeze(dim)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Causal grouped-query attention with a fixed key-block reduction order.
+
+    q: [B, M, Hq, D]; k, v: [B, L, Hkv, D] (keys at absolute positions 0..L-1, L a multiple of
+    `block_size`); q_pos: [B, M] absolute position of each query (key j is visible iff j <= pos).
+    Returns [B, M, Hq, D] in q's dtype. Computed in float32.
+    """
+    bsz, m, hq, d = q.shape
+    length, hkv = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    assert length % block_size == 0, "key length must be a multiple of the block size"
+    nblk = length // block_size
+    # queries of one KV head form the GEMM rows: [B, Hkv, rep*M, D]
+    qf = (q.float() * (1.0 / math.sqrt(d))).view(bsz, m, hkv, rep, d).permute(0, 2, 3, 1, 4)
+    qf = qf.reshape(bsz, hkv, rep * m, d)
+    rows = rep * m
+    if rows < MIN_GEMM_ROWS:
+        qf = torch.cat([qf, qf.new_zeros(bsz, hkv, MIN_GEMM_ROWS - rows, d)], dim=2)
+    kf = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+    scores = torch.matmul(qf, kf)[:, :, :rows]  # [B, Hkv, rep*M, L]
+    scores = scores.view(bsz, hkv, rep, m, length)
+    keys = torch.arange(length, device=q.device)
+    visible = keys.view(1, 1, length) <= q_pos.unsqueeze(-1)  # [B, M, L]
+    scores = scores.masked_fill(~visible.view(bsz, 1, 1, m, length), float("-inf"))
+    peak = scores.amax(-1, keepdim=True)  # exact, order-free
+    probs = pointwise(torch.exp, scores - peak)  # masked keys -> exactly 0
+    # per key block: probs [B, Hkv, nblk, R, bs] @ [v | 1] [B, Hkv, nblk, bs, D+1]
+    probs = probs.view(bsz, hkv, rows, nblk, block_size).transpose(2, 3)
+    if rows < MIN_GEMM_ROWS:
+        probs = torch.cat([probs, probs.new_zeros(bsz, hkv, nblk, MIN_GEMM_ROWS - rows, block_size)], 3)
+    vf = torch.cat([v.float(), v.new_ones(bsz, length, hkv, 1, dtype=torch.float32)], dim=-1)
+    vf = vf.view(bsz, nblk, block_size, hkv, d + 1).permute(0, 3, 1, 2, 4)
+    partial = torch.matmul(probs, vf)[:, :, :, :rows]  # [B, Hkv, nblk, R, D+1]
+    total = _tree_sum(partial, dim=2)  # [B, Hkv, R, D+1]
+    out = total[..., :d] / total[..., d:]
+    out = out.view(bsz, hkv, rep, m, d).permute(0, 3, 1, 2, 4).reshape(bsz, m, hq, d)
+    return out.to(q.dtype)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`log_softmax(logits / T)[token]` in float32. logits [N, V], tokens [N] -> [N]"""
+    z = logits.float() / temperature
+    peak = z.amax(-1, keepdim=True)
+    shifted = z - peak
+    log_norm = pointwise(torch.log, row_sum(pointwise(torch.exp, shifted)))
+    return shifted.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
+
+
+def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Full `log_softmax(logits / T)` rows in float32, same order as `token_logprobs`. [N, V]"""
+    z = logits.float() / temperature
+    shifted = z - z.amax(-1, keepdim=True)
+    return shifted - pointwise(torch.log, row_sum(pointwise(torch.exp, shifted))).unsqueeze(-1)

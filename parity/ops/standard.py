@@ -1,0 +1,50 @@
+"""Standard kernels: the plain fast PyTorch path frameworks use, kept as the measured baseline.
+
+`F.linear` (MKL GEMM or GEMV by shape), `F.silu`, `torch.rsqrt`, scaled-dot-product attention and
+`torch.log_softmax`. Each is fast and each is deterministic run to run, but their reduction
+orders change with batch size, query count and memory position, which is the kernel mismatch
+`parity` exists to remove. Signatures match `aligned.py` one for one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """SDPA over the valid keys, as a framework would call it. Shapes as in `aligned.attention`."""
+    bsz, m, hq, d = q.shape
+    length = k.shape[1]
+    keys = torch.arange(length, device=q.device)
+    visible = (keys.view(1, 1, length) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, M, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible,
+        enable_gqa=hq != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
