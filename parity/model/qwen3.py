@@ -102,14 +102,14 @@ class Model(nn.Module):
         return self.lm_head.weight
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int) -> None:
-        """Seeded init: N(0, 0.02) projections and embeddings, ones for norms."""
+    def reset_parameters(self, seed: int, std: float = 0.02) -> None:
+        """Seeded init: N(0, std) projections and embeddings, ones for norms."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
     def set_kernels(self, kernels: str) -> Model:
         """Switch this instance to another kernel backend (weights unchanged)."""

@@ -3,9 +3,10 @@
 This module is the whole invariance idea in one place. It is built on plain PyTorch CPU ops,
 using only the properties that `parity check` and `tests/parity/` verify on the running machine:
 
-- GEMM rows: for M >= 4 rows, a row of `x @ W` does not depend on the other rows, on M, on the
-  row's offset or on the thread count (below 4 rows MKL takes a GEMV path with another order).
-  `linear` pads inputs to at least `MIN_GEMM_ROWS` rows, so every GEMM takes the GEMM path.
+- GEMM rows: for M >= 12 rows, a row of `x @ W` does not depend on the other rows, on M, on the
+  row's offset or on the thread count. Below that, MKL takes a GEMV path (M < 4) or computes the
+  last M mod 4 rows of a small GEMM (M = 5..11) with another order. Every GEMM here is padded to
+  at least `MIN_GEMM_ROWS` rows.
 - GEMM reduction length: the K-blocking of a GEMM depends on K, so a reduction over a *varying*
   length (attention over a growing context) is cut into fixed key blocks of `block_size`, each
   reduced by a GEMM of fixed K, and the blocks are combined by a fixed pairwise tree whose
@@ -31,8 +32,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-MIN_GEMM_ROWS = 8
-"""Smallest row count handed to a GEMM (MKL switches to a GEMV order below 4 rows)."""
+MIN_GEMM_ROWS = 16
+"""Smallest row count handed to a GEMM (fewer than 12 rows can change a row's reduction order)."""
 
 ROW_BLOCK = 1024
 """Rows longer than this are summed in fixed blocks of this many elements, then over blocks."""
@@ -87,9 +88,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*lead, weight.shape[0])
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for float32/bfloat16/float16 inputs; float64 stays float64 (gradient checks)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3 RMSNorm: statistics in float32, result cast back to the input dtype, then scaled."""
-    xf = x.float()
+    xf = x.to(compute_dtype(x.dtype))
     mean_sq = row_sum(xf * xf) / xf.shape[-1]
     inv = 1.0 / torch.sqrt(mean_sq + eps)  # sqrt and division are correctly rounded everywhere
     return weight * (xf * inv.unsqueeze(-1)).to(x.dtype)
@@ -121,20 +127,21 @@ def attention(
 
     q: [B, M, Hq, D]; k, v: [B, L, Hkv, D] (keys at absolute positions 0..L-1, L a multiple of
     `block_size`); q_pos: [B, M] absolute position of each query (key j is visible iff j <= pos).
-    Returns [B, M, Hq, D] in q's dtype. Computed in float32.
+    Returns [B, M, Hq, D] in q's dtype. Computed in float32 (float64 for float64 inputs).
     """
     bsz, m, hq, d = q.shape
     length, hkv = k.shape[1], k.shape[2]
     rep = hq // hkv
     assert length % block_size == 0, "key length must be a multiple of the block size"
     nblk = length // block_size
+    acc = compute_dtype(q.dtype)
     # queries of one KV head form the GEMM rows: [B, Hkv, rep*M, D]
-    qf = (q.float() * (1.0 / math.sqrt(d))).view(bsz, m, hkv, rep, d).permute(0, 2, 3, 1, 4)
+    qf = (q.to(acc) * (1.0 / math.sqrt(d))).view(bsz, m, hkv, rep, d).permute(0, 2, 3, 1, 4)
     qf = qf.reshape(bsz, hkv, rep * m, d)
     rows = rep * m
     if rows < MIN_GEMM_ROWS:
         qf = torch.cat([qf, qf.new_zeros(bsz, hkv, MIN_GEMM_ROWS - rows, d)], dim=2)
-    kf = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+    kf = k.to(acc).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
     scores = torch.matmul(qf, kf)[:, :, :rows]  # [B, Hkv, rep*M, L]
     scores = scores.view(bsz, hkv, rep, m, length)
     keys = torch.arange(length, device=q.device)
@@ -146,7 +153,7 @@ def attention(
     probs = probs.view(bsz, hkv, rows, nblk, block_size).transpose(2, 3)
     if rows < MIN_GEMM_ROWS:
         probs = torch.cat([probs, probs.new_zeros(bsz, hkv, nblk, MIN_GEMM_ROWS - rows, block_size)], 3)
-    vf = torch.cat([v.float(), v.new_ones(bsz, length, hkv, 1, dtype=torch.float32)], dim=-1)
+    vf = torch.cat([v.to(acc), v.new_ones(bsz, length, hkv, 1, dtype=acc)], dim=-1)
     vf = vf.view(bsz, nblk, block_size, hkv, d + 1).permute(0, 3, 1, 2, 4)
     partial = torch.matmul(probs, vf)[:, :, :, :rows]  # [B, Hkv, nblk, R, D+1]
     total = _tree_sum(partial, dim=2)  # [B, Hkv, R, D+1]
@@ -157,7 +164,7 @@ def attention(
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """`log_softmax(logits / T)[token]` in float32. logits [N, V], tokens [N] -> [N]"""
-    z = logits.float() / temperature
+    z = logits.to(compute_dtype(logits.dtype)) / temperature
     peak = z.amax(-1, keepdim=True)
     shifted = z - peak
     log_norm = pointwise(torch.log, row_sum(pointwise(torch.exp, shifted)))
@@ -166,6 +173,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Full `log_softmax(logits / T)` rows in float32, same order as `token_logprobs`. [N, V]"""
-    z = logits.float() / temperature
+    z = logits.to(compute_dtype(logits.dtype)) / temperature
     shifted = z - z.amax(-1, keepdim=True)
     return shifted - pointwise(torch.log, row_sum(pointwise(torch.exp, shifted))).unsqueeze(-1)

@@ -12,6 +12,7 @@ import math
 import torch
 
 from . import aligned
+from .aligned import compute_dtype
 
 
 class RMSNormFn(torch.autograd.Function):
@@ -24,12 +25,13 @@ class RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        xf = x.float()
+        acc = compute_dtype(x.dtype)
+        xf = x.to(acc)
         inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
         normed = xf * inv
-        g = grad.float()
+        g = grad.to(acc)
         grad_w = (g * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gn = g * weight.float()
+        gn = g * weight.to(acc)
         grad_x = inv * (gn - normed * (gn * normed).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_w, None
 
@@ -43,7 +45,8 @@ class SiluMulFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        gf, uf, g = gate.float(), up.float(), grad.float()
+        acc = compute_dtype(gate.dtype)
+        gf, uf, g = gate.to(acc), up.to(acc), grad.to(acc)
         sig = torch.sigmoid(gf)
         silu = gf * sig
         grad_gate = g * uf * (sig + silu * (1 - sig))
@@ -63,11 +66,12 @@ class AttentionFn(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         q, k, v, q_pos = ctx.saved_tensors
         with torch.enable_grad():
-            qf = q.detach().float().requires_grad_()
-            kf = k.detach().float().requires_grad_()
-            vf = v.detach().float().requires_grad_()
+            acc = compute_dtype(q.dtype)
+            qf = q.detach().to(acc).requires_grad_()
+            kf = k.detach().to(acc).requires_grad_()
+            vf = v.detach().to(acc).requires_grad_()
             out = reference_attention(qf, kf, vf, q_pos)
-            gq, gk, gv = torch.autograd.grad(out, (qf, kf, vf), grad.float())
+            gq, gk, gv = torch.autograd.grad(out, (qf, kf, vf), grad.to(acc))
         return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None
 
 

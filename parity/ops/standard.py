@@ -11,13 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .aligned import compute_dtype
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
+    xf = x.to(compute_dtype(x.dtype))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
@@ -42,9 +44,9 @@ def attention(
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    lp = torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1)
     return lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
+    return torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1)
