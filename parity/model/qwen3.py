@@ -12,6 +12,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..ops import get_kernels
+from ..ops.aligned import MIN_GEMM_ROWS
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
@@ -75,6 +76,7 @@ class Model(nn.Module):
         self.config = config
         self.kernels = get_kernels(kernels)
         self.block_size = block_size
+        self._fused_cache: dict = {}
         self.model = Backbone(config)
         if not config.tie_word_embeddings:
             self.lm_head = _Weight(config.vocab_size, config.hidden_size)
@@ -132,6 +134,22 @@ class Model(nn.Module):
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
         return (xf * cos + rotated * sin).to(x.dtype)
 
+    def _fused(self, layer: int, kind: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Concatenated projection weight (QKV or gate/up): one GEMM instead of several.
+
+        Without autograd the concatenation is cached until a part changes (in-place updates bump
+        a tensor's version counter); with autograd it is rebuilt, so gradients reach the parts.
+        Both paths hold the same values, so the GEMM gives the same bits either way.
+        """
+        if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+            return torch.cat(parts)
+        key = tuple((p.data_ptr(), p._version, p.dtype) for p in parts)
+        hit = self._fused_cache.get((layer, kind))
+        if hit is None or hit[0] != key:
+            hit = (key, torch.cat([p.detach() for p in parts]))
+            self._fused_cache[(layer, kind)] = hit
+        return hit[1]
+
     def forward(self, batch: ForwardBatch, cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states of the batch's new tokens: [T, hidden]."""
         cfg, K = self.config, self.kernels
@@ -140,30 +158,45 @@ class Model(nn.Module):
         t = batch.num_tokens
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bsz, m = batch.q_index.shape
+        # token-wise work runs on at least MIN_GEMM_ROWS rows (extra rows are dropped at the end)
+        rows = max(t, MIN_GEMM_ROWS)
         x = self.model.embed_tokens(batch.input_ids)
+        if rows > t:
+            x = torch.cat([x, x.new_zeros(rows - t, x.shape[1])])
+        positions = batch.positions
+        if rows > t:
+            positions = torch.cat([positions, positions.new_zeros(rows - t)])
+        q_index = batch.q_index
+        k_index = batch.k_index
         for i, layer in enumerate(self.model.layers):
-            att = layer.self_attn
+            att, mlp = layer.self_attn, layer.mlp
             h = K.rms_norm(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
-            q = K.linear(h, att.q_proj.weight).view(t, hq, d)
-            k = K.linear(h, att.k_proj.weight).view(t, hkv, d)
-            v = K.linear(h, att.v_proj.weight).view(t, hkv, d)
-            q = self._rope(K.rms_norm(q, att.q_norm.weight, cfg.rms_norm_eps), batch.positions)
-            k = self._rope(K.rms_norm(k, att.k_norm.weight, cfg.rms_norm_eps), batch.positions)
-            q_pad = torch.cat([q, q.new_zeros(1, hq, d)])[batch.q_index]  # [B, M, Hq, D]
+            w_qkv = self._fused(i, "qkv", [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+            qkv = K.linear(h, w_qkv)
+            q = qkv[:, :hq * d].reshape(rows, hq, d)
+            k = qkv[:, hq * d:(hq + hkv) * d].reshape(rows, hkv, d)
+            v = qkv[:, (hq + hkv) * d:].reshape(rows, hkv, d)
+            q = self._rope(K.rms_norm(q, att.q_norm.weight, cfg.rms_norm_eps), positions)
+            k = self._rope(K.rms_norm(k, att.k_norm.weight, cfg.rms_norm_eps), positions)
+            # row `t` (a padding row, or an appended zero row) serves as the gather pad target
+            if rows == t:
+                q, k, v = (torch.cat([z, z.new_zeros(1, *z.shape[1:])]) for z in (q, k, v))
+            q_pad = q[q_index]  # [B, M, Hq, D]
             if cache is None:
-                k_ctx = torch.cat([k, k.new_zeros(1, hkv, d)])[batch.k_index]  # [B, L, Hkv, D]
-                v_ctx = torch.cat([v, v.new_zeros(1, hkv, d)])[batch.k_index]
+                k_ctx, v_ctx = k[k_index], v[k_index]  # [B, L, Hkv, D]
             else:
-                cache.write(i, batch.slots, k, v)  # new keys enter the cache before attending
+                cache.write(i, batch.slots, k[:t], v[:t])  # new keys enter the cache first
                 k_ctx, v_ctx = cache.gather(i, batch.block_tables)
             o = K.attention(q_pad, k_ctx, v_ctx, batch.q_pos, self.block_size)
             o = o.reshape(bsz * m, hq * d)[batch.out_index]  # back to packed [T, Hq*D]
+            if rows > t:
+                o = torch.cat([o, o.new_zeros(rows - t, o.shape[1])])
             x = x + K.linear(o, att.o_proj.weight)
             h = K.rms_norm(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-            mlp = layer.mlp
-            act = K.silu_mul(K.linear(h, mlp.gate_proj.weight), K.linear(h, mlp.up_proj.weight))
+            gate_up = K.linear(h, self._fused(i, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]))
+            act = K.silu_mul(gate_up[:, :cfg.intermediate_size], gate_up[:, cfg.intermediate_size:])
             x = x + K.linear(act, mlp.down_proj.weight)
-        return K.rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
+        return K.rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)[:t]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [N, vocab] in the model dtype."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from . import aligned, standard
 from .functions import AttentionFn, RMSNormFn, SiluMulFn
 
@@ -28,19 +30,35 @@ class Kernels:
     log_softmax: Callable
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# The autograd functions' forward *is* the aligned kernel, so calling the kernel directly when
+# nothing needs a gradient gives the same bits without the autograd bookkeeping.
 def _aligned_rms_norm(x, weight, eps):
-    return RMSNormFn.apply(x, weight, eps)
+    if _needs_grad(x, weight):
+        return RMSNormFn.apply(x, weight, eps)
+    return aligned.rms_norm(x, weight, eps)
+
+
+def _aligned_silu_mul(gate, up):
+    if _needs_grad(gate, up):
+        return SiluMulFn.apply(gate, up)
+    return aligned.silu_mul(gate, up)
 
 
 def _aligned_attention(q, k, v, q_pos, block_size):
-    return AttentionFn.apply(q, k, v, q_pos, block_size)
+    if _needs_grad(q, k, v):
+        return AttentionFn.apply(q, k, v, q_pos, block_size)
+    return aligned.attention(q, k, v, q_pos, block_size)
 
 
 _ALIGNED = Kernels(
     name="aligned",
     linear=aligned.linear,
     rms_norm=_aligned_rms_norm,
-    silu_mul=SiluMulFn.apply,
+    silu_mul=_aligned_silu_mul,
     attention=_aligned_attention,
     token_logprobs=aligned.token_logprobs,
     log_softmax=aligned.log_softmax,

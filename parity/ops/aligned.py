@@ -38,6 +38,9 @@ MIN_GEMM_ROWS = 16
 ROW_BLOCK = 1024
 """Rows longer than this are summed in fixed blocks of this many elements, then over blocks."""
 
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
 _VEC_ALIGN = 64
 """Twice the widest vector (32 bf16 lanes of AVX-512): a body/tail boundary is a multiple of it."""
 
@@ -128,6 +131,11 @@ def attention(
     q: [B, M, Hq, D]; k, v: [B, L, Hkv, D] (keys at absolute positions 0..L-1, L a multiple of
     `block_size`); q_pos: [B, M] absolute position of each query (key j is visible iff j <= pos).
     Returns [B, M, Hq, D] in q's dtype. Computed in float32 (float64 for float64 inputs).
+
+    Scores are produced per key block by GEMMs of one fixed shape (rows >= MIN_GEMM_ROWS, K = D,
+    N = block), in base 2 (`exp2` is exact-lane vectorised and 4x faster than `exp` on CPU).
+    The row max is exact; each block's probabilities are reduced against its values by a GEMM
+    with K = block; the blocks are combined by `_tree_sum`, where fully masked blocks are zeros.
     """
     bsz, m, hq, d = q.shape
     length, hkv = k.shape[1], k.shape[2]
@@ -135,29 +143,31 @@ def attention(
     assert length % block_size == 0, "key length must be a multiple of the block size"
     nblk = length // block_size
     acc = compute_dtype(q.dtype)
-    # queries of one KV head form the GEMM rows: [B, Hkv, rep*M, D]
-    qf = (q.to(acc) * (1.0 / math.sqrt(d))).view(bsz, m, hkv, rep, d).permute(0, 2, 3, 1, 4)
-    qf = qf.reshape(bsz, hkv, rep * m, d)
     rows = rep * m
-    if rows < MIN_GEMM_ROWS:
-        qf = torch.cat([qf, qf.new_zeros(bsz, hkv, MIN_GEMM_ROWS - rows, d)], dim=2)
-    kf = k.to(acc).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-    scores = torch.matmul(qf, kf)[:, :, :rows]  # [B, Hkv, rep*M, L]
-    scores = scores.view(bsz, hkv, rep, m, length)
-    keys = torch.arange(length, device=q.device)
-    visible = keys.view(1, 1, length) <= q_pos.unsqueeze(-1)  # [B, M, L]
-    scores = scores.masked_fill(~visible.view(bsz, 1, 1, m, length), float("-inf"))
-    peak = scores.amax(-1, keepdim=True)  # exact, order-free
-    probs = pointwise(torch.exp, scores - peak)  # masked keys -> exactly 0
-    # per key block: probs [B, Hkv, nblk, R, bs] @ [v | 1] [B, Hkv, nblk, bs, D+1]
-    probs = probs.view(bsz, hkv, rows, nblk, block_size).transpose(2, 3)
-    if rows < MIN_GEMM_ROWS:
-        probs = torch.cat([probs, probs.new_zeros(bsz, hkv, nblk, MIN_GEMM_ROWS - rows, block_size)], 3)
-    vf = torch.cat([v.to(acc), v.new_ones(bsz, length, hkv, 1, dtype=acc)], dim=-1)
-    vf = vf.view(bsz, nblk, block_size, hkv, d + 1).permute(0, 3, 1, 2, 4)
-    partial = torch.matmul(probs, vf)[:, :, :, :rows]  # [B, Hkv, nblk, R, D+1]
-    total = _tree_sum(partial, dim=2)  # [B, Hkv, R, D+1]
-    out = total[..., :d] / total[..., d:]
+    padded = max(rows, MIN_GEMM_ROWS)
+    # query rows of one KV head: [B, Hkv, R, D], in log2 units (scale folded in)
+    qf = (q.to(acc) * (_LOG2E / math.sqrt(d))).view(bsz, m, hkv, rep, d).permute(0, 2, 3, 1, 4)
+    qf = qf.reshape(bsz, hkv, rows, d)
+    if padded > rows:
+        qf = torch.cat([qf, qf.new_zeros(bsz, hkv, padded - rows, d)], dim=2)
+    kb = k.to(acc).view(bsz, nblk, block_size, hkv, d).permute(0, 3, 1, 4, 2)  # [B,Hkv,n,D,bs]
+    scores = torch.matmul(qf.unsqueeze(2), kb)  # [B, Hkv, nblk, R', bs]
+    if padded > rows:
+        scores = scores[:, :, :, :rows]
+    scores = scores.reshape(bsz, hkv, nblk, rep, m, block_size)
+    keys = torch.arange(length, device=q.device).view(1, nblk, 1, block_size)
+    hidden = (keys > q_pos.view(bsz, 1, m, 1)).view(bsz, 1, nblk, 1, m, block_size)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    peak = scores.amax(dim=(2, 5), keepdim=True)  # exact, order-free
+    probs = pointwise(torch.exp2, scores - peak).view(bsz, hkv, nblk, rows, block_size)
+    if padded > rows:
+        probs = torch.cat([probs, probs.new_zeros(bsz, hkv, nblk, padded - rows, block_size)], 3)
+    vb = v.to(acc).view(bsz, nblk, block_size, hkv, d).permute(0, 3, 1, 2, 4)  # [B,Hkv,n,bs,D]
+    partial = torch.matmul(probs, vb)  # [B, Hkv, nblk, R', D]
+    denom = probs.sum(-1, keepdim=True)  # fixed length `block_size` per row
+    if padded > rows:
+        partial, denom = partial[:, :, :, :rows], denom[:, :, :, :rows]
+    out = _tree_sum(partial, dim=2) / _tree_sum(denom, dim=2)  # [B, Hkv, R, D]
     out = out.view(bsz, hkv, rep, m, d).permute(0, 3, 1, 2, 4).reshape(bsz, m, hq, d)
     return out.to(q.dtype)
 

@@ -1,0 +1,171 @@
+"""The `parity` command: `check` (invariance self-test) and `bench kernels` (throughput).
+
+Every user-facing failure (bad config, checkpoint, option) is printed as one line
+`parity: error: ...` with exit status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from .errors import ParityError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    return parse
+
+
+def _dtypes(names: list[str]) -> list[str]:
+    for n in names:
+        if n not in _DTYPES:
+            raise ParityError(f"unknown dtype {n!r}: expected float32 or bfloat16")
+    return names
+
+
+def _status(msg: str) -> None:
+    if sys.stderr.isatty():
+        print(f"\r\033[K{msg}", end="", file=sys.stderr, flush=True)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
+    return "\n".join(lines + [fmt.format(*r) for r in rows])
+
+
+# ----------------------------------------------------------------------------- check
+def cmd_check(args) -> int:
+    from .check import CASES, run_checks
+    from .model import Model, ModelConfig, load_model
+
+    cases = args.cases or list(CASES)
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise ParityError(f"unknown check case {unknown[0]!r}: expected some of {', '.join(CASES)}")
+    results, models = [], []
+    for dtype_name in _dtypes(args.dtype):
+        for kernels in ("aligned", "standard"):
+            if args.model:
+                model = load_model(args.model, kernels=kernels, dtype=_DTYPES[dtype_name])
+                label = args.model
+            else:
+                model = Model(ModelConfig.preset(args.preset), kernels=kernels,
+                              dtype=_DTYPES[dtype_name], seed=args.seed)
+                label = f"preset {args.preset}"
+            models.append(label)
+            t0 = time.perf_counter()
+            for r in run_checks(model, rounds=args.rounds, seed=args.seed, max_len=args.max_len,
+                                cases=cases, progress=lambda m, k=kernels, d=dtype_name: _status(
+                                    f"check {k} {d}: {m}")):
+                results.append({"dtype": dtype_name, **r.as_dict(),
+                                "seconds": round(time.perf_counter() - t0, 2)})
+    _status("")
+    aligned_bad = sum(r["mismatches"] for r in results if r["kernels"] == "aligned")
+    if args.json:
+        print(json.dumps({"model": models[0], "threads": torch.get_num_threads(),
+                          "torch": torch.__version__, "passed": aligned_bad == 0,
+                          "results": results}, indent=2))
+    else:
+        print(f"parity check: {models[0]}, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, {args.rounds} rounds per case")
+        rows = [[r["case"], r["kernels"], r["dtype"], str(r["comparisons"]), str(r["mismatches"]),
+                 f"{r['max_abs_diff']:.3g}"] for r in results]
+        print(_table(["case", "kernels", "dtype", "comparisons", "mismatches", "max |Δ|"], rows))
+        total = sum(r["comparisons"] for r in results if r["kernels"] == "aligned")
+        std_bad = sum(r["mismatches"] for r in results if r["kernels"] == "standard")
+        verdict = "PASS" if aligned_bad == 0 else "FAIL"
+        print(f"{verdict}: aligned kernels {aligned_bad} mismatches in {total} comparisons; "
+              f"standard kernels {std_bad} mismatches (the gap parity removes)")
+    return 0 if aligned_bad == 0 else 1
+
+
+# ----------------------------------------------------------------------------- bench
+def cmd_bench_kernels(args) -> int:
+    from .bench import bench_kernels
+
+    for p in args.presets:
+        if p not in ("tiny", "small"):
+            raise ParityError(f"unknown preset {p!r}: expected tiny or small")
+    if any(b <= 0 for b in args.batches):
+        raise ParityError("--batches must be positive integers")
+    rows = bench_kernels(presets=args.presets, dtypes=_dtypes(args.dtypes), batches=args.batches,
+                         prefill_len=args.prefill_len, decode_steps=args.decode_steps, reps=args.reps,
+                         progress=lambda m: _status(f"bench kernels: {m}"))
+    _status("")
+    if args.json:
+        print(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
+                          "rows": [r.as_dict() for r in rows]}, indent=2))
+        return 0
+    print(f"parity bench kernels: medians of {args.reps} interleaved repetitions, "
+          f"{torch.get_num_threads()} threads; prefill {args.prefill_len} tokens/seq, "
+          f"decode {args.decode_steps} steps")
+    table = [[r.preset, r.dtype, r.phase, str(r.batch), f"{r.aligned_tok_s:,.0f}",
+              f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}"] for r in rows]
+    print(_table(["preset", "dtype", "phase", "batch", "aligned tok/s", "standard tok/s",
+                  "aligned/standard"], table))
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parity", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check", help="prove the aligned kernels give bitwise-identical log-probs here")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint directory (config.json + model.safetensors)")
+    src.add_argument("--preset", default="tiny", help="random model preset when no --model (tiny|small)")
+    p.add_argument("--dtype", type=_csv(str), default=["float32", "bfloat16"],
+                   help="comma-separated dtypes (default float32,bfloat16)")
+    p.add_argument("--rounds", type=int, default=4, help="random rounds per case (default 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-len", type=int, default=96, help="longest random sequence")
+    p.add_argument("--cases", type=_csv(str), default=None, help="subset of cases to run")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_check)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    k = bsub.add_parser("kernels", help="prefill/decode tokens/s, aligned vs standard")
+    k.add_argument("--presets", type=_csv(str), default=["tiny", "small"])
+    k.add_argument("--dtypes", type=_csv(str), default=["float32", "bfloat16"])
+    k.add_argument("--batches", type=_csv(int), default=[1, 8, 64, 256])
+    k.add_argument("--prefill-len", type=int, default=64)
+    k.add_argument("--decode-steps", type=int, default=16)
+    k.add_argument("--reps", type=int, default=5)
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=cmd_bench_kernels)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("rounds", "reps", "max_len", "prefill_len", "decode_steps"):
+        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        return args.func(args)
+    except (ParityError, ValueError) as exc:
+        print(f"parity: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("parity: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
