@@ -6,8 +6,8 @@ runs on. Both backends can be used by different model instances in one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

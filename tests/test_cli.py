@@ -1,0 +1,53 @@
+"""The `parity` command: check and bench end to end (small settings), errors as one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from parity.cli import main
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "parity.cli", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_check_json_passes_and_shows_standard_gap():
+    proc = run("check", "--json", "--rounds", "2", "--dtype", "float32",
+               "--cases", "batch,decode,padding")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["passed"] is True
+    aligned = [r for r in out["results"] if r["kernels"] == "aligned"]
+    assert aligned and all(r["mismatches"] == 0 and r["comparisons"] > 0 for r in aligned)
+    assert sum(r["mismatches"] for r in out["results"] if r["kernels"] == "standard") > 0
+
+
+def test_check_on_a_saved_checkpoint(tmp_path, capsys):
+    import parity
+
+    parity.Model(parity.ModelConfig.preset("tiny"), seed=2).save_pretrained(tmp_path)
+    assert main(["check", "--model", str(tmp_path), "--rounds", "1", "--dtype", "bfloat16",
+                 "--cases", "batch,decode"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line_no_traceback(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 60, "num_attention_heads": 7}')
+    for args in (["check", "--model", str(tmp_path)], ["check", "--preset", "huge"],
+                 ["bench", "kernels", "--dtypes", "float16"]):
+        proc = run(*args)
+        assert proc.returncode == 2
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("parity: error:")
+
+
+def test_bench_kernels_json_reports_ratios():
+    proc = run("bench", "kernels", "--json", "--presets", "tiny", "--dtypes", "float32",
+               "--batches", "8", "--reps", "1", "--decode-steps", "2", "--prefill-len", "16")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["rows"]
+    assert {r["phase"] for r in rows} == {"prefill", "decode"}
+    assert all(r["aligned_tok_s"] > 0 and r["ratio"] > 0 for r in rows)

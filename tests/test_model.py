@@ -1,0 +1,129 @@
+"""Model config validation, HF-compatible checkpoints, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import parity
+from parity import CheckpointError, ConfigError, InputError
+
+
+@pytest.mark.parametrize("fields, culprit", [
+    (dict(hidden_size=60, num_attention_heads=7), "num_attention_heads"),
+    (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(head_dim=7), "head_dim"),
+    (dict(rms_norm_eps=-1.0), "rms_norm_eps"),
+    (dict(eos_token_id=10_000), "eos_token_id"),
+])
+def test_inconsistent_config_names_the_field(fields, culprit):
+    with pytest.raises(ConfigError, match=culprit):
+        parity.ModelConfig(**fields)
+
+
+def test_unknown_config_field_is_an_error():
+    with pytest.raises(ConfigError, match="hidden_sise"):
+        parity.ModelConfig.from_dict({"hidden_sise": 64})
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        parity.ModelConfig.preset("huge")
+
+
+def test_state_dict_uses_hugging_face_qwen3_names():
+    model = parity.Model(parity.ModelConfig.preset("tiny", tie_word_embeddings=False))
+    names = set(model.state_dict())
+    for n in ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+              "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_norm.weight",
+              "model.layers.1.mlp.down_proj.weight", "model.layers.1.post_attention_layernorm.weight"]:
+        assert n in names
+    assert model.config.num_parameters == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checkpoint_round_trip_is_bitwise(tmp_path, dtype):
+    model = parity.Model(parity.ModelConfig.preset("tiny"), dtype=dtype, seed=4)
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["architectures"] == ["Qwen3ForCausalLM"]
+    loaded = parity.load_model(tmp_path)
+    assert loaded.dtype == dtype
+    seqs = [torch.arange(30) % 128]
+    with torch.no_grad():
+        assert torch.equal(parity.sequence_logprobs(model, seqs)[0],
+                           parity.sequence_logprobs(loaded, seqs)[0])
+
+
+def test_bad_checkpoints_are_refused_with_the_file_named(tmp_path):
+    model = parity.Model(parity.ModelConfig.preset("tiny"))
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    # shape mismatch: config says a wider model than the weights hold
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 256}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*gate_proj.*shape"):
+        parity.load_model(tmp_path)
+    # more layers than stored: a missing tensor
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(CheckpointError, match="missing tensor model.layers.2"):
+        parity.load_model(tmp_path)
+    # truncated weights file
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        parity.load_model(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json"):
+        parity.load_model(tmp_path)
+
+
+def test_bad_tokens_and_lengths(tiny):
+    with pytest.raises(InputError, match="token id 128 is outside the vocabulary"):
+        parity.sequence_logprobs(tiny, [[1, 2, 128]])
+    with pytest.raises(InputError, match="exceeds max_position_embeddings"):
+        parity.sequence_logprobs(tiny, [list(range(10)) * 60])
+    with pytest.raises(InputError, match="empty"):
+        parity.sequence_logprobs(tiny, [[]])
+    with pytest.raises(InputError, match="temperature"):
+        parity.sequence_logprobs(tiny, [[1, 2]], temperature=0.0)
+    dec = parity.Decoder(tiny, max_tokens=64)
+    with pytest.raises(InputError, match="sequence 7: token id -1"):
+        dec.extend({7: [1, -1]})
+
+
+def test_logprobs_are_float32_and_normalised(tiny):
+    seq = torch.arange(12)
+    lp = parity.sequence_logprobs(tiny, [seq], temperature=0.8)[0]
+    assert lp.dtype == torch.float32 and lp.shape == (11,)
+    with torch.no_grad():
+        dec = parity.Decoder(tiny)
+        logits = dec.extend({0: seq[:5]})[0]
+        full = tiny.kernels.log_softmax(logits.unsqueeze(0), 0.8)[0]
+    assert abs(float(full.exp().sum()) - 1.0) < 1e-5
+    assert torch.equal(full[seq[5]], lp[4])  # full row and gathered token agree bit for bit
+
+
+def test_greedy_decoder_matches_full_recompute(tiny):
+    """Token-by-token greedy decoding over the KV cache picks what a full recompute picks."""
+    prompt = [3, 14, 15, 92, 65]
+    dec = parity.Decoder(tiny)
+    seq = list(prompt)
+    with torch.no_grad():
+        logits = dec.extend({0: prompt})[0]
+        for _ in range(20):
+            nxt = int(logits.argmax())
+            batch = parity.ForwardBatch.build([torch.tensor(seq)], [0], tiny.block_size)
+            full = tiny.logits(tiny(batch)[-1:])[0]
+            assert torch.equal(full, logits)
+            seq.append(nxt)
+            logits = dec.extend({0: [nxt]})[0]
+
+
+def test_both_backends_in_one_process_agree_closely():
+    a = parity.Model(parity.ModelConfig.preset("tiny"), kernels="aligned", seed=1)
+    s = parity.Model(parity.ModelConfig.preset("tiny"), kernels="standard", seed=1)
+    seqs = [torch.arange(40) % 128, torch.arange(7)]
+    with torch.no_grad():
+        for x, y in zip(parity.sequence_logprobs(a, seqs), parity.sequence_logprobs(s, seqs)):
+            assert torch.allclose(x, y, atol=1e-5)
