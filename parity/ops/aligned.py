@@ -32,6 +32,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 MIN_GEMM_ROWS = 16
 """Smallest row count handed to a GEMM (fewer than 12 rows can change a row's reduction order)."""
 
@@ -96,16 +98,25 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _use_native(*tensors: torch.Tensor) -> bool:
+    return native.library() is not None and all(t.dtype != torch.float64 for t in tensors)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3 RMSNorm: statistics in float32, result cast back to the input dtype, then scaled."""
     xf = x.to(compute_dtype(x.dtype))
-    mean_sq = row_sum(xf * xf) / xf.shape[-1]
-    inv = 1.0 / torch.sqrt(mean_sq + eps)  # sqrt and division are correctly rounded everywhere
+    if _use_native(x):
+        inv = native.rms_inv(xf, eps)
+    else:
+        mean_sq = row_sum(xf * xf) / xf.shape[-1]
+        inv = 1.0 / torch.sqrt(mean_sq + eps)  # sqrt and division are correctly rounded everywhere
     return weight * (xf * inv.unsqueeze(-1)).to(x.dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation `silu(gate) * up` in the input dtype."""
+    """SwiGLU activation `silu(gate) * up`, returned in the input dtype."""
+    if _use_native(gate):
+        return native.silu_mul(gate, up).to(gate.dtype)
     return pointwise(F.silu, gate) * up
 
 
@@ -126,7 +137,16 @@ def _tree_sum(parts: torch.Tensor, dim: int) -> torch.Tensor:
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    """Causal grouped-query attention with a fixed key-block reduction order.
+    """Causal GQA attention (shapes as `attention_torch`); the native kernel when available."""
+    if _use_native(q) and q.shape[-1] % 16 == 0:
+        return native.attention(q, k, v, q_pos).to(q.dtype)
+    return attention_torch(q, k, v, q_pos, block_size)
+
+
+def attention_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Causal grouped-query attention with a fixed key-block reduction order (pure PyTorch).
 
     q: [B, M, Hq, D]; k, v: [B, L, Hkv, D] (keys at absolute positions 0..L-1, L a multiple of
     `block_size`); q_pos: [B, M] absolute position of each query (key j is visible iff j <= pos).
@@ -172,17 +192,30 @@ def attention(
     return out.to(q.dtype)
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits * (1/T) in the compute dtype, and 1/T as a tensor of that dtype."""
+    z = logits.to(compute_dtype(logits.dtype))
+    inv_t = torch.tensor(1.0 / temperature, dtype=z.dtype)
+    return z * inv_t, inv_t
+
+
+def _log_norm(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits / T, logsumexp(logits / T) per row), both in the compute dtype."""
+    z, inv_t = _scaled(logits, temperature)
+    if _use_native(logits):
+        return z, native.row_lse(logits.float(), float(inv_t))
+    peak = z.amax(-1, keepdim=True)
+    total = row_sum(pointwise(torch.exp, z - peak))
+    return z, peak.squeeze(-1) + pointwise(torch.log, total)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """`log_softmax(logits / T)[token]` in float32. logits [N, V], tokens [N] -> [N]"""
-    z = logits.to(compute_dtype(logits.dtype)) / temperature
-    peak = z.amax(-1, keepdim=True)
-    shifted = z - peak
-    log_norm = pointwise(torch.log, row_sum(pointwise(torch.exp, shifted)))
-    return shifted.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
+    z, lse = _log_norm(logits, temperature)
+    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
 
 
 def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Full `log_softmax(logits / T)` rows in float32, same order as `token_logprobs`. [N, V]"""
-    z = logits.to(compute_dtype(logits.dtype)) / temperature
-    shifted = z - z.amax(-1, keepdim=True)
-    return shifted - pointwise(torch.log, row_sum(pointwise(torch.exp, shifted))).unsqueeze(-1)
+    """Full `log_softmax(logits / T)` rows in float32, same bits as `token_logprobs`. [N, V]"""
+    z, lse = _log_norm(logits, temperature)
+    return z - lse.unsqueeze(-1)

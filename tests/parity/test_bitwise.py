@@ -7,6 +7,7 @@ known to be able to fail.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,6 +25,7 @@ from parity.check import (
     reference,
     run_checks,
 )
+from parity.ops import native
 from tests.conftest import cached_model
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
@@ -114,6 +116,23 @@ def test_a_thousand_generated_cases():
             assert res.mismatches == 0, res
             total += res.comparisons
     assert total >= 1000, total
+
+
+@pytest.fixture
+def pure_torch_kernels():
+    previous = native.set_enabled(False)
+    yield
+    native.set_enabled(previous)
+
+
+def test_pure_pytorch_fallback_is_also_invariant(pure_torch_kernels):
+    """Without a C compiler the aligned backend runs on pure PyTorch ops: same guarantees."""
+    assert "pure-PyTorch" in native.describe()
+    for dtype, seed in (("float32", 21), ("bfloat16", 22)):
+        model = cached_model("small" if dtype == "bfloat16" else "tiny", "aligned", dtype, seed, 0.1)
+        for res in run_checks(model, rounds=3, seed=seed, cases=("batch", "padding", "decode",
+                                                                 "autograd", "threads")):
+            assert res.comparisons > 0 and res.mismatches == 0, res
 
 
 # ---------------------------------------------------------------------------- controls

@@ -1,0 +1,144 @@
+"""Loader for the fixed-order C kernels (`csrc/aligned_kernels.c`), built on first use.
+
+The C file is compiled with the machine's C compiler (`-O3 -march=native -ffp-contract=off
+-fopenmp`) into a per-user cache keyed by the source, the flags and the CPU, and called through
+ctypes on float32 tensors. Set `PARITY_NATIVE=0` to use the pure-PyTorch aligned kernels
+instead; if no compiler is found parity falls back to them too. Either way both the engine and
+the learner in one process run the same implementation, so parity holds; `parity check` says
+which one is active.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).with_name("csrc") / "aligned_kernels.c"
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
+          "-fopenmp", "-shared",
+          "-fPIC"]
+_lib = None
+_reason = "not loaded yet"
+_enabled = os.environ.get("PARITY_NATIVE", "1") != "0"
+
+
+def _cpu_signature() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PARITY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "parity")
+    return Path(root) / "native"
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler found")
+    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode())
+    out = _cache_dir() / f"aligned_kernels-{key.hexdigest()[:16]}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_so = Path(tmp) / out.name
+            proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp_so), str(_SRC), "-lm"],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"compiling {_SRC.name} failed: {proc.stderr.strip()[:200]}")
+            os.replace(tmp_so, out)  # atomic: concurrent builders never see a partial file
+    lib = ctypes.CDLL(str(out))
+    f, i64, p = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
+    lib.parity_attention.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, f, ctypes.c_int]
+    lib.parity_rms_inv.argtypes = [p, p, i64, i64, f, ctypes.c_int]
+    lib.parity_row_lse.argtypes = [p, p, i64, i64, f, ctypes.c_int]
+    lib.parity_silu_mul.argtypes = [p, p, p, i64, ctypes.c_int]
+    return lib
+
+
+def library():
+    """The loaded kernels, or None (pure-PyTorch fallback); built once per process."""
+    global _lib, _reason
+    if not _enabled:
+        return None
+    if _lib is None and _reason == "not loaded yet":
+        try:
+            _lib = _build()
+            _reason = "native C kernels"
+        except (RuntimeError, OSError) as exc:
+            _reason = f"pure-PyTorch fallback ({exc})"
+    return _lib
+
+
+def set_enabled(flag: bool) -> bool:
+    """Use (True) or bypass (False) the native kernels from now on; returns the previous value.
+
+    Switch only between whole experiments: log-probs computed by the two implementations
+    differ in the last bits, so the engine and the learner must not straddle a switch.
+    """
+    global _enabled
+    previous, _enabled = _enabled, flag
+    return previous
+
+
+def describe() -> str:
+    """Which implementation of the aligned kernels this process uses, in words."""
+    if not _enabled:
+        return "pure-PyTorch aligned kernels (native disabled)"
+    library()
+    return _reason
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def attention(q, k, v, q_pos) -> torch.Tensor:
+    """float32 causal GQA attention, q [B,M,Hq,D], k/v [B,L,Hkv,D], q_pos [B,M] -> [B,M,Hq,D]."""
+    lib = library()
+    q, k, v = (t.float().contiguous() for t in (q, k, v))
+    pos = q_pos.to(torch.int64).contiguous()
+    b, m, hq, d = q.shape
+    out = torch.empty_like(q)
+    lib.parity_attention(_ptr(q), _ptr(k), _ptr(v), _ptr(pos), _ptr(out), b, m, hq, k.shape[2], d,
+                         k.shape[1], 1.0 / float(d) ** 0.5, torch.get_num_threads())
+    return out
+
+
+def rms_inv(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x^2) + eps) per row of float32 x [..., n] -> [...]."""
+    x = x.float().contiguous()
+    inv = torch.empty(x.shape[:-1], dtype=torch.float32)
+    library().parity_rms_inv(_ptr(x), _ptr(inv), x.numel() // x.shape[-1], x.shape[-1], eps,
+                             torch.get_num_threads())
+    return inv
+
+
+def row_lse(z: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    """logsumexp(z * inv_temperature) per row of float32 z [N, V] -> [N]."""
+    z = z.float().contiguous()
+    lse = torch.empty(z.shape[:-1], dtype=torch.float32)
+    library().parity_row_lse(_ptr(z), _ptr(lse), z.numel() // z.shape[-1], z.shape[-1],
+                             inv_temperature, torch.get_num_threads())
+    return lse
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up computed in float32 element by element."""
+    g, u = gate.float().contiguous(), up.float().contiguous()
+    out = torch.empty_like(g)
+    library().parity_silu_mul(_ptr(g), _ptr(u), _ptr(out), g.numel(), torch.get_num_threads())
+    return out
