@@ -99,25 +99,25 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _use_native(*tensors: torch.Tensor) -> bool:
-    return native.library() is not None and all(t.dtype != torch.float64 for t in tensors)
+    return native.library() is not None and native.supports(*tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3 RMSNorm: statistics in float32, result cast back to the input dtype, then scaled."""
+    if _use_native(x, weight) and weight.dtype == x.dtype:
+        return native.rms_norm(x, weight, eps)
     xf = x.to(compute_dtype(x.dtype))
-    if _use_native(x):
-        inv = native.rms_inv(xf, eps)
-    else:
-        mean_sq = row_sum(xf * xf) / xf.shape[-1]
-        inv = 1.0 / torch.sqrt(mean_sq + eps)  # sqrt and division are correctly rounded everywhere
+    mean_sq = row_sum(xf * xf) / xf.shape[-1]
+    inv = 1.0 / torch.sqrt(mean_sq + eps)  # sqrt and division are correctly rounded everywhere
     return weight * (xf * inv.unsqueeze(-1)).to(x.dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation `silu(gate) * up`, returned in the input dtype."""
-    if _use_native(gate):
-        return native.silu_mul(gate, up).to(gate.dtype)
-    return pointwise(F.silu, gate) * up
+    """SwiGLU activation `silu(gate) * up` computed in float32, returned in the input dtype."""
+    if _use_native(gate, up) and gate.dim() == 2:
+        return native.silu_mul(gate, up)
+    acc = compute_dtype(gate.dtype)
+    return (pointwise(F.silu, gate.to(acc)) * up.to(acc)).to(gate.dtype)
 
 
 def _tree_sum(parts: torch.Tensor, dim: int) -> torch.Tensor:

@@ -63,9 +63,11 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     f, i64, p = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
     lib.parity_attention.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, f, ctypes.c_int]
-    lib.parity_rms_inv.argtypes = [p, p, i64, i64, f, ctypes.c_int]
     lib.parity_row_lse.argtypes = [p, p, i64, i64, f, ctypes.c_int]
-    lib.parity_silu_mul.argtypes = [p, p, p, i64, ctypes.c_int]
+    for name in ("parity_rms_norm_f32", "parity_rms_norm_bf16"):
+        getattr(lib, name).argtypes = [p, p, p, i64, i64, i64, i64, i64, f, ctypes.c_int]
+    for name in ("parity_silu_mul_f32", "parity_silu_mul_bf16"):
+        getattr(lib, name).argtypes = [p, p, p, i64, i64, i64, ctypes.c_int]
     return lib
 
 
@@ -118,13 +120,27 @@ def attention(q, k, v, q_pos) -> torch.Tensor:
     return out
 
 
-def rms_inv(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / sqrt(mean(x^2) + eps) per row of float32 x [..., n] -> [...]."""
-    x = x.float().contiguous()
-    inv = torch.empty(x.shape[:-1], dtype=torch.float32)
-    library().parity_rms_inv(_ptr(x), _ptr(inv), x.numel() // x.shape[-1], x.shape[-1], eps,
-                             torch.get_num_threads())
-    return inv
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the native kernels handle these tensors' dtypes (float32, bfloat16)."""
+    return all(t.dtype in _SUFFIX for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm of x [..., n] (float32 or bfloat16; rows may be strided) -> contiguous."""
+    n = x.shape[-1]
+    if x.dim() == 3 and x.stride(-1) == 1:  # e.g. q/k heads viewed inside a fused QKV output
+        outer, inner, so, si = x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+    else:
+        x = x.contiguous()
+        outer, inner, so, si = x.numel() // n, 1, n, 0
+    w = weight.to(x.dtype).contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    getattr(library(), f"parity_rms_norm_{_SUFFIX[x.dtype]}")(
+        _ptr(x), _ptr(w), _ptr(out), outer, inner, n, so, si, eps, torch.get_num_threads())
+    return out
 
 
 def row_lse(z: torch.Tensor, inv_temperature: float) -> torch.Tensor:
@@ -137,8 +153,12 @@ def row_lse(z: torch.Tensor, inv_temperature: float) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up computed in float32 element by element."""
-    g, u = gate.float().contiguous(), up.float().contiguous()
-    out = torch.empty_like(g)
-    library().parity_silu_mul(_ptr(g), _ptr(u), _ptr(out), g.numel(), torch.get_num_threads())
+    """silu(gate) * up for [rows, cols] float32/bfloat16 (may be two halves of one tensor)."""
+    if not (gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1
+            and gate.stride(0) == up.stride(0) and up.dtype == gate.dtype):
+        gate, up = gate.reshape(-1, gate.shape[-1]).contiguous(), up.reshape(-1, up.shape[-1]).contiguous()
+    rows, cols = gate.shape
+    out = torch.empty(rows, cols, dtype=gate.dtype)
+    getattr(library(), f"parity_silu_mul_{_SUFFIX[gate.dtype]}")(
+        _ptr(gate), _ptr(up), _ptr(out), rows, cols, gate.stride(0), torch.get_num_threads())
     return out

@@ -145,16 +145,6 @@ void parity_attention(const float *q, const float *k, const float *v, const int6
     }
 }
 
-/* RMSNorm statistics: inv[r] = 1 / sqrt(mean(x[r]^2) + eps) for rows of length n. */
-void parity_rms_inv(const float *x, float *inv, int64_t rows, int64_t n, float eps, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        const float ms = fixed_dot(xr, xr, (int)n) / (float)n;
-        inv[r] = 1.0f / sqrtf(ms + eps);
-    }
-}
-
 /* Row log-sum-exp of z / temperature for rows of length n: lse[r] and the row max peak[r]. */
 void parity_row_lse(const float *z, float *lse, int64_t rows, int64_t n, float inv_t, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -177,11 +167,79 @@ void parity_row_lse(const float *z, float *lse, int64_t rows, int64_t n, float i
     }
 }
 
-/* silu(g) * u, element by element (same arithmetic for every element). */
-void parity_silu_mul(const float *g, const float *u, float *out, int64_t n, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const float x = g[i];
-        out[i] = x / (1.0f + fixed_exp(-x)) * u[i];
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 -> bfloat16, round to nearest even (NaN inputs stay NaN), as PyTorch rounds. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return (f != f) ? (uint16_t)((bits >> 16) | 0x40u) : (uint16_t)rounded;
+}
+
+/* Qwen3 RMSNorm over rows of length n: out = w * cast(x * inv), inv = 1/sqrt(mean(x^2)+eps),
+ * the statistics in float32. Row (o, i) starts at x + o*so + i*si (so q/k heads can be read
+ * straight out of a fused QKV output); out is contiguous [outer, inner, n]. */
+#define RMS_BODY(LOAD, STORE)                                                                \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+    for (int64_t row = 0; row < outer * inner; row++) {                                    \
+        const int64_t o = row / inner, i = row % inner;                                    \
+        const int64_t base = o * so + i * si;                                              \
+        float acc[LANES];                                                                  \
+        for (int l = 0; l < LANES; l++) acc[l] = 0.0f;                                     \
+        int64_t k = 0;                                                                     \
+        for (; k + LANES <= n; k += LANES)                                                 \
+            for (int l = 0; l < LANES; l++) {                                              \
+                const float xv = LOAD(x[base + k + l]);                                    \
+                acc[l] = acc[l] + xv * xv;                                                 \
+            }                                                                              \
+        for (int l = 0; k + l < n; l++) {                                                  \
+            const float xv = LOAD(x[base + k + l]);                                        \
+            acc[l] = acc[l] + xv * xv;                                                     \
+        }                                                                                  \
+        for (int w2 = LANES / 2; w2 > 0; w2 /= 2)                                          \
+            for (int l = 0; l < w2; l++) acc[l] = acc[l] + acc[l + w2];                    \
+        const float inv = 1.0f / sqrtf(acc[0] / (float)n + eps);                           \
+        for (int64_t c = 0; c < n; c++) {                                                  \
+            const float t = LOAD(STORE(LOAD(x[base + c]) * inv));                          \
+            out[row * n + c] = STORE(LOAD(w[c]) * t);                                      \
+        }                                                                                  \
     }
+
+#define F32_ID(v) (v)
+void parity_rms_norm_f32(const float *x, const float *w, float *out, int64_t outer, int64_t inner,
+                         int64_t n, int64_t so, int64_t si, float eps, int threads) {
+    RMS_BODY(F32_ID, F32_ID)
+}
+
+void parity_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t outer,
+                          int64_t inner, int64_t n, int64_t so, int64_t si, float eps, int threads) {
+    RMS_BODY(bf16_to_f32, f32_to_bf16)
+}
+
+/* SwiGLU silu(g) * u in float32, one rounding to the output type; g and u are [rows, cols]
+ * with row stride ld (both halves of a fused gate/up output), out is contiguous. */
+void parity_silu_mul_f32(const float *g, const float *u, float *out, int64_t rows, int64_t cols,
+                         int64_t ld, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            const float x = g[r * ld + c];
+            out[r * cols + c] = x / (1.0f + fixed_exp(-x)) * u[r * ld + c];
+        }
+}
+
+void parity_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t rows,
+                          int64_t cols, int64_t ld, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            const float x = bf16_to_f32(g[r * ld + c]);
+            out[r * cols + c] = f32_to_bf16(x / (1.0f + fixed_exp(-x)) * bf16_to_f32(u[r * ld + c]));
+        }
 }
