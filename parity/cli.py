@@ -50,6 +50,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 def cmd_check(args) -> int:
     from .check import CASES, run_checks
     from .model import Model, ModelConfig, load_model
+    from .ops import native
 
     cases = args.cases or list(CASES)
     unknown = [c for c in cases if c not in CASES]
@@ -76,11 +77,13 @@ def cmd_check(args) -> int:
     aligned_bad = sum(r["mismatches"] for r in results if r["kernels"] == "aligned")
     if args.json:
         print(json.dumps({"model": models[0], "threads": torch.get_num_threads(),
+                          "aligned_implementation": native.describe(),
                           "torch": torch.__version__, "passed": aligned_bad == 0,
                           "results": results}, indent=2))
     else:
         print(f"parity check: {models[0]}, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, {args.rounds} rounds per case")
+              f"{torch.get_num_threads()} threads, {args.rounds} rounds per case; "
+              f"aligned kernels: {native.describe()}")
         rows = [[r["case"], r["kernels"], r["dtype"], str(r["comparisons"]), str(r["mismatches"]),
                  f"{r['max_abs_diff']:.3g}"] for r in results]
         print(_table(["case", "kernels", "dtype", "comparisons", "mismatches", "max |Δ|"], rows))
