@@ -1,0 +1,202 @@
+"""`Engine`: the rollout engine — scheduler, block manager, model runner and sampler in a loop.
+
+    engine = Engine(model, max_num_seqs=64)
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=64, seed=0))
+
+Every recorded log-prob equals, bit for bit, what `sequence_logprobs` computes for the same
+weights and tokens when the model runs on aligned kernels, whatever else shares the batch.
+Weights can be swapped without a restart (`update_weights`, drain or in-flight), and a request
+can run several turns, with environment tokens appended between them (`continue_request`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+
+import torch
+
+from ..errors import InputError
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .sequence import RequestOutput, SamplingParams, Sequence, Status
+
+WEIGHT_MODES = ("inflight", "drain")
+
+
+class Engine:
+    def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 kv_cache_tokens: int | None = None, tokenizer=None, seed: int = 0):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise InputError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.model = model
+        self.tokenizer = tokenizer
+        bs = model.block_size
+        if kv_cache_tokens is None:
+            kv_cache_tokens = max_num_seqs * min(model.config.max_position_embeddings, 2048)
+        num_blocks = max(1, -(-kv_cache_tokens // bs))
+        self.blocks = BlockManager(num_blocks, bs)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_blocks)
+        self.sampler = Sampler(model, seed)
+        self.policy_version = 0
+        self._pending: tuple[Mapping[str, torch.Tensor], int] | None = None
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.seqs: dict[int, Sequence] = {}
+        self.step_times: list[float] = []
+
+    # ------------------------------------------------------------------ requests
+    def _check_tokens(self, tokens: Seq[int], what: str) -> list[int]:
+        try:
+            ids = [int(t) for t in tokens]
+        except (TypeError, ValueError):
+            raise InputError(f"{what}: token ids must be integers") from None
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"{what}: token id {bad[0]} is outside the vocabulary (vocab_size={vocab})")
+        return ids
+
+    def add_request(self, prompt: Seq[int], params: SamplingParams | None = None,
+                    multi_turn: bool = False) -> int:
+        """Queue a request; returns its id. Raises `InputError` for a bad prompt."""
+        params = params or SamplingParams()
+        ids = self._check_tokens(prompt, "prompt")
+        limit = self.model.config.max_position_embeddings
+        if not ids:
+            raise InputError("prompt: empty prompt")
+        if len(ids) >= limit:
+            raise InputError(f"prompt: length {len(ids)} leaves no room to generate "
+                             f"(max_position_embeddings={limit})")
+        rid = next(self._ids)
+        seq = Sequence(rid, ids, params, prompt_len=len(ids), multi_turn=multi_turn,
+                       arrival=next(self._arrivals))
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def continue_request(self, request_id: int, env_tokens: Seq[int],
+                         params: SamplingParams | None = None) -> None:
+        """Append environment tokens (loss_mask 0) to a paused multi-turn request and let it
+        generate its next turn, its cached prefix kept."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not Status.PAUSED:
+            raise InputError(f"request {request_id}: not a paused multi-turn request")
+        ids = self._check_tokens(env_tokens, f"request {request_id} environment tokens")
+        if len(seq) + len(ids) >= self.model.config.max_position_embeddings:
+            raise InputError(f"request {request_id}: environment tokens exceed the context")
+        seq.append_environment(ids)
+        if params is not None:
+            seq.params = params
+        seq.turn_tokens = 0
+        seq.finish_reason = None
+        self.scheduler.resume(seq)
+
+    def release(self, request_id: int) -> RequestOutput:
+        """Finish a (paused) request for good and free its cache."""
+        seq = self.seqs.pop(request_id)
+        self.scheduler.release(seq)
+        return self._output(seq)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, state: Mapping[str, torch.Tensor], version: int,
+                       mode: str = "inflight") -> None:
+        """Load new weights tagged `version`. `inflight`: running sequences continue on them from
+        their next token, KV cache kept. `drain`: no new request starts until the running ones
+        finish on the old weights; then the new weights are loaded."""
+        if mode not in WEIGHT_MODES:
+            raise InputError(f"unknown weight update mode {mode!r}: expected one of {WEIGHT_MODES}")
+        if mode == "inflight" or not self.scheduler.running:
+            self._load(state, version)
+        else:
+            self._pending = (state, version)
+            self.scheduler.admit = False
+
+    def _load(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        with torch.no_grad():
+            params = dict(self.model.named_parameters())
+            for name, value in state.items():
+                if name not in params:
+                    raise InputError(f"update_weights: unknown tensor {name}")
+                params[name].copy_(value)
+        self.policy_version = version
+        self._pending = None
+        self.scheduler.admit = True
+
+    # ------------------------------------------------------------------ loop
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self._pending is not None
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids:
+            return "stop"
+        eos = self.model.config.eos_token_id
+        if eos is not None and token == eos and not p.ignore_eos:
+            return "eos"
+        if p.stop_strings and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.token_ids[seq.prompt_len:])
+            if any(text.endswith(s) for s in p.stop_strings):
+                return "stop"
+        if seq.turn_tokens >= p.max_tokens:
+            return "length"
+        if len(seq) >= self.model.config.max_position_embeddings:
+            return "length"
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward and sample; return requests that finished or paused."""
+        if self._pending is not None and not self.scheduler.running:
+            self._load(*self._pending)
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        ready, logits = self.runner.run(batch, self.blocks)
+        done: list[RequestOutput] = []
+        if ready:
+            for seq, (tok, lp, slp) in zip(ready, self.sampler.sample(ready, logits)):
+                seq.append_sampled(tok, lp, slp, self.policy_version)
+                reason = self._stop_reason(seq, tok)
+                if reason is not None:
+                    seq.finish_reason = reason
+                    self.scheduler.finish(seq, pause=seq.multi_turn)
+                    if not seq.multi_turn:
+                        self.seqs.pop(seq.request_id, None)
+                    done.append(self._output(seq))
+        self.step_times.append(time.perf_counter() - t0)
+        return done
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out = RequestOutput.from_sequence(seq)
+        if self.tokenizer is not None:
+            out.text = self.tokenizer.decode(out.token_ids)
+        return out
+
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion. A bad prompt gets an output with `error` set while the
+        others complete. `params` is one SamplingParams for all or one per prompt."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InputError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        index: dict[int, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                index[self.add_request(prompt, p)] = i
+            except InputError as exc:
+                prompt_ids = [t for t in prompt if isinstance(t, int)] if isinstance(prompt, (list, tuple)) \
+                    else []
+                results[i] = RequestOutput(-1, prompt_ids, [], [], [], [], [], "error", error=str(exc))
+        while any(r is None for r in results) and self.has_unfinished():
+            for out in self.step():
+                if out.request_id in index:
+                    results[index[out.request_id]] = out
+        return results  # type: ignore[return-value]

@@ -1,0 +1,117 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Every step it picks, under `max_num_seqs` and a token budget, what each sequence feeds to the
+model: running sequences first (one token when decoding, a chunk when still prefilling), then
+waiting ones in arrival order. When the KV cache cannot grow, paused multi-turn sequences and
+then the most recently arrived running sequences are preempted: their blocks are freed and their
+tokens recomputed later (with aligned kernels the recomputed cache holds the same bits).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.paused: dict[int, Sequence] = {}
+        self.admit = True  # False while a drain-mode weight update waits for running to empty
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """A paused multi-turn sequence got new tokens: schedule it again, cache kept."""
+        self.paused.pop(seq.request_id, None)
+        if seq.request_id in self.blocks.tables:
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        else:
+            self.add(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.num_preemptions += 1
+        if seq.request_id in self.paused:
+            return  # stays paused; recomputed when continued
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def _make_room(self, seq: Sequence, length: int) -> bool:
+        """Free blocks until `seq` can grow to `length` tokens; False if impossible."""
+        while not self.blocks.can_grow(seq, length):
+            victims = [s for s in self.paused.values() if s.request_id in self.blocks.tables]
+            if victims:
+                self._preempt(victims[0])
+                continue
+            others = [s for s in self.running if s is not seq]
+            if not others:
+                return False
+            self._preempt(max(others, key=lambda s: s.arrival))
+        return True
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """This step's (sequence, number of new tokens to feed) pairs."""
+        budget = self.max_num_batched_tokens
+        batch: list[tuple[Sequence, int]] = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not Status.RUNNING or seq.num_pending == 0 or budget == 0:
+                continue
+            n = min(seq.num_pending, budget)
+            if not self._make_room(seq, seq.num_computed + n):
+                continue
+            if seq.status is Status.RUNNING:  # not preempted by an earlier sequence's growth
+                self.blocks.grow(seq, seq.num_computed + n)
+                batch.append((seq, n))
+                budget -= n
+        batch = [(s, n) for s, n in batch if s.status is Status.RUNNING]
+        while self.admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, budget)
+            if not self.blocks.can_grow(seq, seq.num_computed + n):
+                if not self.running and not batch:  # nothing else could free memory
+                    if not self._make_room(seq, seq.num_computed + n):
+                        raise MemoryError("KV cache too small for one sequence's prefill chunk")
+                else:
+                    break
+            self.waiting.popleft()
+            self.blocks.grow(seq, seq.num_computed + n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def finish(self, seq: Sequence, pause: bool) -> None:
+        """Take a sequence out of the running set; keep its cache if it pauses (multi-turn)."""
+        self.running.remove(seq)
+        if pause:
+            seq.status = Status.PAUSED
+            self.paused[seq.request_id] = seq
+        else:
+            seq.status = Status.FINISHED
+            self.blocks.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        self.paused.pop(seq.request_id, None)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,143 @@
+"""Requests as the engine sees them: sampling parameters and a growing token sequence.
+
+A `Sequence` holds every token of one request (prompt, sampled tokens, environment tokens),
+with per-token `loss_mask`, recorded log-probs and the `policy_version` of the weights that
+produced each sampled token. `num_computed` counts the tokens whose keys/values are in the KV
+cache; the scheduler feeds the rest (prefill chunks, or the one newest token when decoding).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InputError
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Validated on construction."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax, log-probs recorded at temperature 1)."""
+    max_tokens: int = 64
+    """Most tokens to sample for this request (per turn, for multi-turn requests)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
+    seed: int | None = None
+    """Per-request seed: the same request, seed and weights give the same tokens in any batch."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Finish when one of these is sampled (it is kept in the output)."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Finish when the decoded text ends with one of these (needs a tokenizer on the engine)."""
+    ignore_eos: bool = False
+    """Do not stop on the model's EOS token."""
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
+            raise InputError(f"SamplingParams.temperature must be >= 0, got {self.temperature!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InputError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InputError(f"SamplingParams.top_k must be >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise InputError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def truncates(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # has tokens not yet in the cache and holds no blocks (new or preempted)
+    RUNNING = "running"  # holds cache blocks; scheduled every step
+    PAUSED = "paused"  # multi-turn: finished a turn, keeps its cache until continued/released
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: int
+    token_ids: list[int]
+    params: SamplingParams
+    prompt_len: int
+    multi_turn: bool = False
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # per token; 0.0 where not sampled
+    sampled_logprobs: list[float] = field(default_factory=list)  # under the truncated dist
+    policy_versions: list[int] = field(default_factory=list)  # per token; -1 where not sampled
+    turn_tokens: int = 0  # tokens sampled in the current turn
+    finish_reason: str | None = None
+    arrival: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        self.loss_mask = [0] * n
+        self.logprobs = [0.0] * n
+        self.sampled_logprobs = [0.0] * n
+        self.policy_versions = [-1] * n
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the KV cache."""
+        return len(self.token_ids) - self.num_computed
+
+    def append_sampled(self, token: int, logprob: float, sampled_logprob: float, version: int) -> None:
+        self.token_ids.append(token)
+        self.loss_mask.append(1)
+        self.logprobs.append(logprob)
+        self.sampled_logprobs.append(sampled_logprob)
+        self.policy_versions.append(version)
+        self.turn_tokens += 1
+
+    def append_environment(self, tokens: list[int]) -> None:
+        self.token_ids.extend(tokens)
+        self.loss_mask.extend([0] * len(tokens))
+        self.logprobs.extend([0.0] * len(tokens))
+        self.sampled_logprobs.extend([0.0] * len(tokens))
+        self.policy_versions.extend([-1] * len(tokens))
+
+
+@dataclass
+class RequestOutput:
+    """What `Engine.generate` returns per request. Per-token lists cover the whole sequence."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # completion: everything after the prompt (sampled + environment)
+    logprobs: list[float]  # float32 log-prob of each completion token (0.0 for env tokens)
+    sampled_logprobs: list[float]  # under the truncated distribution (= logprobs if none)
+    policy_versions: list[int]  # per completion token (-1 for environment tokens)
+    loss_mask: list[int]  # per completion token: 1 sampled, 0 environment
+    finish_reason: str | None  # "length", "stop", "eos", "error", or None while paused
+    error: str | None = None
+    text: str | None = None
+
+    @property
+    def full_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.token_ids
+
+    @staticmethod
+    def from_sequence(seq: Sequence) -> RequestOutput:
+        p = seq.prompt_len
+        return RequestOutput(seq.request_id, seq.token_ids[:p], seq.token_ids[p:], seq.logprobs[p:],
+                             seq.sampled_logprobs[p:], seq.policy_versions[p:], seq.loss_mask[p:],
+                             seq.finish_reason)

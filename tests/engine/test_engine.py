@@ -1,0 +1,195 @@
+"""Engine proofs: recorded log-probs equal the learner's bit for bit under any schedule; seeds,
+greedy decoding, preemption, multi-turn and weight updates behave; bad requests fail alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import parity
+from parity import InputError, SamplingParams
+from tests.conftest import cached_model
+
+
+def run_engine(model, prompts, params, max_num_seqs=8, budget=64, cache_tokens=None, stagger=0):
+    """Generate with requests arriving over time (`stagger` steps apart)."""
+    eng = parity.Engine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                        kv_cache_tokens=cache_tokens)
+    outs, ids, pending = {}, {}, list(enumerate(prompts))
+    step = 0
+    while pending or eng.has_unfinished():
+        if pending and (stagger == 0 or step % stagger == 0):
+            i, p = pending.pop(0)
+            ids[eng.add_request(p, params[i])] = i
+            if stagger == 0:
+                continue
+        for o in eng.step():
+            outs[ids[o.request_id]] = o
+        step += 1
+    return [outs[i] for i in range(len(prompts))], eng
+
+
+def check_outputs(model, outs, params) -> int:
+    """How many outputs' recorded log-probs differ from sequence_logprobs on the final tokens."""
+    bad = 0
+    with torch.no_grad():
+        for o, p in zip(outs, params):
+            temperature = p.temperature if p.temperature > 0 else 1.0  # greedy records T = 1
+            ref = parity.sequence_logprobs(model, [o.full_token_ids], temperature)[0]
+            got = torch.tensor(o.logprobs, dtype=torch.float32)
+            bad += int(not torch.equal(ref[len(o.prompt_token_ids) - 1:], got))
+    return bad
+
+
+params_st = st.builds(
+    SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.0, 1.5]),
+    max_tokens=st.integers(1, 24), top_k=st.sampled_from([0, 0, 5]),
+    top_p=st.sampled_from([1.0, 1.0, 0.9]), seed=st.integers(0, 1000) | st.none())
+prompt_st = st.lists(st.integers(0, 127), min_size=1, max_size=60)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.sampled_from(["float32", "bfloat16"]),
+       st.lists(st.tuples(prompt_st, params_st), min_size=1, max_size=7),
+       st.integers(1, 8), st.sampled_from([1, 7, 32, 256]), st.sampled_from([None, 192, 288]),
+       st.integers(0, 3))
+def test_recorded_logprobs_equal_learner_logprobs(dtype, reqs, max_seqs, budget, cache, stagger):
+    model = cached_model("tiny", "aligned", dtype, 1, 0.1)
+    prompts, params = [r[0] for r in reqs], [r[1] for r in reqs]
+    outs, _ = run_engine(model, prompts, params, max_seqs, budget, cache, stagger)
+    assert check_outputs(model, outs, params) == 0
+
+
+def _pressure_workload(seed=0, n=12):
+    rnd = random.Random(seed)
+    prompts = [[rnd.randrange(128) for _ in range(rnd.randint(5, 70))] for _ in range(n)]
+    params = [SamplingParams(temperature=rnd.choice([0.7, 1.0]), max_tokens=rnd.randint(10, 40),
+                             seed=rnd.randrange(100)) for _ in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_preemption_under_cache_pressure_changes_nothing(dtype):
+    model = cached_model("tiny", "aligned", dtype, 2, 0.1)
+    prompts, params = _pressure_workload()
+    roomy, _ = run_engine(model, prompts, params, max_num_seqs=8, budget=48)
+    tight, eng = run_engine(model, prompts, params, max_num_seqs=8, budget=48, cache_tokens=256)
+    assert eng.scheduler.num_preemptions > 0
+    for a, b in zip(roomy, tight):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert check_outputs(model, tight, params) == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_control_standard_kernels_mismatch(dtype):
+    """The same engine on standard kernels records log-probs the learner does not reproduce."""
+    model = cached_model("small" if dtype == "bfloat16" else "tiny", "standard", dtype, 2, 0.1)
+    prompts, params = _pressure_workload(1, 16)
+    outs, _ = run_engine(model, prompts, params, max_num_seqs=8, budget=48)
+    assert check_outputs(model, outs, params) > 0
+
+
+def test_seeded_request_same_alone_and_in_busy_batch():
+    model = cached_model("tiny", "aligned", "float32", 3, 0.1)
+    target, p = [4, 8, 15, 16, 23, 42], SamplingParams(temperature=1.0, max_tokens=30, seed=7, top_p=0.95)
+    alone, _ = run_engine(model, [target], [p])
+    prompts, params = _pressure_workload(2, 10)
+    busy, _ = run_engine(model, prompts[:5] + [target] + prompts[5:], params[:5] + [p] + params[5:],
+                         max_num_seqs=6, budget=20, stagger=2)
+    assert busy[5].token_ids == alone[0].token_ids
+    assert busy[5].logprobs == alone[0].logprobs
+
+
+def test_greedy_equals_naive_full_recompute():
+    model = cached_model("tiny", "aligned", "float32", 4, 0.3)
+    prompts = [[1, 2, 3], [9] * 33, [100, 50, 25, 12]]
+    outs, _ = run_engine(model, prompts, [SamplingParams(temperature=0, max_tokens=25)] * 3, budget=16)
+    for prompt, o in zip(prompts, outs):
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(25):
+                fb = parity.ForwardBatch.build([torch.tensor(seq)], [0], model.block_size)
+                seq.append(int(model.logits(model(fb)[-1:])[0].float().argmax()))
+        assert o.token_ids == seq[len(prompt):]
+
+
+def test_top_k_and_top_p_record_the_truncated_logprob():
+    model = cached_model("tiny", "aligned", "float32", 5, 0.3)
+    [o], _ = run_engine(model, [[3, 1, 4]], [SamplingParams(temperature=1.0, max_tokens=20, top_k=3, seed=1)])
+    assert all(s >= f for s, f in zip(o.sampled_logprobs, o.logprobs))
+    assert any(s > f for s, f in zip(o.sampled_logprobs, o.logprobs))
+    with torch.no_grad():
+        full = parity.sequence_logprobs(model, [o.full_token_ids])[0][2:]
+    assert torch.equal(full, torch.tensor(o.logprobs, dtype=torch.float32))
+
+
+def test_multi_turn_keeps_prefix_and_masks_environment():
+    model = cached_model("tiny", "aligned", "float32", 6, 0.1)
+    eng = parity.Engine(model, max_num_seqs=4)
+    p = SamplingParams(temperature=1.0, max_tokens=5, seed=3)
+    rid = eng.add_request([1, 2, 3, 4], p, multi_turn=True)
+    other = eng.add_request([7, 7, 7], SamplingParams(max_tokens=12, seed=1))
+    turn1 = [o for _ in range(20) for o in eng.step() if o.request_id == rid]
+    assert turn1 and turn1[0].finish_reason == "length"
+    seq = eng.seqs[rid]
+    computed = seq.num_computed
+    eng.continue_request(rid, [60, 61, 62])
+    batch = eng.scheduler.schedule()  # the next forward feeds only what is not cached yet
+    fed = dict((s.request_id, n) for s, n in batch)
+    assert fed[rid] == len(seq) - computed == 4  # last sampled token + 3 environment tokens
+    while eng.has_unfinished():
+        eng.step()
+    out = eng.release(rid)
+    assert out.loss_mask == [1] * 5 + [0] * 3 + [1] * (len(out.token_ids) - 8)
+    assert out.policy_versions[5:8] == [-1, -1, -1]
+    with torch.no_grad():
+        ref = parity.sequence_logprobs(model, [out.full_token_ids])[0][3:]
+    got = torch.tensor(out.logprobs, dtype=torch.float32)
+    mask = torch.tensor(out.loss_mask, dtype=torch.bool)
+    assert torch.equal(ref[mask], got[mask])
+    assert other not in eng.seqs
+
+
+@pytest.mark.parametrize("mode", ["inflight", "drain"])
+def test_weight_updates_tag_tokens_with_versions(mode):
+    model = parity.Model(parity.ModelConfig.preset("tiny"), seed=7)
+    new = parity.Model(parity.ModelConfig.preset("tiny"), seed=8).state_dict()
+    eng = parity.Engine(model, max_num_seqs=4)
+    first = [eng.add_request([1, 2, 3], SamplingParams(max_tokens=12, seed=i)) for i in range(2)]
+    outs = {}
+    for _ in range(4):
+        for o in eng.step():
+            outs[o.request_id] = o
+    eng.update_weights(new, version=1, mode=mode)
+    late = eng.add_request([5, 6], SamplingParams(max_tokens=6, seed=9))
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+    for rid in first:
+        v = outs[rid].policy_versions
+        if mode == "inflight":
+            assert v[:4] == [0] * 4 and v[4:] == [1] * (len(v) - 4)
+        else:
+            assert v == [0] * len(v)
+    assert outs[late].policy_versions == [1] * 6
+    assert eng.policy_version == 1
+    with torch.no_grad():  # the late request ran entirely on the new weights
+        ref = parity.sequence_logprobs(model, [outs[late].full_token_ids])[0][1:]
+    assert torch.equal(ref, torch.tensor(outs[late].logprobs, dtype=torch.float32))
+
+
+def test_bad_requests_fail_alone():
+    model = cached_model("tiny", "aligned", "float32", 0, 0.02)
+    eng = parity.Engine(model, max_num_seqs=4)
+    outs = eng.generate([[1, 2], [], [1, 999], [3] * 600, [4, 5]], SamplingParams(max_tokens=3))
+    assert [o.error is None for o in outs] == [True, False, False, False, True]
+    assert "empty" in outs[1].error and "999" in outs[2].error and "max_position" in outs[3].error
+    assert len(outs[0].token_ids) == 3 and len(outs[4].token_ids) == 3
+    for bad in (dict(max_tokens=0), dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-1.0)):
+        with pytest.raises(InputError):
+            SamplingParams(**bad)
