@@ -106,3 +106,128 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
                 rows.append(BenchRow(preset, dtype_name, "decode", batch,
                                      ntok / med["aligned"], ntok / med["standard"]))
     return rows
+
+
+# ----------------------------------------------------------------------------- rollout
+@dataclass
+class RolloutWorkload:
+    """Prompts and per-request response lengths with a long tail (geometric lengths)."""
+
+    prompts: list[list[int]]
+    lengths: list[int]
+
+    @staticmethod
+    def make(n: int, vocab: int, mean_len: float = 48, max_len: int = 256, seed: int = 0) -> RolloutWorkload:
+        import random
+
+        rnd = random.Random(seed)
+        prompts = [[rnd.randrange(vocab) for _ in range(rnd.randint(16, 64))] for _ in range(n)]
+        p = 1.0 / mean_len
+        lengths = []
+        for _ in range(n):
+            k = 1
+            while rnd.random() > p and k < max_len:
+                k += 1
+            lengths.append(k)
+        return RolloutWorkload(prompts, lengths)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def _run_engine(model, work: RolloutWorkload, max_num_seqs: int) -> tuple[float, list[float]]:
+    from .engine import Engine, SamplingParams
+
+    eng = Engine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    params = [SamplingParams(temperature=1.0, max_tokens=n, seed=i, ignore_eos=True)
+              for i, n in enumerate(work.lengths)]
+    t0 = time.perf_counter()
+    outs = eng.generate(work.prompts, params)
+    elapsed = time.perf_counter() - t0
+    assert sum(len(o.token_ids) for o in outs) == work.output_tokens
+    return elapsed, eng.step_times
+
+
+def _run_transformers(path, work: RolloutWorkload, batch_size: int, dtype) -> float:
+    """HF `generate()` (batched, KV cache): each batch runs until its longest response."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    for i in range(0, len(work.prompts), batch_size):
+        prompts = work.prompts[i:i + batch_size]
+        longest = max(work.lengths[i:i + batch_size])
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                        max_new_tokens=longest, min_new_tokens=longest, pad_token_id=0)
+    return time.perf_counter() - t0
+
+
+@dataclass
+class RolloutRow:
+    system: str
+    dtype: str
+    output_tokens: int
+    tok_s: float
+    step_ms_p50: float | None
+    step_ms_p90: float | None
+    step_ms_p99: float | None
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return 1000 * s[min(len(s) - 1, int(q * len(s)))]
+
+
+def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bfloat16"), num_seqs: int = 128,
+                  max_num_seqs: int = 64, mean_len: float = 48, max_len: int = 256, reps: int = 3,
+                  vs_transformers: bool = False,
+                  progress: Callable[[str], None] | None = None) -> tuple[list[RolloutRow], dict]:
+    """Engine output tokens/s, aligned vs standard (interleaved), optionally vs HF generate()."""
+    import tempfile
+
+    cfg = ModelConfig.preset(preset)
+    work = RolloutWorkload.make(num_seqs, cfg.vocab_size, mean_len, max_len)
+    rows: list[RolloutRow] = []
+    ratios: dict = {}
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        models = {k: Model(cfg, kernels=k, dtype=dtype, seed=0) for k in ("aligned", "standard")}
+        times: dict[str, list[float]] = {k: [] for k in models}
+        steps: dict[str, list[float]] = {k: [] for k in models}
+        for r in range(reps + 1):  # the first round warms up
+            for k, m in models.items():
+                if progress:
+                    progress(f"rollout {dtype_name} {k} round {r}/{reps}")
+                elapsed, step_times = _run_engine(m, work, max_num_seqs)
+                if r > 0:
+                    times[k].append(elapsed)
+                    steps[k] += step_times
+        for k in models:
+            med = statistics.median(times[k])
+            rows.append(RolloutRow(f"parity-{k}", dtype_name, work.output_tokens, work.output_tokens / med,
+                                   _pct(steps[k], 0.5), _pct(steps[k], 0.9), _pct(steps[k], 0.99)))
+        ratios[f"{dtype_name}/aligned_over_standard"] = (
+            statistics.median(times["standard"]) / statistics.median(times["aligned"]))
+        if vs_transformers:
+            with tempfile.TemporaryDirectory() as tmp:
+                models["aligned"].save_pretrained(tmp)
+                hf_times = []
+                for r in range(max(1, reps // 2) + 1):
+                    if progress:
+                        progress(f"rollout {dtype_name} transformers round {r}")
+                    t = _run_transformers(tmp, work, max_num_seqs, dtype)
+                    if r > 0:
+                        hf_times.append(t)
+            med = statistics.median(hf_times)
+            rows.append(RolloutRow("transformers", dtype_name, work.output_tokens, work.output_tokens / med,
+                                   None, None, None))
+            ratios[f"{dtype_name}/aligned_over_transformers"] = med / statistics.median(times["aligned"])
+    return rows, ratios

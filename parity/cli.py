@@ -1,4 +1,4 @@
-"""The `parity` command: `check` (invariance self-test) and `bench kernels` (throughput).
+"""The `parity` command: `check` (invariance self-test), `generate`, `bench kernels|rollout`.
 
 Every user-facing failure (bad config, checkpoint, option) is printed as one line
 `parity: error: ...` with exit status 2; no traceback.
@@ -122,6 +122,109 @@ def cmd_bench_kernels(args) -> int:
     return 0
 
 
+def cmd_bench_rollout(args) -> int:
+    from .bench import bench_rollout
+
+    if args.preset not in ("tiny", "small"):
+        raise ParityError(f"unknown preset {args.preset!r}: expected tiny or small")
+    if args.vs_transformers:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise ParityError("--vs-transformers needs the transformers package "
+                              "(pip install transformers)") from None
+    rows, ratios = bench_rollout(args.preset, _dtypes(args.dtypes), args.num_seqs, args.max_num_seqs,
+                                 args.mean_len, args.max_len, args.reps, args.vs_transformers,
+                                 progress=lambda m: _status(f"bench rollout: {m}"))
+    _status("")
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps({"threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows],
+                          "ratios": ratios}, indent=2))
+        return 0
+    print(f"parity bench rollout: {args.preset}, {args.num_seqs} requests, geometric response lengths "
+          f"(mean {args.mean_len}, max {args.max_len}), max_num_seqs {args.max_num_seqs}, "
+          f"medians of {args.reps} rounds")
+
+    def ms(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    print(_table(["system", "dtype", "output tokens", "tok/s", "step p50 ms", "p90", "p99"],
+                 [[r.system, r.dtype, str(r.output_tokens), f"{r.tok_s:,.0f}", ms(r.step_ms_p50),
+                   ms(r.step_ms_p90), ms(r.step_ms_p99)] for r in rows]))
+    for k, v in ratios.items():
+        print(f"{k}: {v:.3f}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- generate
+def _read_prompts(args, tokenizer) -> list[list[int]]:
+    prompts: list[list[int]] = []
+    for text in args.prompt or []:
+        prompts.append(tokenizer.encode(text))
+    for ids in args.prompt_ids or []:
+        try:
+            prompts.append([int(x) for x in ids.split(",") if x.strip()])
+        except ValueError:
+            raise ParityError(f"--prompt-ids: expected comma-separated integers, got {ids!r}") from None
+    if args.prompts_file:
+        try:
+            lines = open(args.prompts_file, encoding="utf-8").read().splitlines()
+        except OSError as exc:
+            raise ParityError(f"{args.prompts_file}: {exc.strerror}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ParityError(f"{args.prompts_file}:{n}: invalid JSON ({exc.msg})") from None
+                if "prompt_ids" in item:
+                    prompts.append(list(item["prompt_ids"]))
+                elif "prompt" in item:
+                    prompts.append(tokenizer.encode(str(item["prompt"])))
+                else:
+                    raise ParityError(f"{args.prompts_file}:{n}: expected a 'prompt' or 'prompt_ids' field")
+            else:
+                prompts.append(tokenizer.encode(line))
+    if not prompts:
+        raise ParityError("no prompts: give --prompt, --prompt-ids or --prompts-file")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from .engine import Engine, SamplingParams
+    from .model import Model, ModelConfig, load_model
+    from .model.tokenizer import load_tokenizer
+
+    dtype = _DTYPES[_dtypes([args.dtype])[0]]
+    if args.model:
+        model = load_model(args.model, kernels=args.kernels, dtype=dtype)
+    else:
+        model = Model(ModelConfig.preset(args.preset), kernels=args.kernels, dtype=dtype, seed=args.seed)
+    tokenizer = load_tokenizer(args.model, model.config.vocab_size)
+    prompts = _read_prompts(args, tokenizer)
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=args.top_k,
+                             top_p=args.top_p, seed=args.seed + i, stop_strings=args.stop or [])
+              for i in range(len(prompts))]
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, tokenizer=tokenizer)
+    outs = engine.generate(prompts, params)
+    if args.json:
+        print(json.dumps([{"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
+                           "logprobs": o.logprobs, "sampled_logprobs": o.sampled_logprobs,
+                           "policy_versions": o.policy_versions, "finish_reason": o.finish_reason,
+                           "text": o.text, "error": o.error} for o in outs], indent=1))
+    else:
+        for i, o in enumerate(outs):
+            if o.error:
+                print(f"[{i}] error: {o.error}")
+            else:
+                print(f"[{i}] ({o.finish_reason}, {len(o.token_ids)} tokens) {o.text!r}")
+    return 0 if all(o.error is None for o in outs) else 1
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parity", description=__doc__.splitlines()[0])
@@ -151,13 +254,43 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--reps", type=int, default=5)
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_bench_kernels)
+    r = bsub.add_parser("rollout", help="engine output tokens/s on a long-tail workload")
+    r.add_argument("--preset", default="small")
+    r.add_argument("--dtypes", type=_csv(str), default=["float32", "bfloat16"])
+    r.add_argument("--num-seqs", type=int, default=128, help="requests in the workload")
+    r.add_argument("--max-num-seqs", type=int, default=64, help="engine batch limit (and HF batch size)")
+    r.add_argument("--mean-len", type=float, default=48, help="mean response length (geometric)")
+    r.add_argument("--max-len", type=int, default=256)
+    r.add_argument("--reps", type=int, default=3)
+    r.add_argument("--vs-transformers", action="store_true", help="also time HF generate()")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_bench_rollout)
+
+    g = sub.add_parser("generate", help="sample completions with the rollout engine")
+    gsrc = g.add_mutually_exclusive_group()
+    gsrc.add_argument("--model", help="checkpoint directory")
+    gsrc.add_argument("--preset", default="tiny", help="random model preset when no --model")
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
+    g.add_argument("--prompts-file", help="one prompt per line, or JSONL with prompt / prompt_ids")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--kernels", default="aligned", choices=["aligned", "standard"])
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--json", action="store_true", help="token ids, log-probs and versions as JSON")
+    g.set_defaults(func=cmd_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("rounds", "reps", "max_len", "prefill_len", "decode_steps"):
+    for name in ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_seqs", "max_num_seqs"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     try:

@@ -51,3 +51,32 @@ def test_bench_kernels_json_reports_ratios():
     rows = json.loads(proc.stdout)["rows"]
     assert {r["phase"] for r in rows} == {"prefill", "decode"}
     assert all(r["aligned_tok_s"] > 0 and r["ratio"] > 0 for r in rows)
+
+
+def test_generate_json_records_logprobs_and_versions(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n{"prompt_ids": [1, 2, 3]}\nplain text line\n')
+    proc = run("generate", "--prompts-file", str(prompts), "--max-tokens", "5", "--json", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    outs = json.loads(proc.stdout)
+    assert len(outs) == 3
+    for o in outs:
+        assert len(o["token_ids"]) == len(o["logprobs"]) == len(o["policy_versions"]) == 5
+        assert o["policy_versions"] == [0] * 5 and o["error"] is None
+
+
+def test_generate_bad_prompt_is_one_line():
+    proc = run("generate", "--prompt-ids", "1,x")
+    assert proc.returncode == 2 and proc.stderr.startswith("parity: error: --prompt-ids")
+    proc = run("generate", "--prompt-ids", "1,2", "--prompt-ids", "500", "--max-tokens", "2")
+    assert proc.returncode == 1  # the bad request fails, the good one completes
+    assert "error: prompt: token id 500" in proc.stdout and "(length, 2 tokens)" in proc.stdout
+
+
+def test_bench_rollout_json():
+    proc = run("bench", "rollout", "--json", "--preset", "tiny", "--num-seqs", "6", "--max-num-seqs", "4",
+               "--reps", "1", "--dtypes", "float32", "--mean-len", "6", "--max-len", "12")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert {r["system"] for r in out["rows"]} == {"parity-aligned", "parity-standard"}
+    assert out["ratios"]["float32/aligned_over_standard"] > 0
