@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.aligned import pointwise
 from .sequence import Sequence
 
 
@@ -42,34 +43,36 @@ class Sampler:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, float, float]]:
         """(token, logprob, sampled_logprob) per sequence. logits [N, V] in the model dtype."""
         kernels = self.model.kernels
-        out: list[tuple[int, float, float] | None] = [None] * len(seqs)
-        tokens = torch.empty(len(seqs), dtype=torch.long)
-        temps = [s.params.temperature if not s.params.greedy else 1.0 for s in seqs]
+        n = len(seqs)
+        tokens = torch.empty(n, dtype=torch.long)
+        temps = [1.0 if s.params.greedy else float(s.params.temperature) for s in seqs]
         truncated_lp: dict[int, float] = {}
-        for i, s in enumerate(seqs):
-            row = logits[i:i + 1]
-            if s.params.greedy:
-                tokens[i] = int(torch.argmax(row[0].float()))
-                continue
-            logp = kernels.log_softmax(row, s.params.temperature)[0]
-            if s.params.truncates:
-                keep = _keep_mask(logp, s.params.top_k, s.params.top_p)
-                logp_s = logp.masked_fill(~keep, float("-inf"))
-            else:
-                logp_s = logp
-            u = torch.rand(logp.shape, generator=self._generator(s), dtype=torch.float64)
-            gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-            tok = int(torch.argmax(logp_s.double() + gumbel))
-            tokens[i] = tok
-            if s.params.truncates:
-                norm = torch.logsumexp(logp_s.double(), 0)
-                truncated_lp[i] = float(logp[tok].double() - norm)
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        if greedy:
+            tokens[greedy] = torch.argmax(logits[greedy].float(), dim=-1)
+        for t in sorted({temps[i] for i, s in enumerate(seqs) if not s.params.greedy}):
+            idx = [i for i, s in enumerate(seqs) if not s.params.greedy and temps[i] == t]
+            logp = kernels.log_softmax(logits[idx], t).double()  # [n_t, V], rows independent
+            for j, i in enumerate(idx):
+                p = seqs[i].params
+                if p.truncates:
+                    logp[j] = logp[j].masked_fill(~_keep_mask(logp[j], p.top_k, p.top_p), float("-inf"))
+            # each request draws its own uniforms; Gumbel-max samples exactly from softmax
+            u = torch.stack([torch.rand(logp.shape[1], generator=self._generator(seqs[i]),
+                                        dtype=torch.float64) for i in idx])
+            gumbel = pointwise(lambda x: -torch.log(-torch.log(x)), u.clamp_min(1e-300))
+            chosen = torch.argmax(logp + gumbel, dim=-1)
+            tokens[idx] = chosen
+            for j, i in enumerate(idx):
+                if seqs[i].params.truncates:
+                    norm = torch.logsumexp(logp[j], 0)
+                    truncated_lp[i] = float(logp[j, chosen[j]] - norm)
+        out: list[tuple[int, float, float]] = [(0, 0.0, 0.0)] * n
         # the recorded log-prob: the same kernel and row bits as sequence_logprobs
         for t in sorted(set(temps)):
             idx = [i for i, x in enumerate(temps) if x == t]
-            sel = torch.tensor(idx)
-            lp = kernels.token_logprobs(logits[sel], tokens[sel], t)
+            lp = kernels.token_logprobs(logits[idx], tokens[idx], t)
             for j, i in enumerate(idx):
                 v = float(lp[j])
                 out[i] = (int(tokens[i]), v, truncated_lp.get(i, v))
-        return out  # type: ignore[return-value]
+        return out

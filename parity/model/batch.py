@@ -19,7 +19,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] packed new tokens of all sequences
     positions: torch.Tensor  # [T] absolute position of each new token
     q_index: torch.Tensor  # [B, M] index into the packed tokens; padding points at row T
-    q_pos: torch.Tensor  # [B, M] absolute query positions; padding rows use 0
+    q_pos: torch.Tensor  # [B, M] absolute query positions; padding rows are -1
     out_index: torch.Tensor  # [T] flat index into [B*M] for each packed token
     seq_lens: list[int]  # new tokens per sequence
     key_len: int  # padded key length L (a multiple of the block size)
@@ -56,7 +56,7 @@ class ForwardBatch:
         cols = torch.arange(m)
         valid = cols.view(1, m) < torch.tensor(lens).view(bsz, 1)
         q_index = torch.where(valid, offsets.view(bsz, 1) + cols.view(1, m), total)
-        q_pos = torch.where(valid, starts.view(bsz, 1) + cols.view(1, m), 0)
+        q_pos = torch.where(valid, starts.view(bsz, 1) + cols.view(1, m), -1)
         out_index = seq_of_tok * m + within
         ctx = [int(s) + n for s, n in zip(start_positions, lens)]
         key_len = -(-max(ctx) // block_size) * block_size

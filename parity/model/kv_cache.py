@@ -29,12 +29,6 @@ class KVCache:
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(self.k.dtype))
         self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(self.v.dtype))
 
-    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of each sequence's context: [B, nblk * block, Hkv, D]."""
-        bsz, nblk = block_tables.shape
-        k = self.k[layer][block_tables].view(bsz, nblk * self.block_size, *self.k.shape[3:])
-        v = self.v[layer][block_tables].view(bsz, nblk * self.block_size, *self.v.shape[3:])
-        return k, v
 
 
 class SimpleAllocator:

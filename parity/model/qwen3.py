@@ -183,11 +183,10 @@ class Model(nn.Module):
                 q, k, v = (torch.cat([z, z.new_zeros(1, *z.shape[1:])]) for z in (q, k, v))
             q_pad = q[q_index]  # [B, M, Hq, D]
             if cache is None:
-                k_ctx, v_ctx = k[k_index], v[k_index]  # [B, L, Hkv, D]
+                o = K.attention(q_pad, k[k_index], v[k_index], batch.q_pos, self.block_size)
             else:
                 cache.write(i, batch.slots, k[:t], v[:t])  # new keys enter the cache first
-                k_ctx, v_ctx = cache.gather(i, batch.block_tables)
-            o = K.attention(q_pad, k_ctx, v_ctx, batch.q_pos, self.block_size)
+                o = K.paged_attention(q_pad, cache.k[i], cache.v[i], batch.block_tables, batch.q_pos)
             o = o.reshape(bsz * m, hq * d)[batch.out_index]  # back to packed [T, Hq*D]
             if rows > t:
                 o = torch.cat([o, o.new_zeros(rows - t, o.shape[1])])

@@ -26,6 +26,7 @@ class Kernels:
     rms_norm: Callable
     silu_mul: Callable
     attention: Callable
+    paged_attention: Callable
     token_logprobs: Callable
     log_softmax: Callable
 
@@ -60,6 +61,7 @@ _ALIGNED = Kernels(
     rms_norm=_aligned_rms_norm,
     silu_mul=_aligned_silu_mul,
     attention=_aligned_attention,
+    paged_attention=aligned.paged_attention,
     token_logprobs=aligned.token_logprobs,
     log_softmax=aligned.log_softmax,
 )
@@ -70,6 +72,7 @@ _STANDARD = Kernels(
     rms_norm=standard.rms_norm,
     silu_mul=standard.silu_mul,
     attention=standard.attention,
+    paged_attention=standard.paged_attention,
     token_logprobs=standard.token_logprobs,
     log_softmax=standard.log_softmax,
 )

@@ -139,8 +139,25 @@ def attention(
 ) -> torch.Tensor:
     """Causal GQA attention (shapes as `attention_torch`); the native kernel when available."""
     if _use_native(q) and q.shape[-1] % 16 == 0:
-        return native.attention(q, k, v, q_pos).to(q.dtype)
+        return native.attention(q, k, v, q_pos, block_size).to(q.dtype)
     return attention_torch(q, k, v, q_pos, block_size)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    tables: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Attention reading keys through block tables: k/v_cache [NB, bs, Hkv, D], tables [B, nblk].
+    Same bits as `attention` on the gathered keys (the native kernel reads them in place)."""
+    if _use_native(q, k_cache) and q.shape[-1] % 16 == 0:
+        return native.paged_attention(q, k_cache, v_cache, tables, q_pos).to(q.dtype)
+    return attention_torch(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[1])
+
+
+def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's keys/values in order: [B, nblk * bs, Hkv, D]."""
+    bsz, nblk = tables.shape
+    shape = (bsz, nblk * k_cache.shape[1], *k_cache.shape[2:])
+    return k_cache[tables].view(shape), v_cache[tables].view(shape)
 
 
 def attention_torch(
@@ -149,7 +166,8 @@ def attention_torch(
     """Causal grouped-query attention with a fixed key-block reduction order (pure PyTorch).
 
     q: [B, M, Hq, D]; k, v: [B, L, Hkv, D] (keys at absolute positions 0..L-1, L a multiple of
-    `block_size`); q_pos: [B, M] absolute position of each query (key j is visible iff j <= pos).
+    `block_size`); q_pos: [B, M] absolute position of each query (key j is visible iff j <= pos;
+    a negative position marks a padding row, whose output is unspecified).
     Returns [B, M, Hq, D] in q's dtype. Computed in float32 (float64 for float64 inputs).
 
     Scores are produced per key block by GEMMs of one fixed shape (rows >= MIN_GEMM_ROWS, K = D,
@@ -161,6 +179,7 @@ def attention_torch(
     length, hkv = k.shape[1], k.shape[2]
     rep = hq // hkv
     assert length % block_size == 0, "key length must be a multiple of the block size"
+    q_pos = q_pos.clamp(min=0)  # padding rows attend to key 0 (kept finite, then dropped)
     nblk = length // block_size
     acc = compute_dtype(q.dtype)
     rows = rep * m

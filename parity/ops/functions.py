@@ -84,6 +84,6 @@ def reference_attention(q, k, v, q_pos):
     vr = v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bmhd,blhd->bhml", q, kr) / math.sqrt(d)
     keys = torch.arange(length, device=q.device)
-    visible = (keys.view(1, 1, length) <= q_pos.unsqueeze(-1)).unsqueeze(1)
+    visible = (keys.view(1, 1, length) <= q_pos.clamp(min=0).unsqueeze(-1)).unsqueeze(1)
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     return torch.einsum("bhml,blhd->bmhd", probs, vr)

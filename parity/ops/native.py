@@ -62,7 +62,8 @@ def _build() -> ctypes.CDLL:
             os.replace(tmp_so, out)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(str(out))
     f, i64, p = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
-    lib.parity_attention.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, f, ctypes.c_int]
+    for name in ("parity_attention_f32", "parity_attention_bf16"):
+        getattr(lib, name).argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f, ctypes.c_int]
     lib.parity_row_lse.argtypes = [p, p, i64, i64, f, ctypes.c_int]
     for name in ("parity_rms_norm_f32", "parity_rms_norm_bf16"):
         getattr(lib, name).argtypes = [p, p, p, i64, i64, i64, i64, i64, f, ctypes.c_int]
@@ -108,16 +109,33 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def attention(q, k, v, q_pos) -> torch.Tensor:
-    """float32 causal GQA attention, q [B,M,Hq,D], k/v [B,L,Hkv,D], q_pos [B,M] -> [B,M,Hq,D]."""
-    lib = library()
-    q, k, v = (t.float().contiguous() for t in (q, k, v))
+def paged_attention(q, k_blocks, v_blocks, tables, q_pos) -> torch.Tensor:
+    """Causal GQA attention reading keys/values through block tables.
+
+    q [B, M, Hq, D]; k/v blocks [NB, bs, Hkv, D] (float32 or bfloat16, read in place);
+    tables [B, nblk] block ids; q_pos [B, M]. Returns float32 [B, M, Hq, D].
+    """
+    kv_dtype = k_blocks.dtype if k_blocks.dtype in _SUFFIX else torch.float32
+    q = q.float().contiguous()
+    k_blocks, v_blocks = k_blocks.to(kv_dtype).contiguous(), v_blocks.to(kv_dtype).contiguous()
+    tables = tables.to(torch.int64).contiguous()
     pos = q_pos.to(torch.int64).contiguous()
     b, m, hq, d = q.shape
     out = torch.empty_like(q)
-    lib.parity_attention(_ptr(q), _ptr(k), _ptr(v), _ptr(pos), _ptr(out), b, m, hq, k.shape[2], d,
-                         k.shape[1], 1.0 / float(d) ** 0.5, torch.get_num_threads())
+    getattr(library(), f"parity_attention_{_SUFFIX[kv_dtype]}")(
+        _ptr(q), _ptr(k_blocks), _ptr(v_blocks), _ptr(tables), _ptr(pos), _ptr(out), b, m, hq,
+        k_blocks.shape[2], d, tables.shape[1], k_blocks.shape[1], 1.0 / float(d) ** 0.5,
+        torch.get_num_threads())
     return out
+
+
+def attention(q, k, v, q_pos, block_size: int) -> torch.Tensor:
+    """Dense form: k/v [B, L, Hkv, D] (L a multiple of block_size) seen as blocks in order."""
+    bsz, length = k.shape[0], k.shape[1]
+    nblk = length // block_size
+    tables = torch.arange(bsz * nblk).view(bsz, nblk)
+    shape = (bsz * nblk, block_size, *k.shape[2:])
+    return paged_attention(q, k.contiguous().view(shape), v.contiguous().view(shape), tables, q_pos)
 
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

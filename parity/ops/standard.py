@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .aligned import compute_dtype
+from .aligned import compute_dtype, gather_blocks
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,12 +35,17 @@ def attention(
     bsz, m, hq, d = q.shape
     length = k.shape[1]
     keys = torch.arange(length, device=q.device)
-    visible = (keys.view(1, 1, length) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, M, L]
+    visible = (keys.view(1, 1, length) <= q_pos.clamp(min=0).unsqueeze(-1)).unsqueeze(1)  # [B,1,M,L]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible,
         enable_gqa=hq != k.shape[2],
     )
     return out.transpose(1, 2)
+
+
+def paged_attention(q, k_cache, v_cache, tables, q_pos) -> torch.Tensor:
+    """Gather each sequence's cached keys/values, then SDPA (what a framework's cache path does)."""
+    return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[1])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:

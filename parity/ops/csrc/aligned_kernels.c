@@ -12,6 +12,7 @@
 #include <string.h>
 
 #define LANES 16
+#define F32_ID(v) (v)
 
 /* exp(x): Cody-Waite reduction and a degree-6 polynomial, branch-free so loops vectorise.
  * Inputs below -87 give exactly 0; inputs above 88 are clamped. */
@@ -36,6 +37,21 @@ static inline float fixed_exp(float x) {
     return x < -87.0f ? 0.0f : p * two_n;
 }
 
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 -> bfloat16, round to nearest even (NaN inputs stay NaN), as PyTorch rounds. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return (f != f) ? (uint16_t)((bits >> 16) | 0x40u) : (uint16_t)rounded;
+}
+
 /* sum of a[0..n) * b[0..n) in LANES interleaved partial sums, combined by a fixed tree */
 static inline float fixed_dot(const float *a, const float *b, int n) {
     float acc[LANES];
@@ -57,12 +73,12 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
  * of many keys are computed side by side (each key's sum still runs over d in order). */
 #define QCHUNK 16
 
-/* One query row against its n visible keys (kt: keys transposed [D][ldk], v rows of stride vs).
- * Inlined with D a compile-time constant for the common head sizes, so accumulators stay in
- * registers; the arithmetic (and so every bit) is the same as the generic instantiation. */
-static inline void attend_row(const float *qr, const float *kt, int64_t ldk, const float *v,
-                              int64_t vs, int64_t n, const int64_t D, float scale,
-                              float *scores, float *o) {
+/* One query row against its n visible keys (kt: keys transposed [D][ldk]; vt: values
+ * [ldk][D] in float32). Inlined with D a compile-time constant for the common head sizes, so
+ * accumulators stay in registers; the arithmetic (and so every bit) is the same as the
+ * generic instantiation. */
+static inline void attend_row(const float *qr, const float *kt, const float *vt, int64_t ldk,
+                              int64_t n, const int64_t D, float scale, float *scores, float *o) {
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
         float s[LANES];
         for (int l = 0; l < LANES; l++) s[l] = 0.0f;
@@ -83,67 +99,94 @@ static inline void attend_row(const float *qr, const float *kt, int64_t ldk, con
         for (int l = 0; l < LANES; l++) acc[l] = 0.0f;
         for (int64_t j = 0; j < n; j++) {
             const float p = scores[j];
-            const float *vr = v + j * vs + d0;
+            const float *vr = vt + j * D + d0;
             for (int l = 0; l < LANES; l++) acc[l] = acc[l] + p * vr[l];
         }
         for (int l = 0; l < LANES; l++) o[d0 + l] = acc[l] / denom;
     }
 }
 
-/* Causal GQA attention. q [B, M, Hq, D], k/v [B, L, Hkv, D], q_pos [B, M], out [B, M, Hq, D];
- * D a multiple of 16. Query (b, m, h) attends to keys 0..q_pos[b, m] of KV head h / (Hq / Hkv): its n =
- * q_pos + 1 keys are a property of the query alone, so every reduction below (each score summed
- * over d in order; the exact max; the denominator and the value sum accumulated key by key) is
- * the same whatever else is in the batch. Tasks are (b, KV head, QCHUNK queries); a task copies
- * its keys transposed once so that 16 keys' scores are computed side by side. */
-void parity_attention(const float *q, const float *k, const float *v, const int64_t *q_pos,
-                      float *out, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,
-                      int64_t L, float scale, int threads) {
-    const int64_t rep = Hq / Hkv;
-    const int64_t nchunk = (M + QCHUNK - 1) / QCHUNK;
-    const int64_t tasks = B * Hkv * nchunk;
-    const int64_t ldk = (L + LANES - 1) / LANES * LANES;
-#pragma omp parallel num_threads(threads)
-    {
-        float *kt = (float *)calloc((size_t)(ldk > 0 ? ldk : LANES) * D, sizeof(float));
-        float *scores = (float *)malloc(sizeof(float) * (ldk > 0 ? ldk : LANES));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
-            const int64_t c = task % nchunk, bk = task / nchunk;
-            const int64_t kh = bk % Hkv, b = bk / Hkv;
-            const int64_t m0 = c * QCHUNK, m1 = m0 + QCHUNK < M ? m0 + QCHUNK : M;
-            int64_t nmax = 1;
-            for (int64_t m = m0; m < m1; m++) {
-                const int64_t n = q_pos[b * M + m] + 1;
-                if (n > nmax) nmax = n;
-            }
-            if (nmax > L) nmax = L;
-            for (int64_t j = 0; j < nmax; j++) {
-                const float *kr = k + ((b * L + j) * Hkv + kh) * D;
-                for (int64_t d = 0; d < D; d++) kt[d * ldk + j] = kr[d];
-            }
-            const float *vb = v + (b * L * Hkv + kh) * D;
-            for (int64_t m = m0; m < m1; m++) {
-                int64_t n = q_pos[b * M + m] + 1;
-                if (n > L) n = L;
-                if (n < 1) n = 1;
-                for (int64_t r = 0; r < rep; r++) {
-                    const int64_t h = kh * rep + r;
-                    const float *qr = q + ((b * M + m) * Hq + h) * D;
-                    float *o = out + ((b * M + m) * Hq + h) * D;
-                    switch (D) {
-                    case 32: attend_row(qr, kt, ldk, vb, Hkv * D, n, 32, scale, scores, o); break;
-                    case 64: attend_row(qr, kt, ldk, vb, Hkv * D, n, 64, scale, scores, o); break;
-                    case 128: attend_row(qr, kt, ldk, vb, Hkv * D, n, 128, scale, scores, o); break;
-                    default: attend_row(qr, kt, ldk, vb, Hkv * D, n, D, scale, scores, o);
-                    }
-                }
-            }
-        }
-        free(kt);
-        free(scores);
+/* Causal GQA attention over a paged KV store. q [B, M, Hq, D] float32; k/v blocks
+ * [NB, bs, Hkv, D] (float32 or bfloat16); tables [B, nblk] block ids; q_pos [B, M];
+ * out [B, M, Hq, D] float32 (rows with q_pos < 0 are padding: left unwritten); D a multiple
+ * of 16. Query (b, m, h) attends to keys 0..q_pos of
+ * KV head h / (Hq / Hkv): its n = q_pos + 1 keys are a property of the query alone, so every
+ * reduction (each score summed over d in order; the exact max; the denominator and the value
+ * sum accumulated key by key) is the same whatever else is in the batch and wherever the keys
+ * are stored. Tasks are (b, KV head, QCHUNK queries); a task copies its keys (transposed) and
+ * values to float32 scratch once, so 16 keys' scores are computed side by side. */
+#define QCHUNK 16
+
+/* Per-thread scratch buffers, grown on demand and kept (no allocation per call). */
+static __thread float *scratch_buf[3];
+static __thread size_t scratch_cap[3];
+static float *scratch(int which, size_t n) {
+    if (scratch_cap[which] < n) {
+        free(scratch_buf[which]);
+        scratch_buf[which] = (float *)malloc(sizeof(float) * n);
+        scratch_cap[which] = n;
     }
+    return scratch_buf[which];
 }
+
+#define ATTENTION_BODY(KV_T, LOAD)                                                             \
+    const int64_t rep = Hq / Hkv;                                                              \
+    const int64_t nchunk = (M + QCHUNK - 1) / QCHUNK;                                          \
+    const int64_t tasks = B * Hkv * nchunk;                                                    \
+    const int64_t L = nblk * bs;                                                               \
+    const int64_t ldk = (L + LANES - 1) / LANES * LANES;                                       \
+    _Pragma("omp parallel num_threads(threads)")                                               \
+    {                                                                                          \
+        const size_t cap = (size_t)(ldk > 0 ? ldk : LANES);                                    \
+        float *kt = scratch(0, cap * D), *vt = scratch(1, cap * D), *scores = scratch(2, cap); \
+        _Pragma("omp for schedule(dynamic, 1)")                                                \
+        for (int64_t task = 0; task < tasks; task++) {                                         \
+            const int64_t c = task % nchunk, bk = task / nchunk;                               \
+            const int64_t kh = bk % Hkv, b = bk / Hkv;                                         \
+            const int64_t m0 = c * QCHUNK, m1 = m0 + QCHUNK < M ? m0 + QCHUNK : M;             \
+            int64_t nmax = 0;                                                                  \
+            for (int64_t m = m0; m < m1; m++) {                                                \
+                const int64_t n = q_pos[b * M + m] + 1;                                        \
+                if (n > nmax) nmax = n;                                                        \
+            }                                                                                  \
+            if (nmax == 0) continue; /* padding rows only */                                   \
+            if (nmax > L) nmax = L;                                                            \
+            for (int64_t j = 0; j < nmax; j++) {                                               \
+                const int64_t off = ((tables[b * nblk + j / bs] * bs + j % bs) * Hkv + kh) * D;\
+                for (int64_t d = 0; d < D; d++) kt[d * ldk + j] = LOAD(k[off + d]);            \
+                for (int64_t d = 0; d < D; d++) vt[j * D + d] = LOAD(v[off + d]);              \
+            }                                                                                  \
+            /* score lanes past nmax are computed and never used: keep them finite */          \
+            const int64_t jpad = (nmax + LANES - 1) / LANES * LANES;                           \
+            for (int64_t d = 0; d < D; d++)                                                    \
+                for (int64_t j = nmax; j < jpad; j++) kt[d * ldk + j] = 0.0f;                  \
+            for (int64_t m = m0; m < m1; m++) {                                                \
+                int64_t n = q_pos[b * M + m] + 1;                                              \
+                if (n > L) n = L;                                                              \
+                if (n < 1) continue; /* a padding row: its output is never read */             \
+                for (int64_t r = 0; r < rep; r++) {                                            \
+                    const int64_t h = kh * rep + r;                                            \
+                    const float *qr = q + ((b * M + m) * Hq + h) * D;                          \
+                    float *o = out + ((b * M + m) * Hq + h) * D;                               \
+                    switch (D) {                                                               \
+                    case 32: attend_row(qr, kt, vt, ldk, n, 32, scale, scores, o); break;      \
+                    case 64: attend_row(qr, kt, vt, ldk, n, 64, scale, scores, o); break;      \
+                    case 128: attend_row(qr, kt, vt, ldk, n, 128, scale, scores, o); break;    \
+                    default: attend_row(qr, kt, vt, ldk, n, D, scale, scores, o);              \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+#define ATTENTION_ARGS(KV_T)                                                                   \
+    const float *q, const KV_T *k, const KV_T *v, const int64_t *tables, const int64_t *q_pos, \
+        float *out, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, int64_t nblk,    \
+        int64_t bs, float scale, int threads
+
+void parity_attention_f32(ATTENTION_ARGS(float)) { ATTENTION_BODY(float, F32_ID) }
+
+void parity_attention_bf16(ATTENTION_ARGS(uint16_t)) { ATTENTION_BODY(uint16_t, bf16_to_f32) }
 
 /* Row log-sum-exp of z / temperature for rows of length n: lse[r] and the row max peak[r]. */
 void parity_row_lse(const float *z, float *lse, int64_t rows, int64_t n, float inv_t, int threads) {
@@ -165,21 +208,6 @@ void parity_row_lse(const float *z, float *lse, int64_t rows, int64_t n, float i
             for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
         lse[r] = peak + logf(acc[0]);
     }
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* float32 -> bfloat16, round to nearest even (NaN inputs stay NaN), as PyTorch rounds. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    return (f != f) ? (uint16_t)((bits >> 16) | 0x40u) : (uint16_t)rounded;
 }
 
 /* Qwen3 RMSNorm over rows of length n: out = w * cast(x * inv), inv = 1/sqrt(mean(x^2)+eps),
@@ -211,7 +239,6 @@ static inline uint16_t f32_to_bf16(float f) {
         }                                                                                  \
     }
 
-#define F32_ID(v) (v)
 void parity_rms_norm_f32(const float *x, const float *w, float *out, int64_t outer, int64_t inner,
                          int64_t n, int64_t so, int64_t si, float eps, int threads) {
     RMS_BODY(F32_ID, F32_ID)
