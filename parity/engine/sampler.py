@@ -41,38 +41,35 @@ class Sampler:
         return seq.generator
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, float, float]]:
-        """(token, logprob, sampled_logprob) per sequence. logits [N, V] in the model dtype."""
+        """(token, logprob, sampled_logprob) per sequence. logits [N, V] in the model dtype.
+
+        The recorded log-prob is read from the kernels' `log_softmax` row, which holds the same
+        bits as their `token_logprobs` (the learner's `sequence_logprobs`) for every token."""
         kernels = self.model.kernels
-        n = len(seqs)
-        tokens = torch.empty(n, dtype=torch.long)
+        out: list[tuple[int, float, float]] = [(0, 0.0, 0.0)] * len(seqs)
         temps = [1.0 if s.params.greedy else float(s.params.temperature) for s in seqs]
-        truncated_lp: dict[int, float] = {}
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-        if greedy:
-            tokens[greedy] = torch.argmax(logits[greedy].float(), dim=-1)
-        for t in sorted({temps[i] for i, s in enumerate(seqs) if not s.params.greedy}):
-            idx = [i for i, s in enumerate(seqs) if not s.params.greedy and temps[i] == t]
-            logp = kernels.log_softmax(logits[idx], t).double()  # [n_t, V], rows independent
-            for j, i in enumerate(idx):
-                p = seqs[i].params
-                if p.truncates:
-                    logp[j] = logp[j].masked_fill(~_keep_mask(logp[j], p.top_k, p.top_p), float("-inf"))
-            # each request draws its own uniforms; Gumbel-max samples exactly from softmax
-            u = torch.stack([torch.rand(logp.shape[1], generator=self._generator(seqs[i]),
-                                        dtype=torch.float64) for i in idx])
-            gumbel = pointwise(lambda x: -torch.log(-torch.log(x)), u.clamp_min(1e-300))
-            chosen = torch.argmax(logp + gumbel, dim=-1)
-            tokens[idx] = chosen
-            for j, i in enumerate(idx):
-                if seqs[i].params.truncates:
-                    norm = torch.logsumexp(logp[j], 0)
-                    truncated_lp[i] = float(logp[j, chosen[j]] - norm)
-        out: list[tuple[int, float, float]] = [(0, 0.0, 0.0)] * n
-        # the recorded log-prob: the same kernel and row bits as sequence_logprobs
         for t in sorted(set(temps)):
             idx = [i for i, x in enumerate(temps) if x == t]
-            lp = kernels.token_logprobs(logits[idx], tokens[idx], t)
+            logp = kernels.log_softmax(logits[idx], t)  # [n_t, V] float32, rows independent
+            noisy = [j for j, i in enumerate(idx) if not seqs[i].params.greedy]
+            chosen = torch.argmax(logits[idx].float(), dim=-1)
+            truncated: dict[int, float] = {}
+            if noisy:
+                sub = logp[noisy].double()
+                for r, j in enumerate(noisy):
+                    p = seqs[idx[j]].params
+                    if p.truncates:
+                        sub[r] = sub[r].masked_fill(~_keep_mask(sub[r], p.top_k, p.top_p), float("-inf"))
+                # each request draws its own uniforms; Gumbel-max samples exactly from softmax
+                u = torch.stack([torch.rand(sub.shape[1], generator=self._generator(seqs[idx[j]]),
+                                            dtype=torch.float64) for j in noisy])
+                gumbel = pointwise(lambda x: -torch.log(-torch.log(x)), u.clamp_min(1e-300))
+                picked = torch.argmax(sub + gumbel, dim=-1)
+                chosen[noisy] = picked
+                for r, j in enumerate(noisy):
+                    if seqs[idx[j]].params.truncates:
+                        truncated[j] = float(sub[r, picked[r]] - torch.logsumexp(sub[r], 0))
+            lp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
             for j, i in enumerate(idx):
-                v = float(lp[j])
-                out[i] = (int(tokens[i]), v, truncated_lp.get(i, v))
+                out[i] = (int(chosen[j]), lp[j], truncated.get(j, lp[j]))
         return out

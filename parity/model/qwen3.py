@@ -126,14 +126,6 @@ class Model(nn.Module):
             raise InputError(f"{where}: token id {bad} is outside the vocabulary "
                              f"(vocab_size={self.config.vocab_size})")
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin[positions].unsqueeze(1)
-        xf = x.float()
-        half = xf.shape[-1] // 2
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
-
     def _fused(self, layer: int, kind: str, parts: list[torch.Tensor]) -> torch.Tensor:
         """Concatenated projection weight (QKV or gate/up): one GEMM instead of several.
 
@@ -166,6 +158,7 @@ class Model(nn.Module):
         positions = batch.positions
         if rows > t:
             positions = torch.cat([positions, positions.new_zeros(rows - t)])
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [rows, D] float32
         q_index = batch.q_index
         k_index = batch.k_index
         for i, layer in enumerate(self.model.layers):
@@ -176,8 +169,8 @@ class Model(nn.Module):
             q = qkv[:, :hq * d].reshape(rows, hq, d)
             k = qkv[:, hq * d:(hq + hkv) * d].reshape(rows, hkv, d)
             v = qkv[:, (hq + hkv) * d:].reshape(rows, hkv, d)
-            q = self._rope(K.rms_norm(q, att.q_norm.weight, cfg.rms_norm_eps), positions)
-            k = self._rope(K.rms_norm(k, att.k_norm.weight, cfg.rms_norm_eps), positions)
+            q = K.rms_norm_rope(q, att.q_norm.weight, cfg.rms_norm_eps, cos, sin)
+            k = K.rms_norm_rope(k, att.k_norm.weight, cfg.rms_norm_eps, cos, sin)
             # row `t` (a padding row, or an appended zero row) serves as the gather pad target
             if rows == t:
                 q, k, v = (torch.cat([z, z.new_zeros(1, *z.shape[1:])]) for z in (q, k, v))

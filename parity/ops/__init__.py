@@ -24,6 +24,7 @@ class Kernels:
     name: str
     linear: Callable
     rms_norm: Callable
+    rms_norm_rope: Callable
     silu_mul: Callable
     attention: Callable
     paged_attention: Callable
@@ -43,6 +44,12 @@ def _aligned_rms_norm(x, weight, eps):
     return aligned.rms_norm(x, weight, eps)
 
 
+def _aligned_rms_norm_rope(x, weight, eps, cos, sin):
+    if _needs_grad(x, weight):
+        return aligned.rope(RMSNormFn.apply(x, weight, eps), cos, sin)
+    return aligned.rms_norm_rope(x, weight, eps, cos, sin)
+
+
 def _aligned_silu_mul(gate, up):
     if _needs_grad(gate, up):
         return SiluMulFn.apply(gate, up)
@@ -59,6 +66,7 @@ _ALIGNED = Kernels(
     name="aligned",
     linear=aligned.linear,
     rms_norm=_aligned_rms_norm,
+    rms_norm_rope=_aligned_rms_norm_rope,
     silu_mul=_aligned_silu_mul,
     attention=_aligned_attention,
     paged_attention=aligned.paged_attention,
@@ -70,6 +78,7 @@ _STANDARD = Kernels(
     name="standard",
     linear=standard.linear,
     rms_norm=standard.rms_norm,
+    rms_norm_rope=standard.rms_norm_rope,
     silu_mul=standard.silu_mul,
     attention=standard.attention,
     paged_attention=standard.paged_attention,

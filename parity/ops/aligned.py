@@ -112,6 +112,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * inv.unsqueeze(-1)).to(x.dtype)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) in float32: x [T, H, D], cos/sin [T, D] float32."""
+    xf = x.to(compute_dtype(x.dtype))
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """q/k head norm then RoPE; one fused native pass when available (same bits as the two)."""
+    if _use_native(x, weight) and weight.dtype == x.dtype and x.shape[-1] <= 512:
+        return native.rms_norm(x, weight, eps, rope=(cos, sin))
+    return rope(rms_norm(x, weight, eps), cos, sin)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation `silu(gate) * up` computed in float32, returned in the input dtype."""
     if _use_native(gate, up) and gate.dim() == 2:

@@ -66,7 +66,7 @@ def _build() -> ctypes.CDLL:
         getattr(lib, name).argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f, ctypes.c_int]
     lib.parity_row_lse.argtypes = [p, p, i64, i64, f, ctypes.c_int]
     for name in ("parity_rms_norm_f32", "parity_rms_norm_bf16"):
-        getattr(lib, name).argtypes = [p, p, p, i64, i64, i64, i64, i64, f, ctypes.c_int]
+        getattr(lib, name).argtypes = [p, p, p, i64, i64, i64, i64, i64, f, p, p, ctypes.c_int]
     for name in ("parity_silu_mul_f32", "parity_silu_mul_bf16"):
         getattr(lib, name).argtypes = [p, p, p, i64, i64, i64, ctypes.c_int]
     return lib
@@ -146,18 +146,30 @@ def supports(*tensors: torch.Tensor) -> bool:
     return all(t.dtype in _SUFFIX for t in tensors)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3 RMSNorm of x [..., n] (float32 or bfloat16; rows may be strided) -> contiguous."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Qwen3 RMSNorm of x [..., n] (float32 or bfloat16; rows may be strided) -> contiguous.
+
+    With `rope` = (cos, sin), float32 [T, n] for x [T, heads, n], the result is also rotated."""
     n = x.shape[-1]
-    if x.dim() == 3 and x.stride(-1) == 1:  # e.g. q/k heads viewed inside a fused QKV output
+    if x.dim() == 3:  # [T, heads, n], e.g. q/k heads viewed inside a fused QKV output
+        x = x if x.stride(-1) == 1 else x.contiguous()
         outer, inner, so, si = x.shape[0], x.shape[1], x.stride(0), x.stride(1)
     else:
+        if rope is not None:
+            raise ValueError("rms_norm with rope needs x of shape [T, heads, n]")
         x = x.contiguous()
         outer, inner, so, si = x.numel() // n, 1, n, 0
     w = weight.to(x.dtype).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
+    cos_p = sin_p = None
+    if rope is not None:
+        cos, sin = (t.float().contiguous() for t in rope)
+        assert cos.shape == (x.shape[0], n) and n <= 512
+        cos_p, sin_p = _ptr(cos), _ptr(sin)
     getattr(library(), f"parity_rms_norm_{_SUFFIX[x.dtype]}")(
-        _ptr(x), _ptr(w), _ptr(out), outer, inner, n, so, si, eps, torch.get_num_threads())
+        _ptr(x), _ptr(w), _ptr(out), outer, inner, n, so, si, eps, cos_p, sin_p,
+        torch.get_num_threads())
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .aligned import compute_dtype, gather_blocks
+from .aligned import compute_dtype, gather_blocks, rope
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -22,6 +22,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.to(compute_dtype(x.dtype))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def rms_norm_rope(x, weight, eps, cos, sin) -> torch.Tensor:
+    return rope(rms_norm(x, weight, eps), cos, sin)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -213,7 +213,7 @@ void parity_row_lse(const float *z, float *lse, int64_t rows, int64_t n, float i
 /* Qwen3 RMSNorm over rows of length n: out = w * cast(x * inv), inv = 1/sqrt(mean(x^2)+eps),
  * the statistics in float32. Row (o, i) starts at x + o*so + i*si (so q/k heads can be read
  * straight out of a fused QKV output); out is contiguous [outer, inner, n]. */
-#define RMS_BODY(LOAD, STORE)                                                                \
+#define RMS_BODY(LOAD, STORE, ROPE)                                                          \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
     for (int64_t row = 0; row < outer * inner; row++) {                                    \
         const int64_t o = row / inner, i = row % inner;                                    \
@@ -237,16 +237,30 @@ void parity_row_lse(const float *z, float *lse, int64_t rows, int64_t n, float i
             const float t = LOAD(STORE(LOAD(x[base + c]) * inv));                          \
             out[row * n + c] = STORE(LOAD(w[c]) * t);                                      \
         }                                                                                  \
+        if (ROPE) { /* rotate halves: y*cos + rotate_half(y)*sin, in float32 */            \
+            const float *cr = cos_t + o * n, *sr = sin_t + o * n;                          \
+            const int64_t half = n / 2;                                                    \
+            float y[512];                                                                  \
+            for (int64_t c = 0; c < n; c++) y[c] = LOAD(out[row * n + c]);                 \
+            for (int64_t c = 0; c < half; c++)                                             \
+                out[row * n + c] = STORE(y[c] * cr[c] + (-y[c + half]) * sr[c]);           \
+            for (int64_t c = half; c < n; c++)                                             \
+                out[row * n + c] = STORE(y[c] * cr[c] + y[c - half] * sr[c]);              \
+        }                                                                                  \
     }
 
+/* With cos_t/sin_t ([outer, n] float32 rows, per token) the normalised rows are also rotated
+ * (RoPE on q/k heads: row (o, i) is head i of token o); n <= 512 then. */
 void parity_rms_norm_f32(const float *x, const float *w, float *out, int64_t outer, int64_t inner,
-                         int64_t n, int64_t so, int64_t si, float eps, int threads) {
-    RMS_BODY(F32_ID, F32_ID)
+                         int64_t n, int64_t so, int64_t si, float eps, const float *cos_t,
+                         const float *sin_t, int threads) {
+    RMS_BODY(F32_ID, F32_ID, cos_t != 0)
 }
 
 void parity_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t outer,
-                          int64_t inner, int64_t n, int64_t so, int64_t si, float eps, int threads) {
-    RMS_BODY(bf16_to_f32, f32_to_bf16)
+                          int64_t inner, int64_t n, int64_t so, int64_t si, float eps,
+                          const float *cos_t, const float *sin_t, int threads) {
+    RMS_BODY(bf16_to_f32, f32_to_bf16, cos_t != 0)
 }
 
 /* SwiGLU silu(g) * u in float32, one rounding to the output type; g and u are [rows, cols]
