@@ -149,13 +149,16 @@ def _run_engine(model, work: RolloutWorkload, max_num_seqs: int) -> tuple[float,
     return elapsed, eng.step_times
 
 
-def _run_transformers(path, work: RolloutWorkload, batch_size: int, dtype) -> float:
-    """HF `generate()` (batched, KV cache): each batch runs until its longest response."""
+def _load_transformers(path, dtype):
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _run_transformers(hf, work: RolloutWorkload, batch_size: int) -> float:
+    """HF `generate()` (batched, KV cache): each batch runs until its longest response."""
     torch.manual_seed(0)
     t0 = time.perf_counter()
     for i in range(0, len(work.prompts), batch_size):
@@ -200,34 +203,32 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         models = {k: Model(cfg, kernels=k, dtype=dtype, seed=0) for k in ("aligned", "standard")}
-        times: dict[str, list[float]] = {k: [] for k in models}
-        steps: dict[str, list[float]] = {k: [] for k in models}
-        for r in range(reps + 1):  # the first round warms up
-            for k, m in models.items():
-                if progress:
-                    progress(f"rollout {dtype_name} {k} round {r}/{reps}")
-                elapsed, step_times = _run_engine(m, work, max_num_seqs)
-                if r > 0:
-                    times[k].append(elapsed)
-                    steps[k] += step_times
-        for k in models:
-            med = statistics.median(times[k])
-            rows.append(RolloutRow(f"parity-{k}", dtype_name, work.output_tokens, work.output_tokens / med,
-                                   _pct(steps[k], 0.5), _pct(steps[k], 0.9), _pct(steps[k], 0.99)))
-        ratios[f"{dtype_name}/aligned_over_standard"] = (
-            statistics.median(times["standard"]) / statistics.median(times["aligned"]))
-        if vs_transformers:
-            with tempfile.TemporaryDirectory() as tmp:
+        systems = list(models)
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = None
+            if vs_transformers:
                 models["aligned"].save_pretrained(tmp)
-                hf_times = []
-                for r in range(max(1, reps // 2) + 1):
+                hf = _load_transformers(tmp, dtype)
+                systems.append("transformers")
+            times: dict[str, list[float]] = {k: [] for k in systems}
+            steps: dict[str, list[float]] = {k: [] for k in systems}
+            for r in range(reps + 1):  # round 0 warms up; systems take turns in every round
+                for k in systems:
                     if progress:
-                        progress(f"rollout {dtype_name} transformers round {r}")
-                    t = _run_transformers(tmp, work, max_num_seqs, dtype)
+                        progress(f"rollout {dtype_name} {k} round {r}/{reps}")
+                    if k == "transformers":
+                        elapsed, step_times = _run_transformers(hf, work, max_num_seqs), []
+                    else:
+                        elapsed, step_times = _run_engine(models[k], work, max_num_seqs)
                     if r > 0:
-                        hf_times.append(t)
-            med = statistics.median(hf_times)
-            rows.append(RolloutRow("transformers", dtype_name, work.output_tokens, work.output_tokens / med,
-                                   None, None, None))
-            ratios[f"{dtype_name}/aligned_over_transformers"] = med / statistics.median(times["aligned"])
+                        times[k].append(elapsed)
+                        steps[k] += step_times
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for k in systems:
+            name = k if k == "transformers" else f"parity-{k}"
+            pct = [_pct(steps[k], q) if steps[k] else None for q in (0.5, 0.9, 0.99)]
+            rows.append(RolloutRow(name, dtype_name, work.output_tokens, work.output_tokens / med[k], *pct))
+        ratios[f"{dtype_name}/aligned_over_standard"] = med["standard"] / med["aligned"]
+        if vs_transformers:
+            ratios[f"{dtype_name}/aligned_over_transformers"] = med["transformers"] / med["aligned"]
     return rows, ratios
