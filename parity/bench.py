@@ -189,7 +189,7 @@ def _pct(values: list[float], q: float) -> float:
     return 1000 * s[min(len(s) - 1, int(q * len(s)))]
 
 
-def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bfloat16"), num_seqs: int = 128,
+def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bfloat16"), num_seqs: int = 256,
                   max_num_seqs: int = 64, mean_len: float = 48, max_len: int = 256, reps: int = 3,
                   vs_transformers: bool = False,
                   progress: Callable[[str], None] | None = None) -> tuple[list[RolloutRow], dict]:

@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = bsub.add_parser("rollout", help="engine output tokens/s on a long-tail workload")
     r.add_argument("--preset", default="small")
     r.add_argument("--dtypes", type=_csv(str), default=["float32", "bfloat16"])
-    r.add_argument("--num-seqs", type=int, default=128, help="requests in the workload")
+    r.add_argument("--num-seqs", type=int, default=256, help="requests in the workload")
     r.add_argument("--max-num-seqs", type=int, default=64, help="engine batch limit (and HF batch size)")
     r.add_argument("--mean-len", type=float, default=48, help="mean response length (geometric)")
     r.add_argument("--max-len", type=int, default=256)
