@@ -14,20 +14,22 @@ from .config import ModelConfig
 
 
 class KVCache:
-    """Per-layer key/value blocks: k[layer] and v[layer] are [num_blocks + 1, block, Hkv, D]."""
+    """Per-layer key/value blocks: k[layer] is [num_blocks + 1, Hkv, D, block] (keys transposed
+    inside a block, so attention reads 16 keys' entries side by side) and v[layer] is
+    [num_blocks + 1, Hkv, block, D]."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
-        shape = (config.num_hidden_layers, num_blocks + 1, block_size,
-                 config.num_key_value_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        layers, hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        self.k = torch.zeros(layers, num_blocks + 1, hkv, d, block_size, dtype=dtype)
+        self.v = torch.zeros(layers, num_blocks + 1, hkv, block_size, d, dtype=dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values [T, Hkv, D] at flat slots [T] (block * block_size + offset)."""
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(self.v.dtype))
+        block, offset = slots // self.block_size, slots % self.block_size
+        self.k[layer][block, :, :, offset] = k.to(self.k.dtype)
+        self.v[layer][block, :, offset, :] = v.to(self.v.dtype)
 
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import InputError
+from ..errors import ConfigError, InputError
 from ..ops import get_kernels
 from ..ops.aligned import MIN_GEMM_ROWS
 from .batch import ForwardBatch
@@ -73,6 +73,8 @@ class Model(nn.Module):
                  dtype: torch.dtype = torch.float32, seed: int | None = 0,
                  block_size: int = DEFAULT_BLOCK_SIZE):
         super().__init__()
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
         self.config = config
         self.kernels = get_kernels(kernels)
         self.block_size = block_size

@@ -154,26 +154,28 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int
 ) -> torch.Tensor:
     """Causal GQA attention (shapes as `attention_torch`); the native kernel when available."""
-    if _use_native(q) and q.shape[-1] % 16 == 0:
+    if _use_native(q) and q.shape[-1] % 16 == 0 and block_size % 16 == 0:
         return native.attention(q, k, v, q_pos, block_size).to(q.dtype)
     return attention_torch(q, k, v, q_pos, block_size)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     tables: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """Attention reading keys through block tables: k/v_cache [NB, bs, Hkv, D], tables [B, nblk].
-    Same bits as `attention` on the gathered keys (the native kernel reads them in place)."""
-    if _use_native(q, k_cache) and q.shape[-1] % 16 == 0:
+    """Attention reading keys through block tables: key blocks [NB, Hkv, D, bs], value blocks
+    [NB, Hkv, bs, D], tables [B, nblk]. Same bits as `attention` on the gathered keys."""
+    if _use_native(q, k_cache) and q.shape[-1] % 16 == 0 and k_cache.shape[-1] % 16 == 0:
         return native.paged_attention(q, k_cache, v_cache, tables, q_pos).to(q.dtype)
-    return attention_torch(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[1])
+    return attention_torch(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1])
 
 
 def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
                   tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's keys/values in order: [B, nblk * bs, Hkv, D]."""
+    """Each sequence's keys/values in order, [B, nblk * bs, Hkv, D], from the cache layout."""
     bsz, nblk = tables.shape
-    shape = (bsz, nblk * k_cache.shape[1], *k_cache.shape[2:])
-    return k_cache[tables].view(shape), v_cache[tables].view(shape)
+    _, hkv, d, bs = k_cache.shape
+    k = k_cache[tables].permute(0, 1, 4, 2, 3).reshape(bsz, nblk * bs, hkv, d)
+    v = v_cache[tables].permute(0, 1, 3, 2, 4).reshape(bsz, nblk * bs, hkv, d)
+    return k, v
 
 
 def attention_torch(

@@ -110,10 +110,11 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 def paged_attention(q, k_blocks, v_blocks, tables, q_pos) -> torch.Tensor:
-    """Causal GQA attention reading keys/values through block tables.
+    """Causal GQA attention reading keys/values in place through block tables.
 
-    q [B, M, Hq, D]; k/v blocks [NB, bs, Hkv, D] (float32 or bfloat16, read in place);
-    tables [B, nblk] block ids; q_pos [B, M]. Returns float32 [B, M, Hq, D].
+    q [B, M, Hq, D]; key blocks [NB, Hkv, D, bs] and value blocks [NB, Hkv, bs, D] (float32 or
+    bfloat16); tables [B, nblk] block ids; q_pos [B, M] (negative = padding row, left unwritten).
+    Returns float32 [B, M, Hq, D].
     """
     kv_dtype = k_blocks.dtype if k_blocks.dtype in _SUFFIX else torch.float32
     q = q.float().contiguous()
@@ -124,18 +125,25 @@ def paged_attention(q, k_blocks, v_blocks, tables, q_pos) -> torch.Tensor:
     out = torch.empty_like(q)
     getattr(library(), f"parity_attention_{_SUFFIX[kv_dtype]}")(
         _ptr(q), _ptr(k_blocks), _ptr(v_blocks), _ptr(tables), _ptr(pos), _ptr(out), b, m, hq,
-        k_blocks.shape[2], d, tables.shape[1], k_blocks.shape[1], 1.0 / float(d) ** 0.5,
+        k_blocks.shape[1], d, tables.shape[1], k_blocks.shape[3], 1.0 / float(d) ** 0.5,
         torch.get_num_threads())
     return out
 
 
-def attention(q, k, v, q_pos, block_size: int) -> torch.Tensor:
-    """Dense form: k/v [B, L, Hkv, D] (L a multiple of block_size) seen as blocks in order."""
-    bsz, length = k.shape[0], k.shape[1]
+def to_blocks(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense k/v [B, L, Hkv, D] -> key blocks [B*nblk, Hkv, D, bs], value blocks [B*nblk, Hkv, bs, D]."""
+    bsz, length, hkv, d = k.shape
     nblk = length // block_size
+    kb = k.view(bsz, nblk, block_size, hkv, d).permute(0, 1, 3, 4, 2).reshape(bsz * nblk, hkv, d, block_size)
+    vb = v.view(bsz, nblk, block_size, hkv, d).permute(0, 1, 3, 2, 4).reshape(bsz * nblk, hkv, block_size, d)
+    return kb, vb
+
+
+def attention(q, k, v, q_pos, block_size: int) -> torch.Tensor:
+    """Dense form: k/v [B, L, Hkv, D] (L a multiple of block_size), laid out as blocks in order."""
+    bsz, nblk = k.shape[0], k.shape[1] // block_size
     tables = torch.arange(bsz * nblk).view(bsz, nblk)
-    shape = (bsz * nblk, block_size, *k.shape[2:])
-    return paged_attention(q, k.contiguous().view(shape), v.contiguous().view(shape), tables, q_pos)
+    return paged_attention(q, *to_blocks(k, v, block_size), tables, q_pos)
 
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

@@ -73,53 +73,77 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
  * of many keys are computed side by side (each key's sum still runs over d in order). */
 #define QCHUNK 16
 
-/* One query row against its n visible keys (kt: keys transposed [D][ldk]; vt: values
- * [ldk][D] in float32). Inlined with D a compile-time constant for the common head sizes, so
- * accumulators stay in registers; the arithmetic (and so every bit) is the same as the
- * generic instantiation. */
-static inline void attend_row(const float *qr, const float *kt, const float *vt, int64_t ldk,
-                              int64_t n, const int64_t D, float scale, float *scores, float *o) {
-    for (int64_t j0 = 0; j0 < n; j0 += LANES) {
-        float s[LANES];
-        for (int l = 0; l < LANES; l++) s[l] = 0.0f;
-        for (int64_t d = 0; d < D; d++) {
-            const float qd = qr[d];
-            const float *row = kt + d * ldk + j0;
-            for (int l = 0; l < LANES; l++) s[l] = s[l] + qd * row[l];
-        }
-        for (int l = 0; l < LANES; l++) scores[j0 + l] = s[l] * scale;
+/* Causal GQA attention over a paged KV store, read in place. q [B, M, Hq, D] float32;
+ * key blocks [NB, Hkv, D, bs] (transposed inside a block) and value blocks [NB, Hkv, bs, D],
+ * float32 or bfloat16; tables [B, nblk] block ids; q_pos [B, M]; out [B, M, Hq, D] float32
+ * (rows with q_pos < 0 are padding and left unwritten); D and bs multiples of 16.
+ * Query (b, m, h) attends to keys 0..q_pos of KV head h / (Hq / Hkv): its n = q_pos + 1 keys
+ * are a property of the query alone, so every reduction (each score summed over d in order;
+ * the exact max; the denominator and the value sum accumulated key by key) is the same
+ * whatever else is in the batch and wherever its keys are stored. */
+#define ATTEND_ROW(KV_T, LOAD, DIM)                                                            \
+    {                                                                                          \
+        const int64_t nb = (n + bs - 1) / bs;                                                  \
+        for (int64_t i = 0; i < nb; i++) {                                                     \
+            const KV_T *kb = k + (tab[i] * Hkv + kh) * DIM * bs;                               \
+            for (int64_t j0 = 0; j0 < bs; j0 += LANES) {                                       \
+                float s[LANES];                                                                \
+                for (int l = 0; l < LANES; l++) s[l] = 0.0f;                                   \
+                for (int64_t d = 0; d < DIM; d++) {                                            \
+                    const float qd = qr[d];                                                    \
+                    const KV_T *row = kb + d * bs + j0;                                        \
+                    for (int l = 0; l < LANES; l++) s[l] = s[l] + qd * LOAD(row[l]);           \
+                }                                                                              \
+                for (int l = 0; l < LANES; l++) scores[i * bs + j0 + l] = s[l] * scale;        \
+            }                                                                                  \
+        }                                                                                      \
+        float peak = -INFINITY;                                                                \
+        for (int64_t j = 0; j < n; j++) peak = scores[j] > peak ? scores[j] : peak;            \
+        for (int64_t j = 0; j < n; j++) scores[j] = fixed_exp(scores[j] - peak);               \
+        float denom = 0.0f;                                                                    \
+        for (int64_t j = 0; j < n; j++) denom = denom + scores[j];                             \
+        for (int64_t d0 = 0; d0 < DIM; d0 += LANES) {                                          \
+            float acc[LANES];                                                                  \
+            for (int l = 0; l < LANES; l++) acc[l] = 0.0f;                                     \
+            for (int64_t j = 0; j < n; j++) {                                                  \
+                const float p = scores[j];                                                     \
+                const KV_T *vr = v + ((tab[j / bs] * Hkv + kh) * bs + j % bs) * DIM + d0;      \
+                for (int l = 0; l < LANES; l++) acc[l] = acc[l] + p * LOAD(vr[l]);             \
+            }                                                                                  \
+            for (int l = 0; l < LANES; l++) o[d0 + l] = acc[l] / denom;                        \
+        }                                                                                      \
     }
-    float peak = -INFINITY;
-    for (int64_t j = 0; j < n; j++) peak = scores[j] > peak ? scores[j] : peak;
-    for (int64_t j = 0; j < n; j++) scores[j] = fixed_exp(scores[j] - peak);
-    float denom = 0.0f;
-    for (int64_t j = 0; j < n; j++) denom = denom + scores[j];
-    for (int64_t d0 = 0; d0 < D; d0 += LANES) {  /* one vector of head dims at a time */
-        float acc[LANES];
-        for (int l = 0; l < LANES; l++) acc[l] = 0.0f;
-        for (int64_t j = 0; j < n; j++) {
-            const float p = scores[j];
-            const float *vr = vt + j * D + d0;
-            for (int l = 0; l < LANES; l++) acc[l] = acc[l] + p * vr[l];
-        }
-        for (int l = 0; l < LANES; l++) o[d0 + l] = acc[l] / denom;
-    }
-}
 
-/* Causal GQA attention over a paged KV store. q [B, M, Hq, D] float32; k/v blocks
- * [NB, bs, Hkv, D] (float32 or bfloat16); tables [B, nblk] block ids; q_pos [B, M];
- * out [B, M, Hq, D] float32 (rows with q_pos < 0 are padding: left unwritten); D a multiple
- * of 16. Query (b, m, h) attends to keys 0..q_pos of
- * KV head h / (Hq / Hkv): its n = q_pos + 1 keys are a property of the query alone, so every
- * reduction (each score summed over d in order; the exact max; the denominator and the value
- * sum accumulated key by key) is the same whatever else is in the batch and wherever the keys
- * are stored. Tasks are (b, KV head, QCHUNK queries); a task copies its keys (transposed) and
- * values to float32 scratch once, so 16 keys' scores are computed side by side. */
-#define QCHUNK 16
+#define ATTENTION_BODY(KV_T, LOAD)                                                             \
+    const int64_t rep = Hq / Hkv;                                                              \
+    const int64_t L = nblk * bs;                                                               \
+    _Pragma("omp parallel num_threads(threads)")                                               \
+    {                                                                                          \
+        float *scores = scratch(0, (size_t)(L > 0 ? L : LANES));                               \
+        _Pragma("omp for schedule(dynamic, 4)")                                                \
+        for (int64_t row = 0; row < B * M * Hkv; row++) {                                      \
+            const int64_t kh = row % Hkv, bm = row / Hkv, b = bm / M;                          \
+            int64_t n = q_pos[bm] + 1;                                                         \
+            if (n > L) n = L;                                                                  \
+            if (n < 1) continue; /* a padding row: its output is never read */                 \
+            const int64_t *tab = tables + b * nblk;                                            \
+            for (int64_t r = 0; r < rep; r++) {                                                \
+                const int64_t h = kh * rep + r;                                                \
+                const float *qr = q + (bm * Hq + h) * D;                                       \
+                float *o = out + (bm * Hq + h) * D;                                            \
+                switch (D) {                                                                   \
+                case 32: ATTEND_ROW(KV_T, LOAD, 32) break;                                     \
+                case 64: ATTEND_ROW(KV_T, LOAD, 64) break;                                     \
+                case 128: ATTEND_ROW(KV_T, LOAD, 128) break;                                   \
+                default: ATTEND_ROW(KV_T, LOAD, D)                                             \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
 
 /* Per-thread scratch buffers, grown on demand and kept (no allocation per call). */
-static __thread float *scratch_buf[3];
-static __thread size_t scratch_cap[3];
+static __thread float *scratch_buf[1];
+static __thread size_t scratch_cap[1];
 static float *scratch(int which, size_t n) {
     if (scratch_cap[which] < n) {
         free(scratch_buf[which]);
@@ -128,56 +152,6 @@ static float *scratch(int which, size_t n) {
     }
     return scratch_buf[which];
 }
-
-#define ATTENTION_BODY(KV_T, LOAD)                                                             \
-    const int64_t rep = Hq / Hkv;                                                              \
-    const int64_t nchunk = (M + QCHUNK - 1) / QCHUNK;                                          \
-    const int64_t tasks = B * Hkv * nchunk;                                                    \
-    const int64_t L = nblk * bs;                                                               \
-    const int64_t ldk = (L + LANES - 1) / LANES * LANES;                                       \
-    _Pragma("omp parallel num_threads(threads)")                                               \
-    {                                                                                          \
-        const size_t cap = (size_t)(ldk > 0 ? ldk : LANES);                                    \
-        float *kt = scratch(0, cap * D), *vt = scratch(1, cap * D), *scores = scratch(2, cap); \
-        _Pragma("omp for schedule(dynamic, 1)")                                                \
-        for (int64_t task = 0; task < tasks; task++) {                                         \
-            const int64_t c = task % nchunk, bk = task / nchunk;                               \
-            const int64_t kh = bk % Hkv, b = bk / Hkv;                                         \
-            const int64_t m0 = c * QCHUNK, m1 = m0 + QCHUNK < M ? m0 + QCHUNK : M;             \
-            int64_t nmax = 0;                                                                  \
-            for (int64_t m = m0; m < m1; m++) {                                                \
-                const int64_t n = q_pos[b * M + m] + 1;                                        \
-                if (n > nmax) nmax = n;                                                        \
-            }                                                                                  \
-            if (nmax == 0) continue; /* padding rows only */                                   \
-            if (nmax > L) nmax = L;                                                            \
-            for (int64_t j = 0; j < nmax; j++) {                                               \
-                const int64_t off = ((tables[b * nblk + j / bs] * bs + j % bs) * Hkv + kh) * D;\
-                for (int64_t d = 0; d < D; d++) kt[d * ldk + j] = LOAD(k[off + d]);            \
-                for (int64_t d = 0; d < D; d++) vt[j * D + d] = LOAD(v[off + d]);              \
-            }                                                                                  \
-            /* score lanes past nmax are computed and never used: keep them finite */          \
-            const int64_t jpad = (nmax + LANES - 1) / LANES * LANES;                           \
-            for (int64_t d = 0; d < D; d++)                                                    \
-                for (int64_t j = nmax; j < jpad; j++) kt[d * ldk + j] = 0.0f;                  \
-            for (int64_t m = m0; m < m1; m++) {                                                \
-                int64_t n = q_pos[b * M + m] + 1;                                              \
-                if (n > L) n = L;                                                              \
-                if (n < 1) continue; /* a padding row: its output is never read */             \
-                for (int64_t r = 0; r < rep; r++) {                                            \
-                    const int64_t h = kh * rep + r;                                            \
-                    const float *qr = q + ((b * M + m) * Hq + h) * D;                          \
-                    float *o = out + ((b * M + m) * Hq + h) * D;                               \
-                    switch (D) {                                                               \
-                    case 32: attend_row(qr, kt, vt, ldk, n, 32, scale, scores, o); break;      \
-                    case 64: attend_row(qr, kt, vt, ldk, n, 64, scale, scores, o); break;      \
-                    case 128: attend_row(qr, kt, vt, ldk, n, 128, scale, scores, o); break;    \
-                    default: attend_row(qr, kt, vt, ldk, n, D, scale, scores, o);              \
-                    }                                                                          \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-    }
 
 #define ATTENTION_ARGS(KV_T)                                                                   \
     const float *q, const KV_T *k, const KV_T *v, const int64_t *tables, const int64_t *q_pos, \
