@@ -29,11 +29,13 @@ def _check_temperature(temperature: float) -> None:
         raise InputError(f"temperature must be > 0 for log-probs, got {temperature!r}")
 
 
-def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0) -> list[torch.Tensor]:
+def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
+                      return_entropy: bool = False):
     """Learner-side log-probs: entry t of result i is `log softmax(logits_t / T)[seq_i[t+1]]`.
 
     `sequences` is a list of token-id lists or 1-D tensors (length >= 2). Returns float32
-    tensors of length len(seq) - 1, differentiable w.r.t. the model when grad is enabled.
+    tensors of length len(seq) - 1, differentiable w.r.t. the model when grad is enabled. With
+    `return_entropy`, also each position's entropy of softmax(logits / T) (no grad).
     """
     _check_temperature(temperature)
     seqs = [_as_tokens(s, f"sequence {i}") for i, s in enumerate(sequences)]
@@ -50,8 +52,15 @@ def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0) -> l
     starts = torch.tensor([0] + lens[:-1]).cumsum(0)
     rows = torch.cat([torch.arange(n - 1) + st for n, st in zip(lens, starts.tolist())])
     targets = torch.cat([s[1:] for s in seqs])
-    lp = model.token_logprobs(hidden[rows], targets, temperature)
-    return list(lp.split([n - 1 for n in lens]))
+    logits = model.logits(hidden[rows])
+    lp = model.kernels.token_logprobs(logits, targets, temperature)
+    split = [n - 1 for n in lens]
+    if not return_entropy:
+        return list(lp.split(split))
+    with torch.no_grad():
+        logp = model.kernels.log_softmax(logits.detach(), temperature)
+        entropy = -(logp.exp() * logp).sum(-1)
+    return list(lp.split(split)), list(entropy.split(split))
 
 
 class Decoder:

@@ -1,0 +1,243 @@
+"""The learner: same model code and kernels as the engine, a chosen objective, AdamW.
+
+One `step(batch)`: learner log-probs by `sequence_logprobs` over micro-batches (gradients
+accumulated), the loss, the gradient norm before clipping, clipping, AdamW with a warm-up
+schedule, then a new `policy_version` published in the dtype the engine computes in. With
+`compute_dtype = "bfloat16"` the model runs in bfloat16 while float32 master weights take the
+optimizer step. The decomposition of the rollout-to-learner gap into kernel mismatch and weight
+lag uses the weights of recent versions, kept up to `max_policy_lag` back.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from ..metrics.diagnostics import importance_weight_stats, lag_stats, mismatch_stats, response_stats
+from ..model import sequence_logprobs
+from .losses import LossConfig, get_loss, group_advantages
+from .trajectory import TrajectoryBatch
+
+
+@dataclass
+class LearnerConfig:
+    """Optimisation and diagnostics settings; validated on construction."""
+
+    loss: str = "reinforce_zero"
+    """Objective: reinforce_zero, tis, icepop (= mis), seq_gate, ppo_clip or on_policy."""
+    lr: float = 1e-4
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to `lr` over this many steps."""
+    schedule: str = "constant"
+    """After warm-up: 'constant' or 'cosine' (to 0 at `total_steps`)."""
+    total_steps: int = 1000
+    """Length of the cosine schedule."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping threshold (the norm before clipping is logged)."""
+    micro_batch_size: int = 8
+    """Responses per forward/backward; gradients accumulate over micro-batches."""
+    compute_dtype: str = "float32"
+    """'float32', or 'bfloat16' with float32 master weights."""
+    temperature: float = 1.0
+    """Sampling temperature the rollouts used (log-probs are of softmax(logits / T))."""
+    max_policy_lag: int = 8
+    """How many versions back weights are kept for the kernel/lag decomposition."""
+    decompose_every: int = 1
+    """Run the decomposition every N steps (0 = never)."""
+    dump_dir: str | None = None
+    """Where a batch that produced a NaN/inf loss or gradient is saved (None = not saved)."""
+    loss_config: LossConfig = field(default_factory=LossConfig)
+    """Parameters of the objectives."""
+
+    def __post_init__(self) -> None:
+        get_loss(self.loss)
+        if not self.lr > 0:
+            raise ConfigError(f"LearnerConfig.lr must be > 0, got {self.lr!r}")
+        if self.schedule not in ("constant", "cosine"):
+            raise ConfigError(f"LearnerConfig.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+        for name in ("warmup_steps", "max_policy_lag", "decompose_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"LearnerConfig.{name} must be >= 0")
+        if self.micro_batch_size < 1 or self.total_steps < 1:
+            raise ConfigError("LearnerConfig.micro_batch_size and total_steps must be >= 1")
+        if not self.max_grad_norm > 0:
+            raise ConfigError("LearnerConfig.max_grad_norm must be > 0")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"LearnerConfig.compute_dtype must be float32 or bfloat16, "
+                              f"got {self.compute_dtype!r}")
+        if not self.temperature > 0:
+            raise ConfigError("LearnerConfig.temperature must be > 0")
+
+
+class Learner:
+    def __init__(self, model, config: LearnerConfig | None = None):
+        self.config = cfg = config or LearnerConfig()
+        self.model = model.to(getattr(torch, cfg.compute_dtype))
+        self.loss_fn = get_loss(cfg.loss)
+        params = list(self.model.parameters())
+        if cfg.compute_dtype == "float32":
+            self.master = params
+        else:
+            self.master = [p.detach().float().clone().requires_grad_() for p in params]
+        self.optimizer = torch.optim.AdamW(self.master, lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.version = 0
+        self.history: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
+        self.steps = 0
+        self._scratch = None
+
+    # ------------------------------------------------------------------ weights
+    def _lr_factor(self, step: int) -> float:
+        cfg = self.config
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.schedule == "cosine":
+            progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def publish(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The current weights (in the compute dtype the engine runs) and their version."""
+        return self.history[self.version], self.version
+
+    def _model_at(self, version: int):
+        if version == self.version:
+            return self.model
+        if self._scratch is None:
+            self._scratch = copy.deepcopy(self.model)
+        self._scratch.load_state_dict(self.history[version])
+        return self._scratch
+
+    # ------------------------------------------------------------------ log-probs
+    def logprobs(self, batch: TrajectoryBatch, version: int | None = None,
+                 micro_batch_size: int | None = None) -> torch.Tensor:
+        """Learner log-probs [B, L] (no grad) under the weights of `version` (default current)."""
+        model = self._model_at(self.version if version is None else version)
+        mb = micro_batch_size or self.config.micro_batch_size
+        out = []
+        with torch.no_grad():
+            for i in range(0, len(batch), mb):
+                out += sequence_logprobs(model, batch.sequences[i:i + mb], self.config.temperature)
+        return batch.pad(out)
+
+    def decompose(self, batch: TrajectoryBatch, learner_lp: torch.Tensor) -> dict[str, float]:
+        """Split learner(θ_now) − rollout(θ_old) per token into kernel mismatch
+        learner(θ_old) − rollout(θ_old) and weight lag learner(θ_now) − learner(θ_old), with θ_old
+        the weights that sampled the token; reported overall and per lag bucket."""
+        stats: dict[str, float] = {}
+        kernel = torch.zeros_like(learner_lp)
+        lag_part = torch.zeros_like(learner_lp)
+        covered = torch.zeros_like(batch.mask)
+        for v in batch.versions[batch.mask.bool()].unique().tolist():
+            if v not in self.history:
+                continue  # older than the kept window
+            rows = (batch.versions == v).any(1).nonzero().flatten().tolist()
+            sub = batch.select(rows)
+            lp_old = self.logprobs(sub, version=v)
+            sel = (sub.versions == v) & sub.mask.bool()
+            width = lp_old.shape[1]
+            for j, r in enumerate(rows):
+                m = sel[j]
+                kernel[r, :width][m] = lp_old[j][m] - sub.rollout_logprobs[j][m]
+                lag_part[r, :width][m] = learner_lp[r, :width][m] - lp_old[j][m]
+                covered[r, :width][m] = 1
+            bucket = self.version - v
+            k = (lp_old[sel] - sub.rollout_logprobs[sel]).abs()
+            w = (learner_lp[rows][:, :width][sel] - lp_old[sel]).abs()
+            stats[f"mismatch/kernel_max_abs/lag_{bucket}"] = float(k.max())
+            stats[f"mismatch/weight_lag_mean_abs/lag_{bucket}"] = float(w.mean())
+        m = covered.bool()
+        if m.any():
+            stats["mismatch/kernel_max_abs"] = float(kernel[m].abs().max())
+            stats["mismatch/kernel_mean_abs"] = float(kernel[m].abs().mean())
+            stats["mismatch/weight_lag_max_abs"] = float(lag_part[m].abs().max())
+            stats["mismatch/weight_lag_mean_abs"] = float(lag_part[m].abs().mean())
+            stats["mismatch/decomposed_frac"] = float(m.sum() / batch.mask.sum())
+        return stats
+
+    # ------------------------------------------------------------------ step
+    def step(self, batch: TrajectoryBatch) -> dict[str, float]:
+        """One optimizer step on `batch`; returns its metrics. A NaN/inf loss or gradient skips
+        the update (weights untouched), saves the batch to `dump_dir`, and says so."""
+        cfg, t0 = self.config, time.perf_counter()
+        adv_std = cfg.loss == "ppo_clip" and cfg.loss_config.ppo_std_adv
+        adv = group_advantages(batch.rewards, batch.group_ids, normalize_std=adv_std)
+        bsz = len(batch)
+        lps, entropies, losses, extra = [], [], [], {}
+        for i in range(0, bsz, cfg.micro_batch_size):
+            idx = list(range(i, min(bsz, i + cfg.micro_batch_size)))
+            sub = batch.select(idx)
+            lp, ent = sequence_logprobs(self.model, sub.sequences, cfg.temperature, return_entropy=True)
+            lp_pad = sub.pad(lp)
+            loss, extra = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config)
+            (loss * (len(idx) / bsz)).backward()
+            losses.append(float(loss.detach()) * len(idx) / bsz)
+            lps += [x.detach() for x in lp]
+            entropies += ent
+        learner_lp = batch.pad(lps)
+        loss_value = sum(losses)
+        grads = [p.grad for p in self.model.parameters()]
+        finite = math.isfinite(loss_value) and all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+        metrics: dict[str, float] = {"train/loss": loss_value, "train/step": float(self.steps),
+                                     "train/lr": float(self.scheduler.get_last_lr()[0])}
+        if not finite:
+            self.model.zero_grad(set_to_none=True)
+            metrics["train/skipped_nonfinite"] = 1.0
+            self.last_dump = self._dump(batch)
+            return metrics
+        if cfg.compute_dtype != "float32":  # float32 master weights take the step
+            for m, p in zip(self.master, self.model.parameters()):
+                m.grad = None if p.grad is None else p.grad.float()
+        if cfg.decompose_every and self.steps % cfg.decompose_every == 0:
+            metrics.update(self.decompose(batch, learner_lp))  # needs the pre-update weights
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.master, cfg.max_grad_norm)
+        metrics["train/grad_norm"] = float(grad_norm)  # before clipping
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        if cfg.compute_dtype != "float32":
+            with torch.no_grad():
+                for m, p in zip(self.master, self.model.parameters()):
+                    p.copy_(m)
+        # diagnostics are about the weights that computed this step's loss (before the update)
+        metrics.update(mismatch_stats(learner_lp, batch.rollout_logprobs, batch.mask))
+        metrics.update(importance_weight_stats(learner_lp, batch.rollout_logprobs, batch.mask))
+        metrics.update(lag_stats(batch.versions, batch.mask, self.version))
+        metrics.update(response_stats(batch.mask, batch.rewards, batch.pad(entropies)))
+        metrics.update({k: v for k, v in extra.items()})
+        self.version += 1
+        self.steps += 1
+        self.history[self.version] = self._snapshot()
+        for v in [v for v in self.history if v < self.version - cfg.max_policy_lag]:
+            del self.history[v]
+        metrics["train/policy_version"] = float(self.version)
+        metrics["time/train_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _dump(self, batch: TrajectoryBatch) -> str | None:
+        if self.config.dump_dir is None:
+            print(f"parity: step {self.steps}: non-finite loss or gradient; update skipped "
+                  f"(set dump_dir to keep the batch)")
+            return None
+        path = Path(self.config.dump_dir) / f"nonfinite_step{self.steps}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save([vars(t) for t in batch.trajectories], path)
+        print(f"parity: step {self.steps}: non-finite loss or gradient; update skipped, "
+              f"batch saved to {path}")
+        return str(path)

@@ -1,0 +1,142 @@
+"""Policy-gradient objectives as pure functions of learner log-probs and a batch.
+
+Notation: μ the rollout policy, π the learner, per token w = π/μ = exp(lp − rollout_lp), A_i the
+advantage of response i, |y_i| its number of sampled (masked-in) tokens, N the number of
+responses. Every loss has the shape L = −(1/N) Σ_i (1/|y_i|) Σ_t f_it, tokens averaged within a
+response, responses averaged in the batch. Inputs are padded [B, L] tensors: `logprobs` (learner,
+differentiable), `rollout_logprobs`, `mask` (1 on sampled tokens) and `advantages` [B].
+Each returns (loss, stats) where stats are detached floats (`loss/...` keys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """A_i = R_i − mean(R over i's group) (optionally divided by the group's std + eps)."""
+    adv = torch.empty_like(rewards)
+    for g in group_ids.unique():
+        sel = group_ids == g
+        r = rewards[sel]
+        a = r - r.mean()
+        if normalize_std:
+            a = a / (r.std(unbiased=False) + eps)
+        adv[sel] = a
+    return adv
+
+
+@dataclass
+class LossConfig:
+    """Parameters of the objectives (each loss reads the fields it needs)."""
+
+    tis_cap: float = 2.0
+    """tis: importance weights are truncated at this value (C)."""
+    icepop_low: float = 0.5
+    """icepop: tokens whose weight is below this are masked out (α)."""
+    icepop_high: float = 5.0
+    """icepop: tokens whose weight is above this are masked out (β)."""
+    gate_low: float = 0.5
+    """seq_gate: a response is rejected when exp(mean log w) is below this."""
+    gate_high: float = 2.0
+    """seq_gate: ... or above this."""
+    gate_max_k3: float = 1.0
+    """seq_gate: ... or when its mean k3 = w − 1 − log w exceeds this."""
+    ppo_eps: float = 0.2
+    """ppo_clip: the ratio is clipped to [1 − ε, 1 + ε]."""
+    ppo_std_adv: bool = False
+    """ppo_clip: divide advantages by the group's reward std (GRPO)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tis_cap", "icepop_high", "gate_high", "gate_max_k3", "ppo_eps"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.icepop_low < self.icepop_high:
+            raise ConfigError("LossConfig.icepop_low must be in [0, icepop_high)")
+        if not 0 <= self.gate_low < self.gate_high:
+            raise ConfigError("LossConfig.gate_low must be in [0, gate_high)")
+
+
+def _response_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(1/|y_i|) Σ_t values_it over masked-in tokens, per response. [B, L] -> [B]"""
+    return (values * mask).sum(1) / mask.sum(1)
+
+
+def _objective(per_token: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """−(1/N) Σ_i A_i (1/|y_i|) Σ_t per_token_it — shared by every loss so that identical
+    per-token values give bit-identical gradients."""
+    return -(_response_mean(per_token, mask) * adv).mean()
+
+
+def _weights(lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.exp((lp - rollout_lp) * mask)  # exactly 1 on masked-out positions
+
+
+def reinforce_zero(lp, rollout_lp, mask, adv, cfg: LossConfig):
+    """L = −(1/N) Σ_i (1/|y_i|) Σ_t w_it A_i, w unclipped: gradient w·A·∇log π. No gates."""
+    w = _weights(lp, rollout_lp, mask)
+    return _objective(w, mask, adv), {}
+
+
+def on_policy(lp, rollout_lp, mask, adv, cfg: LossConfig):
+    """Plain REINFORCE: L = −(1/N) Σ_i (1/|y_i|) Σ_t log π_it A_i (no importance weight)."""
+    return _objective(lp, mask, adv), {}
+
+
+def tis(lp, rollout_lp, mask, adv, cfg: LossConfig):
+    """Truncated IS: L = −(1/N) Σ_i (1/|y_i|) Σ_t sg(min(w_it, C)) log π_it A_i."""
+    w = _weights(lp, rollout_lp, mask).detach()
+    capped = torch.clamp(w, max=cfg.tis_cap)
+    frac = float(((w > cfg.tis_cap).float() * mask).sum() / mask.sum())
+    return _objective(capped * lp, mask, adv), {"loss/frac_truncated": frac}
+
+
+def icepop(lp, rollout_lp, mask, adv, cfg: LossConfig):
+    """Token masking (IcePop / MIS): L = −(1/N) Σ_i (1/|y_i|) Σ_t 1[α ≤ w_it ≤ β] w_it A_i."""
+    w = _weights(lp, rollout_lp, mask)
+    keep = ((w.detach() >= cfg.icepop_low) & (w.detach() <= cfg.icepop_high)).float()
+    frac = float(((1 - keep) * mask).sum() / mask.sum())
+    return _objective(w * keep, mask, adv), {"loss/frac_masked": frac}
+
+
+def seq_gate(lp, rollout_lp, mask, adv, cfg: LossConfig):
+    """Sequence gate: response i is dropped unless gate_low ≤ exp(mean_t log w) ≤ gate_high and
+    mean_t k3 ≤ gate_max_k3 (k3 = w − 1 − log w); kept ones use the REINFORCE Zero term.
+    L = −(1/N) Σ_i g_i (1/|y_i|) Σ_t w_it A_i."""
+    log_w = (lp - rollout_lp) * mask
+    w = torch.exp(log_w)
+    with torch.no_grad():
+        seq_ratio = torch.exp(_response_mean(log_w, mask))
+        k3 = _response_mean(w - 1 - log_w, mask)
+        gate = ((seq_ratio >= cfg.gate_low) & (seq_ratio <= cfg.gate_high) & (k3 <= cfg.gate_max_k3)).float()
+    return _objective(w, mask, adv * gate), {"loss/frac_rejected": float(1 - gate.mean())}
+
+
+def ppo_clip(lp, rollout_lp, mask, adv, cfg: LossConfig):
+    """GRPO-style PPO clip on the ratio to the rollout policy:
+    L = −(1/N) Σ_i (1/|y_i|) Σ_t min(w_it A_i, clip(w_it, 1 − ε, 1 + ε) A_i)."""
+    w = _weights(lp, rollout_lp, mask)
+    a = adv.unsqueeze(1)
+    clipped = torch.clamp(w, 1 - cfg.ppo_eps, 1 + cfg.ppo_eps)
+    per_token = torch.minimum(w * a, clipped * a)
+    frac = float((((w.detach() - clipped.detach()).abs() > 0).float() * mask).sum() / mask.sum())
+    ones = torch.ones_like(adv)
+    return _objective(per_token, mask, ones), {"loss/frac_clipped": frac}
+
+
+LOSSES: dict[str, Callable] = {
+    "reinforce_zero": reinforce_zero, "tis": tis, "icepop": icepop, "mis": icepop,
+    "seq_gate": seq_gate, "ppo_clip": ppo_clip, "on_policy": on_policy,
+}
+
+
+def get_loss(name: str) -> Callable:
+    if name not in LOSSES:
+        raise ConfigError(f"unknown loss {name!r}: expected one of {', '.join(LOSSES)}")
+    return LOSSES[name]

@@ -1,0 +1,106 @@
+"""Trajectories: what the rollout side hands the learner, validated on construction.
+
+Per response: all token ids (prompt + completion, multi-turn allowed), `loss_mask` (1 on
+model-sampled tokens, 0 on prompt and environment tokens), `rollout_logprobs` and the
+`policy_version` of every sampled token, a scalar reward and a group id (responses to the same
+prompt). Per-token lists are aligned with `token_ids`; entry t describes token t.
+`TrajectoryBatch` pads them into tensors over the scored positions 1..n-1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import InputError
+
+
+@dataclass
+class Trajectory:
+    token_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    policy_versions: list[int]
+    reward: float
+    group_id: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def from_output(out, reward: float, group_id: int, **metadata) -> Trajectory:
+        """From an engine `RequestOutput` (prompt tokens get mask 0, version -1)."""
+        p = len(out.prompt_token_ids)
+        return Trajectory(out.full_token_ids, [0] * p + list(out.loss_mask),
+                          [0.0] * p + list(out.logprobs), [-1] * p + list(out.policy_versions),
+                          float(reward), group_id, dict(metadata))
+
+    def validate(self, index: int) -> None:
+        where = f"response {index}"
+        n = len(self.token_ids)
+        if n < 2:
+            raise InputError(f"{where}: token_ids needs at least 2 tokens, has {n}")
+        for name in ("loss_mask", "rollout_logprobs", "policy_versions"):
+            m = len(getattr(self, name))
+            if m != n:
+                raise InputError(f"{where}: {name} has {m} entries, token_ids has {n}")
+        if any(v not in (0, 1) for v in self.loss_mask):
+            raise InputError(f"{where}: loss_mask must hold only 0 and 1")
+        if self.loss_mask[0]:
+            raise InputError(f"{where}: loss_mask[0] must be 0 (the first token has no log-prob)")
+        if sum(self.loss_mask) == 0:
+            raise InputError(f"{where}: loss_mask selects no token")
+        for t, (m, lp) in enumerate(zip(self.loss_mask, self.rollout_logprobs)):
+            if m and not (math.isfinite(lp) and lp <= 0.0):
+                raise InputError(f"{where}: rollout_logprobs[{t}] = {lp!r} is not a finite log-prob")
+            if m and self.policy_versions[t] < 0:
+                raise InputError(f"{where}: policy_versions[{t}] is missing for a sampled token")
+        if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
+            raise InputError(f"{where}: reward {self.reward!r} is not a finite number")
+
+
+class TrajectoryBatch:
+    """Responses padded into tensors over scored positions (token t+1 for t = 0..n-2).
+
+    Tensors: `mask`, `rollout_logprobs` [B, L] float32, `versions` [B, L] int64 (-1 where
+    masked out), `rewards` [B] float32, `group_ids` [B] int64.
+    """
+
+    def __init__(self, trajectories: Sequence[Trajectory]):
+        if not trajectories:
+            raise InputError("empty trajectory batch")
+        for i, tr in enumerate(trajectories):
+            tr.validate(i)
+        self.trajectories = list(trajectories)
+        bsz = len(trajectories)
+        width = max(len(t.token_ids) for t in trajectories) - 1
+        self.mask = torch.zeros(bsz, width)
+        self.rollout_logprobs = torch.zeros(bsz, width)
+        self.versions = torch.full((bsz, width), -1, dtype=torch.long)
+        for i, t in enumerate(trajectories):
+            n = len(t.token_ids) - 1
+            self.mask[i, :n] = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
+            self.rollout_logprobs[i, :n] = torch.tensor(t.rollout_logprobs[1:], dtype=torch.float32)
+            self.versions[i, :n] = torch.tensor(t.policy_versions[1:])
+        self.versions[self.mask == 0] = -1
+        self.rewards = torch.tensor([float(t.reward) for t in trajectories])
+        self.group_ids = torch.tensor([int(t.group_id) for t in trajectories])
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        return [t.token_ids for t in self.trajectories]
+
+    def select(self, index: Sequence[int]) -> TrajectoryBatch:
+        return TrajectoryBatch([self.trajectories[i] for i in index])
+
+    def pad(self, per_response: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Stack per-response vectors of n_i - 1 scored positions into [B, L] (zeros after)."""
+        out = torch.zeros(len(self), self.mask.shape[1], dtype=per_response[0].dtype)
+        for i, v in enumerate(per_response):
+            out[i, :v.numel()] = v
+        return out

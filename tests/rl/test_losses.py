@@ -1,0 +1,127 @@
+"""Each objective against a hand computation (value and gradient) on a tiny batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parity.errors import ConfigError
+from parity.rl import LossConfig, get_loss, group_advantages
+
+LP = [[-1.0, -0.5, -2.0], [-0.2, -3.0, 0.0]]
+RLP = [[-1.2, -0.1, -2.0], [-0.9, -1.0, 0.0]]
+MASK = [[1, 1, 1], [1, 1, 0]]
+ADV = [0.5, -1.5]
+N = 2
+
+
+def run(name, **cfg):
+    lp = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
+    f64 = dict(dtype=torch.float64)
+    loss, stats = get_loss(name)(lp, torch.tensor(RLP, **f64), torch.tensor(MASK, **f64),
+                                 torch.tensor(ADV, **f64), LossConfig(**cfg))
+    loss.backward()
+    return float(loss), lp.grad.tolist(), stats
+
+
+def hand(per_token, d_per_token):
+    """value and gradient of −(1/N) Σ_i A_i (1/|y_i|) Σ_t f_it for given f and df/dlp."""
+    value, grad = 0.0, [[0.0] * 3 for _ in range(2)]
+    for i in range(2):
+        n = sum(MASK[i])
+        for t in range(3):
+            if MASK[i][t]:
+                value += -ADV[i] * per_token(i, t) / n / N
+                grad[i][t] = -ADV[i] * d_per_token(i, t) / n / N
+    return value, grad
+
+
+def w(i, t):
+    return math.exp(LP[i][t] - RLP[i][t])
+
+
+def close(a, b):
+    assert a == pytest.approx(b, rel=1e-12, abs=1e-14)
+
+
+def grads_close(a, b):
+    assert torch.allclose(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
+                          rtol=1e-12, atol=1e-14), (a, b)
+
+
+def test_reinforce_zero():
+    value, grad, _ = run("reinforce_zero")
+    v, g = hand(w, w)
+    close(value, v)
+    grads_close(grad, g)
+
+
+def test_on_policy():
+    value, grad, _ = run("on_policy")
+    v, g = hand(lambda i, t: LP[i][t], lambda i, t: 1.0)
+    close(value, v)
+    grads_close(grad, g)
+
+
+def test_tis_truncates_and_detaches():
+    value, grad, stats = run("tis", tis_cap=1.2)
+    cap = lambda i, t: min(w(i, t), 1.2)  # noqa: E731
+    v, g = hand(lambda i, t: cap(i, t) * LP[i][t], cap)
+    close(value, v)
+    grads_close(grad, g)
+    capped = sum(1 for i in range(2) for t in range(3) if MASK[i][t] and w(i, t) > 1.2)
+    assert stats["loss/frac_truncated"] == pytest.approx(capped / 5) and capped > 0
+
+
+def test_icepop_masks_tokens_outside_band():
+    value, grad, stats = run("icepop", icepop_low=0.5, icepop_high=1.5)
+    keep = lambda i, t: 1.0 if 0.5 <= w(i, t) <= 1.5 else 0.0  # noqa: E731
+    v, g = hand(lambda i, t: keep(i, t) * w(i, t), lambda i, t: keep(i, t) * w(i, t))
+    close(value, v)
+    grads_close(grad, g)
+    assert stats["loss/frac_masked"] == pytest.approx(2 / 5)
+
+
+def test_seq_gate_rejects_whole_responses():
+    value, grad, stats = run("seq_gate", gate_low=0.8, gate_high=1.25, gate_max_k3=10.0)
+    ratios = [math.exp(sum(LP[i][t] - RLP[i][t] for t in range(3) if MASK[i][t]) / sum(MASK[i]))
+              for i in range(2)]
+    gate = [1.0 if 0.8 <= r <= 1.25 else 0.0 for r in ratios]
+    v, g = hand(lambda i, t: gate[i] * w(i, t), lambda i, t: gate[i] * w(i, t))
+    close(value, v)
+    grads_close(grad, g)
+    assert stats["loss/frac_rejected"] == pytest.approx(1 - sum(gate) / 2)
+    assert 0 < sum(gate) < 2  # the example exercises both outcomes
+
+
+def test_ppo_clip():
+    eps = 0.2
+    value, grad, stats = run("ppo_clip", ppo_eps=eps)
+    value_h, grad_h = 0.0, [[0.0] * 3 for _ in range(2)]
+    for i in range(2):
+        n = sum(MASK[i])
+        for t in range(3):
+            if not MASK[i][t]:
+                continue
+            r, a = w(i, t), ADV[i]
+            clipped = min(max(r, 1 - eps), 1 + eps)
+            value_h += -min(r * a, clipped * a) / n / N
+            grad_h[i][t] = -(r * a if r * a <= clipped * a else 0.0) / n / N
+    close(value, value_h)
+    grads_close(grad, grad_h)
+
+
+def test_group_advantages():
+    r = torch.tensor([1.0, 0.0, 1.0, 3.0, 5.0])
+    g = torch.tensor([0, 0, 0, 1, 1])
+    assert group_advantages(r, g).tolist() == pytest.approx([1 / 3, -2 / 3, 1 / 3, -1.0, 1.0])
+    assert group_advantages(r, g, normalize_std=True)[3:].tolist() == pytest.approx([-1.0, 1.0], rel=1e-5)
+
+
+def test_unknown_loss_and_bad_config():
+    with pytest.raises(ConfigError, match="unknown loss 'ppo'"):
+        get_loss("ppo")
+    with pytest.raises(ConfigError, match="icepop_low"):
+        LossConfig(icepop_low=6.0)
