@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import ParityError
 from .model import Decoder, sequence_logprobs
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
@@ -159,7 +160,8 @@ def case_process(model, seqs, refs, temperature=1.0) -> Pairs:
         proc = subprocess.run([sys.executable, "-c", _CHILD, str(Path(tmp) / "spec.json")],
                               capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
-            raise RuntimeError(f"child process failed: {proc.stderr.strip().splitlines()[-1:]}")
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ParityError(f"check 'process': the child process failed: {last}")
         out = torch.load(spec["out"])
     return list(zip(refs, out))
 

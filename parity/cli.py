@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -28,6 +29,8 @@ def _csv(kind):
 
 
 def _dtypes(names: list[str]) -> list[str]:
+    if not names:
+        raise ParityError("no dtype given: expected float32 and/or bfloat16")
     for n in names:
         if n not in _DTYPES:
             raise ParityError(f"unknown dtype {n!r}: expected float32 or bfloat16")
@@ -98,11 +101,14 @@ def cmd_check(args) -> int:
 # ----------------------------------------------------------------------------- bench
 def cmd_bench_kernels(args) -> int:
     from .bench import bench_kernels
+    from .model import ModelConfig
 
     for p in args.presets:
-        if p not in ("tiny", "small"):
-            raise ParityError(f"unknown preset {p!r}: expected tiny or small")
-    if any(b <= 0 for b in args.batches):
+        limit = ModelConfig.preset(p).max_position_embeddings
+        if args.prefill_len > limit or 32 + args.decode_steps > limit:
+            raise ParityError(f"--prefill-len / --decode-steps exceed preset {p}'s "
+                              f"max_position_embeddings={limit}")
+    if not args.batches or any(b <= 0 for b in args.batches):
         raise ParityError("--batches must be positive integers")
     rows = bench_kernels(presets=args.presets, dtypes=_dtypes(args.dtypes), batches=args.batches,
                          prefill_len=args.prefill_len, decode_steps=args.decode_steps, reps=args.reps,
@@ -124,9 +130,14 @@ def cmd_bench_kernels(args) -> int:
 
 def cmd_bench_rollout(args) -> int:
     from .bench import bench_rollout
+    from .model import ModelConfig
 
-    if args.preset not in ("tiny", "small"):
-        raise ParityError(f"unknown preset {args.preset!r}: expected tiny or small")
+    limit = ModelConfig.preset(args.preset).max_position_embeddings
+    if not args.mean_len >= 1:
+        raise ParityError("--mean-len must be at least 1")
+    if args.max_len + 64 > limit:
+        raise ParityError(f"--max-len {args.max_len} plus 64 prompt tokens exceeds preset "
+                          f"{args.preset}'s max_position_embeddings={limit}")
     if args.vs_transformers:
         try:
             import transformers  # noqa: F401
@@ -181,8 +192,13 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
                     item = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ParityError(f"{args.prompts_file}:{n}: invalid JSON ({exc.msg})") from None
+                ids = item.get("prompt_ids") if isinstance(item, dict) else None
+                if not isinstance(item, dict):
+                    raise ParityError(f"{args.prompts_file}:{n}: expected a JSON object")
                 if "prompt_ids" in item:
-                    prompts.append(list(item["prompt_ids"]))
+                    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                        raise ParityError(f"{args.prompts_file}:{n}: prompt_ids must be a list of integers")
+                    prompts.append(ids)
                 elif "prompt" in item:
                     prompts.append(tokenizer.encode(str(item["prompt"])))
                 else:
@@ -293,10 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_seqs", "max_num_seqs"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.command == "check" and args.max_len < 2:
+        parser.error("--max-len must be at least 2")
     try:
         return args.func(args)
-    except (ParityError, ValueError) as exc:
-        print(f"parity: error: {exc}", file=sys.stderr)
+    except (ParityError, ValueError, OverflowError, MemoryError, OSError, RuntimeError) as exc:
+        if os.environ.get("PARITY_DEBUG"):
+            raise
+        print(f"parity: error: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+              f"{'' if isinstance(exc, ParityError) else ' (PARITY_DEBUG=1 shows the traceback)'}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("parity: interrupted", file=sys.stderr)

@@ -127,3 +127,27 @@ def test_both_backends_in_one_process_agree_closely():
     with torch.no_grad():
         for x, y in zip(parity.sequence_logprobs(a, seqs), parity.sequence_logprobs(s, seqs)):
             assert torch.allclose(x, y, atol=1e-5)
+
+
+def test_block_size_must_be_a_multiple_of_16():
+    with pytest.raises(ConfigError, match="block_size"):
+        parity.Model(parity.ModelConfig.preset("tiny"), block_size=8)
+
+
+def test_empty_inputs_are_no_ops(tiny):
+    assert parity.sequence_logprobs(tiny, []) == []
+    assert parity.Decoder(tiny).extend({}) == {}
+
+
+def test_pointwise_padding_stays_small_with_many_threads():
+    from parity.ops.aligned import _padded_length, pointwise
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(20)
+        for n in (1, 1000, 70_001, 1_000_003):
+            assert n <= _padded_length(n) <= n + 64 * 20
+        x = torch.randn(70_001)
+        assert torch.equal(pointwise(torch.sigmoid, x), pointwise(torch.sigmoid, x.clone()))
+    finally:
+        torch.set_num_threads(before)

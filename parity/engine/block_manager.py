@@ -10,8 +10,9 @@ from .sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, on_release=None):
         self.block_size = block_size
+        self.on_release = on_release  # called with freed block ids (the cache zeroes them)
         self.num_blocks = num_blocks
         self.free: list[int] = list(range(num_blocks, 0, -1))
         self.tables: dict[int, list[int]] = {}
@@ -34,8 +35,7 @@ class BlockManager:
         return self.tables[seq.request_id]
 
     def release(self, seq: Sequence) -> None:
-        self.free.extend(reversed(self.tables.pop(seq.request_id, [])))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
+        blocks = self.tables.pop(seq.request_id, [])
+        if self.on_release is not None:
+            self.on_release(blocks)
+        self.free.extend(reversed(blocks))

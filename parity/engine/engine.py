@@ -22,7 +22,7 @@ from ..errors import InputError
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .sampler import Sampler
-from .scheduler import Scheduler
+from .scheduler import CacheFull, Scheduler
 from .sequence import RequestOutput, SamplingParams, Sequence, Status
 
 WEIGHT_MODES = ("inflight", "drain")
@@ -39,9 +39,9 @@ class Engine:
         if kv_cache_tokens is None:
             kv_cache_tokens = max_num_seqs * min(model.config.max_position_embeddings, 2048)
         num_blocks = max(1, -(-kv_cache_tokens // bs))
-        self.blocks = BlockManager(num_blocks, bs)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks)
+        self.blocks = BlockManager(num_blocks, bs, on_release=self.runner.cache.zero_blocks)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler(model, seed)
         self.policy_version = 0
         self._pending: tuple[Mapping[str, torch.Tensor], int] | None = None
@@ -73,6 +73,10 @@ class Engine:
         if len(ids) >= limit:
             raise InputError(f"prompt: length {len(ids)} leaves no room to generate "
                              f"(max_position_embeddings={limit})")
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if len(ids) + 1 > capacity:
+            raise InputError(f"prompt: length {len(ids)} does not fit the KV cache "
+                             f"({capacity} tokens; raise kv_cache_tokens)")
         rid = next(self._ids)
         seq = Sequence(rid, ids, params, prompt_len=len(ids), multi_turn=multi_turn,
                        arrival=next(self._arrivals))
@@ -92,6 +96,8 @@ class Engine:
             raise InputError(f"request {request_id}: environment tokens exceed the context")
         seq.append_environment(ids)
         if params is not None:
+            if params.seed is not None and params.seed != seq.params.seed:
+                seq.generator = torch.Generator().manual_seed(params.seed)
             seq.params = params
         seq.turn_tokens = 0
         seq.finish_reason = None
@@ -99,6 +105,8 @@ class Engine:
 
     def release(self, request_id: int) -> RequestOutput:
         """Finish a (paused) request for good and free its cache."""
+        if request_id not in self.seqs:
+            raise InputError(f"request {request_id}: no such request in this engine")
         seq = self.seqs.pop(request_id)
         self.scheduler.release(seq)
         return self._output(seq)
@@ -111,19 +119,29 @@ class Engine:
         finish on the old weights; then the new weights are loaded."""
         if mode not in WEIGHT_MODES:
             raise InputError(f"unknown weight update mode {mode!r}: expected one of {WEIGHT_MODES}")
+        params = dict(self.model.named_parameters())
+        for name, value in state.items():  # check everything before touching any weight
+            if name not in params:
+                raise InputError(f"update_weights: unknown tensor {name}")
+            if tuple(value.shape) != tuple(params[name].shape):
+                raise InputError(f"update_weights: tensor {name} has shape {tuple(value.shape)}, "
+                                 f"the model's is {tuple(params[name].shape)}")
+            if not torch.isfinite(value).all():
+                raise InputError(f"update_weights: tensor {name} contains NaN or inf")
         if mode == "inflight" or not self.scheduler.running:
-            self._load(state, version)
+            self._load(state, version, drained=mode == "drain")
         else:
             self._pending = (state, version)
             self.scheduler.admit = False
 
-    def _load(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+    def _load(self, state: Mapping[str, torch.Tensor], version: int, drained: bool = False) -> None:
         with torch.no_grad():
             params = dict(self.model.named_parameters())
             for name, value in state.items():
-                if name not in params:
-                    raise InputError(f"update_weights: unknown tensor {name}")
                 params[name].copy_(value)
+        self.model.invalidate_fused()
+        if drained:  # paused multi-turn caches were built by the old weights
+            self.scheduler.drop_paused_caches()
         self.policy_version = version
         self._pending = None
         self.scheduler.admit = True
@@ -140,8 +158,10 @@ class Engine:
         if eos is not None and token == eos and not p.ignore_eos:
             return "eos"
         if p.stop_strings and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.token_ids[seq.prompt_len:])
-            if any(text.endswith(s) for s in p.stop_strings):
+            # the tail of this turn's text: enough tokens to hold the longest stop string
+            span = max(len(s) for s in p.stop_strings) + 1
+            tail = self.tokenizer.decode(seq.token_ids[-min(seq.turn_tokens, span):])
+            if any(s in tail for s in p.stop_strings):
                 return "stop"
         if seq.turn_tokens >= p.max_tokens:
             return "length"
@@ -152,9 +172,19 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward and sample; return requests that finished or paused."""
         if self._pending is not None and not self.scheduler.running:
-            self._load(*self._pending)
+            self._load(*self._pending, drained=True)
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        try:
+            batch = self.scheduler.schedule()
+        except CacheFull as full:  # this request can never fit: fail it, keep the others
+            seq = full.seq
+            self.scheduler.release(seq)
+            self.seqs.pop(seq.request_id, None)
+            seq.finish_reason = "error"
+            out = self._output(seq)
+            out.error = (f"request {seq.request_id}: KV cache too small for {len(seq)} tokens "
+                         f"(raise kv_cache_tokens)")
+            return [out]
         if not batch:
             return []
         ready, logits = self.runner.run(batch, self.blocks)

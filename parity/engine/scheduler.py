@@ -15,6 +15,14 @@ from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
 
+class CacheFull(Exception):
+    """A sequence cannot grow even with every other sequence preempted."""
+
+    def __init__(self, seq: Sequence):
+        super().__init__(f"request {seq.request_id}")
+        self.seq = seq
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.blocks = blocks
@@ -31,13 +39,17 @@ class Scheduler:
         self.waiting.append(seq)
 
     def resume(self, seq: Sequence) -> None:
-        """A paused multi-turn sequence got new tokens: schedule it again, cache kept."""
+        """A paused multi-turn sequence got new tokens: queue it first for admission (under the
+        same limits as new requests); its cached blocks, if any, are kept."""
         self.paused.pop(seq.request_id, None)
-        if seq.request_id in self.blocks.tables:
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-        else:
-            self.add(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def drop_paused_caches(self) -> None:
+        """Free paused sequences' caches (built by old weights): they recompute when continued."""
+        for seq in self.paused.values():
+            self.blocks.release(seq)
+            seq.num_computed = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -45,10 +57,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
         seq.num_computed = 0
-        seq.status = Status.WAITING
         self.num_preemptions += 1
         if seq.request_id in self.paused:
             return  # stays paused; recomputed when continued
+        seq.status = Status.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
@@ -59,10 +71,10 @@ class Scheduler:
             if victims:
                 self._preempt(victims[0])
                 continue
-            others = [s for s in self.running if s is not seq]
-            if not others:
-                return False
-            self._preempt(max(others, key=lambda s: s.arrival))
+            youngest = max(self.running, key=lambda s: s.arrival) if self.running else seq
+            if youngest is seq or seq not in self.running:
+                return False  # the caller itself is the one to wait
+            self._preempt(youngest)
         return True
 
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -74,7 +86,15 @@ class Scheduler:
                 continue
             n = min(seq.num_pending, budget)
             if not self._make_room(seq, seq.num_computed + n):
-                continue
+                owned = len(self.blocks.tables.get(seq.request_id, ()))
+                room = (owned + len(self.blocks.free)) * self.blocks.block_size - seq.num_computed
+                if room >= 1:
+                    n = min(n, room)  # feed what fits now
+                elif len(self.running) == 1:
+                    raise CacheFull(seq)  # alone and no room at all: it can never continue
+                else:
+                    self._preempt(seq)  # the youngest waits for older ones to finish
+                    continue
             if seq.status is Status.RUNNING:  # not preempted by an earlier sequence's growth
                 self.blocks.grow(seq, seq.num_computed + n)
                 batch.append((seq, n))
@@ -84,11 +104,14 @@ class Scheduler:
             seq = self.waiting[0]
             n = min(seq.num_pending, budget)
             if not self.blocks.can_grow(seq, seq.num_computed + n):
+                victims = [s for s in self.paused.values() if s.request_id in self.blocks.tables]
+                if victims:
+                    self._preempt(victims[0])
+                    continue
                 if not self.running and not batch:  # nothing else could free memory
-                    if not self._make_room(seq, seq.num_computed + n):
-                        raise MemoryError("KV cache too small for one sequence's prefill chunk")
-                else:
-                    break
+                    self.waiting.popleft()
+                    raise CacheFull(seq)
+                break
             self.waiting.popleft()
             self.blocks.grow(seq, seq.num_computed + n)
             seq.status = Status.RUNNING

@@ -48,6 +48,11 @@ class SamplingParams:
             raise InputError(f"SamplingParams.top_k must be >= 0, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise InputError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise InputError("SamplingParams.stop_strings must be a list of non-empty strings")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise InputError("SamplingParams.stop_token_ids must be a list of integers")
 
     @property
     def greedy(self) -> bool:
@@ -59,13 +64,13 @@ class SamplingParams:
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # has tokens not yet in the cache and holds no blocks (new or preempted)
+    WAITING = "waiting"  # queued for admission (new, preempted, or a resumed multi-turn request)
     RUNNING = "running"  # holds cache blocks; scheduled every step
     PAUSED = "paused"  # multi-turn: finished a turn, keeps its cache until continued/released
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-by-field comparison, in the scheduler's queues
 class Sequence:
     request_id: int
     token_ids: list[int]

@@ -70,7 +70,7 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
         raise CheckpointError(str(exc)) from None
     raw = json.loads((path / "config.json").read_text())
     if dtype is None:
-        dtype = _DTYPES.get(str(raw.get("torch_dtype", "float32")), torch.float32)
+        dtype = _DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32)
         dtype = torch.float32 if dtype == torch.float16 else dtype
     tensors = _read_tensors(path)
     model = Model(config, kernels=kernels, dtype=dtype, seed=None,

@@ -31,6 +31,12 @@ class KVCache:
         self.k[layer][block, :, :, offset] = k.to(self.k.dtype)
         self.v[layer][block, :, offset, :] = v.to(self.v.dtype)
 
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Clear freed blocks, so no stale (possibly non-finite) value outlives its sequence."""
+        if blocks:
+            idx = torch.tensor(blocks)
+            self.k[:, idx] = 0
+            self.v[:, idx] = 0
 
 
 class SimpleAllocator:

@@ -39,6 +39,8 @@ def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
     """
     _check_temperature(temperature)
     seqs = [_as_tokens(s, f"sequence {i}") for i, s in enumerate(sequences)]
+    if not seqs:
+        return ([], []) if return_entropy else []
     max_len = model.config.max_position_embeddings
     for i, s in enumerate(seqs):
         if s.numel() < 2:
@@ -87,6 +89,8 @@ class Decoder:
         else the logits [V] of its last new token.
         """
         ids = list(new_tokens)
+        if not ids:
+            return {}
         toks = [_as_tokens(new_tokens[s], f"sequence {s}") for s in ids]
         starts = [self.lengths.get(s, 0) for s in ids]
         limit = self.model.config.max_position_embeddings
@@ -95,6 +99,12 @@ class Decoder:
                 raise InputError(f"sequence {s}: length {st + t.numel()} exceeds "
                                  f"max_position_embeddings={limit}")
             self.model.check_tokens(t, f"sequence {s}")
+        bs = self.model.block_size
+        need = sum(max(0, -(-(st + t.numel()) // bs) - len(self.alloc.tables.get(s, ())))
+                   for s, t, st in zip(ids, toks, starts))
+        if need > len(self.alloc.free):
+            raise InputError(f"KV cache full: this step needs {need} more blocks, "
+                             f"{len(self.alloc.free)} are free (raise max_tokens)")
         tables = [self.alloc.ensure(s, st + t.numel()) for s, t, st in zip(ids, toks, starts)]
         batch = ForwardBatch.build(toks, starts, self.model.block_size, tables)
         hidden = self.model(batch, self.cache)

@@ -73,8 +73,9 @@ class Model(nn.Module):
                  dtype: torch.dtype = torch.float32, seed: int | None = 0,
                  block_size: int = DEFAULT_BLOCK_SIZE):
         super().__init__()
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
+                or block_size % 16:
+            raise ConfigError(f"block_size must be a positive multiple of 16, got {block_size!r}")
         self.config = config
         self.kernels = get_kernels(kernels)
         self.block_size = block_size
@@ -132,7 +133,8 @@ class Model(nn.Module):
         """Concatenated projection weight (QKV or gate/up): one GEMM instead of several.
 
         Without autograd the concatenation is cached until a part changes (in-place updates bump
-        a tensor's version counter); with autograd it is rebuilt, so gradients reach the parts.
+        a tensor's version counter; code that writes through `.data` or a fused optimizer must
+        call `invalidate_fused()`); with autograd it is rebuilt, so gradients reach the parts.
         Both paths hold the same values, so the GEMM gives the same bits either way.
         """
         if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
@@ -143,6 +145,10 @@ class Model(nn.Module):
             hit = (key, torch.cat([p.detach() for p in parts]))
             self._fused_cache[(layer, kind)] = hit
         return hit[1]
+
+    def invalidate_fused(self) -> None:
+        """Drop cached concatenated weights (after writing parameters behind autograd's back)."""
+        self._fused_cache.clear()
 
     def forward(self, batch: ForwardBatch, cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states of the batch's new tokens: [T, hidden]."""

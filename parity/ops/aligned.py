@@ -41,26 +41,33 @@ ROW_BLOCK = 1024
 """Rows longer than this are summed in fixed blocks of this many elements, then over blocks."""
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 _VEC_ALIGN = 64
 """Twice the widest vector (32 bf16 lanes of AVX-512): a body/tail boundary is a multiple of it."""
 
 
-def _pad_multiple() -> int:
-    """Flat length multiple that keeps every thread's chunk free of a scalar tail."""
-    n = torch.get_num_threads()
-    lcm = 1
-    for i in range(2, n + 1):
-        lcm = lcm * i // math.gcd(lcm, i)
-    return _VEC_ALIGN * lcm
+_GRAIN = 32768
+"""ATen's parallel grain: a flat element-wise op over n elements is cut into k = min(threads,
+ceil(n / grain)) chunks of ceil(n / k) elements, each with its own vector body and tail."""
+
+
+def _padded_length(n: int) -> int:
+    """Smallest length >= n whose every thread chunk is a whole number of vector pairs."""
+    threads = torch.get_num_threads()
+    length = -(-n // _VEC_ALIGN) * _VEC_ALIGN
+    while True:
+        k = max(1, min(threads, -(-length // _GRAIN)))
+        padded = -(-length // (_VEC_ALIGN * k)) * _VEC_ALIGN * k
+        if padded == length:
+            return length
+        length = padded
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """Apply an element-wise `fn` so that every element takes the vectorised path."""
     x = x.contiguous()
     n = x.numel()
-    pad = (-n) % _pad_multiple()
+    pad = _padded_length(n) - n
     if pad == 0:
         return fn(x)
     flat = torch.cat([x.reshape(-1), x.new_zeros(pad)])
@@ -207,7 +214,7 @@ def attention_torch(
     qf = qf.reshape(bsz, hkv, rows, d)
     if padded > rows:
         qf = torch.cat([qf, qf.new_zeros(bsz, hkv, padded - rows, d)], dim=2)
-    kb = k.to(acc).view(bsz, nblk, block_size, hkv, d).permute(0, 3, 1, 4, 2)  # [B,Hkv,n,D,bs]
+    kb = k.to(acc).view(bsz, nblk, block_size, hkv, d).permute(0, 3, 1, 4, 2).contiguous()  # [B,Hkv,n,D,bs]
     scores = torch.matmul(qf.unsqueeze(2), kb)  # [B, Hkv, nblk, R', bs]
     if padded > rows:
         scores = scores[:, :, :, :rows]
@@ -219,7 +226,7 @@ def attention_torch(
     probs = pointwise(torch.exp2, scores - peak).view(bsz, hkv, nblk, rows, block_size)
     if padded > rows:
         probs = torch.cat([probs, probs.new_zeros(bsz, hkv, nblk, padded - rows, block_size)], 3)
-    vb = v.to(acc).view(bsz, nblk, block_size, hkv, d).permute(0, 3, 1, 2, 4)  # [B,Hkv,n,bs,D]
+    vb = v.to(acc).view(bsz, nblk, block_size, hkv, d).permute(0, 3, 1, 2, 4).contiguous()  # [B,Hkv,n,bs,D]
     partial = torch.matmul(probs, vb)  # [B, Hkv, nblk, R', D]
     denom = probs.sum(-1, keepdim=True)  # fixed length `block_size` per row
     if padded > rows:

@@ -122,7 +122,7 @@ def paged_attention(q, k_blocks, v_blocks, tables, q_pos) -> torch.Tensor:
     tables = tables.to(torch.int64).contiguous()
     pos = q_pos.to(torch.int64).contiguous()
     b, m, hq, d = q.shape
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)  # padding rows (q_pos < 0) stay zero
     getattr(library(), f"parity_attention_{_SUFFIX[kv_dtype]}")(
         _ptr(q), _ptr(k_blocks), _ptr(v_blocks), _ptr(tables), _ptr(pos), _ptr(out), b, m, hq,
         k_blocks.shape[1], d, tables.shape[1], k_blocks.shape[3], 1.0 / float(d) ** 0.5,

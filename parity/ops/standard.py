@@ -49,7 +49,7 @@ def attention(
 
 def paged_attention(q, k_cache, v_cache, tables, q_pos) -> torch.Tensor:
     """Gather each sequence's cached keys/values, then SDPA (what a framework's cache path does)."""
-    return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[1])
+    return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -193,3 +193,49 @@ def test_bad_requests_fail_alone():
     for bad in (dict(max_tokens=0), dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-1.0)):
         with pytest.raises(InputError):
             SamplingParams(**bad)
+
+
+def test_a_request_that_outgrows_the_cache_fails_alone_without_hanging():
+    model = cached_model("tiny", "aligned", "float32", 0, 0.02)
+    eng = parity.Engine(model, max_num_seqs=2, kv_cache_tokens=64)
+    outs = eng.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=200, ignore_eos=True),
+                                               SamplingParams(max_tokens=5)])
+    assert outs[1].error is None and len(outs[1].token_ids) == 5
+    assert outs[0].finish_reason == "error" and "KV cache too small" in outs[0].error
+    assert not eng.has_unfinished()
+    with pytest.raises(InputError, match="does not fit the KV cache"):
+        eng.add_request(list(range(100)))
+
+
+def test_paused_request_preempted_under_pressure_can_still_continue():
+    model = cached_model("tiny", "aligned", "float32", 1, 0.1)
+    eng = parity.Engine(model, max_num_seqs=4, kv_cache_tokens=96)
+    rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, seed=1), multi_turn=True)
+    while eng.seqs[rid].status.value != "paused":
+        eng.step()
+    eng.generate([[9] * 40, [8] * 40], SamplingParams(max_tokens=10))  # forces the paused cache out
+    assert eng.scheduler.num_preemptions > 0
+    eng.continue_request(rid, [50, 51])
+    while eng.has_unfinished():
+        eng.step()
+    out = eng.release(rid)
+    with torch.no_grad():
+        ref = parity.sequence_logprobs(model, [out.full_token_ids])[0][2:]
+    mask = torch.tensor(out.loss_mask, dtype=torch.bool)
+    assert torch.equal(ref[mask], torch.tensor(out.logprobs, dtype=torch.float32)[mask])
+    with pytest.raises(InputError, match="no such request"):
+        eng.release(rid)
+
+
+def test_update_weights_checks_everything_before_copying():
+    model = parity.Model(parity.ModelConfig.preset("tiny"), seed=1)
+    eng = parity.Engine(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    good = parity.Model(parity.ModelConfig.preset("tiny"), seed=2).state_dict()
+    for bad, message in (({**good, "nope": torch.zeros(1)}, "unknown tensor nope"),
+                         ({**good, "model.norm.weight": torch.ones(1)}, "has shape"),
+                         ({**good, "model.norm.weight": torch.full((64,), float("nan"))}, "NaN")):
+        with pytest.raises(InputError, match=message):
+            eng.update_weights(bad, version=1)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert eng.policy_version == 0

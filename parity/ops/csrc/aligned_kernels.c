@@ -1,4 +1,4 @@
-/* Fixed-order CPU kernels for parity's aligned backend (float32 in, float32 out).
+/* Fixed-order CPU kernels for parity's aligned backend (float32 math; float32 or bfloat16 data).
  *
  * Every output element is computed by the same instruction sequence whatever the batch: loops
  * run over one query row / one row of a tensor at a time, reductions go in an order fixed by
@@ -65,18 +65,10 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
     return acc[0];
 }
 
-/* Causal GQA attention. q [B, M, Hq, D], k/v [B, L, Hkv, D], q_pos [B, M], out [B, M, Hq, D].
- * Query (b, m, h) attends to keys 0..q_pos[b, m] of KV head h / (Hq / Hkv). For each key the
- * score is the dot product summed over d = 0..D-1 in order; the softmax max is exact; the
- * denominator and the value sum are accumulated key by key in key order. Work is split into
- * tasks of (b, KV head, QCHUNK queries); a task copies its keys transposed once so that scores
- * of many keys are computed side by side (each key's sum still runs over d in order). */
-#define QCHUNK 16
-
 /* Causal GQA attention over a paged KV store, read in place. q [B, M, Hq, D] float32;
  * key blocks [NB, Hkv, D, bs] (transposed inside a block) and value blocks [NB, Hkv, bs, D],
  * float32 or bfloat16; tables [B, nblk] block ids; q_pos [B, M]; out [B, M, Hq, D] float32
- * (rows with q_pos < 0 are padding and left unwritten); D and bs multiples of 16.
+ * (rows with q_pos < 0 are padding and left untouched); D and bs multiples of 16.
  * Query (b, m, h) attends to keys 0..q_pos of KV head h / (Hq / Hkv): its n = q_pos + 1 keys
  * are a property of the query alone, so every reduction (each score summed over d in order;
  * the exact max; the denominator and the value sum accumulated key by key) is the same
@@ -119,7 +111,7 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
     const int64_t L = nblk * bs;                                                               \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
-        float *scores = scratch(0, (size_t)(L > 0 ? L : LANES));                               \
+        float *scores = scratch((size_t)(L > 0 ? L : LANES));                               \
         _Pragma("omp for schedule(dynamic, 4)")                                                \
         for (int64_t row = 0; row < B * M * Hkv; row++) {                                      \
             const int64_t kh = row % Hkv, bm = row / Hkv, b = bm / M;                          \
@@ -142,15 +134,16 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
     }
 
 /* Per-thread scratch buffers, grown on demand and kept (no allocation per call). */
-static __thread float *scratch_buf[1];
-static __thread size_t scratch_cap[1];
-static float *scratch(int which, size_t n) {
-    if (scratch_cap[which] < n) {
-        free(scratch_buf[which]);
-        scratch_buf[which] = (float *)malloc(sizeof(float) * n);
-        scratch_cap[which] = n;
+static __thread float *scratch_buf;
+static __thread size_t scratch_cap;
+static float *scratch(size_t n) {
+    if (scratch_cap < n) {
+        free(scratch_buf);
+        scratch_buf = (float *)malloc(sizeof(float) * n);
+        scratch_cap = scratch_buf ? n : 0;
+        if (!scratch_buf) abort(); /* out of memory: fail loudly rather than write through NULL */
     }
-    return scratch_buf[which];
+    return scratch_buf;
 }
 
 #define ATTENTION_ARGS(KV_T)                                                                   \
@@ -162,7 +155,7 @@ void parity_attention_f32(ATTENTION_ARGS(float)) { ATTENTION_BODY(float, F32_ID)
 
 void parity_attention_bf16(ATTENTION_ARGS(uint16_t)) { ATTENTION_BODY(uint16_t, bf16_to_f32) }
 
-/* Row log-sum-exp of z / temperature for rows of length n: lse[r] and the row max peak[r]. */
+/* Row log-sum-exp of z * inv_t for rows of length n, into lse[r]. */
 void parity_row_lse(const float *z, float *lse, int64_t rows, int64_t n, float inv_t, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
