@@ -23,7 +23,7 @@ def run(name, **cfg):
     loss, stats = get_loss(name)(lp, torch.tensor(RLP, **f64), torch.tensor(MASK, **f64),
                                  torch.tensor(ADV, **f64), LossConfig(**cfg))
     loss.backward()
-    return float(loss), lp.grad.tolist(), stats
+    return float(loss.detach()), lp.grad.tolist(), stats
 
 
 def hand(per_token, d_per_token):
