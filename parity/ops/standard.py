@@ -48,8 +48,21 @@ def attention(
 
 
 def paged_attention(q, k_cache, v_cache, tables, q_pos) -> torch.Tensor:
-    """Gather each sequence's cached keys/values, then SDPA (what a framework's cache path does)."""
-    return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1])
+    """Gather each sequence's cached keys/values, then SDPA, as a framework's cache path does:
+    sequences are grouped by their number of new tokens (all decodes in one call, each prefill
+    chunk length in its own), so no padded query rows are computed."""
+    counts = (q_pos >= 0).sum(1)
+    if bool((counts == q.shape[1]).all()):
+        return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1])
+    out = q.new_zeros(q.shape)
+    for n in counts.unique().tolist():
+        if n == 0:
+            continue
+        rows = (counts == n).nonzero().flatten()
+        need = -(-(int(q_pos[rows].max()) + 1) // k_cache.shape[-1])  # blocks these rows read
+        k, v = gather_blocks(k_cache, v_cache, tables[rows][:, :need])
+        out[rows, :n] = attention(q[rows, :n], k, v, q_pos[rows, :n], k_cache.shape[-1])
+    return out
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
