@@ -1,4 +1,4 @@
-"""The `parity` command: `check` (invariance self-test), `generate`, `bench kernels|rollout`.
+"""The `parity` command: `check` (invariance self-test), `generate`, `train`, `bench kernels|rollout`.
 
 Every user-facing failure (bad config, checkpoint, option) is printed as one line
 `parity: error: ...` with exit status 2; no traceback.
@@ -241,6 +241,29 @@ def cmd_generate(args) -> int:
     return 0 if all(o.error is None for o in outs) else 1
 
 
+# ----------------------------------------------------------------------------- train
+def cmd_train(args) -> int:
+    from .config import load_config
+    from .rl.controller import Controller
+
+    cfg = load_config(args.config, args.set or [])
+    controller = Controller(cfg)
+
+    def progress(step, m):
+        print(f"step {step + 1:>4}/{cfg.steps}  loss {m['train/loss']:+.4f}  "
+              f"reward {m['reward/mean']:.3f}  lag max {m.get('lag/max', 0):.0f}  "
+              f"w peak/median {m.get('is_weight/peak_over_median', 1):.3f}  "
+              f"kernel mismatch {m.get('mismatch/kernel_max_abs', float('nan')):.3g}  "
+              f"wait {m['time/wait_s']:.2f}s", flush=True)
+
+    metrics = controller.run(progress=progress)
+    last = metrics[-1]
+    print(f"done: {cfg.steps} steps in {cfg.run_dir} "
+          f"({last['throughput/steps_per_hour']:.0f} steps/hour, reward {metrics[0]['reward/mean']:.3f} -> "
+          f"{last['reward/mean']:.3f}); metrics in {cfg.run_dir}/metrics.jsonl")
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parity", description=__doc__.splitlines()[0])
@@ -281,6 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--vs-transformers", action="store_true", help="also time HF generate()")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_bench_rollout)
+
+    t = sub.add_parser("train", help="RL training run (synchronous or asynchronous)")
+    t.add_argument("config", nargs="?", help="TOML config (defaults when omitted)")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="sample completions with the rollout engine")
     gsrc = g.add_mutually_exclusive_group()

@@ -80,3 +80,15 @@ def test_bench_rollout_json():
     out = json.loads(proc.stdout)
     assert {r["system"] for r in out["rows"]} == {"parity-aligned", "parity-standard"}
     assert out["ratios"]["float32/aligned_over_standard"] > 0
+
+
+def test_train_runs_and_rejects_bad_config(tmp_path):
+    sets = ["steps=2", "model.preset=\"tiny\"", f"run_dir=\"{tmp_path}\"", "rollout.prompts_per_step=2",
+            "max_policy_lag=1"]
+    proc = run("train", *[x for s in sets for x in ("--set", s)])
+    assert proc.returncode == 0, proc.stderr
+    assert "step    2/2" in proc.stdout and (tmp_path / "metrics.jsonl").exists()
+    assert (tmp_path / "config.toml").read_text().startswith("steps = 2")
+    bad = run("train", "--set", "rollout.group_size=0")
+    assert bad.returncode == 2 and bad.stderr.startswith("parity: error: rollout.group_size")
+    assert "Traceback" not in bad.stderr

@@ -1,0 +1,215 @@
+"""The controller: a rollout worker process and the learner, with the policy lag bounded.
+
+Seams (small, replaceable by a distributed backend later):
+- `RolloutWorker` (its own process): model + engine + task; for batch b it waits until it holds
+  weights of version >= b - max_policy_lag (exactly that version in deterministic mode), samples
+  `prompts_per_step x group_size` responses and sends the trajectories. Admission control: the
+  producer waits, nothing is dropped.
+- weights flow learner -> worker through a queue, one message per published version;
+  trajectories flow worker -> learner through another, tagged with their batch index.
+- the learner consumes batch s at step s, so every sampled token's lag is <= max_policy_lag;
+  `max_policy_lag = 0` is synchronous on-policy training (strict alternation).
+"""
+
+from __future__ import annotations
+
+import json
+import queue as queue_mod
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from ..config import TrainConfig, to_toml
+from ..errors import ParityError
+from .learner import Learner
+from .trajectory import Trajectory, TrajectoryBatch
+
+
+def build_model(cfg: TrainConfig):
+    from ..model import Model, ModelConfig, load_model
+
+    dtype = getattr(torch, cfg.model.dtype)
+    if cfg.model.checkpoint:
+        return load_model(cfg.model.checkpoint, kernels=cfg.model.kernels, dtype=dtype)
+    return Model(ModelConfig.preset(cfg.model.preset), kernels=cfg.model.kernels, dtype=dtype,
+                 seed=cfg.model.seed)
+
+
+def build_task(cfg: TrainConfig, vocab_size: int):
+    from ..envs import TargetTokensTask
+
+    return TargetTokensTask(vocab_size, cfg.task.targets, cfg.task.prompt_len, cfg.seed)
+
+
+def split_threads(cfg: TrainConfig) -> tuple[int, int]:
+    """(rollout threads, learner threads): both get every core when they alternate (lag 0),
+    the cores are shared out when they run at once."""
+    cores = max(1, torch.get_num_threads())
+    if cfg.max_policy_lag == 0 or cores == 1:
+        return cores, cores
+    return max(1, cores // 2), max(1, cores - cores // 2)
+
+
+def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batch: int,
+                 weights_q, traj_q, stop, threads: int) -> None:
+    """Rollout worker process body."""
+    from ..config import config_from_dict
+    from ..engine import Engine, SamplingParams
+
+    torch.set_num_threads(threads)
+    cfg = config_from_dict(cfg_dict)
+    model = build_model(cfg)
+    model.load_state_dict(init_state)
+    task = build_task(cfg, model.config.vocab_size)
+    engine = Engine(model, max_num_seqs=cfg.rollout.max_num_seqs)
+    engine.policy_version = init_version
+    held = {init_version: init_state}  # versions received but not yet loaded
+    lag = cfg.max_policy_lag
+
+    def receive(block: bool) -> None:
+        try:
+            while True:
+                version, state = weights_q.get(block=block, timeout=0.5 if block else None)
+                held[version] = state
+                block = False
+        except queue_mod.Empty:
+            pass
+
+    b = start_batch
+    while not stop.is_set() and b < cfg.steps:
+        need = max(0, b - lag)
+        receive(block=False)
+        while not stop.is_set() and (need not in held if cfg.deterministic else max(held) < need):
+            receive(block=True)  # admission control: wait for fresh enough weights
+        if stop.is_set():
+            break
+        version = need if cfg.deterministic else max(held)
+        if version != engine.policy_version:
+            engine.update_weights(held[version], version, mode="drain")
+            while engine.has_unfinished():
+                engine.step()
+        for v in [v for v in held if v < version]:
+            del held[v]
+        t0 = time.perf_counter()
+        prompts = task.prompts(b, cfg.rollout.prompts_per_step)
+        group = cfg.rollout.group_size
+        params = [SamplingParams(temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens,
+                                 seed=(cfg.seed * 7919 + b) * 1000 + i, ignore_eos=True)
+                  for i in range(len(prompts) * group)]
+        outs = engine.generate([p for p in prompts for _ in range(group)], params)
+        trajectories = []
+        for i, o in enumerate(outs):
+            prompt = prompts[i // group]
+            reward = task.reward(prompt, o.token_ids)
+            trajectories.append(asdict(Trajectory.from_output(o, reward, i // group)))
+        traj_q.put((b, trajectories, time.perf_counter() - t0, version))
+        b += 1
+
+
+class Controller:
+    """Runs `cfg.steps` learner updates with a rollout worker process; writes the run dir."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.model = build_model(cfg)
+        self.learner = Learner(self.model, cfg.learner)
+        self.ctx = mp.get_context("spawn")
+        self.metrics: list[dict] = []
+
+    def _start_worker(self, start_batch: int):
+        self.weights_q = self.ctx.Queue()
+        self.traj_q = self.ctx.Queue()
+        self.stop = self.ctx.Event()
+        state, version = self.learner.publish()
+        if self.cfg.deterministic:  # the worker may need older versions than the newest
+            version = max(0, start_batch - self.cfg.max_policy_lag)
+            state = self.learner.history[version]
+        rollout_threads, learner_threads = split_threads(self.cfg)
+        torch.set_num_threads(learner_threads)
+        worker = self.ctx.Process(target=_worker_main, daemon=True, args=(
+            _config_dict(self.cfg), state, version, start_batch, self.weights_q, self.traj_q, self.stop,
+            rollout_threads))
+        worker.start()
+        for v in sorted(self.learner.history):
+            if v > version:
+                self.weights_q.put((v, self.learner.history[v]))
+        return worker
+
+    max_restarts = 3
+
+    def _next_batch(self, step: int) -> tuple:
+        """Batch `step`; a dead worker is restarted from that batch (what it held is sampled
+        again: nothing consumed is repeated, nothing pending is lost)."""
+        while True:
+            try:
+                return self.traj_q.get(timeout=1.0)
+            except queue_mod.Empty:
+                if self.worker.is_alive():
+                    continue
+                if self.restarts >= self.max_restarts:
+                    raise ParityError(f"the rollout worker died (exit code {self.worker.exitcode}) "
+                                      f"{self.restarts + 1} times; giving up at batch {step}") from None
+                self.restarts += 1
+                print(f"parity: rollout worker died (exit code {self.worker.exitcode}); "
+                      f"restarting it from batch {step}", flush=True)
+                self.worker = self._start_worker(step)
+
+    def run(self, progress=None) -> list[dict]:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        metrics_path = self.run_dir / "metrics.jsonl"
+        self.restarts = 0
+        self.worker = self._start_worker(0)
+        t_start = time.perf_counter()
+        tokens = 0
+        try:
+            with metrics_path.open("w") as sink:
+                for step in range(cfg.steps):
+                    t0 = time.perf_counter()
+                    b, trajectories, gen_s, version = self._next_batch(step)
+                    wait_s = time.perf_counter() - t0
+                    assert b == step, f"batch {b} arrived for step {step}"
+                    batch = TrajectoryBatch([Trajectory(**t) for t in trajectories])
+                    m = self.learner.step(batch)
+                    state, v = self.learner.publish()
+                    self.weights_q.put((v, state))
+                    tokens += int(batch.mask.sum())
+                    elapsed = time.perf_counter() - t_start
+                    m.update({"time/generate_s": gen_s, "time/wait_s": wait_s,
+                              "throughput/tokens_per_s": tokens / elapsed,
+                              "throughput/steps_per_hour": 3600 * (step + 1) / elapsed,
+                              "lag/bound": float(cfg.max_policy_lag)})
+                    record = {"step": step, **m}
+                    self.metrics.append(record)
+                    sink.write(json.dumps(record) + "\n")
+                    sink.flush()
+                    if progress:
+                        progress(step, m)
+                    if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                        self.save_checkpoint(step + 1)
+            self.save_checkpoint(cfg.steps)
+        finally:
+            self.stop.set()
+            self.worker.join(timeout=10)
+            if self.worker.is_alive():
+                self.worker.terminate()
+        return self.metrics
+
+    def save_checkpoint(self, step: int) -> Path:
+        path = self.run_dir / f"checkpoint-{step}"
+        self.model.save_pretrained(path)
+        torch.save({"step": step, "version": self.learner.version,
+                    "optimizer": self.learner.optimizer.state_dict(),
+                    "scheduler": self.learner.scheduler.state_dict()}, path / "trainer_state.pt")
+        return path
+
+
+def _config_dict(cfg: TrainConfig) -> dict:
+    data = asdict(cfg)
+    data["learner"]["betas"] = list(data["learner"]["betas"])
+    return data
