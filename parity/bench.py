@@ -232,3 +232,57 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
         if vs_transformers:
             ratios[f"{dtype_name}/aligned_over_transformers"] = med["transformers"] / med["aligned"]
     return rows, ratios
+
+
+# ----------------------------------------------------------------------------- async
+@dataclass
+class AsyncRow:
+    mode: str
+    max_policy_lag: int
+    steps: int
+    steps_per_hour: float
+    learner_wait_frac: float
+    rollout_wait_frac: float
+    observed_lag_max: float
+
+
+def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8, 64), prompts: int = 8,
+                group: int = 4, max_tokens: int = 128, reps: int = 1, dtype: str = "float32",
+                progress: Callable[[str], None] | None = None) -> tuple[list[AsyncRow], dict]:
+    """Train the same task and model for `steps` updates synchronously (lag 0) and
+    asynchronously (each lag in `lags`) on long-tail response lengths; modes take turns per
+    repetition. Steady-state throughput excludes the first step (process start-up)."""
+    import tempfile
+
+    from .config import load_config
+    from .rl.controller import Controller
+
+    modes = [0, *lags]
+    per_mode: dict[int, list[tuple[float, float, float, float]]] = {m: [] for m in modes}
+    for r in range(reps):
+        for lag in modes:
+            if progress:
+                progress(f"async bench: lag {lag}, repetition {r + 1}/{reps}")
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = load_config(None, [
+                    f"steps={steps}", f"max_policy_lag={lag}", f"run_dir=\"{tmp}\"",
+                    f"model.preset=\"{preset}\"", f"model.dtype=\"{dtype}\"",
+                    f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
+                    f"rollout.max_tokens={max_tokens}", "rollout.lengths=\"geometric\"",
+                    "learner.micro_batch_size=8"])
+                metrics = Controller(cfg).run()
+            steady = metrics[-1]["time/wall_s"] - metrics[0]["time/wall_s"]
+            rest = metrics[1:]
+            per_mode[lag].append((3600 * len(rest) / steady,
+                                  sum(m["time/wait_s"] for m in rest) / steady,
+                                  sum(m["time/rollout_wait_s"] for m in rest) / steady,
+                                  max(m["lag/max"] for m in metrics)))
+    rows = []
+    for lag in modes:
+        vals = per_mode[lag]
+        rows.append(AsyncRow("sync" if lag == 0 else "async", lag, steps,
+                             statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals),
+                             statistics.median(v[2] for v in vals), max(v[3] for v in vals)))
+    sync = rows[0].steps_per_hour
+    ratios = {f"async_lag{r.max_policy_lag}_over_sync": r.steps_per_hour / sync for r in rows[1:]}
+    return rows, ratios

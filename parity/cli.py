@@ -169,6 +169,33 @@ def cmd_bench_rollout(args) -> int:
     return 0
 
 
+def cmd_bench_async(args) -> int:
+    from dataclasses import asdict
+
+    from .bench import bench_async
+
+    if any(lag < 1 for lag in args.lags):
+        raise ParityError("--lags must be positive (lag 0, synchronous, always runs)")
+    rows, ratios = bench_async(args.preset, args.steps, args.lags, args.prompts, args.group,
+                               args.max_tokens, args.reps, _dtypes([args.dtype])[0],
+                               progress=lambda m: _status(m))
+    _status("")
+    if args.json:
+        print(json.dumps({"threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows],
+                          "ratios": ratios}, indent=2))
+        return 0
+    print(f"parity bench async: {args.preset} {args.dtype}, {args.steps} learner steps of "
+          f"{args.prompts}x{args.group} responses, geometric lengths up to {args.max_tokens} tokens; "
+          f"steady state (first step excluded), median of {args.reps}")
+    print(_table(["mode", "max lag", "steps/hour", "learner waits", "rollout waits", "lag seen"],
+                 [[r.mode, str(r.max_policy_lag), f"{r.steps_per_hour:,.0f}",
+                   f"{100 * r.learner_wait_frac:.0f}%", f"{100 * r.rollout_wait_frac:.0f}%",
+                   f"{r.observed_lag_max:.0f}"] for r in rows]))
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- generate
 def _read_prompts(args, tokenizer) -> list[list[int]]:
     prompts: list[list[int]] = []
@@ -310,6 +337,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     t.set_defaults(func=cmd_train)
 
+    a = bsub.add_parser("async", help="learner steps/hour: synchronous vs asynchronous training")
+    a.add_argument("--preset", default="small")
+    a.add_argument("--dtype", default="float32")
+    a.add_argument("--steps", type=int, default=12)
+    a.add_argument("--lags", type=_csv(int), default=[8, 64])
+    a.add_argument("--prompts", type=int, default=8)
+    a.add_argument("--group", type=int, default=4)
+    a.add_argument("--max-tokens", type=int, default=128)
+    a.add_argument("--reps", type=int, default=1)
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_bench_async)
+
     g = sub.add_parser("generate", help="sample completions with the rollout engine")
     gsrc = g.add_mutually_exclusive_group()
     gsrc.add_argument("--model", help="checkpoint directory")
@@ -334,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_seqs", "max_num_seqs"):
+    for name in ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_seqs", "max_num_seqs",
+                 "steps", "prompts", "group", "max_tokens"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.command == "check" and args.max_len < 2:

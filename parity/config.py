@@ -54,6 +54,9 @@ class RolloutSection:
     """Sequences in flight in the engine."""
     weight_update: str = "drain"
     """'drain' (finish on old weights, then load) or 'inflight' (switch between tokens)."""
+    lengths: str = "fixed"
+    """'fixed': every response runs to max_tokens; 'geometric': each request's limit is drawn
+    from a geometric distribution with mean max_tokens / 4 (a long tail of response lengths)."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_tokens", "max_num_seqs"):
@@ -61,6 +64,8 @@ class RolloutSection:
                 raise ConfigError(f"rollout.{name} must be >= 1")
         if not self.temperature > 0:
             raise ConfigError("rollout.temperature must be > 0")
+        if self.lengths not in ("fixed", "geometric"):
+            raise ConfigError(f"rollout.lengths must be 'fixed' or 'geometric', got {self.lengths!r}")
         if self.weight_update not in ("drain", "inflight"):
             raise ConfigError(f"rollout.weight_update must be 'drain' or 'inflight', "
                               f"got {self.weight_update!r}")

@@ -92,3 +92,13 @@ def test_train_runs_and_rejects_bad_config(tmp_path):
     bad = run("train", "--set", "rollout.group_size=0")
     assert bad.returncode == 2 and bad.stderr.startswith("parity: error: rollout.group_size")
     assert "Traceback" not in bad.stderr
+
+
+def test_bench_async_json():
+    proc = run("bench", "async", "--json", "--preset", "tiny", "--steps", "3", "--lags", "2",
+               "--prompts", "2", "--group", "2", "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert [r["max_policy_lag"] for r in out["rows"]] == [0, 2]
+    assert out["rows"][0]["observed_lag_max"] == 0 and out["rows"][1]["observed_lag_max"] <= 2
+    assert out["ratios"]["async_lag2_over_sync"] > 0

@@ -53,6 +53,24 @@ def split_threads(cfg: TrainConfig) -> tuple[int, int]:
     return max(1, cores // 2), max(1, cores - cores // 2)
 
 
+def response_limits(cfg: TrainConfig, batch_index: int, n: int) -> list[int]:
+    """Per-request max_tokens for batch `batch_index` (seeded, so any batch can be redone)."""
+    cap = cfg.rollout.max_tokens
+    if cfg.rollout.lengths == "fixed":
+        return [cap] * n
+    import random
+
+    rnd = random.Random(cfg.seed * 104_729 + batch_index)
+    p = 4.0 / cap
+    out = []
+    for _ in range(n):
+        k = 1
+        while rnd.random() > p and k < cap:
+            k += 1
+        out.append(k)
+    return out
+
+
 def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batch: int,
                  weights_q, traj_q, stop, threads: int) -> None:
     """Rollout worker process body."""
@@ -82,8 +100,10 @@ def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batc
     while not stop.is_set() and b < cfg.steps:
         need = max(0, b - lag)
         receive(block=False)
+        t_wait = time.perf_counter()
         while not stop.is_set() and (need not in held if cfg.deterministic else max(held) < need):
             receive(block=True)  # admission control: wait for fresh enough weights
+        wait_s = time.perf_counter() - t_wait
         if stop.is_set():
             break
         version = need if cfg.deterministic else max(held)
@@ -96,7 +116,8 @@ def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batc
         t0 = time.perf_counter()
         prompts = task.prompts(b, cfg.rollout.prompts_per_step)
         group = cfg.rollout.group_size
-        params = [SamplingParams(temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens,
+        limits = response_limits(cfg, b, len(prompts) * group)
+        params = [SamplingParams(temperature=cfg.rollout.temperature, max_tokens=limits[i],
                                  seed=(cfg.seed * 7919 + b) * 1000 + i, ignore_eos=True)
                   for i in range(len(prompts) * group)]
         outs = engine.generate([p for p in prompts for _ in range(group)], params)
@@ -105,7 +126,7 @@ def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batc
             prompt = prompts[i // group]
             reward = task.reward(prompt, o.token_ids)
             trajectories.append(asdict(Trajectory.from_output(o, reward, i // group)))
-        traj_q.put((b, trajectories, time.perf_counter() - t0, version))
+        traj_q.put((b, trajectories, time.perf_counter() - t0, version, wait_s))
         b += 1
 
 
@@ -171,7 +192,7 @@ class Controller:
             with metrics_path.open("w") as sink:
                 for step in range(cfg.steps):
                     t0 = time.perf_counter()
-                    b, trajectories, gen_s, version = self._next_batch(step)
+                    b, trajectories, gen_s, version, rollout_wait_s = self._next_batch(step)
                     wait_s = time.perf_counter() - t0
                     assert b == step, f"batch {b} arrived for step {step}"
                     batch = TrajectoryBatch([Trajectory(**t) for t in trajectories])
@@ -181,6 +202,7 @@ class Controller:
                     tokens += int(batch.mask.sum())
                     elapsed = time.perf_counter() - t_start
                     m.update({"time/generate_s": gen_s, "time/wait_s": wait_s,
+                              "time/rollout_wait_s": rollout_wait_s, "time/wall_s": elapsed,
                               "throughput/tokens_per_s": tokens / elapsed,
                               "throughput/steps_per_hour": 3600 * (step + 1) / elapsed,
                               "lag/bound": float(cfg.max_policy_lag)})
