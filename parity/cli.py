@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -271,10 +272,17 @@ def cmd_generate(args) -> int:
 # ----------------------------------------------------------------------------- train
 def cmd_train(args) -> int:
     from .config import load_config
-    from .rl.controller import Controller
+    from .rl.controller import Controller, Interrupted
 
-    cfg = load_config(args.config, args.set or [])
-    controller = Controller(cfg)
+    if args.resume:
+        if args.config:
+            raise ParityError("give either a config or --resume RUN_DIR, not both")
+        cfg = load_config(Path(args.resume) / "config.toml", args.set or [])
+        cfg.run_dir = args.resume
+        controller = Controller(cfg, resume=True)
+    else:
+        cfg = load_config(args.config, args.set or [])
+        controller = Controller(cfg)
 
     def progress(step, m):
         print(f"step {step + 1:>4}/{cfg.steps}  loss {m['train/loss']:+.4f}  "
@@ -283,7 +291,12 @@ def cmd_train(args) -> int:
               f"kernel mismatch {m.get('mismatch/kernel_max_abs', float('nan')):.3g}  "
               f"wait {m['time/wait_s']:.2f}s", flush=True)
 
-    metrics = controller.run(progress=progress)
+    try:
+        metrics = controller.run(progress=progress)
+    except Interrupted as stop:
+        print(f"parity: interrupted; checkpoint saved to {stop.path} "
+              f"(continue with: parity train --resume {cfg.run_dir})", file=sys.stderr)
+        return 130
     last = metrics[-1]
     print(f"done: {cfg.steps} steps in {cfg.run_dir} "
           f"({last['throughput/steps_per_hour']:.0f} steps/hour, reward {metrics[0]['reward/mean']:.3f} -> "
@@ -335,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="RL training run (synchronous or asynchronous)")
     t.add_argument("config", nargs="?", help="TOML config (defaults when omitted)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     t.set_defaults(func=cmd_train)
 
     a = bsub.add_parser("async", help="learner steps/hour: synchronous vs asynchronous training")

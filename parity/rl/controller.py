@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import queue as queue_mod
+import signal
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -133,13 +135,29 @@ def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batc
 class Controller:
     """Runs `cfg.steps` learner updates with a rollout worker process; writes the run dir."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, resume: bool = False):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.model = build_model(cfg)
-        self.learner = Learner(self.model, cfg.learner)
-        self.ctx = mp.get_context("spawn")
+        self.start_step = 0
         self.metrics: list[dict] = []
+        if resume:
+            self._resume()
+        else:
+            self.model = build_model(cfg)
+            self.learner = Learner(self.model, cfg.learner)
+        self.ctx = mp.get_context("spawn")
+
+    def _resume(self) -> None:
+        from . import checkpoint
+
+        path = checkpoint.latest(self.run_dir)
+        self.model, self.learner, self.start_step = checkpoint.load(path, self.cfg)
+        metrics_path = self.run_dir / "metrics.jsonl"
+        if metrics_path.exists():  # keep the records of the steps the checkpoint contains
+            lines = metrics_path.read_text().splitlines()
+            self.metrics = [json.loads(x) for x in lines if x.strip()][:self.start_step]
+        print(f"parity: resuming {self.run_dir} from {path.name} (step {self.start_step}, "
+              f"policy version {self.learner.version})", flush=True)
 
     def _start_worker(self, start_batch: int):
         self.weights_q = self.ctx.Queue()
@@ -184,13 +202,24 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
         metrics_path = self.run_dir / "metrics.jsonl"
+        metrics_path.write_text("".join(json.dumps(m) + "\n" for m in self.metrics))
         self.restarts = 0
-        self.worker = self._start_worker(0)
+        self.worker = self._start_worker(self.start_step)
         t_start = time.perf_counter()
         tokens = 0
+        self.interrupted = False
+        previous_handler = None
+        if threading.current_thread() is threading.main_thread():
+            def on_sigint(signum, frame):
+                if self.interrupted:  # a second Ctrl-C: stop now
+                    raise KeyboardInterrupt
+                self.interrupted = True
+                print("\nparity: Ctrl-C: finishing this step, then saving a checkpoint "
+                      "(press again to abort)", flush=True)
+            previous_handler = signal.signal(signal.SIGINT, on_sigint)
         try:
-            with metrics_path.open("w") as sink:
-                for step in range(cfg.steps):
+            with metrics_path.open("a") as sink:
+                for step in range(self.start_step, cfg.steps):
                     t0 = time.perf_counter()
                     b, trajectories, gen_s, version, rollout_wait_s = self._next_batch(step)
                     wait_s = time.perf_counter() - t0
@@ -201,10 +230,11 @@ class Controller:
                     self.weights_q.put((v, state))
                     tokens += int(batch.mask.sum())
                     elapsed = time.perf_counter() - t_start
+                    done = step + 1 - self.start_step
                     m.update({"time/generate_s": gen_s, "time/wait_s": wait_s,
                               "time/rollout_wait_s": rollout_wait_s, "time/wall_s": elapsed,
                               "throughput/tokens_per_s": tokens / elapsed,
-                              "throughput/steps_per_hour": 3600 * (step + 1) / elapsed,
+                              "throughput/steps_per_hour": 3600 * done / elapsed,
                               "lag/bound": float(cfg.max_policy_lag)})
                     record = {"step": step, **m}
                     self.metrics.append(record)
@@ -214,8 +244,12 @@ class Controller:
                         progress(step, m)
                     if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                         self.save_checkpoint(step + 1)
+                    if self.interrupted:  # Ctrl-C: stop at this clean step boundary
+                        raise Interrupted(self.save_checkpoint(step + 1))
             self.save_checkpoint(cfg.steps)
         finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGINT, previous_handler)
             self.stop.set()
             self.worker.join(timeout=10)
             if self.worker.is_alive():
@@ -223,12 +257,17 @@ class Controller:
         return self.metrics
 
     def save_checkpoint(self, step: int) -> Path:
-        path = self.run_dir / f"checkpoint-{step}"
-        self.model.save_pretrained(path)
-        torch.save({"step": step, "version": self.learner.version,
-                    "optimizer": self.learner.optimizer.state_dict(),
-                    "scheduler": self.learner.scheduler.state_dict()}, path / "trainer_state.pt")
-        return path
+        from . import checkpoint
+
+        return checkpoint.save(self.run_dir, step, self.model, self.learner)
+
+
+class Interrupted(Exception):
+    """Ctrl-C during training: a checkpoint was saved at `path`."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self.path = path
 
 
 def _config_dict(cfg: TrainConfig) -> dict:

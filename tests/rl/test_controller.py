@@ -70,3 +70,38 @@ def test_config_is_validated_and_round_trips(tmp_path):
     path = tmp_path / "resolved.toml"
     path.write_text(to_toml(cfg))
     assert load_config(path) == cfg
+
+
+def test_interrupt_and_resume_match_an_uninterrupted_run(tmp_path):
+    args = ("steps=6", "max_policy_lag=2", "deterministic=true", "learner.compute_dtype=\"bfloat16\"")
+    whole = Controller(config(tmp_path / "whole", *args)).run()
+    first = Controller(config(tmp_path / "cut", *args))
+
+    def ctrl_c(step, metrics):
+        if step == 2:
+            first.interrupted = True  # what the SIGINT handler sets
+
+    from parity.rl.controller import Interrupted
+
+    with pytest.raises(Interrupted) as stop:
+        first.run(progress=ctrl_c)
+    assert stop.value.path.name == "checkpoint-3"
+    resumed = Controller(config(tmp_path / "cut", *args), resume=True)
+    assert resumed.start_step == 3 and resumed.learner.version == 3
+    again = resumed.run()
+    assert timeless(again) == timeless(whole)
+    lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 6
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path):
+    from parity.errors import CheckpointError
+
+    Controller(config(tmp_path, "steps=2")).run()
+    state = tmp_path / "checkpoint-2" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="do not match manifest.json"):
+        Controller(config(tmp_path, "steps=4"), resume=True)
+    (tmp_path / "checkpoint-2" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest.json"):
+        Controller(config(tmp_path, "steps=4"), resume=True)

@@ -1,0 +1,99 @@
+"""Training checkpoints: written atomically, verified before anything is loaded.
+
+`checkpoint-<step>/` holds the model (HF layout, compute dtype), `trainer_state.pt` (optimizer,
+schedule, policy version, float32 master weights, the recent weight versions that lagged samples
+and the decomposition need, RNG state) and `manifest.json` with a SHA-256 per file, written last.
+A directory without a valid manifest, or whose files do not match it, is refused whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from .learner import Learner
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save(run_dir: Path, step: int, model, learner: Learner) -> Path:
+    final = Path(run_dir) / f"checkpoint-{step}"
+    tmp = Path(run_dir) / f".checkpoint-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    separate = learner.config.compute_dtype != "float32"
+    torch.save({
+        "step": step, "version": learner.version, "steps": learner.steps,
+        "optimizer": learner.optimizer.state_dict(), "scheduler": learner.scheduler.state_dict(),
+        "master": [m.detach() for m in learner.master] if separate else None,
+        "history": learner.history, "torch_rng": torch.get_rng_state(),
+    }, tmp / "trainer_state.pt")
+    files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def latest(run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: no such run directory")
+    found = sorted((int(m.group(1)), p) for p in run_dir.iterdir()
+                   if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir())
+    if not found:
+        raise CheckpointError(f"{run_dir}: no checkpoint to resume from")
+    return found[-1][1]
+
+
+def verify(path: Path) -> dict:
+    manifest = path / "manifest.json"
+    try:
+        data = json.loads(manifest.read_text())
+        files = data["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path}: missing or unreadable manifest.json "
+                              f"(incomplete checkpoint)") from None
+    for name, digest in files.items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"{f}: missing (the checkpoint is incomplete)")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{f}: contents do not match manifest.json (truncated or corrupt)")
+    return data
+
+
+def load(path: Path, cfg):
+    """(model, learner, step) restored from a verified checkpoint directory."""
+    from ..model import load_model
+
+    verify(path)
+    model = load_model(path, kernels=cfg.model.kernels, dtype=getattr(torch, cfg.learner.compute_dtype))
+    try:
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise CheckpointError(f"{path / 'trainer_state.pt'}: unreadable ({exc})") from None
+    learner = Learner(model, cfg.learner)
+    learner.optimizer.load_state_dict(state["optimizer"])
+    learner.scheduler.load_state_dict(state["scheduler"])
+    if state["master"] is not None:
+        with torch.no_grad():
+            for m, saved in zip(learner.master, state["master"]):
+                m.copy_(saved)
+    learner.version, learner.steps, learner.history = state["version"], state["steps"], state["history"]
+    torch.set_rng_state(state["torch_rng"])
+    return model, learner, int(state["step"])
