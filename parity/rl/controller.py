@@ -152,6 +152,9 @@ class Controller:
 
         path = checkpoint.latest(self.run_dir)
         self.model, self.learner, self.start_step = checkpoint.load(path, self.cfg)
+        if self.start_step >= self.cfg.steps:
+            raise ParityError(f"{path} is already at step {self.start_step}; to train on, raise "
+                              f"steps (now {self.cfg.steps}) with --set steps=N")
         metrics_path = self.run_dir / "metrics.jsonl"
         if metrics_path.exists():  # keep the records of the steps the checkpoint contains
             lines = metrics_path.read_text().splitlines()
