@@ -297,10 +297,10 @@ def cmd_train(args) -> int:
         print(f"parity: interrupted; checkpoint saved to {stop.path} "
               f"(continue with: parity train --resume {cfg.run_dir})", file=sys.stderr)
         return 130
-    last = metrics[-1]
-    print(f"done: {cfg.steps} steps in {cfg.run_dir} "
-          f"({last['throughput/steps_per_hour']:.0f} steps/hour, reward {metrics[0]['reward/mean']:.3f} -> "
-          f"{last['reward/mean']:.3f}); metrics in {cfg.run_dir}/metrics.jsonl")
+    from .metrics.report import summary_rows
+
+    print(_table(["figure", "value"], [list(r) for r in summary_rows(metrics)]))
+    print(f"done: {cfg.run_dir}/metrics.jsonl, report.md, report.png, checkpoint-{cfg.steps}/")
     return 0
 
 

@@ -250,6 +250,9 @@ class Controller:
                     if self.interrupted:  # Ctrl-C: stop at this clean step boundary
                         raise Interrupted(self.save_checkpoint(step + 1))
             self.save_checkpoint(cfg.steps)
+            from ..metrics.report import write_report
+
+            write_report(self.run_dir)
         finally:
             if previous_handler is not None:
                 signal.signal(signal.SIGINT, previous_handler)

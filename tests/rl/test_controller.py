@@ -32,6 +32,8 @@ def test_policy_lag_bound_holds(tmp_path, lag):
     assert all(m["mismatch/kernel_max_abs"] == 0.0 for m in metrics)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 6 and (tmp_path / "checkpoint-6" / "model.safetensors").exists()
+    report = (tmp_path / "report.md").read_text()
+    assert "| learner steps | 6 |" in report and (tmp_path / "report.png").stat().st_size > 10_000
     if lag == 0:
         assert all(m["lag/max"] == 0 and m["is_weight/max"] == 1.0 for m in metrics)
 
