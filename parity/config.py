@@ -110,6 +110,11 @@ class TrainConfig:
     """Where config.toml, metrics.jsonl and checkpoints go."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
+    eval_every: int = 10
+    """Greedy evaluation on the held-out prompts before steps 0, N, 2N, ... and at the end
+    (0 = never)."""
+    eval_prompts: int = 32
+    """Size of the fixed, seeded held-out set."""
     model: ModelSection = field(default_factory=ModelSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     task: TaskSection = field(default_factory=TaskSection)
@@ -120,8 +125,11 @@ class TrainConfig:
             raise ConfigError("steps must be >= 1")
         if self.max_policy_lag < 0:
             raise ConfigError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
-        if self.checkpoint_every < 0:
-            raise ConfigError("checkpoint_every must be >= 0")
+        if self.checkpoint_every < 0 or self.eval_every < 0 or self.eval_prompts < 1:
+            raise ConfigError("checkpoint_every and eval_every must be >= 0, eval_prompts >= 1")
+        if self.deterministic and self.rollout.weight_update == "inflight":
+            raise ConfigError("deterministic = true needs rollout.weight_update = 'drain' "
+                              "(in-flight updates land at wall-clock-dependent tokens)")
         if self.learner.temperature != self.rollout.temperature:
             self.learner.temperature = self.rollout.temperature
 

@@ -209,9 +209,10 @@ class Engine:
         return out
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+                 before_step=None) -> list[RequestOutput]:
         """Run prompts to completion. A bad prompt gets an output with `error` set while the
-        others complete. `params` is one SamplingParams for all or one per prompt."""
+        others complete. `params` is one SamplingParams for all or one per prompt.
+        `before_step(engine)`, if given, runs before every step (e.g. to load new weights)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -226,6 +227,8 @@ class Engine:
                     else []
                 results[i] = RequestOutput(-1, prompt_ids, [], [], [], [], [], "error", error=str(exc))
         while any(r is None for r in results) and self.has_unfinished():
+            if before_step is not None:
+                before_step(self)
             for out in self.step():
                 if out.request_id in index:
                     results[index[out.request_id]] = out

@@ -26,6 +26,14 @@ class TargetTokensTask:
         rnd = random.Random(self.seed * 1_000_003 + batch_index)
         return [[rnd.randrange(self.vocab_size) for _ in range(self.prompt_len)] for _ in range(n)]
 
+    def heldout(self, n: int) -> list[list[int]]:
+        """A fixed evaluation set, disjoint in seed space from the training prompts."""
+        return self.prompts(-1 - self.seed, n)
+
+    def passed(self, prompt: list[int], completion: list[int]) -> bool:
+        """pass@1 criterion: at least half of the response is target tokens."""
+        return self.reward(prompt, completion) >= 0.5
+
     def reward(self, prompt: list[int], completion: list[int]) -> float:
         if not completion:
             return 0.0

@@ -16,6 +16,7 @@ PANELS = [
      ["mismatch/kernel_max_abs", "mismatch/weight_lag_mean_abs"]),
     ("gradient norm (before clipping)", ["train/grad_norm"]),
     ("policy lag per token", ["lag/max", "lag/mean"]),
+    ("held-out pass@1 (greedy)", ["eval/pass@1"]),
     ("throughput (tokens/s)", ["throughput/tokens_per_s"]),
     ("time per step (s)", ["time/train_s", "time/generate_s", "time/wait_s"]),
 ]
@@ -39,17 +40,27 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path | None]:
     except ImportError:
         plt = None
     if plt is not None and metrics:
-        fig, axes = plt.subplots(2, 4, figsize=(18, 7))
-        steps = [m["step"] for m in metrics]
+        fig, axes = plt.subplots(2, 5, figsize=(22, 7))
         for ax, (title, keys) in zip(axes.flat, PANELS):
             for key in keys:
-                ys = [m.get(key) for m in metrics]
-                if any(y is not None for y in ys):
-                    ax.plot(steps, [float("nan") if y is None else y for y in ys], label=key, marker=".")
+                pts = [(m["step"], m[key]) for m in metrics if key in m]
+                pts += [(m["step"] + 1, m[key + "_final"]) for m in metrics if key + "_final" in m]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key, marker=".")
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("learner step")
             if len(keys) > 1:
                 ax.legend(fontsize=7)
+        hist: dict[int, float] = {}  # lag histogram over the whole run (token fractions)
+        for m in metrics:
+            for k, v in m.items():
+                if k.startswith("lag/hist_"):
+                    lag = int(k.rsplit("_", 1)[1])
+                    hist[lag] = hist.get(lag, 0.0) + v / len(metrics)
+        ax = axes.flat[len(PANELS)]
+        ax.bar(list(hist), list(hist.values()))
+        ax.set_title("policy lag histogram (fraction of tokens)", fontsize=10)
+        ax.set_xlabel("lag (learner updates)")
         fig.tight_layout()
         png = run_dir / "report.png"
         fig.savefig(png, dpi=90)
@@ -90,8 +101,17 @@ def summary_rows(metrics: list[dict]) -> list[tuple[str, str]]:
                                   f"{mean(metrics, 'lag/mean'):.2f}"),
         ("learner steps/hour (end)", val(last, "throughput/steps_per_hour", "{:,.0f}")),
         ("wall time (s)", val(last, "time/wall_s", "{:.1f}")),
+        ("held-out pass@1: start / peak / end", _pass_at_1(metrics)),
         ("first step policy version", val(first, "train/policy_version", "{:.0f}")),
     ]
+
+
+def _pass_at_1(metrics: list[dict]) -> str:
+    evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
+    evals += [m["eval/pass@1_final"] for m in metrics if "eval/pass@1_final" in m]
+    if not evals:
+        return "-"
+    return f"{evals[0]:.3f} / {max(evals):.3f} / {evals[-1]:.3f}"
 
 
 def summary_markdown(metrics: list[dict]) -> str:

@@ -122,7 +122,18 @@ def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batc
         params = [SamplingParams(temperature=cfg.rollout.temperature, max_tokens=limits[i],
                                  seed=(cfg.seed * 7919 + b) * 1000 + i, ignore_eos=True)
                   for i in range(len(prompts) * group)]
-        outs = engine.generate([p for p in prompts for _ in range(group)], params)
+        inflight = cfg.rollout.weight_update == "inflight" and not cfg.deterministic
+
+        def load_newer(eng) -> None:  # in-flight: switch running sequences to newer weights
+            receive(block=False)
+            newest = max(held)
+            if newest > eng.policy_version:
+                eng.update_weights(held[newest], newest, mode="inflight")
+                for v in [v for v in held if v < newest]:
+                    del held[v]
+
+        outs = engine.generate([p for p in prompts for _ in range(group)], params,
+                               before_step=load_newer if inflight else None)
         trajectories = []
         for i, o in enumerate(outs):
             prompt = prompts[i // group]
@@ -223,6 +234,7 @@ class Controller:
         try:
             with metrics_path.open("a") as sink:
                 for step in range(self.start_step, cfg.steps):
+                    evaluation = self.evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
                     t0 = time.perf_counter()
                     b, trajectories, gen_s, version, rollout_wait_s = self._next_batch(step)
                     wait_s = time.perf_counter() - t0
@@ -238,7 +250,7 @@ class Controller:
                               "time/rollout_wait_s": rollout_wait_s, "time/wall_s": elapsed,
                               "throughput/tokens_per_s": tokens / elapsed,
                               "throughput/steps_per_hour": 3600 * done / elapsed,
-                              "lag/bound": float(cfg.max_policy_lag)})
+                              "lag/bound": float(cfg.max_policy_lag), **evaluation})
                     record = {"step": step, **m}
                     self.metrics.append(record)
                     sink.write(json.dumps(record) + "\n")
@@ -249,6 +261,10 @@ class Controller:
                         self.save_checkpoint(step + 1)
                     if self.interrupted:  # Ctrl-C: stop at this clean step boundary
                         raise Interrupted(self.save_checkpoint(step + 1))
+            if cfg.eval_every and self.metrics:  # the final weights, recorded with the last step
+                final = self.evaluate()
+                self.metrics[-1].update({k + "_final": v for k, v in final.items()})
+                metrics_path.write_text("".join(json.dumps(m) + "\n" for m in self.metrics))
             self.save_checkpoint(cfg.steps)
             from ..metrics.report import write_report
 
@@ -261,6 +277,21 @@ class Controller:
             if self.worker.is_alive():
                 self.worker.terminate()
         return self.metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy pass@1 and mean reward of the current weights on the held-out prompts."""
+        from ..engine import Engine, SamplingParams
+
+        cfg = self.cfg
+        task = build_task(cfg, self.model.config.vocab_size)
+        prompts = task.heldout(cfg.eval_prompts)
+        engine = Engine(self.model, max_num_seqs=cfg.rollout.max_num_seqs)
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=cfg.rollout.max_tokens,
+                                                       ignore_eos=True))
+        passed = [task.passed(p, o.token_ids) for p, o in zip(prompts, outs)]
+        rewards = [task.reward(p, o.token_ids) for p, o in zip(prompts, outs)]
+        return {"eval/pass@1": sum(passed) / len(passed), "eval/reward": sum(rewards) / len(rewards),
+                "eval/policy_version": float(self.learner.version)}
 
     def save_checkpoint(self, step: int) -> Path:
         from . import checkpoint

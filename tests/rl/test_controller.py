@@ -107,3 +107,13 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
     (tmp_path / "checkpoint-2" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="manifest.json"):
         Controller(config(tmp_path, "steps=4"), resume=True)
+
+
+def test_inflight_weight_updates_keep_the_bound(tmp_path):
+    cfg = config(tmp_path, "steps=6", "max_policy_lag=1", "rollout.weight_update=\"inflight\"",
+                 "rollout.max_tokens=24")
+    metrics = Controller(cfg).run()
+    assert all(m["lag/max"] <= 1 for m in metrics)
+    assert all(m["mismatch/kernel_max_abs"] >= 0 for m in metrics)
+    with pytest.raises(ConfigError, match="deterministic"):
+        config(tmp_path, "deterministic=true", "rollout.weight_update=\"inflight\"")
