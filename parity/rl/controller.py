@@ -218,6 +218,7 @@ class Controller:
         metrics_path = self.run_dir / "metrics.jsonl"
         metrics_path.write_text("".join(json.dumps(m) + "\n" for m in self.metrics))
         self.restarts = 0
+        tb = tensorboard_writer(self.run_dir)
         self.worker = self._start_worker(self.start_step)
         t_start = time.perf_counter()
         tokens = 0
@@ -255,6 +256,9 @@ class Controller:
                     self.metrics.append(record)
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
+                    if tb is not None:
+                        for key, value in m.items():
+                            tb.add_scalar(key, value, step)
                     if progress:
                         progress(step, m)
                     if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
@@ -270,6 +274,8 @@ class Controller:
 
             write_report(self.run_dir)
         finally:
+            if tb is not None:
+                tb.close()
             if previous_handler is not None:
                 signal.signal(signal.SIGINT, previous_handler)
             self.stop.set()
@@ -305,6 +311,15 @@ class Interrupted(Exception):
     def __init__(self, path: Path):
         super().__init__(str(path))
         self.path = path
+
+
+def tensorboard_writer(run_dir: Path):
+    """A TensorBoard SummaryWriter under run_dir/tensorboard when tensorboard is installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
 
 def _config_dict(cfg: TrainConfig) -> dict:

@@ -117,3 +117,26 @@ def test_inflight_weight_updates_keep_the_bound(tmp_path):
     assert all(m["mismatch/kernel_max_abs"] >= 0 for m in metrics)
     with pytest.raises(ConfigError, match="deterministic"):
         config(tmp_path, "deterministic=true", "rollout.weight_update=\"inflight\"")
+
+
+def test_tensorboard_scalars_when_installed(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    written = []
+
+    class FakeWriter:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, key, value, step):
+            written.append((key, step))
+
+        def close(self):
+            written.append(("closed", -1))
+
+    fake = types.SimpleNamespace(SummaryWriter=FakeWriter)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    Controller(config(tmp_path, "steps=2", "eval_every=0")).run()
+    assert ("reward/mean", 1) in written and ("mismatch/kernel_max_abs", 0) in written
+    assert written[-1] == ("closed", -1)
