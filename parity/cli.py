@@ -284,15 +284,33 @@ def cmd_train(args) -> int:
         cfg = load_config(args.config, args.set or [])
         controller = Controller(cfg)
 
+    def describe(m) -> str:
+        return (f"loss {m['train/loss']:+.4f}  reward {m['reward/mean']:.3f}  "
+                f"lag max {m.get('lag/max', 0):.0f}  "
+                f"w peak/median {m.get('is_weight/peak_over_median', 1):.3f}  "
+                f"kernel mismatch {m.get('mismatch/kernel_max_abs', float('nan')):.3g}  "
+                f"wait {m['time/wait_s']:.2f}s")
+
+    bar = None
+    if sys.stdout.isatty():  # a live bar on a terminal, one line per step otherwise (logs, CI)
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                       TextColumn("{task.description}"))
+        task = bar.add_task("starting the rollout worker", total=cfg.steps, completed=controller.start_step)
+
     def progress(step, m):
-        print(f"step {step + 1:>4}/{cfg.steps}  loss {m['train/loss']:+.4f}  "
-              f"reward {m['reward/mean']:.3f}  lag max {m.get('lag/max', 0):.0f}  "
-              f"w peak/median {m.get('is_weight/peak_over_median', 1):.3f}  "
-              f"kernel mismatch {m.get('mismatch/kernel_max_abs', float('nan')):.3g}  "
-              f"wait {m['time/wait_s']:.2f}s", flush=True)
+        if bar is not None:
+            bar.update(task, completed=step + 1, description=describe(m))
+        else:
+            print(f"step {step + 1:>4}/{cfg.steps}  {describe(m)}", flush=True)
 
     try:
-        metrics = controller.run(progress=progress)
+        if bar is not None:
+            with bar:
+                metrics = controller.run(progress=progress)
+        else:
+            metrics = controller.run(progress=progress)
     except Interrupted as stop:
         print(f"parity: interrupted; checkpoint saved to {stop.path} "
               f"(continue with: parity train --resume {cfg.run_dir})", file=sys.stderr)
