@@ -120,16 +120,11 @@ class RolloutWorkload:
     def make(n: int, vocab: int, mean_len: float = 48, max_len: int = 256, seed: int = 0) -> RolloutWorkload:
         import random
 
+        from .envs.lengths import geometric_lengths
+
         rnd = random.Random(seed)
         prompts = [[rnd.randrange(vocab) for _ in range(rnd.randint(16, 64))] for _ in range(n)]
-        p = 1.0 / mean_len
-        lengths = []
-        for _ in range(n):
-            k = 1
-            while rnd.random() > p and k < max_len:
-                k += 1
-            lengths.append(k)
-        return RolloutWorkload(prompts, lengths)
+        return RolloutWorkload(prompts, geometric_lengths(rnd, n, mean_len, max_len))
 
     @property
     def output_tokens(self) -> int:

@@ -62,15 +62,9 @@ def response_limits(cfg: TrainConfig, batch_index: int, n: int) -> list[int]:
         return [cap] * n
     import random
 
-    rnd = random.Random(cfg.seed * 104_729 + batch_index)
-    p = 4.0 / cap
-    out = []
-    for _ in range(n):
-        k = 1
-        while rnd.random() > p and k < cap:
-            k += 1
-        out.append(k)
-    return out
+    from ..envs.lengths import geometric_lengths
+
+    return geometric_lengths(random.Random(cfg.seed * 104_729 + batch_index), n, cap / 4, cap)
 
 
 def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batch: int,
