@@ -264,7 +264,7 @@ def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8
                     f"model.preset=\"{preset}\"", f"model.dtype=\"{dtype}\"",
                     f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
                     f"rollout.max_tokens={max_tokens}", "rollout.lengths=\"geometric\"",
-                    "learner.micro_batch_size=8"])
+                    "learner.micro_batch_size=8", "eval_every=0"])
                 metrics = Controller(cfg).run()
             steady = metrics[-1]["time/wall_s"] - metrics[0]["time/wall_s"]
             rest = metrics[1:]

@@ -175,6 +175,8 @@ def cmd_bench_async(args) -> int:
 
     from .bench import bench_async
 
+    if args.steps < 2:
+        raise ParityError("--steps must be at least 2 (the first step is start-up and not timed)")
     if any(lag < 1 for lag in args.lags):
         raise ParityError("--lags must be positive (lag 0, synchronous, always runs)")
     rows, ratios = bench_async(args.preset, args.steps, args.lags, args.prompts, args.group,
@@ -285,6 +287,8 @@ def cmd_train(args) -> int:
         controller = Controller(cfg)
 
     def describe(m) -> str:
+        if m.get("train/skipped_nonfinite"):
+            return "non-finite loss or gradient: update skipped"
         return (f"loss {m['train/loss']:+.4f}  reward {m['reward/mean']:.3f}  "
                 f"lag max {m.get('lag/max', 0):.0f}  "
                 f"w peak/median {m.get('is_weight/peak_over_median', 1):.3f}  "

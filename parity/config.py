@@ -130,8 +130,17 @@ class TrainConfig:
         if self.deterministic and self.rollout.weight_update == "inflight":
             raise ConfigError("deterministic = true needs rollout.weight_update = 'drain' "
                               "(in-flight updates land at wall-clock-dependent tokens)")
-        if self.learner.temperature != self.rollout.temperature:
-            self.learner.temperature = self.rollout.temperature
+        # the learner scores at the rollout's temperature and computes in the model's dtype, and
+        # keeps the weights of every version a lagged sample may come from
+        if self.learner.temperature not in (1.0, self.rollout.temperature):
+            raise ConfigError(f"learner.temperature={self.learner.temperature} differs from "
+                              f"rollout.temperature={self.rollout.temperature} (set only the latter)")
+        self.learner.temperature = self.rollout.temperature
+        if self.learner.compute_dtype not in ("float32", self.model.dtype):
+            raise ConfigError(f"learner.compute_dtype={self.learner.compute_dtype!r} differs from "
+                              f"model.dtype={self.model.dtype!r} (set only the latter)")
+        self.learner.compute_dtype = self.model.dtype
+        self.learner.max_policy_lag = self.max_policy_lag
 
 
 def _build(cls, data: dict[str, Any], where: str):

@@ -73,7 +73,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path | None]:
 def summary_rows(metrics: list[dict]) -> list[tuple[str, str]]:
     if not metrics:
         return []
-    first, last = metrics[0], metrics[-1]
+    last = metrics[-1]
 
     def val(m, k, fmt="{:.4g}"):
         return fmt.format(m[k]) if k in m else "-"
@@ -102,7 +102,6 @@ def summary_rows(metrics: list[dict]) -> list[tuple[str, str]]:
         ("learner steps/hour (end)", val(last, "throughput/steps_per_hour", "{:,.0f}")),
         ("wall time (s)", val(last, "time/wall_s", "{:.1f}")),
         ("held-out pass@1: start / peak / end", _pass_at_1(metrics)),
-        ("first step policy version", val(first, "train/policy_version", "{:.0f}")),
     ]
 
 

@@ -64,8 +64,8 @@ def verify(path: Path) -> dict:
     manifest = path / "manifest.json"
     try:
         data = json.loads(manifest.read_text())
-        files = data["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        files = dict(data["files"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError(f"{path}: missing or unreadable manifest.json "
                               f"(incomplete checkpoint)") from None
     for name, digest in files.items():
@@ -83,17 +83,23 @@ def load(path: Path, cfg):
 
     verify(path)
     model = load_model(path, kernels=cfg.model.kernels, dtype=getattr(torch, cfg.learner.compute_dtype))
+    where = path / "trainer_state.pt"
     try:
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        state = torch.load(where, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointError(f"{path / 'trainer_state.pt'}: unreadable ({exc})") from None
+        raise CheckpointError(f"{where}: unreadable ({exc})") from None
     learner = Learner(model, cfg.learner)
-    learner.optimizer.load_state_dict(state["optimizer"])
-    learner.scheduler.load_state_dict(state["scheduler"])
-    if state["master"] is not None:
-        with torch.no_grad():
-            for m, saved in zip(learner.master, state["master"]):
-                m.copy_(saved)
-    learner.version, learner.steps, learner.history = state["version"], state["steps"], state["history"]
-    torch.set_rng_state(state["torch_rng"])
-    return model, learner, int(state["step"])
+    try:
+        learner.optimizer.load_state_dict(state["optimizer"])
+        learner.scheduler.load_state_dict(state["scheduler"])
+        if state["master"] is not None:
+            with torch.no_grad():
+                for m, saved in zip(learner.master, state["master"], strict=True):
+                    m.copy_(saved)
+        learner.version, learner.steps = int(state["version"]), int(state["steps"])
+        learner.history = dict(state["history"])
+        torch.set_rng_state(state["torch_rng"])
+        step = int(state["step"])
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(f"{where}: does not match this run's model or optimizer ({exc})") from None
+    return model, learner, step

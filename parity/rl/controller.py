@@ -46,10 +46,13 @@ def build_task(cfg: TrainConfig, vocab_size: int):
     return TargetTokensTask(vocab_size, cfg.task.targets, cfg.task.prompt_len, cfg.seed)
 
 
+_CORES = max(1, torch.get_num_threads())  # read once, before any split changes it
+
+
 def split_threads(cfg: TrainConfig) -> tuple[int, int]:
     """(rollout threads, learner threads): both get every core when they alternate (lag 0),
     the cores are shared out when they run at once."""
-    cores = max(1, torch.get_num_threads())
+    cores = _CORES
     if cfg.max_policy_lag == 0 or cores == 1:
         return cores, cores
     return max(1, cores // 2), max(1, cores - cores // 2)
@@ -70,10 +73,21 @@ def response_limits(cfg: TrainConfig, batch_index: int, n: int) -> list[int]:
 def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batch: int,
                  weights_q, traj_q, stop, threads: int) -> None:
     """Rollout worker process body."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    traj_q.cancel_join_thread()  # never block this process's exit on unread batches
+    try:
+        _worker_loop(cfg_dict, init_state, init_version, start_batch, weights_q, traj_q, stop, threads)
+    except ParityError as exc:  # a problem that a restart would only repeat
+        traj_q.put(("error", str(exc)))
+
+
+def _worker_loop(cfg_dict: dict, init_state: dict, init_version: int, start_batch: int,
+                 weights_q, traj_q, stop, threads: int) -> None:
     from ..config import config_from_dict
     from ..engine import Engine, SamplingParams
 
     torch.set_num_threads(threads)
+    parent = mp.parent_process()
     cfg = config_from_dict(cfg_dict)
     model = build_model(cfg)
     model.load_state_dict(init_state)
@@ -84,6 +98,9 @@ def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batc
     lag = cfg.max_policy_lag
 
     def receive(block: bool) -> None:
+        if parent is not None and not parent.is_alive():
+            stop.set()  # orphaned: the controller is gone
+            return
         try:
             while True:
                 version, state = weights_q.get(block=block, timeout=0.5 if block else None)
@@ -103,10 +120,8 @@ def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batc
         if stop.is_set():
             break
         version = need if cfg.deterministic else max(held)
-        if version != engine.policy_version:
+        if version != engine.policy_version:  # between batches nothing is running
             engine.update_weights(held[version], version, mode="drain")
-            while engine.has_unfinished():
-                engine.step()
         for v in [v for v in held if v < version]:
             del held[v]
         t0 = time.perf_counter()
@@ -114,9 +129,9 @@ def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batc
         group = cfg.rollout.group_size
         limits = response_limits(cfg, b, len(prompts) * group)
         params = [SamplingParams(temperature=cfg.rollout.temperature, max_tokens=limits[i],
-                                 seed=(cfg.seed * 7919 + b) * 1000 + i, ignore_eos=True)
+                                 seed=hash((cfg.seed, b, i)) % 2**62, ignore_eos=True)
                   for i in range(len(prompts) * group)]
-        inflight = cfg.rollout.weight_update == "inflight" and not cfg.deterministic
+        inflight = cfg.rollout.weight_update == "inflight"  # (never with deterministic = true)
 
         def load_newer(eng) -> None:  # in-flight: switch running sequences to newer weights
             receive(block=False)
@@ -150,6 +165,7 @@ class Controller:
         else:
             self.model = build_model(cfg)
             self.learner = Learner(self.model, cfg.learner)
+        build_task(cfg, self.model.config.vocab_size)  # a bad task fails here, not in the worker
         self.ctx = mp.get_context("spawn")
 
     def _resume(self) -> None:
@@ -162,12 +178,20 @@ class Controller:
                               f"steps (now {self.cfg.steps}) with --set steps=N")
         metrics_path = self.run_dir / "metrics.jsonl"
         if metrics_path.exists():  # keep the records of the steps the checkpoint contains
-            lines = metrics_path.read_text().splitlines()
-            self.metrics = [json.loads(x) for x in lines if x.strip()][:self.start_step]
+            lines = [x for x in metrics_path.read_text().splitlines() if x.strip()][:self.start_step]
+            self.metrics = [{k: v for k, v in json.loads(x).items() if not k.endswith("_final")}
+                            for x in lines]
         print(f"parity: resuming {self.run_dir} from {path.name} (step {self.start_step}, "
               f"policy version {self.learner.version})", flush=True)
 
+    def _close_queues(self) -> None:
+        for q in (getattr(self, "weights_q", None), getattr(self, "traj_q", None)):
+            if q is not None:
+                q.cancel_join_thread()  # unread weight messages must not block our exit
+                q.close()
+
     def _start_worker(self, start_batch: int):
+        self._close_queues()
         self.weights_q = self.ctx.Queue()
         self.traj_q = self.ctx.Queue()
         self.stop = self.ctx.Event()
@@ -193,7 +217,10 @@ class Controller:
         again: nothing consumed is repeated, nothing pending is lost)."""
         while True:
             try:
-                return self.traj_q.get(timeout=1.0)
+                item = self.traj_q.get(timeout=1.0)
+                if item[0] == "error":
+                    raise ParityError(f"rollout worker: {item[1]}")
+                return item
             except queue_mod.Empty:
                 if self.worker.is_alive():
                     continue
@@ -268,6 +295,7 @@ class Controller:
 
             write_report(self.run_dir)
         finally:
+            self._close_queues()
             if tb is not None:
                 tb.close()
             if previous_handler is not None:
@@ -317,6 +345,4 @@ def tensorboard_writer(run_dir: Path):
 
 
 def _config_dict(cfg: TrainConfig) -> dict:
-    data = asdict(cfg)
-    data["learner"]["betas"] = list(data["learner"]["betas"])
-    return data
+    return asdict(cfg)

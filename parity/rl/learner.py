@@ -78,6 +78,10 @@ class LearnerConfig:
                               f"got {self.compute_dtype!r}")
         if not self.temperature > 0:
             raise ConfigError("LearnerConfig.temperature must be > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"LearnerConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.weight_decay < 0:
+            raise ConfigError("LearnerConfig.weight_decay must be >= 0")
 
 
 class Learner:
@@ -147,10 +151,13 @@ class Learner:
             if v not in self.history:
                 continue  # older than the kept window
             rows = (batch.versions == v).any(1).nonzero().flatten().tolist()
-            sub = batch.select(rows)
-            lp_old = self.logprobs(sub, version=v)
+            sub = batch.select(rows, validate=False)
+            width = sub.mask.shape[1]
+            if v == self.version:  # the weights of this step: its log-probs are already known
+                lp_old = learner_lp[rows][:, :width]
+            else:
+                lp_old = self.logprobs(sub, version=v)
             sel = (sub.versions == v) & sub.mask.bool()
-            width = lp_old.shape[1]
             for j, r in enumerate(rows):
                 m = sel[j]
                 kernel[r, :width][m] = lp_old[j][m] - sub.rollout_logprobs[j][m]
@@ -181,10 +188,12 @@ class Learner:
         lps, entropies, losses, extra = [], [], [], {}
         for i in range(0, bsz, cfg.micro_batch_size):
             idx = list(range(i, min(bsz, i + cfg.micro_batch_size)))
-            sub = batch.select(idx)
+            sub = batch.select(idx, validate=False)
             lp, ent = sequence_logprobs(self.model, sub.sequences, cfg.temperature, return_entropy=True)
             lp_pad = sub.pad(lp)
-            loss, extra = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config)
+            loss, stats = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config)
+            for k, v in stats.items():  # response-weighted over micro-batches
+                extra[k] = extra.get(k, 0.0) + v * len(idx) / bsz
             (loss * (len(idx) / bsz)).backward()
             losses.append(float(loss.detach()) * len(idx) / bsz)
             lps += [x.detach() for x in lp]
@@ -195,10 +204,12 @@ class Learner:
         finite = math.isfinite(loss_value) and all(g is None or bool(torch.isfinite(g).all()) for g in grads)
         metrics: dict[str, float] = {"train/loss": loss_value, "train/step": float(self.steps),
                                      "train/lr": float(self.scheduler.get_last_lr()[0])}
-        if not finite:
+        if not finite:  # skip: the same weights are published again under the next version
             self.model.zero_grad(set_to_none=True)
             metrics["train/skipped_nonfinite"] = 1.0
             self.last_dump = self._dump(batch)
+            self._advance_version()
+            metrics["train/policy_version"] = float(self.version)
             return metrics
         if cfg.compute_dtype != "float32":  # float32 master weights take the step
             for m, p in zip(self.master, self.model.parameters()):
@@ -220,15 +231,18 @@ class Learner:
         metrics.update(importance_weight_stats(learner_lp, batch.rollout_logprobs, batch.mask))
         metrics.update(lag_stats(batch.versions, batch.mask, self.version))
         metrics.update(response_stats(batch.mask, batch.rewards, batch.pad(entropies)))
-        metrics.update({k: v for k, v in extra.items()})
-        self.version += 1
-        self.steps += 1
-        self.history[self.version] = self._snapshot()
-        for v in [v for v in self.history if v < self.version - cfg.max_policy_lag]:
-            del self.history[v]
+        metrics.update(extra)
+        self._advance_version()
         metrics["train/policy_version"] = float(self.version)
         metrics["time/train_s"] = time.perf_counter() - t0
         return metrics
+
+    def _advance_version(self) -> None:
+        self.version += 1
+        self.steps += 1
+        self.history[self.version] = self._snapshot()
+        for v in [v for v in self.history if v < self.version - self.config.max_policy_lag]:
+            del self.history[v]
 
     def _dump(self, batch: TrajectoryBatch) -> str | None:
         if self.config.dump_dir is None:

@@ -68,11 +68,12 @@ class TrajectoryBatch:
     masked out), `rewards` [B] float32, `group_ids` [B] int64.
     """
 
-    def __init__(self, trajectories: Sequence[Trajectory]):
+    def __init__(self, trajectories: Sequence[Trajectory], validate: bool = True):
         if not trajectories:
             raise InputError("empty trajectory batch")
-        for i, tr in enumerate(trajectories):
-            tr.validate(i)
+        if validate:
+            for i, tr in enumerate(trajectories):
+                tr.validate(i)
         self.trajectories = list(trajectories)
         bsz = len(trajectories)
         width = max(len(t.token_ids) for t in trajectories) - 1
@@ -95,8 +96,8 @@ class TrajectoryBatch:
     def sequences(self) -> list[list[int]]:
         return [t.token_ids for t in self.trajectories]
 
-    def select(self, index: Sequence[int]) -> TrajectoryBatch:
-        return TrajectoryBatch([self.trajectories[i] for i in index])
+    def select(self, index: Sequence[int], validate: bool = True) -> TrajectoryBatch:
+        return TrajectoryBatch([self.trajectories[i] for i in index], validate=validate)
 
     def pad(self, per_response: Sequence[torch.Tensor]) -> torch.Tensor:
         """Stack per-response vectors of n_i - 1 scored positions into [B, L] (zeros after)."""

@@ -75,7 +75,7 @@ def test_config_is_validated_and_round_trips(tmp_path):
 
 
 def test_interrupt_and_resume_match_an_uninterrupted_run(tmp_path):
-    args = ("steps=6", "max_policy_lag=2", "deterministic=true", "learner.compute_dtype=\"bfloat16\"")
+    args = ("steps=6", "max_policy_lag=2", "deterministic=true", "model.dtype=\"bfloat16\"")
     whole = Controller(config(tmp_path / "whole", *args)).run()
     first = Controller(config(tmp_path / "cut", *args))
 

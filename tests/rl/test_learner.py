@@ -123,7 +123,9 @@ def test_nonfinite_step_is_skipped_and_batch_saved(tmp_path, capsys):
         m.model.layers[0].mlp.down_proj.weight[0, 0] = math.nan
     before["model.layers.0.mlp.down_proj.weight"][0, 0] = math.nan
     metrics = learner.step(batch)
-    assert metrics["train/skipped_nonfinite"] == 1.0 and learner.version == 0
+    assert metrics["train/skipped_nonfinite"] == 1.0
+    assert learner.version == 1  # the unchanged weights are published again, so rollouts go on
+    assert all(torch.equal(learner.history[1][k].nan_to_num(), before[k].nan_to_num()) for k in before)
     assert "update skipped, batch saved" in capsys.readouterr().out
     saved = torch.load(learner.last_dump)
     assert len(saved) == len(batch)
