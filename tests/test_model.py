@@ -151,3 +151,17 @@ def test_pointwise_padding_stays_small_with_many_threads():
         assert torch.equal(pointwise(torch.sigmoid, x), pointwise(torch.sigmoid, x.clone()))
     finally:
         torch.set_num_threads(before)
+
+
+def test_char_tokenizer_round_trip_with_special_tokens(tmp_path):
+    from parity.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer, load_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(tmp_path, vocab_size=tok.get_vocab_size())
+    text = "<|user|>12+34=<|assistant|><python>print(12 * 34)</python><result>408\n</result>answer: 46<|eos|>"
+    ids = loaded.encode(text)
+    assert loaded.decode(ids) == text
+    assert ids[0] == SPECIAL_TOKENS.index("<|user|>") and ids[-1] == SPECIAL_TOKENS.index("<|eos|>")
+    assert len(ids) == len(text) - sum(len(s) - 1 for s in SPECIAL_TOKENS for _ in range(text.count(s)))
+    assert tok.get_vocab_size() < 128  # fits the tiny preset

@@ -58,3 +58,25 @@ def load_tokenizer(checkpoint: str | Path | None, vocab_size: int):
     if checkpoint is not None and (Path(checkpoint) / "tokenizer.json").exists():
         return HFTokenizer(Path(checkpoint) / "tokenizer.json")
     return ByteTokenizer(vocab_size)
+
+
+SPECIAL_TOKENS = ("<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<python>", "</python>",
+                  "<result>", "</result>")
+"""Turn and tool-call markers, each one token (ids 0..7 in a built tokenizer; <|eos|> is 1)."""
+
+DEFAULT_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+"""Printable ASCII plus newline and tab: what the math and tool tasks write."""
+
+
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, special_tokens=SPECIAL_TOKENS):
+    """A character-level Hugging Face tokenizer: the special tokens, then one id per character
+    of `alphabet`, then `<|unk|>`. Save it with `.save(dir / "tokenizer.json")`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = list(dict.fromkeys(alphabet))
+    vocab = {tok: i for i, tok in enumerate([*special_tokens, *chars, "<|unk|>"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(special_tokens))
+    return tok

@@ -1,0 +1,176 @@
+"""Procedural math tasks with exact verification: addition, subtraction, multiplication,
+multi-step expressions and countdown-style target making, each at several difficulty levels.
+
+Every problem is generated from (task, level, seed, index), so the training stream and the
+fixed held-out set (a disjoint seed space) can be regenerated anywhere. Answers are extracted
+from the text after `answer:` (or the last integer) and compared exactly; a response that does
+not parse scores 0, it never raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+TASKS = ("add", "sub", "mul", "expr", "countdown")
+
+
+@dataclass(frozen=True)
+class Problem:
+    task: str
+    prompt: str
+    answer: int | None  # None for countdown (any expression reaching the target counts)
+    numbers: tuple[int, ...] = ()
+    target: int | None = None
+
+
+def _digits(rnd: random.Random, n: int) -> int:
+    return rnd.randint(10 ** (n - 1) if n > 1 else 0, 10**n - 1)
+
+
+def make_problem(task: str, level: int, rnd: random.Random) -> Problem:
+    """One problem; `level` (1..5) scales digits, terms or numbers."""
+    if task not in TASKS:
+        raise ConfigError(f"unknown math task {task!r}: expected one of {', '.join(TASKS)}")
+    if not 1 <= level <= 5:
+        raise ConfigError(f"math level must be 1..5, got {level}")
+    if task == "add":
+        a, b = _digits(rnd, level + 1), _digits(rnd, level + 1)
+        return Problem(task, f"{a}+{b}=", a + b)
+    if task == "sub":
+        a, b = _digits(rnd, level + 1), _digits(rnd, level + 1)
+        return Problem(task, f"{a}-{b}=", a - b)
+    if task == "mul":
+        a, b = _digits(rnd, level), _digits(rnd, max(1, level - 1) + 1)
+        return Problem(task, f"{a}*{b}=", a * b)
+    if task == "expr":
+        terms = [str(_digits(rnd, 1 + level // 3)) for _ in range(level + 2)]
+        ops = [rnd.choice("+-*") for _ in range(len(terms) - 1)]
+        text = terms[0] + "".join(o + t for o, t in zip(ops, terms[1:]))
+        return Problem(task, f"{text}=", _safe_eval(text))
+    numbers = tuple(rnd.randint(1, 9 + 2 * level) for _ in range(level + 2))
+    target = _reachable_target(numbers, rnd)
+    return Problem(task, f"make {target} from {' '.join(map(str, numbers))}:", None, numbers, target)
+
+
+def _reachable_target(numbers: tuple[int, ...], rnd: random.Random) -> int:
+    """A target some left-to-right combination of a subset of the numbers reaches."""
+    k = rnd.randint(2, len(numbers))
+    chosen = rnd.sample(numbers, k)
+    value = chosen[0]
+    for x in chosen[1:]:
+        op = rnd.choice("+-*")
+        value = value + x if op == "+" else value - x if op == "-" else value * x
+    return value
+
+
+_EXPR = re.compile(r"^[0-9+\-*() ]{1,200}$")
+
+
+def _safe_eval(text: str) -> int | None:
+    """Integer value of an arithmetic expression (digits, + - * and parentheses only)."""
+    if not _EXPR.match(text):
+        return None
+    tokens = re.findall(r"\d+|[+\-*()]", text)
+    pos = 0
+
+    def parse_sum():
+        nonlocal pos
+        value = parse_product()
+        while pos < len(tokens) and tokens[pos] in "+-":
+            op = tokens[pos]
+            pos += 1
+            rhs = parse_product()
+            value = value + rhs if op == "+" else value - rhs
+        return value
+
+    def parse_product():
+        nonlocal pos
+        value = parse_atom()
+        while pos < len(tokens) and tokens[pos] == "*":
+            pos += 1
+            value *= parse_atom()
+            if abs(value) > 10**30:
+                raise ValueError("too large")
+        return value
+
+    def parse_atom():
+        nonlocal pos
+        if pos >= len(tokens):
+            raise ValueError("truncated")
+        tok = tokens[pos]
+        pos += 1
+        if tok == "(":
+            value = parse_sum()
+            if pos >= len(tokens) or tokens[pos] != ")":
+                raise ValueError("unbalanced")
+            pos += 1
+            return value
+        if tok == "-":
+            return -parse_atom()
+        if tok.isdigit():
+            return int(tok)
+        raise ValueError(f"unexpected {tok}")
+
+    try:
+        value = parse_sum()
+    except (ValueError, RecursionError):
+        return None
+    return value if pos == len(tokens) else None
+
+
+def extract_answer(response: str) -> str:
+    """The text after the last `answer:`, else the last line."""
+    low = response.lower()
+    i = low.rfind("answer:")
+    text = response[i + len("answer:"):] if i >= 0 else (response.strip().splitlines() or [""])[-1]
+    return text.strip()
+
+
+def score(problem: Problem, response: str) -> float:
+    """1.0 for an exactly right answer, else 0.0 (unparseable answers score 0)."""
+    text = extract_answer(response)
+    if problem.task == "countdown":
+        used = [int(x) for x in re.findall(r"\d+", text)]
+        pool = list(problem.numbers)
+        for x in used:
+            if x not in pool:
+                return 0.0
+            pool.remove(x)
+        return float(bool(used) and _safe_eval(text) == problem.target)
+    found = re.findall(r"-?\d+", text)
+    return float(bool(found) and int(found[-1]) == problem.answer)
+
+
+def _stable_seed(*key) -> int:
+    """A seed from a key, identical in every process (unlike `hash` of strings)."""
+    return int(hashlib.sha256(repr(key).encode()).hexdigest()[:15], 16)
+
+
+class MathTask:
+    """A stream of problems and a fixed held-out set for one task and level."""
+
+    def __init__(self, task: str = "add", level: int = 1, seed: int = 0, heldout_size: int = 200):
+        make_problem(task, level, random.Random(0))  # validates task and level
+        self.task, self.level, self.seed = task, level, seed
+        rnd = random.Random(_stable_seed(task, level, seed, "heldout"))
+        self._heldout = [make_problem(task, level, rnd) for _ in range(heldout_size)]
+        self._heldout_prompts = {p.prompt for p in self._heldout}
+
+    def problems(self, batch_index: int, n: int) -> list[Problem]:
+        """Training problems of one batch; never a held-out prompt."""
+        rnd = random.Random(_stable_seed(self.task, self.level, self.seed, batch_index))
+        out = []
+        while len(out) < n:
+            p = make_problem(self.task, self.level, rnd)
+            if p.prompt not in self._heldout_prompts:
+                out.append(p)
+        return out
+
+    def heldout(self, n: int | None = None) -> list[Problem]:
+        """The fixed evaluation set (or its first n problems)."""
+        return list(self._heldout[:n])
