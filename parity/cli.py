@@ -1,4 +1,4 @@
-"""The `parity` command: `check` (invariance self-test), `generate`, `train`, `bench kernels|rollout`.
+"""The `parity` command: `demo`, `check` (invariance self-test), `sft`, `eval`, `train`, `generate`, `bench`.
 
 Every user-facing failure (bad config, checkpoint, option) is printed as one line
 `parity: error: ...` with exit status 2; no traceback.
@@ -326,10 +326,170 @@ def cmd_train(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- sft / eval / demo
+class _Progress:
+    """A rich bar on a terminal, a line every `every` steps otherwise (logs, CI)."""
+
+    def __init__(self, name: str, total: int, every: int = 10):
+        self.name, self.total, self.every = name, total, every
+        self.bar = None
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn(name), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                TextColumn("{task.description}"))
+            self.task = self.bar.add_task("", total=total)
+            self.bar.start()
+
+    def update(self, step: int, text: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step + 1, description=text)
+            if step + 1 >= self.total:
+                self.bar.stop()
+        elif (step + 1) % self.every == 0 or step + 1 == self.total or step == 0:
+            print(f"{self.name} {step + 1:>4}/{self.total}  {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _describe_train(m) -> str:
+    if m.get("train/skipped_nonfinite"):
+        return "non-finite loss or gradient: update skipped"
+    text = (f"reward {m['reward/mean']:.3f}  lag max {m.get('lag/max', 0):.0f}  "
+            f"w peak/median {m.get('is_weight/peak_over_median', 1):.3f}  "
+            f"kernel mismatch {m.get('mismatch/kernel_max_abs', float('nan')):.3g}")
+    if "eval/pass@1" in m:
+        text += f"  held-out pass@1 {m['eval/pass@1']:.1%}"
+    return text
+
+
+def _sft_progress(total: int):
+    bar = _Progress("sft", total, every=50)
+    return lambda step, loss, elapsed: bar.update(step, f"loss {loss:.3f}  {elapsed:.0f}s")
+
+
+def cmd_sft(args) -> int:
+    from .sft import SFTConfig, base_dir, is_built, train_sft
+
+    cfg = SFTConfig(steps=args.steps, seed=args.seed) if args.steps else SFTConfig(seed=args.seed)
+    out = Path(args.out) if args.out else base_dir(cfg)
+    if is_built(out) and not args.force:
+        print(f"parity: base policy already built: {out} (--force rebuilds)")
+    else:
+        print(f"parity: training the base policy ({cfg.preset}, {cfg.steps} steps) into {out}", flush=True)
+        train_sft(out, cfg, _sft_progress(cfg.steps), eval_problems=args.eval_problems)
+    record = json.loads((out / "sft.json").read_text())
+    rows = [[name, f"{r['eval/pass@1']:.1%} ± {r['eval/pass@1_ci95']:.1%}", f"{r['eval/tool_calls']:.2f}"]
+            for name, r in record.get("heldout", {}).items()]
+    if rows:
+        print(_table(["task", "held-out pass@1 (greedy)", "tool calls"], rows))
+    print(f"trained in {record['train_s']:.0f} s; checkpoint: {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .config import load_config
+    from .envs.rollout import evaluate
+    from .model import load_model
+    from .rl.controller import build_task
+
+    settings = [f'task.name="{args.task}"', f'model.checkpoint="{args.model}"', f"eval_prompts={args.n}"]
+    if args.level:
+        settings.append(f"task.level={args.level}")
+    if args.math_task:
+        settings.append(f'task.math_task="{args.math_task}"')
+    cfg = load_config(None, settings + (args.set or []))
+    from .rl.controller import checkpoint_path
+
+    model = load_model(checkpoint_path(cfg), kernels=args.kernels)
+    env = build_task(cfg, model.config.vocab_size)
+    print(f"parity: {env.describe()}", flush=True)
+    t0 = time.perf_counter()
+    r = evaluate(model, env, args.n, k=args.k, temperature=args.temperature, max_tokens=args.max_tokens,
+                 seed=args.seed)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    rows = [["pass@1 (greedy)", f"{r['eval/pass@1']:.1%} ± {r['eval/pass@1_ci95']:.1%}"]]
+    if args.k:
+        rows.append([f"mean@{args.k} (T={args.temperature})",
+                     f"{r[f'eval/mean@{args.k}']:.1%} ± {r[f'eval/mean@{args.k}_ci95']:.1%}"])
+    rows += [["problems", f"{r['eval/problems']:.0f}"], ["answered", f"{r['eval/answered']:.1%}"],
+             ["tool calls / episode", f"{r['eval/tool_calls']:.2f}"],
+             ["tool errors / episode", f"{r['eval/tool_errors']:.2f}"]]
+    print(_table([f"{env.name} (held-out, 95% CI)", "value"], rows))
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import DemoOptions, run_demo
+
+    opts = DemoOptions(steps=args.steps, max_policy_lag=args.lag, kernels=args.kernels, run_dir=args.run_dir,
+                       eval_prompts=args.eval_prompts, seed=args.seed)
+    bars: list[_Progress] = []
+
+    def factory(kind: str, total: int = 0):
+        if kind == "sft":
+            from .sft import SFTConfig
+
+            return _sft_progress(SFTConfig().steps)
+        bars.append(_Progress("train", total, every=5))
+        return lambda step, m: bars[-1].update(step, _describe_train(m))
+
+    try:
+        result = run_demo(opts, args.set or [], progress_factory=factory)
+    finally:
+        for b in bars:
+            b.close()
+    print()
+    print(_table(["parity demo: tool-use task, async REINFORCE Zero", "value"],
+                 [list(r) for r in result["summary"]]))
+    run_dir = result["run_dir"]
+    print(f"done in {result['seconds']:.0f} s: {run_dir}/report.md, {run_dir}/report.png, "
+          f"{run_dir}/metrics.jsonl")
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parity", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="base policy + async REINFORCE Zero on the tool task, before/after table")
+    d.add_argument("--steps", type=int, default=40, help="learner steps (default 40)")
+    d.add_argument("--lag", type=int, default=8, help="max policy lag (default 8)")
+    d.add_argument("--kernels", default="aligned", choices=["aligned", "standard"])
+    d.add_argument("--run-dir", default="runs/demo")
+    d.add_argument("--eval-prompts", type=int, default=100, help="held-out problems per evaluation")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training config key")
+    d.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("sft", help="train (or show) the cached base policy")
+    s.add_argument("--out", help="output directory (default: the cache)")
+    s.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--eval-problems", type=int, default=100, help="held-out problems per task (0 = skip)")
+    s.add_argument("--force", action="store_true", help="rebuild even when cached")
+    s.set_defaults(func=cmd_sft)
+
+    e = sub.add_parser("eval", help="held-out pass@1 (greedy) and mean@k of a checkpoint on a task")
+    e.add_argument("--model", default="base", help='checkpoint directory ("base" = the cached base policy)')
+    e.add_argument("--task", default="tool", help="tool or math")
+    e.add_argument("--level", type=int, default=0, help="difficulty (default: the task's)")
+    e.add_argument("--math-task", help="math: add, sub, mul, expr or countdown")
+    e.add_argument("--n", type=int, default=200, help="held-out problems")
+    e.add_argument("-k", "--k", type=int, default=4, help="samples per problem for mean@k (0 = skip)")
+    e.add_argument("--temperature", type=float, default=1.0)
+    e.add_argument("--max-tokens", type=int, default=64, help="per turn")
+    e.add_argument("--kernels", default="aligned", choices=["aligned", "standard"])
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a task config key")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("check", help="prove the aligned kernels give bitwise-identical log-probs here")
     src = p.add_mutually_exclusive_group()
@@ -410,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_seqs", "max_num_seqs",
-                 "steps", "prompts", "group", "max_tokens"):
+                 "steps", "prompts", "group", "max_tokens", "eval_prompts", "n"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.command == "check" and args.max_len < 2:

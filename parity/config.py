@@ -23,7 +23,8 @@ class ModelSection:
     preset: str = "small"
     """Random-init preset ('tiny' or 'small') when no checkpoint is given."""
     checkpoint: str | None = None
-    """A checkpoint directory to start from (overrides `preset`)."""
+    """A checkpoint directory to start from (overrides `preset`); "base" is the cached base
+    policy of `parity sft` (built on first use)."""
     kernels: str = "aligned"
     """'aligned' (bitwise rollout = learner) or 'standard' (the baseline)."""
     dtype: str = "float32"
@@ -80,17 +81,36 @@ class TaskSection:
     """The environment rewards come from."""
 
     name: str = "target_tokens"
-    """Built-in task name."""
+    """'tool' (multi-turn arithmetic with a sandboxed Python tool), 'math' (single-turn exact
+    answers) or 'target_tokens' (a toy for the plumbing; works from a random init). The text
+    tasks need a checkpoint with a tokenizer.json (model.checkpoint = "base" is the cached base
+    policy of `parity sft`)."""
     targets: list[int] = field(default_factory=lambda: [7])
     """target_tokens: reward = fraction of response tokens that are one of these ids."""
     prompt_len: int = 8
-    """Prompt length in tokens."""
+    """target_tokens: prompt length in tokens."""
+    kinds: list[str] = field(default_factory=lambda: ["mul", "sum"])
+    """tool: problem kinds ('mul': large products, 'sum': sums of many numbers)."""
+    level: int = 2
+    """tool (1..3) or math (1..5): difficulty."""
+    max_tool_calls: int = 3
+    """tool: tool calls allowed per episode."""
+    math_task: str = "add"
+    """math: add, sub, mul, expr or countdown."""
+    heldout_size: int = 200
+    """Size of the fixed held-out set problems are kept out of (evaluation uses its first
+    `eval_prompts`)."""
 
     def __post_init__(self) -> None:
-        if self.name != "target_tokens":
-            raise ConfigError(f"unknown task {self.name!r}: expected 'target_tokens'")
+        if self.name not in TASK_NAMES:
+            raise ConfigError(f"unknown task {self.name!r}: expected one of {', '.join(TASK_NAMES)}")
         if self.prompt_len < 1 or not self.targets:
             raise ConfigError("task.prompt_len must be >= 1 and task.targets non-empty")
+        if self.heldout_size < 1 or self.max_tool_calls < 1:
+            raise ConfigError("task.heldout_size and task.max_tool_calls must be >= 1")
+
+
+TASK_NAMES = ("tool", "math", "target_tokens")
 
 
 @dataclass
@@ -114,7 +134,9 @@ class TrainConfig:
     """Greedy evaluation on the held-out prompts before steps 0, N, 2N, ... and at the end
     (0 = never)."""
     eval_prompts: int = 32
-    """Size of the fixed, seeded held-out set."""
+    """Held-out problems per evaluation (greedy pass@1)."""
+    eval_samples: int = 0
+    """k > 0 adds mean@k (k samples per held-out problem at the rollout temperature)."""
     model: ModelSection = field(default_factory=ModelSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     task: TaskSection = field(default_factory=TaskSection)
@@ -125,8 +147,11 @@ class TrainConfig:
             raise ConfigError("steps must be >= 1")
         if self.max_policy_lag < 0:
             raise ConfigError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
-        if self.checkpoint_every < 0 or self.eval_every < 0 or self.eval_prompts < 1:
-            raise ConfigError("checkpoint_every and eval_every must be >= 0, eval_prompts >= 1")
+        if self.checkpoint_every < 0 or self.eval_every < 0 or self.eval_prompts < 1 or self.eval_samples < 0:
+            raise ConfigError("checkpoint_every, eval_every and eval_samples must be >= 0, eval_prompts >= 1")
+        if self.task.name != "target_tokens" and not self.model.checkpoint:
+            raise ConfigError(f"task {self.task.name!r} needs model.checkpoint with a tokenizer.json "
+                              "(\"base\" = the base policy of parity sft)")
         if self.deterministic and self.rollout.weight_update == "inflight":
             raise ConfigError("deterministic = true needs rollout.weight_update = 'drain' "
                               "(in-flight updates land at wall-clock-dependent tokens)")

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .base import Env, Episode, Turn
+from .chat import prompt_text, strip_special
 
 TASKS = ("add", "sub", "mul", "expr", "countdown")
 
@@ -174,3 +176,30 @@ class MathTask:
     def heldout(self, n: int | None = None) -> list[Problem]:
         """The fixed evaluation set (or its first n problems)."""
         return list(self._heldout[:n])
+
+
+class MathEnv(Env):
+    """A math task as a single-turn text environment: the reward is 1 for an exact answer."""
+
+    def __init__(self, tokenizer, task: str = "add", level: int = 2, seed: int = 0,
+                 heldout_size: int = 200):
+        self.math = MathTask(task, level, seed, heldout_size)
+        self.tokenizer = tokenizer
+        self.name = f"math-{task}-{level}"
+
+    def problems(self, batch_index: int, n: int) -> list[Problem]:
+        return self.math.problems(batch_index, n)
+
+    def heldout(self, n: int | None = None) -> list[Problem]:
+        return self.math.heldout(n)
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        return self.tokenizer.encode(prompt_text(problem.prompt))
+
+    def step(self, episode: Episode, turn_ids: list[int]) -> Turn:
+        episode.turns += 1
+        text = strip_special(self.tokenizer.decode(turn_ids))
+        episode.answered = "answer:" in text.lower()
+        episode.reward = score(episode.problem, text)
+        episode.passed = episode.reward == 1.0
+        return Turn(None, True, episode.reward)

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import random
 
+from .base import Env, Episode, Turn
 
-class TargetTokensTask:
+
+class TargetTokensTask(Env):
+    """Single-turn; a problem is a list of random prompt token ids."""
+
+    name = "target_tokens"
+
     def __init__(self, vocab_size: int, targets: list[int], prompt_len: int = 8, seed: int = 0):
         bad = [t for t in targets if not 0 <= t < vocab_size]
         if bad:
@@ -26,9 +32,22 @@ class TargetTokensTask:
         rnd = random.Random(self.seed * 1_000_003 + batch_index)
         return [[rnd.randrange(self.vocab_size) for _ in range(self.prompt_len)] for _ in range(n)]
 
-    def heldout(self, n: int) -> list[list[int]]:
+    def heldout(self, n: int | None = None) -> list[list[int]]:
         """A fixed evaluation set, disjoint in seed space from the training prompts."""
-        return self.prompts(-1 - self.seed, n)
+        return self.prompts(-1 - self.seed, 32 if n is None else n)
+
+    def problems(self, batch_index: int, n: int) -> list[list[int]]:
+        return self.prompts(batch_index, n)
+
+    def prompt_ids(self, problem: list[int]) -> list[int]:
+        return list(problem)
+
+    def step(self, episode: Episode, turn_ids: list[int]) -> Turn:
+        episode.turns += 1
+        episode.reward = self.reward(episode.problem, turn_ids)
+        episode.passed = episode.reward >= 0.5
+        episode.answered = True
+        return Turn(None, True, episode.reward)
 
     def passed(self, prompt: list[int], completion: list[int]) -> bool:
         """pass@1 criterion: at least half of the response is target tokens."""

@@ -49,6 +49,14 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a (special) token, or None."""
+        return self._tok.token_to_id(token)
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 

@@ -30,20 +30,70 @@ from .learner import Learner
 from .trajectory import Trajectory, TrajectoryBatch
 
 
+def checkpoint_path(cfg: TrainConfig) -> str | None:
+    """The model checkpoint directory ("base" resolves to the cached base policy)."""
+    if cfg.model.checkpoint == "base":
+        from ..sft import get_base_policy
+
+        return str(get_base_policy())
+    return cfg.model.checkpoint
+
+
 def build_model(cfg: TrainConfig):
     from ..model import Model, ModelConfig, load_model
 
     dtype = getattr(torch, cfg.model.dtype)
-    if cfg.model.checkpoint:
-        return load_model(cfg.model.checkpoint, kernels=cfg.model.kernels, dtype=dtype)
+    path = checkpoint_path(cfg)
+    if path:
+        return load_model(path, kernels=cfg.model.kernels, dtype=dtype)
     return Model(ModelConfig.preset(cfg.model.preset), kernels=cfg.model.kernels, dtype=dtype,
                  seed=cfg.model.seed)
 
 
-def build_task(cfg: TrainConfig, vocab_size: int):
-    from ..envs import TargetTokensTask
+def build_task(cfg: TrainConfig, vocab_size: int, sandbox=None):
+    """The run's environment (text tasks read the checkpoint's tokenizer.json)."""
+    t = cfg.task
+    if t.name == "target_tokens":
+        from ..envs import TargetTokensTask
 
-    return TargetTokensTask(vocab_size, cfg.task.targets, cfg.task.prompt_len, cfg.seed)
+        return TargetTokensTask(vocab_size, t.targets, t.prompt_len, cfg.seed)
+    from ..model.tokenizer import HFTokenizer
+
+    path = checkpoint_path(cfg)
+    if not path or not (Path(path) / "tokenizer.json").exists():
+        raise ParityError(f"task {t.name!r} needs a tokenizer.json in the checkpoint directory "
+                          f"({path}); use model.checkpoint = \"base\" or a parity sft output")
+    tokenizer = HFTokenizer(Path(path) / "tokenizer.json")
+    if t.name == "math":
+        from ..envs.math import MathEnv
+
+        return MathEnv(tokenizer, t.math_task, t.level, cfg.seed, t.heldout_size)
+    from ..envs.tool import ToolEnv
+
+    return ToolEnv(tokenizer, tuple(t.kinds), t.level, cfg.seed, t.heldout_size, t.max_tool_calls,
+                   sandbox=sandbox)
+
+
+def sampling_params(cfg: TrainConfig, batch_index: int, n: int) -> list:
+    """Per-response SamplingParams of batch `batch_index` (seeded, so any batch can be redone).
+    The toy task samples to its length limit; text tasks stop at EOS (limits are per turn)."""
+    from ..engine import SamplingParams
+
+    limits = response_limits(cfg, batch_index, n)
+    toy = cfg.task.name == "target_tokens"
+    return [SamplingParams(temperature=cfg.rollout.temperature, max_tokens=limits[i],
+                           seed=hash((cfg.seed, batch_index, i)) % 2**62, ignore_eos=toy)
+            for i in range(n)]
+
+
+def rollout_stats(episodes) -> dict[str, float]:
+    """Per-batch episode statistics (tool use, answers, pass rate)."""
+    n = len(episodes)
+    return {"rollout/pass_rate": sum(e.passed for e in episodes) / n,
+            "rollout/answered": sum(e.answered for e in episodes) / n,
+            "rollout/tool_calls": sum(e.tool_calls for e in episodes) / n,
+            "rollout/tool_errors": sum(e.tool_errors for e in episodes) / n,
+            "rollout/turns": sum(e.turns for e in episodes) / n}
 
 
 _CORES = max(1, torch.get_num_threads())  # read once, before any split changes it
@@ -84,7 +134,8 @@ def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batc
 def _worker_loop(cfg_dict: dict, init_state: dict, init_version: int, start_batch: int,
                  weights_q, traj_q, stop, threads: int) -> None:
     from ..config import config_from_dict
-    from ..engine import Engine, SamplingParams
+    from ..engine import Engine
+    from ..envs.rollout import run_episodes
 
     torch.set_num_threads(threads)
     parent = mp.parent_process()
@@ -125,12 +176,9 @@ def _worker_loop(cfg_dict: dict, init_state: dict, init_version: int, start_batc
         for v in [v for v in held if v < version]:
             del held[v]
         t0 = time.perf_counter()
-        prompts = task.prompts(b, cfg.rollout.prompts_per_step)
+        problems = task.problems(b, cfg.rollout.prompts_per_step)
         group = cfg.rollout.group_size
-        limits = response_limits(cfg, b, len(prompts) * group)
-        params = [SamplingParams(temperature=cfg.rollout.temperature, max_tokens=limits[i],
-                                 seed=hash((cfg.seed, b, i)) % 2**62, ignore_eos=True)
-                  for i in range(len(prompts) * group)]
+        params = sampling_params(cfg, b, len(problems) * group)
         inflight = cfg.rollout.weight_update == "inflight"  # (never with deterministic = true)
 
         def load_newer(eng) -> None:  # in-flight: switch running sequences to newer weights
@@ -141,14 +189,12 @@ def _worker_loop(cfg_dict: dict, init_state: dict, init_version: int, start_batc
                 for v in [v for v in held if v < newest]:
                     del held[v]
 
-        outs = engine.generate([p for p in prompts for _ in range(group)], params,
+        results = run_episodes(engine, task, [p for p in problems for _ in range(group)], params,
                                before_step=load_newer if inflight else None)
-        trajectories = []
-        for i, o in enumerate(outs):
-            prompt = prompts[i // group]
-            reward = task.reward(prompt, o.token_ids)
-            trajectories.append(asdict(Trajectory.from_output(o, reward, i // group)))
-        traj_q.put((b, trajectories, time.perf_counter() - t0, version, wait_s))
+        trajectories = [asdict(Trajectory.from_output(r.output, r.reward, i // group))
+                        for i, r in enumerate(results)]
+        stats = rollout_stats([r.episode for r in results])
+        traj_q.put((b, trajectories, time.perf_counter() - t0, version, wait_s, stats))
         b += 1
 
 
@@ -165,7 +211,8 @@ class Controller:
         else:
             self.model = build_model(cfg)
             self.learner = Learner(self.model, cfg.learner)
-        build_task(cfg, self.model.config.vocab_size)  # a bad task fails here, not in the worker
+        task = build_task(cfg, self.model.config.vocab_size)  # a bad task fails here, not in the worker
+        self.task_description = task.describe()
         self.ctx = mp.get_context("spawn")
 
     def _resume(self) -> None:
@@ -258,7 +305,7 @@ class Controller:
                 for step in range(self.start_step, cfg.steps):
                     evaluation = self.evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
                     t0 = time.perf_counter()
-                    b, trajectories, gen_s, version, rollout_wait_s = self._next_batch(step)
+                    b, trajectories, gen_s, version, rollout_wait_s, stats = self._next_batch(step)
                     wait_s = time.perf_counter() - t0
                     assert b == step, f"batch {b} arrived for step {step}"
                     batch = TrajectoryBatch([Trajectory(**t) for t in trajectories])
@@ -272,7 +319,7 @@ class Controller:
                               "time/rollout_wait_s": rollout_wait_s, "time/wall_s": elapsed,
                               "throughput/tokens_per_s": tokens / elapsed,
                               "throughput/steps_per_hour": 3600 * done / elapsed,
-                              "lag/bound": float(cfg.max_policy_lag), **evaluation})
+                              "lag/bound": float(cfg.max_policy_lag), **stats, **evaluation})
                     record = {"step": step, **m}
                     self.metrics.append(record)
                     sink.write(json.dumps(record) + "\n")
@@ -307,19 +354,18 @@ class Controller:
         return self.metrics
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy pass@1 and mean reward of the current weights on the held-out prompts."""
-        from ..engine import Engine, SamplingParams
+        """Held-out greedy pass@1 (and mean@k with eval_samples = k) of the current weights."""
+        from ..envs.rollout import evaluate
 
         cfg = self.cfg
-        task = build_task(cfg, self.model.config.vocab_size)
-        prompts = task.heldout(cfg.eval_prompts)
-        engine = Engine(self.model, max_num_seqs=cfg.rollout.max_num_seqs)
-        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=cfg.rollout.max_tokens,
-                                                       ignore_eos=True))
-        passed = [task.passed(p, o.token_ids) for p, o in zip(prompts, outs)]
-        rewards = [task.reward(p, o.token_ids) for p, o in zip(prompts, outs)]
-        return {"eval/pass@1": sum(passed) / len(passed), "eval/reward": sum(rewards) / len(rewards),
-                "eval/policy_version": float(self.learner.version)}
+        if not hasattr(self, "_eval_task"):
+            self._eval_task = build_task(cfg, self.model.config.vocab_size)
+        out = evaluate(self.model, self._eval_task, cfg.eval_prompts, k=cfg.eval_samples,
+                       temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens,
+                       max_num_seqs=cfg.rollout.max_num_seqs,
+                       ignore_eos=cfg.task.name == "target_tokens")
+        out["eval/policy_version"] = float(self.learner.version)
+        return out
 
     def save_checkpoint(self, step: int) -> Path:
         from . import checkpoint

@@ -172,6 +172,8 @@ class Learner:
         if m.any():
             stats["mismatch/kernel_max_abs"] = float(kernel[m].abs().max())
             stats["mismatch/kernel_mean_abs"] = float(kernel[m].abs().mean())
+            d = kernel[m].double()  # rollout-to-learner KL (k3) at the version that sampled
+            stats["mismatch/kernel_k3"] = float((d.exp() - 1 - d).mean())
             stats["mismatch/weight_lag_max_abs"] = float(lag_part[m].abs().max())
             stats["mismatch/weight_lag_mean_abs"] = float(lag_part[m].abs().mean())
             stats["mismatch/decomposed_frac"] = float(m.sum() / batch.mask.sum())

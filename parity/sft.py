@@ -1,0 +1,210 @@
+"""`parity sft`: the base policy RL starts from, trained on generated demonstrations.
+
+No model hub is reachable, so parity makes its own: a character-level Hugging Face tokenizer
+with special tokens for turns and tool calls, and a `small` model fine-tuned on seeded
+demonstrations of the tool-use task (including tool-call traces, some with a failing first call
+and a retry) and of the math task. The demonstrations stop at partial competence on purpose,
+so RL has signal:
+
+- the demonstrator uses the tool for most products but only for some sums (it answers the
+  rest "in its head", which a small model cannot reproduce), so the base policy under-uses the
+  tool on sums — a behaviour RL can fix, since the tool's answers are rewarded;
+- training is short, so copying long digit strings is imperfect.
+
+The checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`, `sft.json` with the
+recipe and the measured held-out pass@1 per task) is cached under
+`~/.cache/parity/base/<recipe hash>/` (`PARITY_CACHE` moves it) and reused by `parity demo`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .envs.chat import EOS, prompt_text
+from .envs.math import MathTask, Problem
+from .envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text
+from .errors import ConfigError
+
+RECIPE_VERSION = 1
+"""Bump when the demonstrations or training change, so cached base policies are rebuilt."""
+
+
+@dataclass
+class SFTConfig:
+    """How the base policy is made (every field enters the cache key)."""
+
+    steps: int = 500
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Demonstrations per step."""
+    lr: float = 2e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
+    warmup_steps: int = 30
+    """Warm-up steps."""
+    seed: int = 0
+    """Seed of the init and of the demonstrations."""
+    preset: str = "small"
+    """Model shape (the vocabulary is resized to the tokenizer's)."""
+    tool_fraction: float = 0.75
+    """Share of demonstrations from the tool task; the rest are math problems."""
+    tool_use: dict[str, float] = field(default_factory=lambda: {"mul": 0.85, "sum": 0.25})
+    """Per problem kind, how often the demonstrator calls the tool (else it answers directly)."""
+    retry_fraction: float = 0.1
+    """Share of tool demonstrations whose first call has a syntax error, then a fixed retry."""
+    tool_level: int = 2
+    """Difficulty of the tool problems (1..3)."""
+    math_task: str = "add"
+    """Math task of the single-turn demonstrations."""
+    math_level: int = 2
+    """Its difficulty level (1..5)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1 or not self.lr > 0:
+            raise ConfigError("sft: steps and batch_size must be >= 1 and lr > 0")
+        for name in ("tool_fraction", "retry_fraction", *[f"tool_use.{k}" for k in self.tool_use]):
+            value = self.tool_use[name[9:]] if name.startswith("tool_use.") else getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"sft: {name} must be in [0, 1], got {value}")
+
+    def key(self) -> str:
+        blob = json.dumps({"recipe": RECIPE_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# --------------------------------------------------------------------------- demonstrations
+def tool_demonstration(problem: Problem, rnd: random.Random, cfg: SFTConfig) -> list[tuple[str, int]]:
+    """(text, loss mask) segments of one tool-task demonstration after the prompt."""
+    kind = problem.task.removeprefix("tool-")
+    answer = f"answer: {problem.answer}{EOS}"
+    if rnd.random() >= cfg.tool_use.get(kind, 1.0):
+        return [(answer, 1)]
+    call = tool_call_text(problem)
+    segments: list[tuple[str, int]] = []
+    if rnd.random() < cfg.retry_fraction:  # a broken first call, its error, then the fix
+        broken = call.replace(")</python>", "</python>")
+        segments += [(broken, 1), (format_result("", "SyntaxError: '(' was never closed"), 0)]
+    segments += [(call, 1), (format_result(f"{problem.answer}\n", None), 0), (answer, 1)]
+    return segments
+
+
+def demonstration(rnd: random.Random, cfg: SFTConfig, math_task: MathTask, tool_heldout: set[str],
+                  index: int) -> tuple[str, list[tuple[str, int]]]:
+    """A (prompt text, segments) pair: a tool-task or a math demonstration."""
+    if rnd.random() < cfg.tool_fraction:
+        kind = rnd.choice(sorted(cfg.tool_use))
+        while True:
+            problem = make_tool_problem(kind, cfg.tool_level, rnd)
+            if problem.prompt not in tool_heldout:
+                break
+        return prompt_text(problem.prompt), tool_demonstration(problem, rnd, cfg)
+    problem = math_task.problems(index, 1)[0]
+    return prompt_text(problem.prompt), [(f"answer: {problem.answer}{EOS}", 1)]
+
+
+def encode_demo(tokenizer, prompt: str, segments: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
+    ids = tokenizer.encode(prompt)
+    mask = [0] * len(ids)
+    for text, m in segments:
+        seg = tokenizer.encode(text)
+        ids += seg
+        mask += [m] * len(seg)
+    return ids, mask
+
+
+# --------------------------------------------------------------------------- training
+def base_dir(cfg: SFTConfig | None = None) -> Path:
+    """Where the base policy of this recipe is cached."""
+    cfg = cfg or SFTConfig()
+    root = Path(os.environ.get("PARITY_CACHE", Path.home() / ".cache" / "parity"))
+    return root / "base" / cfg.key()
+
+
+def is_built(path: Path) -> bool:
+    files = ("config.json", "model.safetensors", "tokenizer.json", "sft.json")
+    return all((path / f).exists() for f in files)
+
+
+def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
+              eval_problems: int = 100) -> dict:
+    """Train the base policy into `out_dir` (written atomically); returns the sft.json record."""
+    from .model import Model, ModelConfig, sequence_logprobs
+    from .model.tokenizer import HFTokenizer, build_char_tokenizer
+
+    cfg = cfg or SFTConfig()
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build_char_tokenizer().save(str(tmp / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp / "tokenizer.json")
+    vocab = -(-tokenizer.vocab_size // 64) * 64
+    config = ModelConfig.preset(cfg.preset, vocab_size=vocab, eos_token_id=tokenizer.token_id(EOS),
+                                max_position_embeddings=512)
+    torch.manual_seed(cfg.seed)
+    model = Model(config, kernels="standard", seed=cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    rnd = random.Random(cfg.seed)
+    math_task = MathTask(cfg.math_task, cfg.math_level, seed=cfg.seed)
+    tool_heldout = {p.prompt for p in ToolEnv(tokenizer, tuple(sorted(cfg.tool_use)), cfg.tool_level,
+                                              seed=cfg.seed, sandbox=False).heldout()}
+    t0 = time.perf_counter()
+    losses: list[float] = []
+    for step in range(cfg.steps):
+        demos = [encode_demo(tokenizer, *demonstration(rnd, cfg, math_task, tool_heldout,
+                                                       step * cfg.batch_size + j))
+                 for j in range(cfg.batch_size)]
+        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+        if step >= cfg.warmup_steps:
+            frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+            lr = cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        lps = sequence_logprobs(model, [ids for ids, _ in demos])
+        mask = torch.cat([torch.tensor(m[1:], dtype=torch.float32) for _, m in demos])
+        loss = -(torch.cat(lps) * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        model.invalidate_fused()
+        losses.append(loss.item())
+        if progress:
+            progress(step, losses[-1], time.perf_counter() - t0)
+    train_s = time.perf_counter() - t0
+    model.save_pretrained(tmp)
+    record = {"recipe": RECIPE_VERSION, "config": dataclasses.asdict(cfg), "train_s": train_s,
+              "final_loss": sum(losses[-20:]) / len(losses[-20:])}
+    if eval_problems:
+        from .envs.math import MathEnv
+        from .envs.rollout import evaluate
+
+        model.set_kernels("aligned")
+        tool_env = ToolEnv(tokenizer, tuple(sorted(cfg.tool_use)), cfg.tool_level, seed=0)
+        math_env = MathEnv(tokenizer, cfg.math_task, cfg.math_level, seed=0)
+        record["heldout"] = {env.name: evaluate(model, env, eval_problems) for env in (tool_env, math_env)}
+    (tmp / "sft.json").write_text(json.dumps(record, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return record
+
+
+def get_base_policy(cfg: SFTConfig | None = None, progress=None, log=print) -> Path:
+    """The cached base policy's directory, built first when it is not there yet."""
+    cfg = cfg or SFTConfig()
+    path = base_dir(cfg)
+    if is_built(path):
+        return path
+    log(f"parity: building the base policy (once; cached in {path})")
+    train_sft(path, cfg, progress)
+    return path

@@ -1,0 +1,197 @@
+"""The environment API, the tool environment's handling of what a model writes, the multi-turn
+rollout driver on the engine, evaluation, and the trainer's task wiring."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from parity.engine import Engine, SamplingParams
+from parity.envs.base import Env, Episode, Turn
+from parity.envs.chat import prompt_text
+from parity.envs.math import MathEnv
+from parity.envs.rollout import evaluate, run_episodes
+from parity.envs.tool import KINDS, ToolEnv, format_result, make_tool_problem, tool_call_text
+from parity.model import Model, ModelConfig, sequence_logprobs
+from parity.model.tokenizer import HFTokenizer, build_char_tokenizer
+from parity.rl.trajectory import Trajectory, TrajectoryBatch
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    build_char_tokenizer().save(str(path))
+    return HFTokenizer(path)
+
+
+class FakeSandbox:
+    """Evaluates `print(<integer arithmetic>)` without running anything (for env logic tests)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def describe(self) -> str:
+        return "fake sandbox"
+
+    def run(self, code: str):
+        from types import SimpleNamespace
+
+        from parity.envs.math import _safe_eval
+
+        self.calls.append(code)
+        if code.startswith("print(") and code.endswith(")"):
+            value = _safe_eval(code[6:-1])
+            if value is not None:
+                return SimpleNamespace(ok=True, stdout=f"{value}\n", error=None)
+        return SimpleNamespace(ok=False, stdout="", error="SyntaxError: invalid syntax")
+
+
+def _env(tokenizer, **kw):
+    sandbox = FakeSandbox()
+    return ToolEnv(tokenizer, sandbox=sandbox, **kw), sandbox
+
+
+def test_tool_problems_are_seeded_disjoint_and_mixed(tokenizer):
+    env, _ = _env(tokenizer)
+    batch = env.problems(0, 40)
+    assert batch == _env(tokenizer)[0].problems(0, 40)
+    assert {p.task for p in batch} == {f"tool-{k}" for k in KINDS}
+    held = {p.prompt for p in env.heldout()}
+    assert held.isdisjoint(p.prompt for b in range(10) for p in env.problems(b, 40))
+    p = make_tool_problem("mul", 2, random.Random(1))
+    assert eval(p.prompt[len("What is "):-1]) == p.answer  # the prompt states the product
+
+
+def test_a_correct_tool_episode_is_rewarded(tokenizer):
+    env, sandbox = _env(tokenizer)
+    problem = env.problems(0, 1)[0]
+    ep = env.start(problem)
+    turn = env.step(ep, tokenizer.encode(tool_call_text(problem)))
+    assert not turn.done and tokenizer.decode(turn.observation) == format_result(f"{problem.answer}\n", None)
+    assert sandbox.calls == [tool_call_text(problem)[len("<python>"):-len("</python>")]]
+    final = env.step(ep, tokenizer.encode(f"answer: {problem.answer}<|eos|>"))
+    assert final.done and final.reward == 1.0 and ep.passed and ep.tool_calls == 1 and ep.tool_errors == 0
+
+
+@pytest.mark.parametrize("turn, expect_error", [
+    ("print(1+1)</python>", "</python> without <python>"),  # closing tag only
+    ("answer: 5<python>print(1)</python>", "tool call after the answer"),  # a call in the wrong place
+    ("<python>print(1+</python>", "SyntaxError"),  # code that fails
+])
+def test_bad_tool_calls_become_tool_errors(tokenizer, turn, expect_error):
+    env, _ = _env(tokenizer)
+    ep = env.start(env.problems(0, 1)[0])
+    out = env.step(ep, tokenizer.encode(turn))
+    assert not out.done and expect_error in tokenizer.decode(out.observation)
+    assert ep.tool_errors == 1
+
+
+@pytest.mark.parametrize("turn", ["<python>print(1+1)", "answer: twelve<|eos|>", "", "<result>5</result>",
+                                  "answer: 99999999999999999999999999999<|eos|>"])
+def test_unterminated_calls_and_unparseable_answers_score_zero(tokenizer, turn):
+    env, _ = _env(tokenizer)
+    ep = env.start(env.problems(0, 1)[0])
+    out = env.step(ep, tokenizer.encode(turn))
+    assert out.done and out.reward == 0.0 and not ep.passed
+
+
+def test_tool_call_limit(tokenizer):
+    env, _ = _env(tokenizer, max_tool_calls=2)
+    ep = env.start(env.problems(0, 1)[0])
+    call = tokenizer.encode("<python>print(1)</python>")
+    assert not env.step(ep, call).done and not env.step(ep, call).done
+    last = env.step(ep, call)
+    assert last.done and last.reward == 0.0 and ep.info["ended"] == "too many tool calls"
+
+
+def _tiny(kernels="aligned"):
+    return Model(ModelConfig.preset("tiny", eos_token_id=1), kernels=kernels, seed=3)
+
+
+class EchoEnv(Env):
+    """Two observations, then done: exercises the multi-turn driver on a random model."""
+
+    name = "echo"
+    multi_turn = True
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def problems(self, batch_index, n):
+        return [f"q{batch_index}-{i}" for i in range(n)]
+
+    def heldout(self, n=None):
+        return self.problems(-1, n or 4)
+
+    def prompt_ids(self, problem):
+        return self.tokenizer.encode(prompt_text(problem))
+
+    def step(self, episode: Episode, turn_ids):
+        episode.turns += 1
+        if episode.turns < 3:
+            return Turn(self.tokenizer.encode(f"<result>{episode.turns}</result>"), done=False)
+        episode.reward = float(len(turn_ids) % 2)
+        return Turn(None, True, episode.reward)
+
+
+def test_multi_turn_rollout_masks_env_tokens_and_matches_the_learner_bitwise(tokenizer):
+    model = _tiny()
+    env = EchoEnv(tokenizer)
+    problems = env.problems(0, 6)
+    params = [SamplingParams(temperature=1.0, max_tokens=5 + i, seed=i) for i in range(6)]
+    results = run_episodes(Engine(model, max_num_seqs=4), env, problems, params)
+    trajs = [Trajectory.from_output(r.output, r.reward, i) for i, r in enumerate(results)]
+    for r, t in zip(results, trajs):
+        assert r.episode.turns == 3
+        text = tokenizer.decode(t.token_ids)
+        assert "<result>1</result>" in text and "<result>2</result>" in text
+        env_ids = set(tokenizer.encode("<result>1</result><result>2</result>"))
+        n_env = sum(1 for tok, m in zip(t.token_ids[len(env.prompt_ids(r.episode.problem)):], t.loss_mask[
+            len(env.prompt_ids(r.episode.problem)):]) if m == 0 and tok in env_ids)
+        assert n_env >= 2 * 3  # both observation blocks are in the sequence with mask 0
+    batch = TrajectoryBatch(trajs)
+    with torch.no_grad():
+        learner = sequence_logprobs(model, batch.sequences)
+    for i, lp in enumerate(learner):
+        m = batch.mask[i, :lp.numel()].bool()
+        assert torch.equal(lp[m], batch.rollout_logprobs[i, :lp.numel()][m])
+    # control: the same rollouts scored by the standard kernels do not match bit for bit
+    model.set_kernels("standard")
+    with torch.no_grad():
+        std = sequence_logprobs(model, batch.sequences)
+    assert any(not torch.equal(lp[batch.mask[i, :lp.numel()].bool()],
+                               batch.rollout_logprobs[i, :lp.numel()][batch.mask[i, :lp.numel()].bool()])
+               for i, lp in enumerate(std))
+
+
+def test_a_turn_that_overflows_the_context_ends_the_episode(tokenizer):
+    class Flood(EchoEnv):
+        def step(self, episode, turn_ids):
+            episode.turns += 1
+            return Turn([10] * 600, done=False)  # more than max_position_embeddings
+
+    res = run_episodes(Engine(_tiny()), Flood(tokenizer), ["x"], [SamplingParams(max_tokens=4, seed=0)])
+    assert res[0].reward == 0.0 and "exceed" in res[0].episode.info["ended"]
+
+
+def test_evaluate_reports_pass_at_1_and_mean_at_k(tokenizer):
+    env = MathEnv(tokenizer, "add", 1, heldout_size=8)
+    out = evaluate(_tiny(), env, k=2, max_tokens=6)
+    assert out["eval/problems"] == 8 and 0.0 <= out["eval/pass@1"] <= 1.0
+    assert "eval/mean@2" in out and out["eval/mean@2_ci95"] >= 0.0
+
+
+def test_tool_rollout_with_the_real_sandbox_runs_code_out_of_process(tokenizer):
+    """A random model's episodes, with every turn forced through the tool path, must finish and
+    report the sandbox's errors, never raise (the model writes garbage code)."""
+    env = ToolEnv(tokenizer, heldout_size=4, max_tool_calls=2)
+    model = _tiny()
+    # make '</python>' likely so random turns become tool calls
+    with torch.no_grad():
+        model.model.embed_tokens.weight[tokenizer.token_id("</python>")] *= 40
+    model.invalidate_fused()
+    res = run_episodes(Engine(model), env, env.heldout(), [SamplingParams(max_tokens=12, seed=i) for i in range(4)])
+    assert all(r.reward == 0.0 for r in res)
+    assert sum(r.episode.tool_calls for r in res) >= 1
