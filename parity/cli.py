@@ -428,7 +428,7 @@ def cmd_demo(args) -> int:
     from .demo import DemoOptions, run_demo
 
     opts = DemoOptions(steps=args.steps, max_policy_lag=args.lag, kernels=args.kernels, run_dir=args.run_dir,
-                       eval_prompts=args.eval_prompts, seed=args.seed)
+                       eval_prompts=args.eval_prompts, seed=args.seed, base=args.model)
     bars: list[_Progress] = []
 
     def factory(kind: str, total: int = 0):
@@ -463,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lag", type=int, default=8, help="max policy lag (default 8)")
     d.add_argument("--kernels", default="aligned", choices=["aligned", "standard"])
     d.add_argument("--run-dir", default="runs/demo")
+    d.add_argument("--model", help="start from this checkpoint instead of the cached base policy")
     d.add_argument("--eval-prompts", type=int, default=100, help="held-out problems per evaluation")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training config key")

@@ -25,6 +25,8 @@ class DemoOptions:
     run_dir: str = "runs/demo"
     eval_prompts: int = 100
     seed: int = 0
+    base: str | None = None
+    """A base checkpoint to start from instead of the cached `parity sft` policy."""
 
 
 def demo_config(opts: DemoOptions, base: str, overrides: list[str] = ()):
@@ -91,7 +93,8 @@ def run_demo(opts: DemoOptions, overrides: list[str] = (), log=print, progress_f
     from .sft import get_base_policy
 
     t0 = time.perf_counter()
-    base = get_base_policy(log=log, progress=progress_factory("sft") if progress_factory else None)
+    sft_progress = progress_factory("sft") if progress_factory else None
+    base = opts.base or get_base_policy(log=log, progress=sft_progress)
     log(f"parity: base policy {base} ({time.perf_counter() - t0:.0f} s)")
     cfg = demo_config(opts, str(base), overrides)
     controller = Controller(cfg)

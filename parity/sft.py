@@ -44,11 +44,11 @@ RECIPE_VERSION = 1
 class SFTConfig:
     """How the base policy is made (every field enters the cache key)."""
 
-    steps: int = 500
+    steps: int = 450
     """Optimizer steps."""
     batch_size: int = 32
     """Demonstrations per step."""
-    lr: float = 2e-3
+    lr: float = 3e-3
     """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
     warmup_steps: int = 30
     """Warm-up steps."""
@@ -56,17 +56,17 @@ class SFTConfig:
     """Seed of the init and of the demonstrations."""
     preset: str = "small"
     """Model shape (the vocabulary is resized to the tokenizer's)."""
-    tool_fraction: float = 0.75
+    tool_fraction: float = 0.7
     """Share of demonstrations from the tool task; the rest are math problems."""
-    tool_use: dict[str, float] = field(default_factory=lambda: {"mul": 0.85, "sum": 0.25})
+    tool_use: dict[str, float] = field(default_factory=lambda: {"mul": 0.7, "sum": 0.4})
     """Per problem kind, how often the demonstrator calls the tool (else it answers directly)."""
-    retry_fraction: float = 0.1
+    retry_fraction: float = 0.05
     """Share of tool demonstrations whose first call has a syntax error, then a fixed retry."""
     tool_level: int = 2
     """Difficulty of the tool problems (1..3)."""
     math_task: str = "add"
     """Math task of the single-turn demonstrations."""
-    math_level: int = 2
+    math_level: int = 1
     """Its difficulty level (1..5)."""
 
     def __post_init__(self) -> None:

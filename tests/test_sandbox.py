@@ -1,0 +1,392 @@
+"""Tests for `parity.envs.sandbox`: normal runs, limits, and escape attempts that must be stopped.
+
+The isolation-dependent escape tests (host files, writes outside /work, network) skip only when the probe
+finds namespaces unavailable; the control tests show the same attacks succeed without the sandbox, so the
+detection in the escape tests can fail.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from parity.envs import sandbox as sandbox_mod
+from parity.envs.sandbox import Sandbox, SandboxLimits, ToolResult
+from parity.errors import ConfigError, InputError, ParityError
+
+FAST = SandboxLimits(wall_s=2.0, cpu_s=1)
+MARGIN_S = 2.5  # host-side slack on top of the wall limit (start-up, a loaded machine)
+REPO_README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def sb() -> Sandbox:
+    return Sandbox(FAST)
+
+
+def require_isolation(sb: Sandbox) -> None:
+    if not sb.isolated:
+        pytest.skip(f"namespace isolation unavailable on this machine: {sb.unavailable_reason}")
+
+
+def marker_processes(marker: str) -> list[int]:
+    """Pids of live processes whose name (comm) is `marker`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                if f.read().strip() == marker:
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def set_name_code(marker: str) -> str:
+    """Code that names its process `marker` (inherited by forks), so the host can find it in /proc."""
+    return f"import ctypes\nctypes.CDLL(None).prctl(15, {marker.encode()!r}, 0, 0, 0)\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# API and normal runs
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"wall_s": 0},
+        {"wall_s": float("inf")},
+        {"wall_s": "5"},
+        {"cpu_s": 0},
+        {"cpu_s": 1.5},
+        {"memory_mb": 8},
+        {"output_bytes": 0},
+        {"nproc": 0},
+        {"code_bytes": -1},
+        {"fs_mb": True},
+    ],
+)
+def test_limits_are_validated(kwargs: dict) -> None:
+    with pytest.raises(ConfigError) as info:
+        SandboxLimits(**kwargs)
+    assert "\n" not in str(info.value) and next(iter(kwargs)) in str(info.value)
+
+
+def test_describe_is_one_line(sb: Sandbox) -> None:
+    line = sb.describe()
+    assert "\n" not in line and line.startswith("sandbox: separate process")
+    assert "rlimits cpu 1 s / mem 512 MiB / nproc 16 / output 64 KiB, wall 2 s" in line
+    assert sb.protections and all(p in line for p in sb.protections)
+    if sb.isolated:
+        assert "namespaces" in line and "no network" in line and "NO filesystem" not in line
+    else:
+        assert "NO filesystem/network isolation" in line
+
+
+def test_probe_is_cached() -> None:
+    assert sandbox_mod._probe() is sandbox_mod._probe()
+
+
+def test_prints_result(sb: Sandbox) -> None:
+    r = sb.run("print(12345*6789)")
+    assert isinstance(r, ToolResult)
+    assert r.ok and r.error is None and r.stdout == f"{12345 * 6789}\n"
+    assert 0 < r.elapsed_s < FAST.wall_s + MARGIN_S
+
+
+def test_syntax_error(sb: Sandbox) -> None:
+    r = sb.run("print(")
+    assert not r.ok and "SyntaxError" in r.error
+
+
+def test_exception_last_line_is_the_error(sb: Sandbox) -> None:
+    r = sb.run("def f():\n    raise ValueError('boom 42')\nf()\n")
+    assert not r.ok and r.error == "ValueError: boom 42"
+
+
+def test_stdout_kept_alongside_the_error(sb: Sandbox) -> None:
+    r = sb.run("print('before')\n1 / 0\n")
+    assert r.stdout == "before\n"
+    assert r.error == "ZeroDivisionError: division by zero"
+
+
+def test_long_error_is_cut_to_one_line(sb: Sandbox) -> None:
+    r = sb.run("raise RuntimeError('x' * 5000)")
+    assert not r.ok and r.error.startswith("RuntimeError: xxx") and "\n" not in r.error
+    assert len(r.error) <= 500
+
+
+def test_exit_status_without_traceback(sb: Sandbox) -> None:
+    r = sb.run("import sys\nsys.exit(3)")
+    assert not r.ok and r.error == "exit status 3"
+
+
+def test_code_too_long_is_not_run(sb: Sandbox) -> None:
+    code = "#" * (FAST.code_bytes + 1)
+    r = sb.run(code)
+    assert not r.ok and r.error == f"code too long ({FAST.code_bytes + 1} bytes > {FAST.code_bytes})"
+
+
+def test_code_must_be_str(sb: Sandbox) -> None:
+    with pytest.raises(InputError):
+        sb.run(b"print(1)")  # type: ignore[arg-type]
+
+
+def test_work_and_tmp_are_writable(sb: Sandbox) -> None:
+    code = (
+        "import os, tempfile\n"
+        "open('note.txt', 'w').write('hello')\n"
+        "with tempfile.NamedTemporaryFile('w+', delete=False) as f:\n"
+        "    f.write('tmp')\n"
+        "print(os.getcwd(), open('note.txt').read(), open(f.name).read())\n"
+    )
+    r = sb.run(code)
+    assert r.ok, r.error
+    assert r.stdout.split()[1:] == ["hello", "tmp"]
+
+
+def test_temp_dir_is_removed(sb: Sandbox) -> None:
+    pattern = os.path.join(tempfile.gettempdir(), "parity-sandbox-*")
+    before = set(glob.glob(pattern))
+    assert sb.run("open('x', 'w').write('y' * 1000)\nprint('done')").ok
+    assert sb.run("1/0").error is not None
+    assert set(glob.glob(pattern)) - before == set()
+
+
+def test_threads_run_at_once(sb: Sandbox) -> None:
+    n = 8
+    barrier = threading.Barrier(n)
+    results: dict[int, ToolResult] = {}
+
+    def work(i: int) -> None:
+        barrier.wait()
+        results[i] = sb.run(f"import time\ntime.sleep(0.05)\nprint({i} * {i})")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(n))
+    for i, r in results.items():
+        assert r.ok, r.error
+        assert r.stdout == f"{i * i}\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# Escape attempts
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> tuple[Path, str]:
+    secret = f"top-secret-{uuid.uuid4().hex}"
+    path = tmp_path / "secret.txt"
+    path.write_text(secret)
+    return path, secret
+
+
+def test_control_plain_subprocess_reads_the_secret(secret_file: tuple[Path, str]) -> None:
+    path, secret = secret_file
+    proc = subprocess.run(
+        [sys.executable, "-c", f"print(open({str(path)!r}).read())"], capture_output=True, text=True
+    )
+    assert secret in proc.stdout  # the detection below is able to fail
+
+
+def test_cannot_read_host_files(sb: Sandbox, secret_file: tuple[Path, str]) -> None:
+    require_isolation(sb)
+    path, secret = secret_file
+    for target in (str(path), "/etc/passwd", str(REPO_README), "/proc/self/environ", "/proc/1/environ"):
+        r = sb.run(f"print(open({target!r}).read())")
+        assert not r.ok, target
+        assert r.error.startswith(("FileNotFoundError", "PermissionError")), r.error
+        assert secret not in r.stdout and r.stdout == ""
+    r = sb.run(f"import os\nprint(os.listdir({str(path.parent)!r}))")
+    assert not r.ok and r.error.startswith("FileNotFoundError")
+    r = sb.run("import os\nprint(sorted(os.listdir('/')))")
+    assert r.ok and "proc" not in r.stdout and "home" not in r.stdout
+
+
+def test_cannot_write_outside_work(sb: Sandbox, tmp_path: Path) -> None:
+    require_isolation(sb)
+    name = f"pwned-{uuid.uuid4().hex}"
+    prefix_lib = os.path.dirname(os.__file__)
+    host_paths = [str(tmp_path / name), f"/usr/{name}", f"/{name}", os.path.join(prefix_lib, name)]
+    for target in host_paths:
+        r = sb.run(f"open({target!r}, 'w').write('gotcha')\nprint('wrote')")
+        assert not r.ok, target
+        assert r.error.startswith(("FileNotFoundError", "PermissionError", "OSError: [Errno 30]")), r.error
+        assert "wrote" not in r.stdout
+        assert not os.path.exists(target)
+    r = sb.run(f"import os\nos.mkdir('/usr/{name}')")
+    assert not r.ok and not os.path.exists(f"/usr/{name}")
+
+
+def test_cannot_regain_privileges(sb: Sandbox) -> None:
+    require_isolation(sb)
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "rc = libc.mount(None, b'/usr', None, 32 | 4096, None)  # remount read-write\n"
+        "print('mount', rc)\n"
+        "os.chroot('/work')\n"
+    )
+    r = sb.run(code)
+    assert r.stdout == "mount -1\n"
+    assert not r.ok and r.error.startswith("PermissionError")
+
+
+def test_control_plain_subprocess_can_connect() -> None:
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        port = srv.getsockname()[1]
+        code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=5).close()"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+        srv.settimeout(5)
+        conn, _ = srv.accept()  # the check below (no connection accepted) is able to fail
+        conn.close()
+
+
+def test_cannot_open_network_connections(sb: Sandbox) -> None:
+    require_isolation(sb)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        srv.setblocking(False)
+        port = srv.getsockname()[1]
+        for host, p in (("127.0.0.1", port), ("1.1.1.1", 53)):
+            r = sb.run(
+                f"import socket\nsocket.create_connection(({host!r}, {p}), timeout=1)\nprint('connected')"
+            )
+            assert not r.ok and "connected" not in r.stdout
+            assert r.error.startswith("OSError") or "Error" in r.error.split(":")[0], r.error
+        udp = "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        r = sb.run(udp + "s.sendto(b'x', ('1.1.1.1', 53))")
+        assert not r.ok
+        with pytest.raises(BlockingIOError):
+            srv.accept()
+
+
+def test_fork_bomb_is_stopped_and_cleaned_up(sb: Sandbox) -> None:
+    marker = "sbx" + uuid.uuid4().hex[:12]
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    code = set_name_code(marker) + bomb
+    box: dict[str, ToolResult] = {}
+    runner = threading.Thread(target=lambda: box.setdefault("r", sb.run(code)))
+    runner.start()
+    seen = 0
+    while runner.is_alive():
+        seen = max(seen, len(marker_processes(marker)))
+        time.sleep(0.05)
+    runner.join()
+    r = box["r"]
+    assert seen >= 2, "the bomb's processes were never seen, so the clean-up check below proves nothing"
+    assert seen <= FAST.nproc + 1 or not sb.isolated
+    assert not r.ok and r.error == f"time limit exceeded ({FAST.wall_s} s wall)"
+    assert r.elapsed_s < FAST.wall_s + MARGIN_S
+    deadline = time.monotonic() + 2.0
+    while marker_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker_processes(marker) == []
+
+
+def test_background_process_does_not_outlive_the_run(sb: Sandbox) -> None:
+    marker = "sbx" + uuid.uuid4().hex[:12]
+    code = set_name_code(marker) + (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')\n"
+    )
+    r = sb.run(code)
+    assert r.ok and r.stdout == "parent done\n"
+    if sb.isolated:
+        assert marker_processes(marker) == []
+
+
+def test_memory_limit(sb: Sandbox) -> None:
+    r = sb.run("x = bytearray(10 * 2**30)\nprint(len(x))")
+    assert not r.ok and r.error == "memory limit exceeded"
+
+
+def test_infinite_loop_hits_cpu_or_wall_limit() -> None:
+    limits = SandboxLimits(wall_s=3.0, cpu_s=1)
+    r = Sandbox(limits).run("while True:\n    pass")
+    assert not r.ok and r.error in ("cpu time limit exceeded", "time limit exceeded (3.0 s wall)")
+    assert r.elapsed_s < limits.wall_s + MARGIN_S
+
+
+def test_sleep_hits_wall_limit() -> None:
+    limits = SandboxLimits(wall_s=1.0)
+    r = Sandbox(limits).run("import time\nprint('start')\ntime.sleep(100)")
+    assert not r.ok and r.error == "time limit exceeded (1.0 s wall)"
+    assert r.stdout == "start\n"  # output before the kill is kept (unbuffered)
+    assert r.elapsed_s < limits.wall_s + MARGIN_S
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        'print("x" * 100_000_000)',
+        "while True:\n    print('line of output')",
+        "import sys\nwhile True:\n    sys.stderr.write('e' * 1000)",
+        "while True:\n    try:\n        print('swallowed')\n    except OSError:\n        pass",
+    ],
+)
+def test_output_limit(sb: Sandbox, code: str) -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = sb.run(code)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert not r.ok and r.error == f"output limit exceeded ({FAST.output_bytes} bytes)"
+    assert len(r.stdout.encode()) <= FAST.output_bytes
+    assert grown_mib < 32
+
+
+def test_environment_is_empty(sb: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PARITY_TEST_SECRET", "hunter2")
+    r = sb.run("import os\nprint(dict(os.environ))")
+    assert r.ok and "hunter2" not in r.stdout and "PARITY_TEST_SECRET" not in r.stdout
+
+
+def test_cannot_signal_host_processes(sb: Sandbox) -> None:
+    r = sb.run(f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)")
+    assert not r.ok and r.error.startswith(("ProcessLookupError", "PermissionError"))
+    if sb.isolated:  # without a pid namespace, kill(-1) by a non-root host user would hit the host
+        r = sb.run("import os\ntry:\n    os.kill(-1, 9)\nexcept OSError:\n    pass\nprint('alive')")
+        assert r.ok and r.stdout == "alive\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# Degraded mode
+
+
+@pytest.fixture
+def no_isolation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend the probe found namespaces unavailable."""
+    keep_uid = os.geteuid() == 0 and not sandbox_mod._others_can_run_python()
+    probe = sandbox_mod._Probe("plain-keep-uid" if keep_uid else "plain", "unshare failed: forced by test")
+    monkeypatch.setattr(sandbox_mod, "_PROBE", probe)
+
+
+def test_fallback_says_so_and_still_limits(no_isolation: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    sb = Sandbox(SandboxLimits(wall_s=1.0))
+    assert not sb.isolated
+    assert "NO filesystem/network isolation (unshare failed: forced by test)" in sb.describe()
+    monkeypatch.setenv("PARITY_TEST_SECRET", "hunter2")
+    r = sb.run("import os\nprint(6 * 7, 'hunter2' in str(os.environ))")
+    assert r.ok and r.stdout == "42 False\n"
+    r = sb.run("import time\ntime.sleep(100)")
+    assert r.error == "time limit exceeded (1.0 s wall)"
+    with pytest.raises(ParityError, match="isolation is unavailable"):
+        Sandbox(require_isolation=True)
