@@ -286,6 +286,8 @@ def cmd_train(args) -> int:
         cfg = load_config(args.config, args.set or [])
         controller = Controller(cfg)
 
+    print(f"parity: {controller.task_description}", flush=True)
+
     def describe(m) -> str:
         if m.get("train/skipped_nonfinite"):
             return "non-finite loss or gradient: update skipped"
@@ -453,6 +455,28 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_study(args) -> int:
+    from .study import load_study, run_study, table_markdown
+
+    study = load_study(args.config, quick=args.quick, task=args.task, seeds=args.seeds, out_dir=args.out)
+    bars: list[_Progress] = []
+
+    def factory(name: str, total: int):
+        bars.append(_Progress(name, total, every=max(1, total // 4)))
+        return lambda step, m: bars[-1].update(step, _describe_train(m))
+
+    print(f"parity: study of {len(study.runs)} runs x {len(study.seeds)} seeds on the {study.task} task "
+          f"-> {study.out_dir}", flush=True)
+    try:
+        results = run_study(study, progress_factory=factory)
+    finally:
+        for b in bars:
+            b.close()
+    print(table_markdown(results))
+    print(f"done in {results['seconds']:.0f} s: {study.out_dir}/report.md, study.png, results.json")
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parity", description=__doc__.splitlines()[0])
@@ -468,6 +492,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training config key")
     d.set_defaults(func=cmd_demo)
+
+    st = sub.add_parser("study", help="the published comparisons as a grid of runs, one report")
+    st.add_argument("config", nargs="?", help="study TOML (default grid when omitted)")
+    st.add_argument("--quick", action="store_true", help="smoke-sized runs, one seed (CI)")
+    st.add_argument("--task", choices=["tool", "math"], help="task (default: the config's, else tool)")
+    st.add_argument("--seeds", type=_csv(int), help="comma-separated seeds")
+    st.add_argument("--out", help="output directory (default runs/study)")
+    st.set_defaults(func=cmd_study)
 
     s = sub.add_parser("sft", help="train (or show) the cached base policy")
     s.add_argument("--out", help="output directory (default: the cache)")

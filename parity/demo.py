@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from .config import load_config
 
@@ -29,9 +31,20 @@ class DemoOptions:
     """A base checkpoint to start from instead of the cached `parity sft` policy."""
 
 
+def _recipe(base: str) -> dict:
+    """The `parity sft` recipe a base checkpoint was trained with ({} when unknown)."""
+    try:
+        return json.loads((Path(base) / "sft.json").read_text()).get("config", {})
+    except (OSError, ValueError):
+        return {}
+
+
 def demo_config(opts: DemoOptions, base: str, overrides: list[str] = ()):
-    """The training config the demo runs (printable with `to_toml`)."""
-    settings = [
+    """The training config the demo runs (printable with `to_toml`): the tool task at the
+    difficulty the base policy was trained on."""
+    recipe = _recipe(base)
+    kinds = sorted(recipe.get("tool_use", {"mul": 1, "sum": 1}))
+    settings = [f"task.level={int(recipe.get('tool_level', 2))}", f"task.kinds={json.dumps(kinds)}",
         f"steps={opts.steps}", f"max_policy_lag={opts.max_policy_lag}", f"seed={opts.seed}",
         f'run_dir="{opts.run_dir}"', f"eval_every={max(1, opts.steps // 2)}",
         f"eval_prompts={opts.eval_prompts}", f'model.checkpoint="{base}"', f'model.kernels="{opts.kernels}"',

@@ -6,9 +6,9 @@ demonstrations of the tool-use task (including tool-call traces, some with a fai
 and a retry) and of the math task. The demonstrations stop at partial competence on purpose,
 so RL has signal:
 
-- the demonstrator uses the tool for most products but only for some sums (it answers the
-  rest "in its head", which a small model cannot reproduce), so the base policy under-uses the
-  tool on sums — a behaviour RL can fix, since the tool's answers are rewarded;
+- the demonstrator uses the tool for most products but only for some sums; otherwise it gives
+  an estimate (two significant digits), so the base policy under-uses the tool on sums — a
+  behaviour RL can fix, since only exact answers are rewarded;
 - training is short, so copying long digit strings is imperfect.
 
 The checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`, `sft.json` with the
@@ -33,10 +33,10 @@ import torch
 
 from .envs.chat import EOS, prompt_text
 from .envs.math import MathTask, Problem
-from .envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text
+from .envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
 from .errors import ConfigError
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 """Bump when the demonstrations or training change, so cached base policies are rebuilt."""
 
 
@@ -44,11 +44,11 @@ RECIPE_VERSION = 1
 class SFTConfig:
     """How the base policy is made (every field enters the cache key)."""
 
-    steps: int = 450
+    steps: int = 750
     """Optimizer steps."""
     batch_size: int = 32
     """Demonstrations per step."""
-    lr: float = 3e-3
+    lr: float = 2e-3
     """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
     warmup_steps: int = 30
     """Warm-up steps."""
@@ -56,13 +56,13 @@ class SFTConfig:
     """Seed of the init and of the demonstrations."""
     preset: str = "small"
     """Model shape (the vocabulary is resized to the tokenizer's)."""
-    tool_fraction: float = 0.7
+    tool_fraction: float = 0.8
     """Share of demonstrations from the tool task; the rest are math problems."""
-    tool_use: dict[str, float] = field(default_factory=lambda: {"mul": 0.7, "sum": 0.4})
+    tool_use: dict[str, float] = field(default_factory=lambda: {"mul": 0.7, "sum": 0.3})
     """Per problem kind, how often the demonstrator calls the tool (else it answers directly)."""
     retry_fraction: float = 0.05
     """Share of tool demonstrations whose first call has a syntax error, then a fixed retry."""
-    tool_level: int = 2
+    tool_level: int = 1
     """Difficulty of the tool problems (1..3)."""
     math_task: str = "add"
     """Math task of the single-turn demonstrations."""
@@ -83,18 +83,25 @@ class SFTConfig:
 
 
 # --------------------------------------------------------------------------- demonstrations
+def estimate(value: int, digits: int = 2) -> int:
+    """What the demonstrator answers without the tool: `value` rounded to two significant
+    digits (right only by luck, so exact-answer reward needs the tool)."""
+    scale = 10 ** max(0, len(str(abs(value))) - digits)
+    return round(value / scale) * scale
+
+
 def tool_demonstration(problem: Problem, rnd: random.Random, cfg: SFTConfig) -> list[tuple[str, int]]:
     """(text, loss mask) segments of one tool-task demonstration after the prompt."""
     kind = problem.task.removeprefix("tool-")
     answer = f"answer: {problem.answer}{EOS}"
     if rnd.random() >= cfg.tool_use.get(kind, 1.0):
-        return [(answer, 1)]
+        return [(f"answer: {estimate(problem.answer)}{EOS}", 1)]
     call = tool_call_text(problem)
     segments: list[tuple[str, int]] = []
     if rnd.random() < cfg.retry_fraction:  # a broken first call, its error, then the fix
         broken = call.replace(")</python>", "</python>")
         segments += [(broken, 1), (format_result("", "SyntaxError: '(' was never closed"), 0)]
-    segments += [(call, 1), (format_result(f"{problem.answer}\n", None), 0), (answer, 1)]
+    segments += [(call, 1), (format_result(tool_output(problem), None), 0), (answer, 1)]
     return segments
 
 

@@ -13,7 +13,7 @@ from parity.envs.base import Env, Episode, Turn
 from parity.envs.chat import prompt_text
 from parity.envs.math import MathEnv
 from parity.envs.rollout import evaluate, run_episodes
-from parity.envs.tool import KINDS, ToolEnv, format_result, make_tool_problem, tool_call_text
+from parity.envs.tool import KINDS, ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
 from parity.model import Model, ModelConfig, sequence_logprobs
 from parity.model.tokenizer import HFTokenizer, build_char_tokenizer
 from parity.rl.trajectory import Trajectory, TrajectoryBatch
@@ -41,6 +41,11 @@ class FakeSandbox:
         from parity.envs.math import _safe_eval
 
         self.calls.append(code)
+        label = 'print("answer:", '
+        if code.startswith(label) and code.endswith(")"):
+            value = _safe_eval(code[len(label):-1])
+            if value is not None:
+                return SimpleNamespace(ok=True, stdout=f"answer: {value}\n", error=None)
         if code.startswith("print(") and code.endswith(")"):
             value = _safe_eval(code[6:-1])
             if value is not None:
@@ -69,7 +74,7 @@ def test_a_correct_tool_episode_is_rewarded(tokenizer):
     problem = env.problems(0, 1)[0]
     ep = env.start(problem)
     turn = env.step(ep, tokenizer.encode(tool_call_text(problem)))
-    assert not turn.done and tokenizer.decode(turn.observation) == format_result(f"{problem.answer}\n", None)
+    assert not turn.done and tokenizer.decode(turn.observation) == format_result(tool_output(problem), None)
     assert sandbox.calls == [tool_call_text(problem)[len("<python>"):-len("</python>")]]
     final = env.step(ep, tokenizer.encode(f"answer: {problem.answer}<|eos|>"))
     assert final.done and final.reward == 1.0 and ep.passed and ep.tool_calls == 1 and ep.tool_errors == 0
@@ -192,6 +197,7 @@ def test_tool_rollout_with_the_real_sandbox_runs_code_out_of_process(tokenizer):
     with torch.no_grad():
         model.model.embed_tokens.weight[tokenizer.token_id("</python>")] *= 40
     model.invalidate_fused()
-    res = run_episodes(Engine(model), env, env.heldout(), [SamplingParams(max_tokens=12, seed=i) for i in range(4)])
+    params = [SamplingParams(max_tokens=12, seed=i) for i in range(4)]
+    res = run_episodes(Engine(model), env, env.heldout(), params)
     assert all(r.reward == 0.0 for r in res)
     assert sum(r.episode.tool_calls for r in res) >= 1

@@ -4,8 +4,8 @@ A problem is arithmetic a small model cannot do reliably in its head (large prod
 many numbers). An episode, in the chat format of `chat.py`:
 
     <|user|>What is 48213*9127?<|assistant|>            prompt
-    <python>print(48213*9127)</python>                   model turn 1 (ends on </python>)
-    <result>440040051\\n</result>                         environment tokens, loss_mask = 0
+    <python>print("answer:", 48213*9127)</python>        model turn 1 (ends on </python>)
+    <result>answer: 440040051\\n</result>                 environment tokens, loss_mask = 0
     answer: 440040051<|eos|>                             model turn 2, reward 1 if exact
 
 Up to `max_tool_calls` calls per episode. Everything the model writes is handled without an
@@ -46,8 +46,14 @@ def make_tool_problem(kind: str, level: int, rnd: random.Random) -> Problem:
 
 
 def tool_call_text(problem: Problem) -> str:
-    """The code a competent policy writes for `problem` (used by demonstrations)."""
-    return f"{PY_OPEN}print({problem.prompt[len('What is '):-1]}){PY_CLOSE}"
+    """The code a competent policy writes for `problem` (used by demonstrations): it prints a
+    labelled result, `answer: N`, which the final answer then repeats."""
+    return f'{PY_OPEN}print("answer:", {problem.prompt[len("What is "):-1]}){PY_CLOSE}'
+
+
+def tool_output(problem: Problem) -> str:
+    """What `tool_call_text(problem)` prints."""
+    return f"answer: {problem.answer}\n"
 
 
 def format_result(stdout: str, error: str | None, limit: int = 200) -> str:

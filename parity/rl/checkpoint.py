@@ -29,11 +29,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save(run_dir: Path, step: int, model, learner: Learner) -> Path:
+def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | None = None) -> Path:
+    """Write checkpoint-<step>; `tokenizer` (a tokenizer.json) is copied in so the checkpoint
+    can be evaluated or trained from on its own."""
     final = Path(run_dir) / f"checkpoint-{step}"
     tmp = Path(run_dir) / f".checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    if tokenizer is not None and Path(tokenizer).exists():
+        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
     separate = learner.config.compute_dtype != "float32"
     torch.save({
         "step": step, "version": learner.version, "steps": learner.steps,

@@ -14,8 +14,11 @@ Seams (small, replaceable by a distributed backend later):
 from __future__ import annotations
 
 import json
+import pickle
 import queue as queue_mod
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import asdict
@@ -120,19 +123,30 @@ def response_limits(cfg: TrainConfig, batch_index: int, n: int) -> list[int]:
     return geometric_lengths(random.Random(cfg.seed * 104_729 + batch_index), n, cap / 4, cap)
 
 
+def _send_batch(traj_q, spool: str, b: int, payload: tuple) -> None:
+    """A batch goes through a file, the queue carries only its path: a worker that dies while
+    sending leaves a partial file nobody reads, never a torn queue message the learner would
+    block on."""
+    path = Path(spool) / f"batch-{b}.pkl"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+    tmp.rename(path)
+    traj_q.put(("batch", str(path)))
+
+
 def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batch: int,
-                 weights_q, traj_q, stop, threads: int) -> None:
+                 weights_q, traj_q, stop, threads: int, spool: str) -> None:
     """Rollout worker process body."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     traj_q.cancel_join_thread()  # never block this process's exit on unread batches
     try:
-        _worker_loop(cfg_dict, init_state, init_version, start_batch, weights_q, traj_q, stop, threads)
+        _worker_loop(cfg_dict, init_state, init_version, start_batch, weights_q, traj_q, stop, threads, spool)
     except ParityError as exc:  # a problem that a restart would only repeat
         traj_q.put(("error", str(exc)))
 
 
 def _worker_loop(cfg_dict: dict, init_state: dict, init_version: int, start_batch: int,
-                 weights_q, traj_q, stop, threads: int) -> None:
+                 weights_q, traj_q, stop, threads: int, spool: str) -> None:
     from ..config import config_from_dict
     from ..engine import Engine
     from ..envs.rollout import run_episodes
@@ -194,7 +208,7 @@ def _worker_loop(cfg_dict: dict, init_state: dict, init_version: int, start_batc
         trajectories = [asdict(Trajectory.from_output(r.output, r.reward, i // group))
                         for i, r in enumerate(results)]
         stats = rollout_stats([r.episode for r in results])
-        traj_q.put((b, trajectories, time.perf_counter() - t0, version, wait_s, stats))
+        _send_batch(traj_q, spool, b, (b, trajectories, time.perf_counter() - t0, version, wait_s, stats))
         b += 1
 
 
@@ -250,7 +264,7 @@ class Controller:
         torch.set_num_threads(learner_threads)
         worker = self.ctx.Process(target=_worker_main, daemon=True, args=(
             _config_dict(self.cfg), state, version, start_batch, self.weights_q, self.traj_q, self.stop,
-            rollout_threads))
+            rollout_threads, self.spool))
         worker.start()
         for v in sorted(self.learner.history):
             if v > version:
@@ -264,9 +278,12 @@ class Controller:
         again: nothing consumed is repeated, nothing pending is lost)."""
         while True:
             try:
-                item = self.traj_q.get(timeout=1.0)
-                if item[0] == "error":
-                    raise ParityError(f"rollout worker: {item[1]}")
+                kind, value = self.traj_q.get(timeout=1.0)
+                if kind == "error":
+                    raise ParityError(f"rollout worker: {value}")
+                path = Path(value)
+                item = pickle.loads(path.read_bytes())
+                path.unlink()
                 return item
             except queue_mod.Empty:
                 if self.worker.is_alive():
@@ -286,6 +303,8 @@ class Controller:
         metrics_path = self.run_dir / "metrics.jsonl"
         metrics_path.write_text("".join(json.dumps(m) + "\n" for m in self.metrics))
         self.restarts = 0
+        shm = Path("/dev/shm")
+        self.spool = tempfile.mkdtemp(prefix="parity-batches-", dir=shm if shm.is_dir() else None)
         tb = tensorboard_writer(self.run_dir)
         self.worker = self._start_worker(self.start_step)
         t_start = time.perf_counter()
@@ -351,6 +370,7 @@ class Controller:
             self.worker.join(timeout=10)
             if self.worker.is_alive():
                 self.worker.terminate()
+            shutil.rmtree(self.spool, ignore_errors=True)
         return self.metrics
 
     def evaluate(self) -> dict[str, float]:
@@ -370,7 +390,9 @@ class Controller:
     def save_checkpoint(self, step: int) -> Path:
         from . import checkpoint
 
-        return checkpoint.save(self.run_dir, step, self.model, self.learner)
+        source = checkpoint_path(self.cfg) if self.cfg.task.name != "target_tokens" else None
+        tokenizer = Path(source) / "tokenizer.json" if source else None
+        return checkpoint.save(self.run_dir, step, self.model, self.learner, tokenizer)
 
 
 class Interrupted(Exception):

@@ -1,0 +1,121 @@
+"""`parity sft` (demonstrations, tokenizer, checkpoint), `parity eval` and `parity demo` end to
+end on a briefly trained base policy."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from parity.cli import main
+from parity.envs.math import MathTask
+from parity.envs.tool import ToolEnv, make_tool_problem
+from parity.errors import ConfigError
+from parity.model import load_model
+from parity.model.tokenizer import HFTokenizer, build_char_tokenizer
+from parity.sft import SFTConfig, encode_demo, tool_demonstration, train_sft
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    out = tmp_path_factory.mktemp("base") / "ckpt"
+    train_sft(out, SFTConfig(steps=3, batch_size=4), eval_problems=0)
+    return out
+
+
+def test_sft_writes_a_loadable_checkpoint_with_its_tokenizer(base):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "sft.json"):
+        assert (base / name).exists()
+    model = load_model(base)
+    tok = HFTokenizer(base / "tokenizer.json")
+    assert model.config.vocab_size >= tok.vocab_size and model.config.eos_token_id == tok.token_id("<|eos|>")
+    for special in ("<|user|>", "<|assistant|>", "<python>", "</python>", "<result>", "</result>"):
+        assert len(tok.encode(special)) == 1
+    record = json.loads((base / "sft.json").read_text())
+    assert record["config"]["steps"] == 3
+
+
+def test_demonstrations_replay_exactly_through_the_real_environment(tmp_path):
+    """Every tool demonstration, fed turn by turn to the environment (real sandbox), gets the
+    observations the demonstration contains and reward 1: the base policy learns the format the
+    environment really produces."""
+    path = tmp_path / "tokenizer.json"
+    build_char_tokenizer().save(str(path))
+    tok = HFTokenizer(path)
+    env = ToolEnv(tok, level=1)
+    rnd = random.Random(0)
+    cfg = SFTConfig(retry_fraction=0.5, tool_use={"mul": 1.0, "sum": 1.0})
+    for i in range(4):
+        problem = make_tool_problem(("mul", "sum")[i % 2], 1, rnd)
+        segments = tool_demonstration(problem, rnd, cfg)
+        episode = env.start(problem)
+        k = 0
+        while k < len(segments):
+            text, mask = segments[k]
+            assert mask == 1
+            turn = env.step(episode, tok.encode(text))
+            if turn.done:
+                break
+            assert tok.decode(turn.observation) == segments[k + 1][0]
+            k += 2
+        assert turn.done and turn.reward == 1.0 and k == len(segments) - 1
+
+
+def test_demo_loss_mask_covers_only_model_turns(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    build_char_tokenizer().save(str(path))
+    tok = HFTokenizer(path)
+    turns = [("<python>print(1*2)</python>", 1), ("<result>2\n</result>", 0), ("answer: 2<|eos|>", 1)]
+    ids, mask = encode_demo(tok, "<|user|>What is 1*2?<|assistant|>", turns)
+    assert len(ids) == len(mask) and mask[0] == 0
+    assert sum(mask) == len(tok.encode(turns[0][0])) + len(tok.encode(turns[2][0]))
+    assert [t for t, m in zip(ids, mask) if m == 0][-len(tok.encode(turns[1][0])):] == tok.encode(turns[1][0])
+
+
+def test_bad_sft_config_is_a_one_line_error():
+    with pytest.raises(ConfigError, match="tool_use.mul"):
+        SFTConfig(tool_use={"mul": 1.5})
+    with pytest.raises(ConfigError, match="steps"):
+        SFTConfig(steps=0)
+
+
+def test_math_problems_for_sft_never_come_from_the_heldout_set():
+    t = MathTask("add", 1, seed=0)
+    held = {p.prompt for p in t.heldout()}
+    assert held.isdisjoint(t.problems(i, 1)[0].prompt for i in range(300))
+
+
+def test_cli_eval_reports_pass_at_1_and_mean_at_k(base, capsys):
+    args = ["eval", "--model", str(base), "--task", "tool", "--n", "3", "-k", "2", "--max-tokens", "8"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "pass@1 (greedy)" in out and "mean@2" in out and "sandbox:" in out
+    assert main(["eval", "--model", str(base), "--task", "math", "--n", "3", "-k", "0", "--json",
+                 "--max-tokens", "8"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["eval/problems"] == 3.0
+
+
+def test_cli_eval_rejects_a_checkpoint_without_tokenizer(tmp_path, capsys):
+    from parity.model import Model, ModelConfig
+
+    Model(ModelConfig.preset("tiny")).save_pretrained(tmp_path)
+    assert main(["eval", "--model", str(tmp_path), "--task", "tool", "--n", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer.json" in err[0]
+
+
+def test_cli_demo_runs_end_to_end(base, tmp_path, capsys):
+    run = tmp_path / "run"
+    code = main(["demo", "--model", str(base), "--steps", "2", "--eval-prompts", "3", "--run-dir", str(run),
+                 "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=2",
+                 "--set", "rollout.max_tokens=8"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "held-out pass@1 (greedy), before -> after" in out
+    assert "rollout-learner KL at the sampling version (max)" in out
+    for name in ("metrics.jsonl", "report.md", "report.png"):
+        assert (run / name).exists()
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/pass@1" in metrics[0] and "eval/pass@1_final" in metrics[-1]
+    assert all(m["mismatch/kernel_max_abs"] == 0.0 for m in metrics if "mismatch/kernel_max_abs" in m)

@@ -1,0 +1,73 @@
+"""`parity study`: figure definitions on hand-made metrics, config validation, and the --quick
+grid end to end (the CI smoke run)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parity.cli import main
+from parity.errors import ConfigError
+from parity.study import DEFAULT_GRID, load_study, row_figures
+
+
+def _metrics(n=20):
+    rows = []
+    for s in range(n):
+        rows.append({"step": s, "is_weight/max": 2.0 if s == 7 else 1.0, "mismatch/k3": 0.01 * (s + 1),
+                     "mismatch/kernel_max_abs": 0.0, "train/grad_norm": 0.1 * s, "reward/mean": s / n,
+                     "lag/mean": 1.0, "lag/max": 3.0, "time/wall_s": 10.0 * (s + 1),
+                     "throughput/steps_per_hour": 360.0})
+    rows[0]["eval/pass@1"] = 0.2
+    rows[10]["eval/pass@1"] = 0.5
+    rows[-1]["eval/pass@1_final"] = 0.4
+    return rows
+
+
+def test_row_figures_follow_the_published_definitions():
+    f = row_figures(_metrics())
+    assert f["is_peak_over_median"] == 2.0  # peak 2 over median 1 of the per-step max weight
+    assert f["kl_first"] == pytest.approx(0.015) and f["kl_last"] == pytest.approx(0.195)  # 2 of 20 steps each
+    assert f["kl_last_over_first"] == pytest.approx(13.0)
+    assert f["grad_norm_max"] == pytest.approx(1.9)
+    assert f["reward_first5"] == 0.0 and f["reward_last5"] == pytest.approx(0.95)  # 1 of 20 steps
+    assert (f["pass1_start"], f["pass1_peak"], f["pass1_end"]) == (0.2, 0.5, 0.4)
+    assert f["kernel_mismatch_max"] == 0.0 and f["lag_max"] == 3.0 and f["wall_s"] == 200.0
+
+
+def test_lag_zero_aligned_weights_give_exactly_one():
+    rows = _metrics()
+    for r in rows:
+        r["is_weight/max"] = 1.0
+    assert row_figures(rows)["is_peak_over_median"] == 1.0
+
+
+def test_study_config_errors_are_one_line(tmp_path):
+    bad = tmp_path / "s.toml"
+    bad.write_text('seeds = []\n')
+    with pytest.raises(ConfigError, match="seeds"):
+        load_study(str(bad))
+    bad.write_text('colour = "red"\n')
+    with pytest.raises(ConfigError, match="unknown study key colour"):
+        load_study(str(bad))
+    bad.write_text('[[runs]]\nname = "x"\nkernels = "fast"\n')
+    with pytest.raises(ConfigError, match="kernels"):
+        load_study(str(bad), quick=True, out_dir=str(tmp_path / "o"))
+    assert [r.name for r in DEFAULT_GRID] == ["sync", "async-8", "async-64", "std-64", "std-64-tis", "std-64-gate"]
+
+
+def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
+    out = tmp_path / "study"
+    assert main(["study", "--quick", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["runs"]) == [r.name for r in DEFAULT_GRID]
+    for name, r in results["runs"].items():
+        fig = r["figures"]
+        if r["run"]["kernels"] == "aligned":
+            assert fig["kernel_mismatch_max"]["mean"] == 0.0, name
+        if name == "sync":
+            assert fig["is_peak_over_median"]["mean"] == 1.0
+    report = (out / "report.md").read_text()
+    assert "| sync | aligned | 0 | reinforce_zero |" in report and (out / "study.png").exists()
+    assert "std-64-gate" in capsys.readouterr().out
