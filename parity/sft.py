@@ -44,7 +44,7 @@ RECIPE_VERSION = 2
 class SFTConfig:
     """How the base policy is made (every field enters the cache key)."""
 
-    steps: int = 750
+    steps: int = 650
     """Optimizer steps."""
     batch_size: int = 32
     """Demonstrations per step."""
