@@ -21,11 +21,11 @@ from .config import load_config
 
 @dataclass
 class DemoOptions:
-    steps: int = 40
+    steps: int = 60
     max_policy_lag: int = 8
     kernels: str = "aligned"
     run_dir: str = "runs/demo"
-    eval_prompts: int = 100
+    eval_prompts: int = 200
     seed: int = 0
     base: str | None = None
     """A base checkpoint to start from instead of the cached `parity sft` policy."""

@@ -252,9 +252,9 @@ def run_study(study: StudyConfig, log=print, progress_factory=None) -> dict:
     results: dict[str, Any] = {"config": asdict(study), "runs": {}}
     total = len(study.runs) * len(study.seeds)
     k = 0
-    for run in study.runs:
-        per_seed = []
-        for seed in study.seeds:
+    figures: dict[str, list[dict[str, float]]] = {run.name: [] for run in study.runs}
+    for seed in study.seeds:  # seed-major: a study cut short still has every row
+        for run in study.runs:
             k += 1
             cfg = run_config(study, run, seed)
             done_marker = Path(cfg.run_dir) / "report.md"
@@ -264,8 +264,10 @@ def run_study(study: StudyConfig, log=print, progress_factory=None) -> dict:
                 log(f"[{k}/{total}] {run.name} seed {seed}: {run.kernels} kernels, lag {run.lag}, {run.loss}")
                 progress = progress_factory(f"{run.name}/{seed}", cfg.steps) if progress_factory else None
                 Controller(cfg).run(progress=progress)
-            per_seed.append(row_figures(read_metrics(cfg.run_dir)))
-        results["runs"][run.name] = {"run": asdict(run), "seeds": study.seeds, "figures": aggregate(per_seed)}
+            figures[run.name].append(row_figures(read_metrics(cfg.run_dir)))
+    for run in study.runs:
+        results["runs"][run.name] = {"run": asdict(run), "seeds": study.seeds,
+                                     "figures": aggregate(figures[run.name])}
     sync = results["runs"].get("sync")
     if sync:
         base = sync["figures"]["steps_per_hour"]["mean"]

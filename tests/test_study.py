@@ -28,7 +28,8 @@ def _metrics(n=20):
 def test_row_figures_follow_the_published_definitions():
     f = row_figures(_metrics())
     assert f["is_peak_over_median"] == 2.0  # peak 2 over median 1 of the per-step max weight
-    assert f["kl_first"] == pytest.approx(0.015) and f["kl_last"] == pytest.approx(0.195)  # 2 of 20 steps each
+    # first and last 2 of 20 steps
+    assert f["kl_first"] == pytest.approx(0.015) and f["kl_last"] == pytest.approx(0.195)
     assert f["kl_last_over_first"] == pytest.approx(13.0)
     assert f["grad_norm_max"] == pytest.approx(1.9)
     assert f["reward_first5"] == 0.0 and f["reward_last5"] == pytest.approx(0.95)  # 1 of 20 steps
@@ -54,7 +55,8 @@ def test_study_config_errors_are_one_line(tmp_path):
     bad.write_text('[[runs]]\nname = "x"\nkernels = "fast"\n')
     with pytest.raises(ConfigError, match="kernels"):
         load_study(str(bad), quick=True, out_dir=str(tmp_path / "o"))
-    assert [r.name for r in DEFAULT_GRID] == ["sync", "async-8", "async-64", "std-64", "std-64-tis", "std-64-gate"]
+    names = ["sync", "async-8", "async-64", "std-64", "std-64-tis", "std-64-gate"]
+    assert [r.name for r in DEFAULT_GRID] == names
 
 
 def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):

@@ -201,3 +201,17 @@ def test_tool_rollout_with_the_real_sandbox_runs_code_out_of_process(tokenizer):
     res = run_episodes(Engine(model), env, env.heldout(), params)
     assert all(r.reward == 0.0 for r in res)
     assert sum(r.episode.tool_calls for r in res) >= 1
+
+
+@pytest.mark.parametrize("code", ["while True:\n    pass", "import os\nwhile True:\n    os.fork()",
+                                  "print(open('/etc/hostname').read())", "x = bytearray(10 * 2**30)"])
+def test_escaping_tool_code_is_a_tool_error_and_the_episode_goes_on(tokenizer, code):
+    from parity.envs.sandbox import Sandbox, SandboxLimits
+
+    env = ToolEnv(tokenizer, sandbox=Sandbox(SandboxLimits(wall_s=1.0, cpu_s=1)))
+    problem = env.problems(0, 1)[0]
+    ep = env.start(problem)
+    turn = env.step(ep, tokenizer.encode(f"<python>{code}</python>"))
+    assert not turn.done and "error:" in tokenizer.decode(turn.observation) and ep.tool_errors == 1
+    final = env.step(ep, tokenizer.encode(f"answer: {problem.answer}<|eos|>"))
+    assert final.done and final.reward == 1.0
