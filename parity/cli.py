@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="base policy + async REINFORCE Zero on the tool task, before/after table")
-    d.add_argument("--steps", type=int, default=60, help="learner steps (default 60)")
+    d.add_argument("--steps", type=int, default=40, help="learner steps (default 40)")
     d.add_argument("--lag", type=int, default=8, help="max policy lag (default 8)")
     d.add_argument("--kernels", default="aligned", choices=["aligned", "standard"])
     d.add_argument("--run-dir", default="runs/demo")

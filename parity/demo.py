@@ -21,7 +21,7 @@ from .config import load_config
 
 @dataclass
 class DemoOptions:
-    steps: int = 60
+    steps: int = 40
     max_policy_lag: int = 8
     kernels: str = "aligned"
     run_dir: str = "runs/demo"

@@ -6,9 +6,9 @@ demonstrations of the tool-use task (including tool-call traces, some with a fai
 and a retry) and of the math task. The demonstrations stop at partial competence on purpose,
 so RL has signal:
 
-- the demonstrator uses the tool for most sums but only for some products; otherwise it gives
-  an estimate (two significant digits), so the base policy under-uses the tool on products — a
-  behaviour RL can fix, since only exact answers are rewarded;
+- the demonstrator uses the tool for most products but only for some sums; otherwise it gives
+  an estimate (two significant digits), so the base policy under-uses the tool — a behaviour
+  RL can fix, since only exact answers are rewarded;
 - training is short, so copying long digit strings is imperfect.
 
 The checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`, `sft.json` with the
@@ -44,7 +44,7 @@ RECIPE_VERSION = 2
 class SFTConfig:
     """How the base policy is made (every field enters the cache key)."""
 
-    steps: int = 650
+    steps: int = 750
     """Optimizer steps."""
     batch_size: int = 32
     """Demonstrations per step."""
@@ -58,7 +58,7 @@ class SFTConfig:
     """Model shape (the vocabulary is resized to the tokenizer's)."""
     tool_fraction: float = 0.8
     """Share of demonstrations from the tool task; the rest are math problems."""
-    tool_use: dict[str, float] = field(default_factory=lambda: {"mul": 0.4, "sum": 0.7})
+    tool_use: dict[str, float] = field(default_factory=lambda: {"mul": 0.7, "sum": 0.3})
     """Per problem kind, how often the demonstrator calls the tool (else it answers directly)."""
     retry_fraction: float = 0.05
     """Share of tool demonstrations whose first call has a syntax error, then a fixed retry."""
