@@ -45,6 +45,17 @@ class StudyRun:
     loss: str = "reinforce_zero"
     """Learner objective."""
 
+    def __post_init__(self) -> None:
+        from .rl.losses import LOSSES
+
+        if self.kernels not in ("aligned", "standard"):
+            raise ConfigError(f"study run {self.name!r}: kernels must be 'aligned' or 'standard', "
+                              f"got {self.kernels!r}")
+        if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0:
+            raise ConfigError(f"study run {self.name!r}: lag must be an integer >= 0, got {self.lag!r}")
+        if self.loss not in LOSSES:
+            raise ConfigError(f"study run {self.name!r}: unknown loss {self.loss!r}")
+
 
 DEFAULT_GRID = [
     StudyRun("sync", "aligned", 0),
