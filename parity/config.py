@@ -248,16 +248,19 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     return _build(TrainConfig, data, "")
 
 
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A TOML file as a dict; a missing or malformed file is a one-line ConfigError."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such {what}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
     """Read a TOML file (or start from defaults when None) and apply `key=value` overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+    data: dict[str, Any] = read_toml(path) if path is not None else {}
     for item in overrides:
         _set_dotted(data, *parse_override(item))
     return config_from_dict(data)

@@ -26,9 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
-from .config import _set_dotted, config_from_dict
+from .config import _set_dotted, config_from_dict, read_toml
 from .errors import ConfigError
 
 
@@ -124,14 +122,7 @@ def load_study(
     out_dir: str | None = None,
 ) -> StudyConfig:
     """A StudyConfig from TOML (top-level out_dir/seeds/task, [train] table, [[runs]] tables)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such study config") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+    data: dict[str, Any] = read_toml(path, "study config") if path is not None else {}
     unknown = sorted(set(data) - {"out_dir", "seeds", "task", "runs", "train"})
     if unknown:
         raise ConfigError(f"unknown study key {unknown[0]}")
