@@ -215,3 +215,16 @@ def test_escaping_tool_code_is_a_tool_error_and_the_episode_goes_on(tokenizer, c
     assert not turn.done and "error:" in tokenizer.decode(turn.observation) and ep.tool_errors == 1
     final = env.step(ep, tokenizer.encode(f"answer: {problem.answer}<|eos|>"))
     assert final.done and final.reward == 1.0
+
+
+def test_an_episode_the_engine_cannot_fit_ends_with_zero_reward(tokenizer):
+    class Grow(EchoEnv):
+        def step(self, episode, turn_ids):
+            episode.turns += 1
+            return Turn([10] * 40, done=False)  # fits the context, not the small KV cache
+
+    engine = Engine(_tiny(), kv_cache_tokens=96)
+    params = [SamplingParams(max_tokens=4, seed=i) for i in range(2)]
+    res = run_episodes(engine, Grow(tokenizer), ["a", "b"], params)
+    assert all(r.reward == 0.0 and "KV cache" in r.episode.info["ended"] for r in res)
+    assert not engine.seqs  # nothing left holding cache

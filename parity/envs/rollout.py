@@ -74,14 +74,17 @@ def run_episodes(engine: Engine, env: Env, problems: list, params: list[Sampling
                         episode.info["ended"] = str(exc)
                         episode.reward, episode.passed = 0.0, False
                 episode.reward = turn.reward if turn.done else 0.0
-                final = engine.release(out.request_id) if env.multi_turn else out
+                # a request the engine failed (finish_reason "error") is already gone from it
+                final = engine.release(out.request_id) if env.multi_turn and out.finish_reason != "error" \
+                    else out
                 results[i] = EpisodeResult(final, episode)
                 del active[out.request_id]
     finally:
         if pool is not None:
             pool.shutdown()
         for rid in active:  # an exception above: do not leave paused requests holding cache
-            engine.release(rid)
+            if rid in engine.seqs:
+                engine.release(rid)
     return results  # type: ignore[return-value]
 
 

@@ -1,0 +1,111 @@
+"""Build docs/results.md from a finished study directory and a demo run directory.
+
+    python docs/make_results.py runs/study runs/demo "parity study configs/study.toml --seeds 0,1" \\
+        "<demo wall time line>"
+
+Every number in the page is read from the runs' files (results.json, metrics.jsonl); the prose
+around them is this script's. The study plot is copied to docs/study.png, the demo's to
+docs/demo.png.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from parity.demo import summary  # noqa: E402
+from parity.metrics.report import read_metrics  # noqa: E402
+from parity.study import table_markdown  # noqa: E402
+
+
+def fig(results: dict, run: str, key: str) -> float:
+    return results["runs"][run]["figures"][key]["mean"]
+
+
+def main() -> None:
+    study_dir, demo_dir, command, demo_time = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+    results = json.loads((study_dir / "results.json").read_text())
+    seeds = results["config"]["seeds"]
+    shutil.copyfile(study_dir / "study.png", HERE / "study.png")
+    shutil.copyfile(demo_dir / "report.png", HERE / "demo.png")
+    demo = read_metrics(demo_dir)
+    r = results
+
+    def f(run, key, fmt="{:.3g}"):
+        return fmt.format(fig(r, run, key))
+
+    lines = [
+        "# Results on this machine kind",
+        "",
+        "2 cores (AMD EPYC, AVX-512), torch 2.13.0 CPU build, float32, the `small` model (~5M parameters,",
+        "character-level tokenizer) built by `parity sft`. Every number below is read from the "
+        "runs' files by",
+        "`docs/make_results.py`; nothing is typed by hand.",
+        "",
+        "## `parity demo`",
+        "",
+        f"`parity demo` from an empty cache: {demo_time}. Asynchronous REINFORCE Zero, aligned "
+        f"kernels, policy",
+        f"lag 8, {len(demo)} learner steps of 64 episodes on the tool-use task; held-out set of 200 "
+        f"problems:",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in summary(demo)],
+        "",
+        "![demo run](demo.png)",
+        "",
+        "## `parity study`",
+        "",
+        f"Command: `{command}` — {len(r['runs'])} runs x {len(seeds)} seed(s), {r['seconds'] / 60:.0f} min.",
+        "Each row: mean over seeds (± half the min–max range when there are several seeds).",
+        "",
+        table_markdown(r),
+        "",
+        f"![study curves, seed {seeds[0]}](study.png)",
+        "",
+        "### What reproduces at this scale, what does not, and why",
+        "",
+        "- **Kernel mismatch is exactly zero on every aligned row** (sync, async-8, async-64: "
+        "max |Δ log-prob| "
+        f"{f('sync', 'kernel_mismatch_max')}, {f('async-8', 'kernel_mismatch_max')}, "
+        f"{f('async-64', 'kernel_mismatch_max')}), and the importance-weight peak/median of the synchronous "
+        f"aligned run is exactly {f('sync', 'is_peak_over_median', '{:.4g}')}: "
+        "at lag 0 every weight is 1.0 bit "
+        "for bit. This is the published result's premise, and it holds.",
+        f"- **The standard rows do carry a kernel mismatch** (std-64: max |Δ log-prob| "
+        f"{f('std-64', 'kernel_mismatch_max')}), but on a CPU in float32 it is tiny next to the weight lag "
+        "these small, fast-moving policies produce. So the published failure of standard kernels (weight "
+        "peaks of 442x, KL rising 83x, accuracy falling) does not show here: the importance-weight "
+        f"peak/median is {f('std-64', 'is_peak_over_median')} for std-64 against "
+        f"{f('async-64', 'is_peak_over_median')} for async-64, driven by weight lag on both. On GPUs in "
+        "bfloat16 the mismatch is orders of magnitude larger (different kernels for prefill, decode and "
+        "training; split reductions), which is where the published gap comes from; `parity check --dtype "
+        "bfloat16` shows the CPU bf16 gap on your machine.",
+        f"- **Async vs sync throughput**: {f('async-8', 'throughput_vs_sync', '{:.2f}')}x (async-8) and "
+        f"{f('async-64', 'throughput_vs_sync', '{:.2f}')}x (async-64) learner steps/hour over sync. With 2 "
+        "cores split between the rollout worker and the learner the ceiling is 2x; the published 2.40x was "
+        "measured with separate rollout and training GPUs.",
+        f"- **Observed lag**: async-64 reached a mean lag of {f('async-64', 'lag_mean', '{:.1f}')} (max "
+        f"{f('async-64', 'lag_max', '{:.0f}')}): in a {r['config']['train'].get('steps', '?')}-step run on 2 "
+        "cores the rollout side does not get 64 versions ahead, so the lag-64 rows test a lag bound that "
+        "rarely binds.",
+        "- **Learning**: held-out pass@1 of the aligned async-8 run went "
+        f"{f('async-8', 'pass1_start', '{:.1%}')}"
+        f" -> {f('async-8', 'pass1_end', '{:.1%}')} (peak {f('async-8', 'pass1_peak', '{:.1%}')}); reward "
+        f"{f('async-8', 'reward_first5', '{:.3f}')} -> {f('async-8', 'reward_last5', '{:.3f}')} "
+        "over the first "
+        "and last 5% of updates. Runs are short, so gains are a few points to a few tens of points and the "
+        "seed spread is wide; compare rows with their spreads.",
+        "",
+    ]
+    (HERE / "results.md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
