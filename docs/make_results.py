@@ -1,7 +1,6 @@
 """Build docs/results.md from a finished study directory and a demo run directory.
 
-    python docs/make_results.py runs/study runs/demo "parity study configs/study.toml --seeds 0,1" \\
-        "<demo wall time line>"
+    python docs/make_results.py STUDY_DIR DEMO_DIR "STUDY COMMAND" "DEMO TIME" ["STUDY TIME"]
 
 Every number in the page is read from the runs' files (results.json, metrics.jsonl); the prose
 around them is this script's. The study plot is copied to docs/study.png, the demo's to
@@ -29,8 +28,10 @@ def fig(results: dict, run: str, key: str) -> float:
 
 def main() -> None:
     study_dir, demo_dir, command, demo_time = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+    study_time = sys.argv[5] if len(sys.argv) > 5 else "wall time not recorded"
     results = json.loads((study_dir / "results.json").read_text())
     seeds = results["config"]["seeds"]
+    total_wall = sum(v for run in results["runs"].values() for v in run["figures"]["wall_s"]["values"])
     shutil.copyfile(study_dir / "study.png", HERE / "study.png")
     shutil.copyfile(demo_dir / "report.png", HERE / "demo.png")
     demo = read_metrics(demo_dir)
@@ -56,13 +57,16 @@ def main() -> None:
         "",
         "| figure | value |",
         "|---|---|",
-        *[f"| {k} | {v} |" for k, v in summary(demo)],
+        *[f"| {k.replace('|', '&#124;')} | {v} |" for k, v in summary(demo)],
         "",
         "![demo run](demo.png)",
         "",
         "## `parity study`",
         "",
-        f"Command: `{command}` — {len(r['runs'])} runs x {len(seeds)} seed(s), {r['seconds'] / 60:.0f} min.",
+        f"Command: `{command}` — {len(r['runs'])} runs x {len(seeds)} seed(s); {study_time}; the runs' "
+        f"own wall times (evaluations included) add up to {total_wall / 60:.0f} min, "
+        f"{total_wall / 60 / len(seeds):.0f} min per seed, so the default 3 seeds take about "
+        f"{3 * total_wall / 60 / len(seeds):.0f} min of training.",
         "Each row: mean over seeds (± half the min–max range when there are several seeds).",
         "",
         table_markdown(r),

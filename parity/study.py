@@ -289,7 +289,7 @@ def run_study(study: StudyConfig, log=print, progress_factory=None) -> dict:
 COLUMNS = [
     ("IS weight peak/median", "is_peak_over_median", "{:.4g}"),
     ("KL last/first 10%", "kl_last_over_first", "{:.3g}"),
-    ("kernel mismatch max |Δ|", "kernel_mismatch_max", "{:.3g}"),
+    ("kernel mismatch max abs Δ", "kernel_mismatch_max", "{:.3g}"),
     ("max grad norm", "grad_norm_max", "{:.4g}"),
     ("reward first 5%", "reward_first5", "{:.3f}"),
     ("reward last 5%", "reward_last5", "{:.3f}"),
