@@ -243,11 +243,30 @@ def _scaled(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, tor
     return z * inv_t, inv_t
 
 
+class _NativeRowLSE(torch.autograd.Function):
+    """logsumexp(logits * inv_t) per row by the native fixed-order kernel, differentiable:
+    the gradient is softmax(logits * inv_t) * inv_t (plain math; only the forward needs the
+    aligned bits)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, inv_t: float) -> torch.Tensor:
+        lse = native.row_lse(logits.float(), inv_t)
+        ctx.save_for_backward(logits, lse)
+        ctx.inv_t = inv_t
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, lse = ctx.saved_tensors
+        probs = torch.exp(logits.float() * ctx.inv_t - lse.unsqueeze(-1))
+        return (grad.unsqueeze(-1) * probs * ctx.inv_t).to(logits.dtype), None
+
+
 def _log_norm(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits / T, logsumexp(logits / T) per row), both in the compute dtype."""
     z, inv_t = _scaled(logits, temperature)
     if _use_native(logits):
-        return z, native.row_lse(logits.float(), float(inv_t))
+        return z, _NativeRowLSE.apply(logits, float(inv_t))
     peak = z.amax(-1, keepdim=True)
     total = row_sum(pointwise(torch.exp, z - peak))
     return z, peak.squeeze(-1) + pointwise(torch.log, total)
