@@ -93,15 +93,12 @@ def main() -> None:
         "bfloat16 the mismatch is orders of magnitude larger (different kernels for prefill, decode and "
         "training; split reductions), which is where the published gap comes from; `parity check --dtype "
         "bfloat16` shows the CPU bf16 gap on your machine.",
-        "- **Rollout-to-learner KL rises on the asynchronous rows, aligned ones included** (KL last/first "
-        f"10%: async-8 x{f('async-8', 'kl_last_over_first')}, "
-        f"async-64 x{f('async-64', 'kl_last_over_first')}, "
-        f"std-64 x{f('std-64', 'kl_last_over_first')}; sync stays at exactly 0). At this scale that KL is "
-        "weight lag, not kernels: the decomposition puts all of it on lag (the kernel part is exactly 0 on "
-        "aligned rows), because a 5M-parameter policy moves far in a few updates. The same weight lag "
-        "drives the importance-weight peaks and the gradient-norm maxima of the async rows; the published "
-        "aligned figures (peak/median 1.50, max grad norm 0.0555) come from a large model whose policy "
-        "barely moves per update.",
+        "- **Rollout-to-learner KL on the asynchronous rows is weight lag** (KL last/first 10%: async-8 "
+        f"x{f('async-8', 'kl_last_over_first')}, async-64 x{f('async-64', 'kl_last_over_first')}, "
+        f"std-64 x{f('std-64', 'kl_last_over_first')}; sync stays at exactly 0, shown as x1). The "
+        "decomposition puts all of the aligned rows' KL on lag (their kernel part is exactly 0), and a "
+        "5M-parameter policy moves far in a few updates, so the weight-lag share is much larger than in "
+        "the published large-model runs (aligned peak/median 1.50, max gradient norm 0.0555).",
         f"- **Async vs sync throughput**: {f('async-8', 'throughput_vs_sync', '{:.2f}')}x (async-8) and "
         f"{f('async-64', 'throughput_vs_sync', '{:.2f}')}x (async-64) learner steps/hour over sync. With 2 "
         "cores split between the rollout worker and the learner the ceiling is 2x, and the gain is "
