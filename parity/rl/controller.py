@@ -143,6 +143,8 @@ def _worker_main(cfg_dict: dict, init_state: dict, init_version: int, start_batc
         _worker_loop(cfg_dict, init_state, init_version, start_batch, weights_q, traj_q, stop, threads, spool)
     except ParityError as exc:  # a problem that a restart would only repeat
         traj_q.put(("error", str(exc)))
+        traj_q.close()
+        traj_q.join_thread()  # deliver it: cancel_join_thread above would drop it at exit
 
 
 def _worker_loop(cfg_dict: dict, init_state: dict, init_version: int, start_batch: int,
