@@ -17,9 +17,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from parity.demo import summary  # noqa: E402
-from parity.metrics.report import read_metrics  # noqa: E402
-from parity.study import table_markdown  # noqa: E402
+from parity.metrics.sinks import read_metrics  # noqa: E402
+from parity.metrics.summary import demo_rows, study_table_markdown  # noqa: E402
 
 
 def fig(results: dict, run: str, key: str) -> float:
@@ -57,7 +56,7 @@ def main() -> None:
         "",
         "| figure | value |",
         "|---|---|",
-        *[f"| {k.replace('|', '&#124;')} | {v} |" for k, v in summary(demo)],
+        *[f"| {k.replace('|', '&#124;')} | {v} |" for k, v in demo_rows(demo)],
         "",
         "![demo run](demo.png)",
         "",
@@ -69,7 +68,7 @@ def main() -> None:
         f"{3 * total_wall / 60 / len(seeds):.0f} min of training.",
         "Each row: mean over seeds (± half the min–max range when there are several seeds).",
         "",
-        table_markdown(r),
+        study_table_markdown(r),
         "",
         f"![study curves, seed {seeds[0]}](study.png)",
         "",

@@ -4,10 +4,9 @@ Public API (see README):
     ModelConfig, Model, load_model, sequence_logprobs, Decoder, Engine, SamplingParams, get_kernels
 """
 
-from .engine import Engine, RequestOutput, SamplingParams
+from .engine import Decoder, Engine, RequestOutput, SamplingParams
 from .errors import CheckpointError, ConfigError, InputError, ParityError
 from .model import (
-    Decoder,
     ForwardBatch,
     KVCache,
     Model,

@@ -8,13 +8,13 @@ import random
 
 import pytest
 
+from parity.apps.sft import SFTConfig, encode_demo, tool_demonstration, train_sft
 from parity.cli import main
 from parity.envs.math import MathTask
 from parity.envs.tool import ToolEnv, make_tool_problem
 from parity.errors import ConfigError
 from parity.model import load_model
 from parity.model.tokenizer import HFTokenizer, build_char_tokenizer
-from parity.sft import SFTConfig, encode_demo, tool_demonstration, train_sft
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
+from parity.apps.study import DEFAULT_GRID, load_study
 from parity.cli import main
 from parity.errors import ConfigError
-from parity.study import DEFAULT_GRID, load_study, row_figures
+from parity.metrics.summary import row_figures
 
 
 def _metrics(n=20):

@@ -12,10 +12,11 @@ from parity.engine import Engine, SamplingParams
 from parity.envs.base import Env, Episode, Turn
 from parity.envs.chat import prompt_text
 from parity.envs.math import MathEnv
-from parity.envs.rollout import evaluate, run_episodes
 from parity.envs.tool import KINDS, ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
 from parity.model import Model, ModelConfig, sequence_logprobs
 from parity.model.tokenizer import HFTokenizer, build_char_tokenizer
+from parity.rl.evaluate import evaluate
+from parity.rl.rollout_worker import run_episodes
 from parity.rl.trajectory import Trajectory, TrajectoryBatch
 
 

@@ -73,7 +73,7 @@ class Engine:
         if len(ids) >= limit:
             raise InputError(f"prompt: length {len(ids)} leaves no room to generate "
                              f"(max_position_embeddings={limit})")
-        capacity = self.blocks.num_blocks * self.blocks.block_size
+        capacity = self.blocks.capacity_tokens
         if len(ids) + 1 > capacity:
             raise InputError(f"prompt: length {len(ids)} does not fit the KV cache "
                              f"({capacity} tokens; raise kv_cache_tokens)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.aligned import pointwise
 from .sequence import Sequence
 
 
@@ -63,7 +62,7 @@ class Sampler:
                 # each request draws its own uniforms; Gumbel-max samples exactly from softmax
                 u = torch.stack([torch.rand(sub.shape[1], generator=self._generator(seqs[idx[j]]),
                                             dtype=torch.float64) for j in noisy])
-                gumbel = pointwise(lambda x: -torch.log(-torch.log(x)), u.clamp_min(1e-300))
+                gumbel = kernels.pointwise(lambda x: -torch.log(-torch.log(x)), u.clamp_min(1e-300))
                 picked = torch.argmax(sub + gumbel, dim=-1)
                 chosen[noisy] = picked
                 for r, j in enumerate(noisy):

@@ -48,14 +48,14 @@ class Scheduler:
     def drop_paused_caches(self) -> None:
         """Free paused sequences' caches (built by old weights): they recompute when continued."""
         for seq in self.paused.values():
-            self.blocks.release(seq)
+            self.blocks.release(seq.request_id)
             seq.num_computed = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.blocks.release(seq)
+        self.blocks.release(seq.request_id)
         seq.num_computed = 0
         self.num_preemptions += 1
         if seq.request_id in self.paused:
@@ -66,8 +66,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, length: int) -> bool:
         """Free blocks until `seq` can grow to `length` tokens; False if impossible."""
-        while not self.blocks.can_grow(seq, length):
-            victims = [s for s in self.paused.values() if s.request_id in self.blocks.tables]
+        while not self.blocks.can_grow(seq.request_id, length):
+            victims = [s for s in self.paused.values() if self.blocks.owns(s.request_id)]
             if victims:
                 self._preempt(victims[0])
                 continue
@@ -96,15 +96,15 @@ class Scheduler:
                     self._preempt(seq)  # the youngest waits for older ones to finish
                     continue
             if seq.status is Status.RUNNING:  # not preempted by an earlier sequence's growth
-                self.blocks.grow(seq, seq.num_computed + n)
+                self.blocks.grow(seq.request_id, seq.num_computed + n)
                 batch.append((seq, n))
                 budget -= n
         batch = [(s, n) for s, n in batch if s.status is Status.RUNNING]
         while self.admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_pending, budget)
-            if not self.blocks.can_grow(seq, seq.num_computed + n):
-                victims = [s for s in self.paused.values() if s.request_id in self.blocks.tables]
+            if not self.blocks.can_grow(seq.request_id, seq.num_computed + n):
+                victims = [s for s in self.paused.values() if self.blocks.owns(s.request_id)]
                 if victims:
                     self._preempt(victims[0])
                     continue
@@ -113,7 +113,7 @@ class Scheduler:
                     raise CacheFull(seq)
                 break
             self.waiting.popleft()
-            self.blocks.grow(seq, seq.num_computed + n)
+            self.blocks.grow(seq.request_id, seq.num_computed + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.append((seq, n))
@@ -128,7 +128,7 @@ class Scheduler:
             self.paused[seq.request_id] = seq
         else:
             seq.status = Status.FINISHED
-            self.blocks.release(seq)
+            self.blocks.release(seq.request_id)
 
     def release(self, seq: Sequence) -> None:
         self.paused.pop(seq.request_id, None)
@@ -136,5 +136,5 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.release(seq)
+        self.blocks.release(seq.request_id)
         seq.status = Status.FINISHED

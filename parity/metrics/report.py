@@ -1,12 +1,15 @@
-"""Run report: plots of a run's `metrics.jsonl` (PNG) and a Markdown summary beside it.
+"""Reports: a run's plots (PNG) and Markdown summary, and a study's curves and table.
 
-Every number in the report is read from the metrics file; nothing is typed by hand.
+Every number in a report is read from metrics files through `metrics.summary`; nothing is typed
+by hand. Plots need matplotlib (a dependency); without it only the Markdown is written.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from .sinks import read_metrics
+from .summary import run_rows, study_table_markdown
 
 PANELS = [
     ("reward", ["reward/mean"]),
@@ -21,10 +24,24 @@ PANELS = [
     ("time per step (s)", ["time/train_s", "time/generate_s", "time/wait_s"]),
 ]
 
+STUDY_PLOTS = [
+    ("reward", "reward/mean"),
+    ("held-out pass@1", "eval/pass@1"),
+    ("rollout-learner KL (k3)", "mismatch/k3"),
+    ("IS weight peak/median", "is_weight/peak_over_median"),
+    ("grad norm (pre-clip)", "train/grad_norm"),
+]
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 def write_report(run_dir: str | Path) -> tuple[Path, Path | None]:
@@ -32,13 +49,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path | None]:
     run_dir = Path(run_dir)
     metrics = read_metrics(run_dir)
     png = None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        plt = None
+    plt = _pyplot()
     if plt is not None and metrics:
         fig, axes = plt.subplots(2, 5, figsize=(22, 7))
         for ax, (title, keys) in zip(axes.flat, PANELS):
@@ -70,51 +81,39 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path | None]:
     return md, png
 
 
-def summary_rows(metrics: list[dict]) -> list[tuple[str, str]]:
-    if not metrics:
-        return []
-    last = metrics[-1]
-
-    def val(m, k, fmt="{:.4g}"):
-        return fmt.format(m[k]) if k in m else "-"
-
-    n = len(metrics)
-    head, tail = metrics[:max(1, n // 10)], metrics[-max(1, n // 10):]
-
-    def mean(rows, k):
-        xs = [r[k] for r in rows if k in r]
-        return sum(xs) / len(xs) if xs else float("nan")
-
-    return [
-        ("learner steps", str(n)),
-        ("reward, first 10% -> last 10%",
-         f"{mean(head, 'reward/mean'):.4f} -> {mean(tail, 'reward/mean'):.4f}"),
-        ("rollout-learner KL k3, first 10% -> last 10%",
-         f"{mean(head, 'mismatch/k3'):.3g} -> {mean(tail, 'mismatch/k3'):.3g}"),
-        ("kernel mismatch max |Δ| (all steps)",
-         f"{max((m.get('mismatch/kernel_max_abs', 0.0) for m in metrics), default=0.0):.3g}"),
-        ("importance weight peak/median (max over steps)",
-         f"{max(m.get('is_weight/peak_over_median', 1.0) for m in metrics):.4g}"),
-        ("largest gradient norm before clipping",
-         f"{max(m.get('train/grad_norm', 0.0) for m in metrics):.4g}"),
-        ("policy lag max / mean", f"{max(m.get('lag/max', 0) for m in metrics):.0f} / "
-                                  f"{mean(metrics, 'lag/mean'):.2f}"),
-        ("learner steps/hour (end)", val(last, "throughput/steps_per_hour", "{:,.0f}")),
-        ("wall time (s)", val(last, "time/wall_s", "{:.1f}")),
-        ("held-out pass@1: start / peak / end", _pass_at_1(metrics)),
-    ]
-
-
-def _pass_at_1(metrics: list[dict]) -> str:
-    evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
-    evals += [m["eval/pass@1_final"] for m in metrics if "eval/pass@1_final" in m]
-    if not evals:
-        return "-"
-    return f"{evals[0]:.3f} / {max(evals):.3f} / {evals[-1]:.3f}"
-
-
 def summary_markdown(metrics: list[dict]) -> str:
-    rows = summary_rows(metrics)
     lines = ["# Run report", "", "| figure | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in rows]
+    lines += [f"| {k} | {v} |" for k, v in run_rows(metrics)]
     return "\n".join(lines) + "\n"
+
+
+def write_study_report(out_dir: str | Path, title: str, results: dict,
+                       curves: dict[str, list[dict]]) -> Path:
+    """`report.md` (the table) and `study.png` (one curve per row, from `curves`: row name ->
+    that row's metrics for one seed) in `out_dir`."""
+    out = Path(out_dir)
+    plt = _pyplot()
+    png = None
+    if plt is not None:
+        fig, axes = plt.subplots(1, len(STUDY_PLOTS), figsize=(5 * len(STUDY_PLOTS), 4))
+        for ax, (name, key) in zip(axes, STUDY_PLOTS):
+            for row, rows in curves.items():
+                xs = [m["step"] for m in rows if key in m]
+                ax.plot(xs, [m[key] for m in rows if key in m], label=row,
+                        marker="." if len(xs) < 20 else None)
+            ax.set_title(name)
+            ax.set_xlabel("update")
+            if key in ("is_weight/peak_over_median", "train/grad_norm", "mismatch/k3"):
+                ax.set_yscale("symlog", linthresh=1e-6)
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        png = out / "study.png"
+        fig.savefig(png, dpi=80)
+        plt.close(fig)
+    lines = [f"# {title}", "", f"Computed from the runs' metrics.jsonl by `parity study`; "
+             f"{results['seconds']:.0f} s in all.", "", study_table_markdown(results), ""]
+    if png is not None:
+        lines += ["![curves (first seed)](study.png)", ""]
+    md = out / "report.md"
+    md.write_text("\n".join(lines))
+    return md

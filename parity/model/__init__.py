@@ -3,9 +3,9 @@
 from .batch import ForwardBatch
 from .checkpoint import load_model, save_pretrained
 from .config import ModelConfig
-from .kv_cache import KVCache, SimpleAllocator
-from .logprobs import Decoder, sequence_logprobs
+from .kv_cache import KVCache
+from .logprobs import sequence_logprobs
 from .qwen3 import DEFAULT_BLOCK_SIZE, Model
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "Decoder", "ForwardBatch", "KVCache", "Model", "ModelConfig",
-           "SimpleAllocator", "load_model", "save_pretrained", "sequence_logprobs"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "ForwardBatch", "KVCache", "Model", "ModelConfig", "load_model",
+           "save_pretrained", "sequence_logprobs"]

@@ -19,6 +19,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024),
 }
 
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+"""Named model shapes `ModelConfig.preset` builds."""
+
 
 @dataclass
 class ModelConfig:

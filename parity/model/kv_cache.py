@@ -2,8 +2,7 @@
 
 The block size is the aligned attention kernel's key-block size, so a sequence's cached keys
 are reduced in exactly the blocks a dense forward would use. Allocation policy (which sequence
-gets which blocks, preemption) belongs to the engine's block manager; `SimpleAllocator` here is
-the minimal one used by `Decoder` and the tests.
+gets which blocks, preemption) belongs to the engine's `BlockManager`, the package's one allocator.
 """
 
 from __future__ import annotations
@@ -37,29 +36,3 @@ class KVCache:
             idx = torch.tensor(blocks)
             self.k[:, idx] = 0
             self.v[:, idx] = 0
-
-
-class SimpleAllocator:
-    """First-free block allocation for a fixed set of sequences (no preemption)."""
-
-    def __init__(self, cache: KVCache):
-        self.cache = cache
-        self.free = list(range(cache.num_blocks, 0, -1))  # block 0 is the zero pad block
-        self.tables: dict[int, list[int]] = {}
-
-    def ensure(self, seq_id: int, length: int) -> list[int]:
-        """Make sure `seq_id` owns enough blocks for `length` tokens; return its table."""
-        table = self.tables.setdefault(seq_id, [])
-        need = -(-length // self.cache.block_size)
-        while len(table) < need:
-            if not self.free:
-                raise MemoryError("KV cache is full")
-            table.append(self.free.pop())
-        return table
-
-    def release(self, seq_id: int) -> None:
-        blocks = self.tables.pop(seq_id, [])
-        for b in blocks:
-            self.cache.k[:, b].zero_()
-            self.cache.v[:, b].zero_()
-        self.free.extend(reversed(blocks))

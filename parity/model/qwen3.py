@@ -12,7 +12,6 @@ from torch import nn
 
 from ..errors import ConfigError, InputError
 from ..ops import get_kernels
-from ..ops.aligned import MIN_GEMM_ROWS
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
@@ -158,8 +157,8 @@ class Model(nn.Module):
         t = batch.num_tokens
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bsz, m = batch.q_index.shape
-        # token-wise work runs on at least MIN_GEMM_ROWS rows (extra rows are dropped at the end)
-        rows = max(t, MIN_GEMM_ROWS)
+        # token-wise work runs on at least `min_rows` rows (extra rows are dropped at the end)
+        rows = max(t, K.min_rows)
         x = self.model.embed_tokens(batch.input_ids)
         if rows > t:
             x = torch.cat([x, x.new_zeros(rows - t, x.shape[1])])

@@ -1,7 +1,11 @@
 """Kernel backends behind one switch: `get_kernels("aligned")` or `get_kernels("standard")`.
 
-The model asks for a `Kernels` bundle and calls its functions; it never knows which backend it
-runs on. Both backends can be used by different model instances in one process.
+The model, the engine's sampler and the learner ask for a `Kernels` bundle and call its functions;
+they never know which backend they run on, and nothing outside `parity/ops/` imports a backend
+module. Everything backend-specific is a field of the bundle: the op functions, the smallest row
+count a GEMM may see (`min_rows`: the aligned backend pads to 16, the standard one not at all) and
+how element-wise transcendental functions are applied (`pointwise`). Both backends can be used by
+different model instances in one process.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
 from . import aligned, standard
 from .functions import AttentionFn, RMSNormFn, SiluMulFn
 
-BACKENDS = ("aligned", "standard")
+BACKENDS: tuple[str, ...] = ("aligned", "standard")
+"""Every kernel backend's name; configs and the CLI validate against this tuple."""
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,11 @@ class Kernels:
     """The op families a decoder needs; every function has the signature of `aligned.py`."""
 
     name: str
+    min_rows: int
+    """Token-wise work (embeddings, projections, norms, MLP) runs on at least this many rows."""
+    pointwise: Callable
+    """`pointwise(fn, x)`: an element-wise `fn` applied so that its bits do not depend on where an
+    element sits in the tensor (aligned), or simply `fn(x)` (standard)."""
     linear: Callable
     rms_norm: Callable
     rms_norm_rope: Callable
@@ -64,6 +75,8 @@ def _aligned_attention(q, k, v, q_pos, block_size):
 
 _ALIGNED = Kernels(
     name="aligned",
+    min_rows=aligned.MIN_GEMM_ROWS,
+    pointwise=aligned.pointwise,
     linear=aligned.linear,
     rms_norm=_aligned_rms_norm,
     rms_norm_rope=_aligned_rms_norm_rope,
@@ -74,8 +87,14 @@ _ALIGNED = Kernels(
     log_softmax=aligned.log_softmax,
 )
 
+def _plain_pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return fn(x)
+
+
 _STANDARD = Kernels(
     name="standard",
+    min_rows=1,
+    pointwise=_plain_pointwise,
     linear=standard.linear,
     rms_norm=standard.rms_norm,
     rms_norm_rope=standard.rms_norm_rope,
@@ -87,13 +106,20 @@ _STANDARD = Kernels(
 )
 
 
+_BUNDLES = {b.name: b for b in (_ALIGNED, _STANDARD)}
+assert tuple(_BUNDLES) == BACKENDS
+
+
+def check_backend(name: str, what: str = "kernels") -> str:
+    """`name` if it is a backend's name, else a one-line ConfigError naming `what`."""
+    if name not in _BUNDLES:
+        raise ConfigError(f"{what} must be one of {', '.join(repr(b) for b in BACKENDS)}, got {name!r}")
+    return name
+
+
 def get_kernels(name: str) -> Kernels:
-    """Return the kernel bundle called `name` ('aligned' or 'standard')."""
-    if name == "aligned":
-        return _ALIGNED
-    if name == "standard":
-        return _STANDARD
-    raise ValueError(f"unknown kernels {name!r}: expected one of {', '.join(BACKENDS)}")
+    """Return the kernel bundle called `name` (one of `BACKENDS`)."""
+    return _BUNDLES[check_backend(name)]
 
 
-__all__ = ["BACKENDS", "Kernels", "aligned", "get_kernels", "standard"]
+__all__ = ["BACKENDS", "Kernels", "check_backend", "get_kernels"]

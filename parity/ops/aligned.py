@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
+from .common import compute_dtype, gather_blocks, rope
 
 MIN_GEMM_ROWS = 16
 """Smallest row count handed to a GEMM (fewer than 12 rows can change a row's reduction order)."""
@@ -100,11 +101,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*lead, weight.shape[0])
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for float32/bfloat16/float16 inputs; float64 stays float64 (gradient checks)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _use_native(*tensors: torch.Tensor) -> bool:
     return native.library() is not None and native.supports(*tensors)
 
@@ -117,14 +113,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     mean_sq = row_sum(xf * xf) / xf.shape[-1]
     inv = 1.0 / torch.sqrt(mean_sq + eps)  # sqrt and division are correctly rounded everywhere
     return weight * (xf * inv.unsqueeze(-1)).to(x.dtype)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half form) in float32: x [T, H, D], cos/sin [T, D] float32."""
-    xf = x.to(compute_dtype(x.dtype))
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -173,16 +161,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if _use_native(q, k_cache) and q.shape[-1] % 16 == 0 and k_cache.shape[-1] % 16 == 0:
         return native.paged_attention(q, k_cache, v_cache, tables, q_pos).to(q.dtype)
     return attention_torch(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1])
-
-
-def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's keys/values in order, [B, nblk * bs, Hkv, D], from the cache layout."""
-    bsz, nblk = tables.shape
-    _, hkv, d, bs = k_cache.shape
-    k = k_cache[tables].permute(0, 1, 4, 2, 3).reshape(bsz, nblk * bs, hkv, d)
-    v = v_cache[tables].permute(0, 1, 3, 2, 4).reshape(bsz, nblk * bs, hkv, d)
-    return k, v
 
 
 def attention_torch(

@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import aligned
-from .aligned import compute_dtype
+from .common import compute_dtype
 
 
 class RMSNormFn(torch.autograd.Function):

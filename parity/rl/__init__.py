@@ -1,8 +1,9 @@
-"""Training side: trajectories, objectives, and the learner."""
+"""Training side: trajectories, objectives, the learner, the rollout worker and the controller."""
 
-from .learner import Learner, LearnerConfig
-from .losses import LOSSES, LossConfig, get_loss, group_advantages
-from .trajectory import Trajectory, TrajectoryBatch
+from ..config.learner import LearnerConfig, LossConfig
+from .learner import Learner
+from .losses import LOSSES, get_loss, group_advantages
+from .trajectory import RolloutBatch, Trajectory, TrajectoryBatch
 
-__all__ = ["LOSSES", "Learner", "LearnerConfig", "LossConfig", "Trajectory", "TrajectoryBatch",
-           "get_loss", "group_advantages"]
+__all__ = ["LOSSES", "Learner", "LearnerConfig", "LossConfig", "RolloutBatch", "Trajectory",
+           "TrajectoryBatch", "get_loss", "group_advantages"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..dtypes import dtype_from_name
 from ..errors import CheckpointError
 from .learner import Learner
 
@@ -86,7 +87,7 @@ def load(path: Path, cfg):
     from ..model import load_model
 
     verify(path)
-    model = load_model(path, kernels=cfg.model.kernels, dtype=getattr(torch, cfg.learner.compute_dtype))
+    model = load_model(path, kernels=cfg.model.kernels, dtype=dtype_from_name(cfg.learner.compute_dtype))
     where = path / "trainer_state.pt"
     try:
         state = torch.load(where, weights_only=True)

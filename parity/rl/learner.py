@@ -11,83 +11,27 @@ lag uses the weights of recent versions, kept up to `max_policy_lag` back.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ..config.learner import LearnerConfig
+from ..dtypes import dtype_from_name
 from ..metrics.diagnostics import importance_weight_stats, lag_stats, mismatch_stats, response_stats
 from ..model import sequence_logprobs
-from .losses import LossConfig, get_loss, group_advantages
+from .losses import get_loss, group_advantages
 from .trajectory import TrajectoryBatch
 
-
-@dataclass
-class LearnerConfig:
-    """Optimisation and diagnostics settings; validated on construction."""
-
-    loss: str = "reinforce_zero"
-    """Objective: reinforce_zero, tis, icepop (= mis), seq_gate, ppo_clip or on_policy."""
-    lr: float = 1e-4
-    """Peak AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    warmup_steps: int = 0
-    """Linear warm-up from 0 to `lr` over this many steps."""
-    schedule: str = "constant"
-    """After warm-up: 'constant' or 'cosine' (to 0 at `total_steps`)."""
-    total_steps: int = 1000
-    """Length of the cosine schedule."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clipping threshold (the norm before clipping is logged)."""
-    micro_batch_size: int = 8
-    """Responses per forward/backward; gradients accumulate over micro-batches."""
-    compute_dtype: str = "float32"
-    """'float32', or 'bfloat16' with float32 master weights."""
-    temperature: float = 1.0
-    """Sampling temperature the rollouts used (log-probs are of softmax(logits / T))."""
-    max_policy_lag: int = 8
-    """How many versions back weights are kept for the kernel/lag decomposition."""
-    decompose_every: int = 1
-    """Run the decomposition every N steps (0 = never)."""
-    dump_dir: str | None = None
-    """Where a batch that produced a NaN/inf loss or gradient is saved (None = not saved)."""
-    loss_config: LossConfig = field(default_factory=LossConfig)
-    """Parameters of the objectives."""
-
-    def __post_init__(self) -> None:
-        get_loss(self.loss)
-        if not self.lr > 0:
-            raise ConfigError(f"LearnerConfig.lr must be > 0, got {self.lr!r}")
-        if self.schedule not in ("constant", "cosine"):
-            raise ConfigError(f"LearnerConfig.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
-        for name in ("warmup_steps", "max_policy_lag", "decompose_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"LearnerConfig.{name} must be >= 0")
-        if self.micro_batch_size < 1 or self.total_steps < 1:
-            raise ConfigError("LearnerConfig.micro_batch_size and total_steps must be >= 1")
-        if not self.max_grad_norm > 0:
-            raise ConfigError("LearnerConfig.max_grad_norm must be > 0")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"LearnerConfig.compute_dtype must be float32 or bfloat16, "
-                              f"got {self.compute_dtype!r}")
-        if not self.temperature > 0:
-            raise ConfigError("LearnerConfig.temperature must be > 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"LearnerConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
-        if self.weight_decay < 0:
-            raise ConfigError("LearnerConfig.weight_decay must be >= 0")
+log = logging.getLogger(__name__)
 
 
 class Learner:
     def __init__(self, model, config: LearnerConfig | None = None):
         self.config = cfg = config or LearnerConfig()
-        self.model = model.to(getattr(torch, cfg.compute_dtype))
+        self.model = model.to(dtype_from_name(cfg.compute_dtype))
         self.loss_fn = get_loss(cfg.loss)
         params = list(self.model.parameters())
         if cfg.compute_dtype == "float32":
@@ -248,12 +192,12 @@ class Learner:
 
     def _dump(self, batch: TrajectoryBatch) -> str | None:
         if self.config.dump_dir is None:
-            print(f"parity: step {self.steps}: non-finite loss or gradient; update skipped "
-                  f"(set dump_dir to keep the batch)")
+            log.warning("step %d: non-finite loss or gradient; update skipped "
+                        "(set dump_dir to keep the batch)", self.steps)
             return None
         path = Path(self.config.dump_dir) / f"nonfinite_step{self.steps}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save([vars(t) for t in batch.trajectories], path)
-        print(f"parity: step {self.steps}: non-finite loss or gradient; update skipped, "
-              f"batch saved to {path}")
+        log.warning("step %d: non-finite loss or gradient; update skipped, batch saved to %s",
+                    self.steps, path)
         return str(path)

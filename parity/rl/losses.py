@@ -11,10 +11,10 @@ Each returns (loss, stats) where stats are detached floats (`loss/...` keys).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from ..config.learner import LOSS_NAMES, LossConfig
 from ..errors import ConfigError
 
 
@@ -30,37 +30,6 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_s
             a = a / (r.std(unbiased=False) + eps)
         adv[sel] = a
     return adv
-
-
-@dataclass
-class LossConfig:
-    """Parameters of the objectives (each loss reads the fields it needs)."""
-
-    tis_cap: float = 2.0
-    """tis: importance weights are truncated at this value (C)."""
-    icepop_low: float = 0.5
-    """icepop: tokens whose weight is below this are masked out (α)."""
-    icepop_high: float = 5.0
-    """icepop: tokens whose weight is above this are masked out (β)."""
-    gate_low: float = 0.5
-    """seq_gate: a response is rejected when exp(mean log w) is below this."""
-    gate_high: float = 2.0
-    """seq_gate: ... or above this."""
-    gate_max_k3: float = 1.0
-    """seq_gate: ... or when its mean k3 = w − 1 − log w exceeds this."""
-    ppo_eps: float = 0.2
-    """ppo_clip: the ratio is clipped to [1 − ε, 1 + ε]."""
-    ppo_std_adv: bool = False
-    """ppo_clip: divide advantages by the group's reward std (GRPO)."""
-
-    def __post_init__(self) -> None:
-        for name in ("tis_cap", "icepop_high", "gate_high", "gate_max_k3", "ppo_eps"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if not 0 <= self.icepop_low < self.icepop_high:
-            raise ConfigError("LossConfig.icepop_low must be in [0, icepop_high)")
-        if not 0 <= self.gate_low < self.gate_high:
-            raise ConfigError("LossConfig.gate_low must be in [0, gate_high)")
 
 
 def _response_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -134,6 +103,7 @@ LOSSES: dict[str, Callable] = {
     "reinforce_zero": reinforce_zero, "tis": tis, "icepop": icepop, "mis": icepop,
     "seq_gate": seq_gate, "ppo_clip": ppo_clip, "on_policy": on_policy,
 }
+assert tuple(LOSSES) == LOSS_NAMES, "config.learner.LOSS_NAMES must list every objective"
 
 
 def get_loss(name: str) -> Callable:

@@ -105,3 +105,20 @@ class TrajectoryBatch:
         for i, v in enumerate(per_response):
             out[i, :v.numel()] = v
         return out
+
+
+@dataclass
+class RolloutBatch:
+    """What the rollout worker emits for one learner step: batch `index`'s trajectories, the
+    policy version that sampled it (drain mode: every token; in-flight: the first token) and
+    rollout-side figures. Crosses process boundaries as itself (pickled whole)."""
+
+    index: int
+    trajectories: list[Trajectory]
+    version: int
+    generate_s: float
+    """Seconds spent sampling the batch (environment steps included)."""
+    wait_s: float
+    """Seconds the worker waited for fresh enough weights before sampling (admission control)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Episode statistics (`rollout/...` keys)."""

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parity.check import (
+from parity.invariance import (
     CASES,
     case_autograd,
     case_batch,

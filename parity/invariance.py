@@ -2,10 +2,11 @@
 
 Each case compares a reference (the sequence scored alone by `sequence_logprobs`, no grad) with
 the same sequence's log-probs computed another way: inside random batches, behind padding, at
-another offset, by prefill + decode steps or random prefill chunks over the KV cache, under
-autograd, on another thread count, or in a separate process. A comparison is one sequence's
-whole float32 log-prob vector under `torch.equal`. `parity check` and `tests/parity/` both run
-these functions; with `standard` kernels some of them must fail (the control).
+another offset, by prefill + decode steps or random prefill chunks over the engine's paged KV
+cache (`Decoder`), by the rollout engine itself (continuous batching, chunked prefill, sampling),
+under autograd, on another thread count, or in a separate process. A comparison is one
+sequence's whole float32 log-prob vector under `torch.equal`. `parity check` and `tests/parity/`
+both run these functions; with `standard` kernels some of them must fail (the control).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from .engine import Decoder, Engine, SamplingParams
 from .errors import ParityError
-from .model import Decoder, sequence_logprobs
+from .model import sequence_logprobs
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -114,6 +116,26 @@ def case_decode(model, seqs, refs, chunks, temperature=1.0) -> Pairs:
     return list(zip(refs, run_schedule(model, seqs, chunks, temperature)))
 
 
+def case_engine(model, prompts: Sequence[torch.Tensor], rng: random.Random, temperature=1.0) -> Pairs:
+    """The rollout engine samples continuations of `prompts` under continuous batching with a
+    random token budget (chunked prefill), batch limit and response lengths; each request's
+    recorded log-probs against its whole sequence scored alone."""
+    engine = Engine(model, max_num_seqs=rng.randint(1, len(prompts)),
+                    max_num_batched_tokens=rng.choice([5, 16, 37, 2048]), seed=rng.randrange(2**31))
+    room = model.config.max_position_embeddings - max(p.numel() for p in prompts)
+    params = [SamplingParams(temperature=temperature, max_tokens=rng.randint(1, max(1, min(16, room))),
+                             seed=rng.randrange(2**31), ignore_eos=True) for _ in prompts]
+    outs = engine.generate([p.tolist() for p in prompts], params)
+    pairs = []
+    for prompt, out in zip(prompts, outs):
+        if out.error:
+            raise ParityError(f"check 'engine': {out.error}")
+        full = torch.tensor(out.full_token_ids)
+        ref = reference(model, [full], temperature)[0][prompt.numel() - 1:]
+        pairs.append((ref, torch.tensor(out.logprobs, dtype=torch.float32)))
+    return pairs
+
+
 def case_autograd(model, seqs, refs, temperature=1.0) -> Pairs:
     """The learner's forward with autograd recording (and a backward) vs inference."""
     with torch.enable_grad():
@@ -187,7 +209,7 @@ def random_chunks(rng: random.Random, length: int) -> list[int]:
     return out
 
 
-CASES = ("batch", "padding", "offset", "decode", "autograd", "threads", "process")
+CASES = ("batch", "padding", "offset", "decode", "engine", "autograd", "threads", "process")
 
 
 def run_checks(model, rounds: int = 4, seed: int = 0, max_len: int = 96,
@@ -216,6 +238,9 @@ def run_checks(model, rounds: int = 4, seed: int = 0, max_len: int = 96,
             elif c == "decode":
                 chunks = [random_chunks(rng, s.numel()) for s in seqs]
                 pairs = case_decode(model, seqs, refs, chunks, temperature)
+            elif c == "engine":
+                prompts = [s[:max(1, min(s.numel() - 1, max_len - 16))] for s in seqs]
+                pairs = case_engine(model, prompts, rng, temperature)
             elif c == "autograd":
                 pairs = case_autograd(model, seqs, refs, temperature)
             elif c == "threads":

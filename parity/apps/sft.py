@@ -14,6 +14,8 @@ so RL has signal:
 The checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`, `sft.json` with the
 recipe and the measured held-out pass@1 per task) is cached under
 `~/.cache/parity/base/<recipe hash>/` (`PARITY_CACHE` moves it) and reused by `parity demo`.
+A training config may name it `model.checkpoint = "base"`; `resolve_base` turns that into the
+directory (building it first) before the library sees the config.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -31,10 +34,14 @@ from pathlib import Path
 
 import torch
 
-from .envs.chat import EOS, prompt_text
-from .envs.math import MathTask, Problem
-from .envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
-from .errors import ConfigError
+from ..config import TrainConfig, with_overrides
+from ..envs.chat import EOS, prompt_text
+from ..envs.math import MathTask, Problem
+from ..envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
+from ..errors import ConfigError
+from .ui import Progress, table
+
+log = logging.getLogger(__name__)
 
 RECIPE_VERSION = 2
 """Bump when the demonstrations or training change, so cached base policies are rebuilt."""
@@ -145,8 +152,8 @@ def is_built(path: Path) -> bool:
 def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
               eval_problems: int = 100) -> dict:
     """Train the base policy into `out_dir` (written atomically); returns the sft.json record."""
-    from .model import Model, ModelConfig, sequence_logprobs
-    from .model.tokenizer import HFTokenizer, build_char_tokenizer
+    from ..model import Model, ModelConfig, sequence_logprobs
+    from ..model.tokenizer import HFTokenizer, build_char_tokenizer
 
     cfg = cfg or SFTConfig()
     out_dir = Path(out_dir)
@@ -193,8 +200,8 @@ def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
     record = {"recipe": RECIPE_VERSION, "config": dataclasses.asdict(cfg), "train_s": train_s,
               "final_loss": sum(losses[-20:]) / len(losses[-20:])}
     if eval_problems:
-        from .envs.math import MathEnv
-        from .envs.rollout import evaluate
+        from ..envs.math import MathEnv
+        from ..rl.evaluate import evaluate
 
         model.set_kernels("aligned")
         tool_env = ToolEnv(tokenizer, tuple(sorted(cfg.tool_use)), cfg.tool_level, seed=0)
@@ -206,12 +213,44 @@ def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
     return record
 
 
-def get_base_policy(cfg: SFTConfig | None = None, progress=None, log=print) -> Path:
+def get_base_policy(cfg: SFTConfig | None = None, progress=None) -> Path:
     """The cached base policy's directory, built first when it is not there yet."""
     cfg = cfg or SFTConfig()
     path = base_dir(cfg)
     if is_built(path):
         return path
-    log(f"parity: building the base policy (once; cached in {path})")
-    train_sft(path, cfg, progress)
+    log.info("building the base policy (once; cached in %s)", path)
+    train_sft(path, cfg, progress if progress is not None else sft_progress(cfg.steps))
     return path
+
+
+def resolve_base(cfg: TrainConfig, progress=None) -> TrainConfig:
+    """`cfg` with model.checkpoint = "base" replaced by the base policy's directory."""
+    if cfg.model.checkpoint != "base":
+        return cfg
+    return with_overrides(cfg, {"model.checkpoint": str(get_base_policy(progress=progress))})
+
+
+# --------------------------------------------------------------------------- the command
+def sft_progress(total: int):
+    """A progress callback for `train_sft`: a bar, or a line every 50 steps."""
+    bar = Progress("sft", total, every=50)
+    return lambda step, loss, elapsed: bar.update(step, f"loss {loss:.3f}  {elapsed:.0f}s")
+
+
+def main(args) -> int:
+    """`parity sft`: train (or show) the base policy."""
+    cfg = SFTConfig(steps=args.steps, seed=args.seed) if args.steps else SFTConfig(seed=args.seed)
+    out = Path(args.out) if args.out else base_dir(cfg)
+    if is_built(out) and not args.force:
+        print(f"parity: base policy already built: {out} (--force rebuilds)")
+    else:
+        print(f"parity: training the base policy ({cfg.preset}, {cfg.steps} steps) into {out}", flush=True)
+        train_sft(out, cfg, sft_progress(cfg.steps), eval_problems=args.eval_problems)
+    record = json.loads((out / "sft.json").read_text())
+    rows = [[name, f"{r['eval/pass@1']:.1%} ± {r['eval/pass@1_ci95']:.1%}", f"{r['eval/tool_calls']:.2f}"]
+            for name, r in record.get("heldout", {}).items()]
+    if rows:
+        print(table(["task", "held-out pass@1 (greedy)", "tool calls"], rows))
+    print(f"trained in {record['train_s']:.0f} s; checkpoint: {out}")
+    return 0

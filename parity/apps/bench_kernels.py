@@ -1,0 +1,142 @@
+"""`parity bench kernels`: whole-model prefill and decode throughput, aligned vs standard.
+
+Both backends run on the same weights in one process, repetitions interleaved (A B A B ...), and
+the medians are compared, so machine drift hits both sides alike. Prefill: a batch of sequences
+scored by one dense forward (`sequence_logprobs`-style, tokens/s counts every input token).
+Decode: the batch prefilled into a paged KV cache, then one-token steps for every sequence
+(tokens/s counts generated tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..dtypes import dtype_from_name
+from ..engine import Decoder
+from ..errors import ParityError
+from ..model import ForwardBatch, Model, ModelConfig
+from ..ops import BACKENDS
+from .ui import status, table
+
+
+@dataclass
+class BenchRow:
+    preset: str
+    dtype: str
+    phase: str  # "prefill" or "decode"
+    batch: int
+    aligned_tok_s: float
+    standard_tok_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.aligned_tok_s / self.standard_tok_s
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+def _prefill_fn(model: Model, batch: int, length: int, vocab: int) -> tuple[Callable[[], None], int]:
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, vocab, (length,), generator=gen) for _ in range(batch)]
+    fb = ForwardBatch.build(seqs, [0] * batch, model.block_size)
+    targets = torch.cat([s[1:] for s in seqs])
+    rows = torch.cat([torch.arange(length - 1) + b * length for b in range(batch)])
+
+    def run() -> None:
+        with torch.no_grad():
+            hidden = model(fb)
+            model.token_logprobs(hidden[rows], targets)
+
+    return run, batch * length
+
+
+def _decode_fn(model: Model, batch: int, prompt: int, steps: int, vocab: int):
+    gen = torch.Generator().manual_seed(0)
+    prompts = {b: torch.randint(0, vocab, (prompt,), generator=gen) for b in range(batch)}
+    nxt = torch.randint(0, vocab, (steps, batch), generator=gen)
+
+    def run() -> float:
+        dec = Decoder(model, max_tokens=batch * (prompt + steps + 2 * model.block_size))
+        dec.extend(prompts)
+        start = time.perf_counter()
+        for s in range(steps):
+            logits = dec.extend({b: nxt[s, b:b + 1] for b in range(batch)})
+            model.kernels.token_logprobs(torch.stack(list(logits.values())), nxt[s], 1.0)
+        return time.perf_counter() - start
+
+    return run, batch * steps
+
+
+def _interleaved(fns: dict[str, Callable], reps: int, timed_inside: bool) -> dict[str, float]:
+    """Median seconds per call of each function, called in turn `reps` times after a warm-up."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            inner = fn()
+            times[k].append(inner if timed_inside else time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[str] = ("float32", "bfloat16"),
+                  batches: Sequence[int] = (1, 8, 64, 256), prefill_len: int = 64, decode_prompt: int = 32,
+                  decode_steps: int = 16, reps: int = 5,
+                  progress: Callable[[str], None] | None = None) -> list[BenchRow]:
+    rows: list[BenchRow] = []
+    for preset in presets:
+        cfg = ModelConfig.preset(preset)
+        for dtype_name in dtypes:
+            dtype = dtype_from_name(dtype_name)
+            models = {k: Model(cfg, kernels=k, dtype=dtype, seed=0) for k in BACKENDS}
+            for batch in batches:
+                if progress:
+                    progress(f"{preset} {dtype_name} batch {batch}")
+                fns, ntok = {}, 0
+                for k, m in models.items():
+                    fns[k], ntok = _prefill_fn(m, batch, prefill_len, cfg.vocab_size)
+                med = _interleaved(fns, reps, timed_inside=False)
+                rows.append(BenchRow(preset, dtype_name, "prefill", batch,
+                                     ntok / med["aligned"], ntok / med["standard"]))
+                for k, m in models.items():
+                    fns[k], ntok = _decode_fn(m, batch, decode_prompt, decode_steps, cfg.vocab_size)
+                med = _interleaved(fns, reps, timed_inside=True)
+                rows.append(BenchRow(preset, dtype_name, "decode", batch,
+                                     ntok / med["aligned"], ntok / med["standard"]))
+    return rows
+
+
+def main(args) -> int:
+    """`parity bench kernels`."""
+    for p in args.presets:
+        limit = ModelConfig.preset(p).max_position_embeddings
+        if args.prefill_len > limit or 32 + args.decode_steps > limit:
+            raise ParityError(f"--prefill-len / --decode-steps exceed preset {p}'s "
+                              f"max_position_embeddings={limit}")
+    if not args.batches or any(b <= 0 for b in args.batches):
+        raise ParityError("--batches must be positive integers")
+    for name in args.dtypes:
+        dtype_from_name(name, "--dtypes")
+    rows = bench_kernels(presets=args.presets, dtypes=args.dtypes, batches=args.batches,
+                         prefill_len=args.prefill_len, decode_steps=args.decode_steps, reps=args.reps,
+                         progress=lambda m: status(f"bench kernels: {m}"))
+    status("")
+    if args.json:
+        print(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
+                          "rows": [r.as_dict() for r in rows]}, indent=2))
+        return 0
+    print(f"parity bench kernels: medians of {args.reps} interleaved repetitions, "
+          f"{torch.get_num_threads()} threads; prefill {args.prefill_len} tokens/seq, "
+          f"decode {args.decode_steps} steps")
+    print(table(["preset", "dtype", "phase", "batch", "aligned tok/s", "standard tok/s", "aligned/standard"],
+                [[r.preset, r.dtype, r.phase, str(r.batch), f"{r.aligned_tok_s:,.0f}",
+                  f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}"] for r in rows]))
+    return 0

@@ -1,0 +1,179 @@
+"""`parity bench rollout`: engine output tokens/s on a long-tail workload, aligned vs standard.
+
+The workload is the shape of RL rollouts: prompts of 16-64 tokens and geometric response lengths
+(mean `--mean-len`, capped at `--max-len`), so a few long responses keep the batch busy while
+the rest finish early. Both backends run the same prompts and lengths, rounds interleaved, and
+the medians are compared; `--vs-transformers` adds Hugging Face `generate()` on the same saved
+checkpoint (batched, KV cache, each batch until its longest response).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..dtypes import dtype_from_name
+from ..engine import Engine, SamplingParams
+from ..errors import ParityError
+from ..model import Model, ModelConfig
+from ..ops import BACKENDS
+from ..rl.rollout_worker import geometric_lengths
+from .ui import status, table
+
+
+@dataclass
+class RolloutWorkload:
+    """Prompts and per-request response lengths with a long tail (geometric lengths)."""
+
+    prompts: list[list[int]]
+    lengths: list[int]
+
+    @staticmethod
+    def make(n: int, vocab: int, mean_len: float = 48, max_len: int = 256, seed: int = 0) -> RolloutWorkload:
+        rnd = random.Random(seed)
+        prompts = [[rnd.randrange(vocab) for _ in range(rnd.randint(16, 64))] for _ in range(n)]
+        return RolloutWorkload(prompts, geometric_lengths(rnd, n, mean_len, max_len))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def _run_engine(model, work: RolloutWorkload, max_num_seqs: int) -> tuple[float, list[float]]:
+    eng = Engine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    params = [SamplingParams(temperature=1.0, max_tokens=n, seed=i, ignore_eos=True)
+              for i, n in enumerate(work.lengths)]
+    t0 = time.perf_counter()
+    outs = eng.generate(work.prompts, params)
+    elapsed = time.perf_counter() - t0
+    assert sum(len(o.token_ids) for o in outs) == work.output_tokens
+    return elapsed, eng.step_times
+
+
+def _load_transformers(path, dtype):
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _run_transformers(hf, work: RolloutWorkload, batch_size: int) -> float:
+    """HF `generate()` (batched, KV cache): each batch runs until its longest response."""
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    for i in range(0, len(work.prompts), batch_size):
+        prompts = work.prompts[i:i + batch_size]
+        longest = max(work.lengths[i:i + batch_size])
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                        max_new_tokens=longest, min_new_tokens=longest, pad_token_id=0)
+    return time.perf_counter() - t0
+
+
+@dataclass
+class RolloutRow:
+    system: str
+    dtype: str
+    output_tokens: int
+    tok_s: float
+    step_ms_p50: float | None
+    step_ms_p90: float | None
+    step_ms_p99: float | None
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return 1000 * s[min(len(s) - 1, int(q * len(s)))]
+
+
+def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bfloat16"), num_seqs: int = 256,
+                  max_num_seqs: int = 64, mean_len: float = 48, max_len: int = 256, reps: int = 3,
+                  vs_transformers: bool = False,
+                  progress: Callable[[str], None] | None = None) -> tuple[list[RolloutRow], dict]:
+    """Engine output tokens/s, aligned vs standard (interleaved), optionally vs HF generate()."""
+    cfg = ModelConfig.preset(preset)
+    work = RolloutWorkload.make(num_seqs, cfg.vocab_size, mean_len, max_len)
+    rows: list[RolloutRow] = []
+    ratios: dict = {}
+    for dtype_name in dtypes:
+        dtype = dtype_from_name(dtype_name)
+        models = {k: Model(cfg, kernels=k, dtype=dtype, seed=0) for k in BACKENDS}
+        systems = list(models)
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = None
+            if vs_transformers:
+                models["aligned"].save_pretrained(tmp)
+                hf = _load_transformers(tmp, dtype)
+                systems.append("transformers")
+            times: dict[str, list[float]] = {k: [] for k in systems}
+            steps: dict[str, list[float]] = {k: [] for k in systems}
+            for r in range(reps + 1):  # round 0 warms up; systems take turns in every round
+                for k in systems:
+                    if progress:
+                        progress(f"rollout {dtype_name} {k} round {r}/{reps}")
+                    if k == "transformers":
+                        elapsed, step_times = _run_transformers(hf, work, max_num_seqs), []
+                    else:
+                        elapsed, step_times = _run_engine(models[k], work, max_num_seqs)
+                    if r > 0:
+                        times[k].append(elapsed)
+                        steps[k] += step_times
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for k in systems:
+            name = k if k == "transformers" else f"parity-{k}"
+            pct = [_pct(steps[k], q) if steps[k] else None for q in (0.5, 0.9, 0.99)]
+            rows.append(RolloutRow(name, dtype_name, work.output_tokens, work.output_tokens / med[k], *pct))
+        ratios[f"{dtype_name}/aligned_over_standard"] = med["standard"] / med["aligned"]
+        if vs_transformers:
+            ratios[f"{dtype_name}/aligned_over_transformers"] = med["transformers"] / med["aligned"]
+    return rows, ratios
+
+
+def main(args) -> int:
+    """`parity bench rollout`."""
+    limit = ModelConfig.preset(args.preset).max_position_embeddings
+    if not args.mean_len >= 1:
+        raise ParityError("--mean-len must be at least 1")
+    if args.max_len + 64 > limit:
+        raise ParityError(f"--max-len {args.max_len} plus 64 prompt tokens exceeds preset "
+                          f"{args.preset}'s max_position_embeddings={limit}")
+    for name in args.dtypes:
+        dtype_from_name(name, "--dtypes")
+    if args.vs_transformers:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise ParityError("--vs-transformers needs the transformers package "
+                              "(pip install transformers)") from None
+    rows, ratios = bench_rollout(args.preset, args.dtypes, args.num_seqs, args.max_num_seqs, args.mean_len,
+                                 args.max_len, args.reps, args.vs_transformers,
+                                 progress=lambda m: status(f"bench rollout: {m}"))
+    status("")
+    if args.json:
+        print(json.dumps({"threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows],
+                          "ratios": ratios}, indent=2))
+        return 0
+    print(f"parity bench rollout: {args.preset}, {args.num_seqs} requests, geometric response lengths "
+          f"(mean {args.mean_len}, max {args.max_len}), max_num_seqs {args.max_num_seqs}, "
+          f"medians of {args.reps} rounds")
+
+    def ms(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    print(table(["system", "dtype", "output tokens", "tok/s", "step p50 ms", "p90", "p99"],
+                [[r.system, r.dtype, str(r.output_tokens), f"{r.tok_s:,.0f}", ms(r.step_ms_p50),
+                  ms(r.step_ms_p90), ms(r.step_ms_p99)] for r in rows]))
+    for k, v in ratios.items():
+        print(f"{k}: {v:.3f}")
+    return 0

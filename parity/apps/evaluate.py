@@ -1,0 +1,41 @@
+"""`parity eval`: held-out greedy pass@1 and mean@k (95% CIs) of a checkpoint on a task."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from ..config import ModelSection, TaskSection, TrainConfig, with_overrides
+from ..model import load_model
+from ..rl.build import build_env
+from ..rl.evaluate import evaluate
+from .sft import resolve_base
+from .ui import table
+
+
+def main(args) -> int:
+    task = TaskSection(name=args.task, **({"level": args.level} if args.level else {}),
+                       **({"math_task": args.math_task} if args.math_task else {}))
+    cfg = TrainConfig(task=task, eval_prompts=args.n,
+                      model=ModelSection(checkpoint=args.model, kernels=args.kernels))
+    cfg = resolve_base(with_overrides(cfg, args.set or []))
+    model = load_model(cfg.model.checkpoint, kernels=cfg.model.kernels)
+    env = build_env(cfg, model.config.vocab_size)
+    print(f"parity: {env.describe()}", file=sys.stderr if args.json else sys.stdout, flush=True)
+    t0 = time.perf_counter()
+    r = evaluate(model, env, args.n, k=args.k, temperature=args.temperature, max_tokens=args.max_tokens,
+                 seed=args.seed)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    rows = [["pass@1 (greedy)", f"{r['eval/pass@1']:.1%} ± {r['eval/pass@1_ci95']:.1%}"]]
+    if args.k:
+        rows.append([f"mean@{args.k} (T={args.temperature})",
+                     f"{r[f'eval/mean@{args.k}']:.1%} ± {r[f'eval/mean@{args.k}_ci95']:.1%}"])
+    rows += [["problems", f"{r['eval/problems']:.0f}"], ["answered", f"{r['eval/answered']:.1%}"],
+             ["tool calls / episode", f"{r['eval/tool_calls']:.2f}"],
+             ["tool errors / episode", f"{r['eval/tool_errors']:.2f}"]]
+    print(table([f"{env.name} (held-out, 95% CI)", "value"], rows))
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    return 0

@@ -1,0 +1,84 @@
+"""`parity generate`: sample completions with the rollout engine.
+
+Prompts come as text (`--prompt`, encoded with the checkpoint's tokenizer.json or UTF-8 bytes),
+as token ids (`--prompt-ids`) or from a file (one prompt per line, or JSONL with `prompt` /
+`prompt_ids`). `--json` prints token ids, float32 log-probs and the policy version of each token.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..dtypes import dtype_from_name
+from ..engine import Engine, SamplingParams
+from ..errors import ParityError
+from ..model import Model, ModelConfig, load_model
+from ..model.tokenizer import load_tokenizer
+
+
+def _read_prompts(args, tokenizer) -> list[list[int]]:
+    prompts: list[list[int]] = []
+    for text in args.prompt or []:
+        prompts.append(tokenizer.encode(text))
+    for ids in args.prompt_ids or []:
+        try:
+            prompts.append([int(x) for x in ids.split(",") if x.strip()])
+        except ValueError:
+            raise ParityError(f"--prompt-ids: expected comma-separated integers, got {ids!r}") from None
+    if args.prompts_file:
+        try:
+            lines = open(args.prompts_file, encoding="utf-8").read().splitlines()
+        except OSError as exc:
+            raise ParityError(f"{args.prompts_file}: {exc.strerror}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ParityError(f"{args.prompts_file}:{n}: invalid JSON ({exc.msg})") from None
+                ids = item.get("prompt_ids") if isinstance(item, dict) else None
+                if not isinstance(item, dict):
+                    raise ParityError(f"{args.prompts_file}:{n}: expected a JSON object")
+                if "prompt_ids" in item:
+                    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                        raise ParityError(f"{args.prompts_file}:{n}: prompt_ids must be a list of integers")
+                    prompts.append(ids)
+                elif "prompt" in item:
+                    prompts.append(tokenizer.encode(str(item["prompt"])))
+                else:
+                    raise ParityError(f"{args.prompts_file}:{n}: expected a 'prompt' or 'prompt_ids' field")
+            else:
+                prompts.append(tokenizer.encode(line))
+    if not prompts:
+        raise ParityError("no prompts: give --prompt, --prompt-ids or --prompts-file")
+    return prompts
+
+
+def main(args) -> int:
+    """`parity generate`."""
+    dtype = dtype_from_name(args.dtype, "--dtype")
+    if args.model:
+        model = load_model(args.model, kernels=args.kernels, dtype=dtype)
+    else:
+        model = Model(ModelConfig.preset(args.preset), kernels=args.kernels, dtype=dtype, seed=args.seed)
+    tokenizer = load_tokenizer(args.model, model.config.vocab_size)
+    prompts = _read_prompts(args, tokenizer)
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=args.top_k,
+                             top_p=args.top_p, seed=args.seed + i, stop_strings=args.stop or [])
+              for i in range(len(prompts))]
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, tokenizer=tokenizer)
+    outs = engine.generate(prompts, params)
+    if args.json:
+        print(json.dumps([{"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
+                           "logprobs": o.logprobs, "sampled_logprobs": o.sampled_logprobs,
+                           "policy_versions": o.policy_versions, "finish_reason": o.finish_reason,
+                           "text": o.text, "error": o.error} for o in outs], indent=1))
+    else:
+        for i, o in enumerate(outs):
+            if o.error:
+                print(f"[{i}] error: {o.error}")
+            else:
+                print(f"[{i}] ({o.finish_reason}, {len(o.token_ids)} tokens) {o.text!r}")
+    return 0 if all(o.error is None for o in outs) else 1

@@ -1,0 +1,238 @@
+"""`parity study`: the published comparisons as a grid of training runs, and one report.
+
+The default grid (every run from the same base policy, task, seeds and budget):
+
+    | run         | kernels  | lag | objective                      |
+    | sync        | aligned  | 0   | reinforce_zero                 |
+    | async-8     | aligned  | 8   | reinforce_zero                 |
+    | async-64    | aligned  | 64  | reinforce_zero                 |
+    | std-64      | standard | 64  | reinforce_zero (unclipped IS)  |
+    | std-64-tis  | standard | 64  | tis                            |
+    | std-64-gate | standard | 64  | seq_gate                       |
+
+Runs execute one after another (each is a normal `parity train` run with its own directory).
+The table is computed from the runs' `metrics.jsonl` files with the definitions the published
+results use (`metrics.summary.row_figures`); `results.json`, `report.md` and `study.png` are
+written beside them. Nothing in the report is typed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import LOSS_NAMES, TrainConfig, config_from_dict, read_toml, set_dotted
+from ..errors import ConfigError
+from ..metrics.report import write_study_report
+from ..metrics.sinks import read_metrics
+from ..metrics.summary import aggregate, row_figures, step_line, study_table_markdown
+from ..ops import check_backend
+from ..rl.controller import Controller
+from .sft import SFTConfig, is_built, resolve_base, train_sft
+from .ui import Progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StudyRun:
+    """One row of the grid."""
+
+    name: str
+    """Row label."""
+    kernels: str = "aligned"
+    """'aligned' or 'standard'."""
+    lag: int = 0
+    """max_policy_lag (0 = synchronous)."""
+    loss: str = "reinforce_zero"
+    """Learner objective."""
+
+    def __post_init__(self) -> None:
+        check_backend(self.kernels, f"study run {self.name!r}: kernels")
+        if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0:
+            raise ConfigError(f"study run {self.name!r}: lag must be an integer >= 0, got {self.lag!r}")
+        if self.loss not in LOSS_NAMES:
+            raise ConfigError(f"study run {self.name!r}: unknown loss {self.loss!r}")
+
+
+DEFAULT_GRID = [
+    StudyRun("sync", "aligned", 0),
+    StudyRun("async-8", "aligned", 8),
+    StudyRun("async-64", "aligned", 64),
+    StudyRun("std-64", "standard", 64),
+    StudyRun("std-64-tis", "standard", 64, "tis"),
+    StudyRun("std-64-gate", "standard", 64, "seq_gate"),
+]
+
+
+@dataclass
+class StudyConfig:
+    """A study: the grid, the seeds, and the training config every run shares."""
+
+    out_dir: str = "runs/study"
+    """Where runs, results.json, report.md and study.png go."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Seeds (prompts, sampling); every run is repeated per seed."""
+    task: str = "tool"
+    """'tool' or 'math'."""
+    runs: list[StudyRun] = field(default_factory=lambda: list(DEFAULT_GRID))
+    """The grid."""
+    train: dict[str, Any] = field(default_factory=dict)
+    """Training config keys shared by every run (the [train] table; dotted keys allowed)."""
+    quick: bool = False
+    """Smoke-sized: tiny runs from a base policy of a few SFT steps built in out_dir (CI)."""
+
+    def __post_init__(self) -> None:
+        if not self.seeds:
+            raise ConfigError("study.seeds must not be empty")
+        if self.task not in ("tool", "math"):
+            raise ConfigError(f"study.task must be 'tool' or 'math', got {self.task!r}")
+        names = [r.name for r in self.runs]
+        if not names or len(set(names)) != len(names):
+            raise ConfigError("study.runs must be non-empty with unique names")
+
+
+DEFAULT_TRAIN = {
+    "steps": 60,
+    "eval_every": 20,
+    "eval_prompts": 100,
+    "model.checkpoint": "base",
+    "rollout.prompts_per_step": 8,
+    "rollout.group_size": 8,
+    "rollout.max_tokens": 64,
+    "learner.lr": 5e-5,
+    "learner.micro_batch_size": 16,
+}
+
+QUICK_TRAIN = {
+    "steps": 3,
+    "eval_every": 2,
+    "eval_prompts": 4,
+    "rollout.prompts_per_step": 2,
+    "rollout.group_size": 2,
+    "rollout.max_tokens": 12,
+}
+
+
+def load_study(
+    path: str | None,
+    quick: bool = False,
+    task: str | None = None,
+    seeds: list[int] | None = None,
+    out_dir: str | None = None,
+) -> StudyConfig:
+    """A StudyConfig from TOML (top-level out_dir/seeds/task, [train] table, [[runs]] tables)."""
+    data: dict[str, Any] = read_toml(path, "study config") if path is not None else {}
+    unknown = sorted(set(data) - {"out_dir", "seeds", "task", "runs", "train"})
+    if unknown:
+        raise ConfigError(f"unknown study key {unknown[0]}")
+    runs = data.get("runs")
+    if runs is not None:
+        try:
+            runs = [StudyRun(**r) for r in runs]
+        except TypeError as exc:
+            raise ConfigError(f"study runs: {exc}") from None
+    train = {**DEFAULT_TRAIN, **data.get("train", {})}
+    if quick:
+        train.update(QUICK_TRAIN)
+        if train.get("model.checkpoint") == "base":
+            train["model.checkpoint"] = str(Path(out_dir or data.get("out_dir", "runs/study")) / "quick-base")
+    cfg = StudyConfig(quick=quick,
+        out_dir=out_dir or data.get("out_dir", "runs/study"),
+        seeds=seeds or ([0] if quick else data.get("seeds", [0, 1, 2])),
+        task=task or data.get("task", "tool"),
+        train=train,
+        **({"runs": runs} if runs is not None else {}),
+    )
+    if not quick:
+        for run in cfg.runs:  # every run's config must build before the first one starts
+            run_config(cfg, run, cfg.seeds[0])
+    return cfg
+
+
+def run_config(study: StudyConfig, run: StudyRun, seed: int) -> TrainConfig:
+    """The TrainConfig of one grid cell."""
+    data: dict[str, Any] = {}
+    for key, value in study.train.items():
+        set_dotted(data, key, value)
+    for key, value in {
+        "max_policy_lag": run.lag,
+        "seed": seed,
+        "run_dir": str(Path(study.out_dir) / f"{run.name}-seed{seed}"),
+        "model.kernels": run.kernels,
+        "learner.loss": run.loss,
+        "task.name": study.task,
+    }.items():
+        set_dotted(data, key, value)
+    if study.task == "tool":
+        data.setdefault("task", {}).setdefault("level", 1)
+    return config_from_dict(data)
+
+
+# --------------------------------------------------------------------------- running
+def _train(cfg: TrainConfig, name: str, progress: bool) -> None:
+    bar = Progress(name, cfg.steps, every=max(1, cfg.steps // 4)) if progress else None
+    try:
+        Controller(cfg).run(progress=(lambda step, m: bar.update(step, step_line(m))) if bar else None)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def run_study(study: StudyConfig, progress: bool = True) -> dict:
+    """Run every grid cell (skipping ones already finished in out_dir) and write the report."""
+    out = Path(study.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if study.quick:
+        quick_base = Path(study.train.get("model.checkpoint", out / "quick-base"))
+        if not is_built(quick_base):
+            log.info("--quick: building a smoke base policy (10 SFT steps) in %s", quick_base)
+            train_sft(quick_base, SFTConfig(steps=10, batch_size=8, warmup_steps=2), eval_problems=0)
+        for run in study.runs:
+            run_config(study, run, study.seeds[0])
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {"config": asdict(study), "runs": {}}
+    total = len(study.runs) * len(study.seeds)
+    k = 0
+    figures: dict[str, list[dict[str, float]]] = {run.name: [] for run in study.runs}
+    for seed in study.seeds:  # seed-major: a study cut short still has every row
+        for run in study.runs:
+            k += 1
+            cfg = run_config(study, run, seed)
+            done_marker = Path(cfg.run_dir) / "report.md"
+            if done_marker.exists() and len(read_metrics(cfg.run_dir)) == cfg.steps:
+                log.info("[%d/%d] %s seed %d: already done (%s)", k, total, run.name, seed, cfg.run_dir)
+            else:
+                log.info("[%d/%d] %s seed %d: %s kernels, lag %d, %s", k, total, run.name, seed,
+                         run.kernels, run.lag, run.loss)
+                _train(resolve_base(cfg), f"{run.name}/{seed}", progress)
+            figures[run.name].append(row_figures(read_metrics(cfg.run_dir)))
+    for run in study.runs:
+        results["runs"][run.name] = {"run": asdict(run), "seeds": study.seeds,
+                                     "figures": aggregate(figures[run.name])}
+    sync = results["runs"].get("sync")
+    if sync:
+        base = sync["figures"]["steps_per_hour"]["mean"]
+        for r in results["runs"].values():
+            r["figures"]["throughput_vs_sync"] = {
+                "mean": r["figures"]["steps_per_hour"]["mean"] / base, "spread": float("nan"), "values": []}
+    results["seconds"] = time.perf_counter() - t0
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    curves = {run.name: read_metrics(run_config(study, run, study.seeds[0]).run_dir) for run in study.runs}
+    write_study_report(out, f"parity study ({study.task} task, seeds {study.seeds})", results, curves)
+    return results
+
+
+def main(args) -> int:
+    """`parity study`."""
+    study = load_study(args.config, quick=args.quick, task=args.task, seeds=args.seeds, out_dir=args.out)
+    print(f"parity: study of {len(study.runs)} runs x {len(study.seeds)} seeds on the {study.task} task "
+          f"-> {study.out_dir}", flush=True)
+    results = run_study(study)
+    print(study_table_markdown(results))
+    print(f"done in {results['seconds']:.0f} s: {study.out_dir}/report.md, study.png, results.json")
+    return 0

@@ -1,0 +1,38 @@
+"""`parity train`: one RL run from a TOML config (or defaults) with `--set` overrides, or
+`--resume RUN_DIR` from its latest checkpoint. Progress per step; a summary table at the end."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..config import load_config
+from ..errors import ParityError
+from ..metrics.summary import run_rows, step_line
+from ..rl.controller import Controller, Interrupted
+from .sft import resolve_base
+from .ui import Progress, table
+
+
+def main(args) -> int:
+    if args.resume:
+        if args.config:
+            raise ParityError("give either a config or --resume RUN_DIR, not both")
+        cfg = load_config(Path(args.resume) / "config.toml", (args.set or []) + [f'run_dir="{args.resume}"'])
+        controller = Controller(resolve_base(cfg), resume=True)
+    else:
+        cfg = resolve_base(load_config(args.config, args.set or []))
+        controller = Controller(cfg)
+    print(f"parity: {controller.task_description}", flush=True)
+    bar = Progress("step", cfg.steps, completed=controller.start_step, text="starting the rollout worker")
+    try:
+        metrics = controller.run(progress=lambda step, m: bar.update(step, step_line(m, timing=True)))
+    except Interrupted as stop:
+        print(f"parity: interrupted; checkpoint saved to {stop.path} "
+              f"(continue with: parity train --resume {cfg.run_dir})", file=sys.stderr)
+        return 130
+    finally:
+        bar.close()
+    print(table(["figure", "value"], [list(r) for r in run_rows(metrics)]))
+    print(f"done: {cfg.run_dir}/metrics.jsonl, report.md, report.png, checkpoint-{cfg.steps}/")
+    return 0

@@ -1,0 +1,79 @@
+"""The terminal side of the `parity` commands: plain-text tables, a progress display, a transient
+status line, and where the library's log messages go.
+
+On a terminal, progress is a live `rich` bar; otherwise (logs, CI) it is one line every few steps.
+The library logs through `logging` ("parity.*" loggers); `setup_logging` prints those records on
+stderr as `parity: <message>`, so machine-readable stdout (`--json`) stays clean.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A fixed-width table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
+    return "\n".join(lines + [fmt.format(*r) for r in rows])
+
+
+def status(msg: str) -> None:
+    """A one-line status that overwrites itself, on a terminal only (stderr)."""
+    if sys.stderr.isatty():
+        print(f"\r\033[K{msg}", end="", file=sys.stderr, flush=True)
+
+
+class Progress:
+    """A rich bar on a terminal; elsewhere a line `NAME step/total  TEXT` for the first step,
+    every `every`-th step and the last."""
+
+    def __init__(self, name: str, total: int, every: int = 1, completed: int = 0, text: str = ""):
+        self.name, self.total, self.every = name, total, max(1, every)
+        self.bar = None
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+
+            self.bar = RichProgress(TextColumn(name), BarColumn(), MofNCompleteColumn(),
+                                    TimeRemainingColumn(), TextColumn("{task.description}"))
+            self.task = self.bar.add_task(text, total=total, completed=completed)
+            self.bar.start()
+
+    def update(self, step: int, text: str) -> None:
+        """Step `step` (0-based) is done; `text` describes it."""
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step + 1, description=text)
+            if step + 1 >= self.total:
+                self.close()
+        elif (step + 1) % self.every == 0 or step + 1 == self.total or step == 0:
+            print(f"{self.name} {step + 1:>4}/{self.total}  {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at the time of each record (tests swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def setup_logging() -> None:
+    """Print the library's INFO and higher records on stderr as `parity: <message>` (once)."""
+    root = logging.getLogger("parity")
+    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("parity: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)

@@ -1,0 +1,22 @@
+"""Configs in one place: the training run (`TrainConfig` and its sections), the learner and its
+objectives (`LearnerConfig`, `LossConfig`), and TOML in and out with dotted overrides.
+
+The `rl` package imports these; nothing here imports `rl`.
+"""
+
+from .learner import LOSS_NAMES, LearnerConfig, LossConfig
+from .loading import (
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    parse_override,
+    read_toml,
+    set_dotted,
+    to_toml,
+    with_overrides,
+)
+from .train import TASK_NAMES, ModelSection, RolloutSection, TaskSection, TrainConfig
+
+__all__ = ["LOSS_NAMES", "TASK_NAMES", "LearnerConfig", "LossConfig", "ModelSection", "RolloutSection",
+           "TaskSection", "TrainConfig", "config_from_dict", "config_to_dict", "load_config",
+           "parse_override", "read_toml", "set_dotted", "to_toml", "with_overrides"]

@@ -1,0 +1,106 @@
+"""The learner's configuration: optimisation, diagnostics and the objectives' parameters.
+
+These dataclasses live with the other configs (the `rl` package imports them, never the reverse).
+`LOSS_NAMES` is the list of objectives `parity.rl.losses` implements, one function per name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..dtypes import dtype_from_name
+from ..errors import ConfigError
+
+LOSS_NAMES: tuple[str, ...] = ("reinforce_zero", "tis", "icepop", "mis", "seq_gate", "ppo_clip", "on_policy")
+"""Objectives the learner can optimise (`mis` is another name for `icepop`)."""
+
+
+@dataclass
+class LossConfig:
+    """Parameters of the objectives (each loss reads the fields it needs)."""
+
+    tis_cap: float = 2.0
+    """tis: importance weights are truncated at this value (C)."""
+    icepop_low: float = 0.5
+    """icepop: tokens whose weight is below this are masked out (α)."""
+    icepop_high: float = 5.0
+    """icepop: tokens whose weight is above this are masked out (β)."""
+    gate_low: float = 0.5
+    """seq_gate: a response is rejected when exp(mean log w) is below this."""
+    gate_high: float = 2.0
+    """seq_gate: ... or above this."""
+    gate_max_k3: float = 1.0
+    """seq_gate: ... or when its mean k3 = w − 1 − log w exceeds this."""
+    ppo_eps: float = 0.2
+    """ppo_clip: the ratio is clipped to [1 − ε, 1 + ε]."""
+    ppo_std_adv: bool = False
+    """ppo_clip: divide advantages by the group's reward std (GRPO)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tis_cap", "icepop_high", "gate_high", "gate_max_k3", "ppo_eps"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.icepop_low < self.icepop_high:
+            raise ConfigError("LossConfig.icepop_low must be in [0, icepop_high)")
+        if not 0 <= self.gate_low < self.gate_high:
+            raise ConfigError("LossConfig.gate_low must be in [0, gate_high)")
+
+
+@dataclass
+class LearnerConfig:
+    """Optimisation and diagnostics settings; validated on construction."""
+
+    loss: str = "reinforce_zero"
+    """Objective: reinforce_zero, tis, icepop (= mis), seq_gate, ppo_clip or on_policy."""
+    lr: float = 1e-4
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to `lr` over this many steps."""
+    schedule: str = "constant"
+    """After warm-up: 'constant' or 'cosine' (to 0 at `total_steps`)."""
+    total_steps: int = 1000
+    """Length of the cosine schedule."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping threshold (the norm before clipping is logged)."""
+    micro_batch_size: int = 8
+    """Responses per forward/backward; gradients accumulate over micro-batches."""
+    compute_dtype: str = "float32"
+    """'float32', or 'bfloat16' with float32 master weights (in a TrainConfig: model.dtype)."""
+    temperature: float = 1.0
+    """Sampling temperature the rollouts used, log-probs are of softmax(logits / T) (in a
+    TrainConfig: rollout.temperature)."""
+    max_policy_lag: int = 8
+    """How many versions back weights are kept for the kernel/lag decomposition (in a
+    TrainConfig: its max_policy_lag)."""
+    decompose_every: int = 1
+    """Run the decomposition every N steps (0 = never)."""
+    dump_dir: str | None = None
+    """Where a batch that produced a NaN/inf loss or gradient is saved (None = not saved)."""
+    loss_config: LossConfig = field(default_factory=LossConfig)
+    """Parameters of the objectives."""
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSS_NAMES:
+            raise ConfigError(f"unknown loss {self.loss!r}: expected one of {', '.join(LOSS_NAMES)}")
+        if not self.lr > 0:
+            raise ConfigError(f"LearnerConfig.lr must be > 0, got {self.lr!r}")
+        if self.schedule not in ("constant", "cosine"):
+            raise ConfigError(f"LearnerConfig.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+        for name in ("warmup_steps", "max_policy_lag", "decompose_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"LearnerConfig.{name} must be >= 0")
+        if self.micro_batch_size < 1 or self.total_steps < 1:
+            raise ConfigError("LearnerConfig.micro_batch_size and total_steps must be >= 1")
+        if not self.max_grad_norm > 0:
+            raise ConfigError("LearnerConfig.max_grad_norm must be > 0")
+        dtype_from_name(self.compute_dtype, "LearnerConfig.compute_dtype")
+        if not self.temperature > 0:
+            raise ConfigError("LearnerConfig.temperature must be > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"LearnerConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.weight_decay < 0:
+            raise ConfigError("LearnerConfig.weight_decay must be >= 0")

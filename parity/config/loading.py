@@ -1,0 +1,176 @@
+"""Configs in and out of TOML: files, dotted overrides (`--set learner.lr=3e-4`), dicts.
+
+Every path into a `TrainConfig` goes through `config_from_dict`, which builds the dataclasses
+recursively, coerces TOML values to the field types and turns unknown keys and bad values into
+one-line `ConfigError`s. `with_overrides` is the programmatic form of `--set`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .learner import LossConfig
+from .train import DERIVED_LEARNER_FIELDS, TrainConfig
+
+
+def _build(cls, data: dict[str, Any], where: str):
+    """Dataclass `cls` from a dict, recursively; unknown keys and bad types are ConfigErrors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key {where + '.' if where else ''}{unknown[0]}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        key = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, key)
+            continue
+        kwargs[name] = _coerce(value, hint, key)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from None
+
+
+def _coerce(value, hint, key):
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin is typing.Union or (origin is not None and type(None) in args):
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key) if len(inner) == 1 else value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return origin(_coerce(v, args[0], key) for v in value) if args else origin(value)
+    if hint in (int, float, str, bool):
+        if isinstance(value, bool) != (hint is bool) or not isinstance(value, hint):
+            raise ConfigError(f"{key} must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def set_dotted(data: dict, dotted: str, value: Any) -> dict:
+    """Set `data["a"]["b"] = value` for `dotted = "a.b"` (creating tables); returns `data`."""
+    parts = dotted.split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {p} is not a table")
+    node[parts[-1]] = value
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'a.b=VALUE' -> ('a.b', value), VALUE read as a TOML literal (bare words are strings)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """A validated TrainConfig from nested dicts (TOML tables). Loss parameters may sit directly
+    in the learner table; the learner fields a run derives may be given only with their derived
+    value (so a written config.toml reads back)."""
+    data = dict(data)
+    learner = data.get("learner")
+    derived: dict[str, Any] = {}
+    if isinstance(learner, dict):
+        learner = dict(learner)
+        derived = {k: learner.pop(k) for k in list(learner) if k in DERIVED_LEARNER_FIELDS}
+        if "loss_config" not in learner:
+            loss_keys = {f.name for f in dataclasses.fields(LossConfig)}
+            extra = {k: learner.pop(k) for k in list(learner) if k in loss_keys}
+            if extra:
+                learner["loss_config"] = extra
+        data["learner"] = learner
+    cfg = _build(TrainConfig, data, "")
+    for name, value in derived.items():
+        if value != getattr(cfg.learner, name):
+            raise ConfigError(f"learner.{name} = {value!r} disagrees with "
+                              f"{DERIVED_LEARNER_FIELDS[name]} (set only the latter)")
+    return cfg
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """Nested dicts that `config_from_dict` turns back into an equal config (derived learner
+    fields left out: they follow from the rest)."""
+    data = dataclasses.asdict(cfg)
+    for name in DERIVED_LEARNER_FIELDS:
+        data["learner"].pop(name)
+    return data
+
+
+def with_overrides(cfg: TrainConfig, overrides: dict[str, Any] | list[str] = ()) -> TrainConfig:
+    """A new, validated config: `cfg` with dotted keys set ({"learner.lr": 3e-4} or
+    ["learner.lr=3e-4"] as on the command line)."""
+    items = [parse_override(o) for o in overrides] if isinstance(overrides, list) else overrides.items()
+    data = config_to_dict(cfg)
+    for key, value in items:
+        set_dotted(data, key, value)
+    return config_from_dict(data)
+
+
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A TOML file as a dict; a missing or malformed file is a one-line ConfigError."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such {what}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a TOML file (or start from defaults when None) and apply `key=value` overrides."""
+    data: dict[str, Any] = read_toml(path) if path is not None else {}
+    for item in overrides:
+        set_dotted(data, *parse_override(item))
+    return config_from_dict(data)
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config as TOML (written into every run directory)."""
+    lines: list[str] = []
+
+    def emit(table: dict, prefix: str) -> None:
+        if prefix:
+            lines.append(f"\n[{prefix}]")
+        for name, v in table.items():
+            if v is not None and not isinstance(v, dict):
+                lines.append(f"{name} = {_toml_value(v)}")
+        for name, v in table.items():
+            if isinstance(v, dict):
+                emit(v, f"{prefix}.{name}" if prefix else name)
+
+    emit(config_to_dict(cfg), "")
+    return "\n".join(lines).lstrip() + "\n"
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,177 @@
+"""The training run's configuration: one dataclass per TOML table, a docstring per field,
+validated on construction (unknown keys and bad values are one-line `ConfigError`s).
+
+`TrainConfig` owns the learner's settings too (`learner`, a `LearnerConfig`); the three learner
+fields that follow from the run — the temperature it scores at, the dtype it computes in and how
+many versions back it keeps weights — are set from `rollout.temperature`, `model.dtype` and
+`max_policy_lag` on construction, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..dtypes import DTYPE_NAMES
+from ..errors import ConfigError
+from ..model.config import PRESET_NAMES
+from ..ops import check_backend
+from .learner import LearnerConfig
+
+TASK_NAMES: tuple[str, ...] = ("tool", "math", "target_tokens")
+"""Environments a run can train on."""
+
+LENGTH_MODES: tuple[str, ...] = ("fixed", "geometric")
+WEIGHT_UPDATE_MODES: tuple[str, ...] = ("drain", "inflight")
+
+DERIVED_LEARNER_FIELDS: dict[str, str] = {
+    "temperature": "rollout.temperature", "compute_dtype": "model.dtype", "max_policy_lag": "max_policy_lag"}
+"""Learner fields a TrainConfig sets from its own fields (learner field -> where it comes from)."""
+
+
+@dataclass
+class ModelSection:
+    """Which model the run trains."""
+
+    preset: str = "small"
+    """Random-init preset ('tiny' or 'small') when no checkpoint is given."""
+    checkpoint: str | None = None
+    """A checkpoint directory to start from (overrides `preset`). The `parity` commands also
+    accept "base", the cached base policy of `parity sft`, and resolve it to its directory."""
+    kernels: str = "aligned"
+    """'aligned' (bitwise rollout = learner) or 'standard' (the baseline)."""
+    dtype: str = "float32"
+    """Engine and learner compute dtype: 'float32' or 'bfloat16'."""
+    seed: int = 0
+    """Seed of the random init."""
+
+    def __post_init__(self) -> None:
+        check_backend(self.kernels, "model.kernels")
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"model.dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.preset not in PRESET_NAMES:
+            raise ConfigError(f"model.preset must be one of {', '.join(PRESET_NAMES)}, got {self.preset!r}")
+
+
+@dataclass
+class RolloutSection:
+    """How the engine samples."""
+
+    prompts_per_step: int = 8
+    """Prompts per learner step; each is answered `group_size` times."""
+    group_size: int = 4
+    """Responses per prompt (the group whose mean reward is the baseline)."""
+    max_tokens: int = 32
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature (the learner scores at the same temperature)."""
+    max_num_seqs: int = 64
+    """Sequences in flight in the engine."""
+    weight_update: str = "drain"
+    """'drain' (finish on old weights, then load) or 'inflight' (switch between tokens)."""
+    lengths: str = "fixed"
+    """'fixed': every response runs to max_tokens; 'geometric': each request's limit is drawn
+    from a geometric distribution with mean max_tokens / 4 (a long tail of response lengths)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "group_size", "max_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be >= 1")
+        if not self.temperature > 0:
+            raise ConfigError("rollout.temperature must be > 0")
+        if self.lengths not in LENGTH_MODES:
+            raise ConfigError(f"rollout.lengths must be 'fixed' or 'geometric', got {self.lengths!r}")
+        if self.weight_update not in WEIGHT_UPDATE_MODES:
+            raise ConfigError(f"rollout.weight_update must be 'drain' or 'inflight', "
+                              f"got {self.weight_update!r}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass
+class TaskSection:
+    """The environment rewards come from."""
+
+    name: str = "target_tokens"
+    """'tool' (multi-turn arithmetic with a sandboxed Python tool), 'math' (single-turn exact
+    answers) or 'target_tokens' (a toy for the plumbing; works from a random init). The text
+    tasks need a checkpoint with a tokenizer.json (model.checkpoint = "base" is the cached base
+    policy of `parity sft`)."""
+    targets: list[int] = field(default_factory=lambda: [7])
+    """target_tokens: reward = fraction of response tokens that are one of these ids."""
+    prompt_len: int = 8
+    """target_tokens: prompt length in tokens."""
+    kinds: list[str] = field(default_factory=lambda: ["mul", "sum"])
+    """tool: problem kinds ('mul': large products, 'sum': sums of many numbers)."""
+    level: int = 2
+    """tool (1..3) or math (1..5): difficulty."""
+    max_tool_calls: int = 3
+    """tool: tool calls allowed per episode."""
+    math_task: str = "add"
+    """math: add, sub, mul, expr or countdown."""
+    heldout_size: int = 200
+    """Size of the fixed held-out set problems are kept out of (evaluation uses its first
+    `eval_prompts`)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in TASK_NAMES:
+            raise ConfigError(f"unknown task {self.name!r}: expected one of {', '.join(TASK_NAMES)}")
+        if self.prompt_len < 1 or not self.targets:
+            raise ConfigError("task.prompt_len must be >= 1 and task.targets non-empty")
+        if self.heldout_size < 1 or self.max_tool_calls < 1:
+            raise ConfigError("task.heldout_size and task.max_tool_calls must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run."""
+
+    steps: int = 20
+    """Learner steps (optimizer updates)."""
+    max_policy_lag: int = 0
+    """0 = synchronous on-policy; N = no sample is trained on more than N updates after the
+    version that produced it (admission control: the rollout side waits, nothing is dropped)."""
+    deterministic: bool = False
+    """Fix the schedule logically: batch b is always sampled by version max(0, b - lag)."""
+    seed: int = 0
+    """Seed of prompts and sampling."""
+    run_dir: str = "runs/default"
+    """Where config.toml, metrics.jsonl and checkpoints go."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    eval_every: int = 10
+    """Greedy evaluation on the held-out prompts before steps 0, N, 2N, ... and at the end
+    (0 = never)."""
+    eval_prompts: int = 32
+    """Held-out problems per evaluation (greedy pass@1)."""
+    eval_samples: int = 0
+    """k > 0 adds mean@k (k samples per held-out problem at the rollout temperature)."""
+    model: ModelSection = field(default_factory=ModelSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError("steps must be >= 1")
+        if self.max_policy_lag < 0:
+            raise ConfigError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
+        if self.checkpoint_every < 0 or self.eval_every < 0 or self.eval_prompts < 1 or self.eval_samples < 0:
+            raise ConfigError("checkpoint_every, eval_every and eval_samples must be >= 0, eval_prompts >= 1")
+        if self.task.name != "target_tokens" and not self.model.checkpoint:
+            raise ConfigError(f"task {self.task.name!r} needs model.checkpoint with a tokenizer.json "
+                              "(\"base\" = the base policy of parity sft)")
+        if self.deterministic and self.rollout.weight_update == "inflight":
+            raise ConfigError("deterministic = true needs rollout.weight_update = 'drain' "
+                              "(in-flight updates land at wall-clock-dependent tokens)")
+        # the learner scores at the rollout's temperature, computes in the model's dtype and keeps
+        # the weights of every version a lagged sample may come from (a new object: never mutate
+        # a LearnerConfig another TrainConfig may share)
+        self.learner = dataclasses.replace(self.learner, **self.derived_learner_fields())
+
+    def derived_learner_fields(self) -> dict:
+        """The values of `DERIVED_LEARNER_FIELDS` for this run."""
+        return {"temperature": self.rollout.temperature, "compute_dtype": self.model.dtype,
+                "max_policy_lag": self.max_policy_lag}

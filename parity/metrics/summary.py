@@ -1,0 +1,231 @@
+"""Summaries of a run's metrics: the one place that turns per-step records into figures.
+
+The run report, `parity train`'s progress line, the demo's closing table, the study's published
+figures and docs/make_results.py all read their numbers through these functions, so a figure is
+defined once. Inputs are lists of per-step metric dicts as written to `metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+Metrics = list[dict]
+NAN = float("nan")
+
+
+# --------------------------------------------------------------------------- primitives
+def series(metrics: Metrics, key: str) -> list[float]:
+    """The values of `key` over the steps that recorded it."""
+    return [m[key] for m in metrics if key in m]
+
+
+def mean(xs) -> float:
+    """Mean of the finite-or-infinite values, NaN and None skipped (NaN when none are left)."""
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else NAN
+
+
+def median(xs) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else NAN
+
+
+def edge_count(n: int, frac: float) -> int:
+    """How many steps make up the first (or last) `frac` of `n` steps: at least one."""
+    return max(1, round(n * frac))
+
+
+def head(metrics: Metrics, frac: float) -> Metrics:
+    return metrics[:edge_count(len(metrics), frac)]
+
+
+def tail(metrics: Metrics, frac: float) -> Metrics:
+    return metrics[-edge_count(len(metrics), frac):]
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its normal-approximation 95% confidence interval."""
+    n = len(values)
+    m = sum(values) / n
+    if n < 2:
+        return m, NAN
+    var = sum((v - m) ** 2 for v in values) / (n - 1)
+    return m, 1.96 * math.sqrt(var / n)
+
+
+def pass_at_1_track(metrics: Metrics) -> list[float]:
+    """Held-out greedy pass@1 at every evaluation, the final one (after the last step) included."""
+    return series(metrics, "eval/pass@1") + series(metrics, "eval/pass@1_final")
+
+
+# --------------------------------------------------------------------------- one step
+def step_line(m: dict, timing: bool = False) -> str:
+    """One step's progress text (the live bar, or a log line per step)."""
+    if m.get("train/skipped_nonfinite"):
+        return "non-finite loss or gradient: update skipped"
+    text = (f"loss {m['train/loss']:+.4f}  " if timing else "") + (
+        f"reward {m['reward/mean']:.3f}  lag max {m.get('lag/max', 0):.0f}  "
+        f"w peak/median {m.get('is_weight/peak_over_median', 1):.3f}  "
+        f"kernel mismatch {m.get('mismatch/kernel_max_abs', NAN):.3g}")
+    if timing:
+        text += f"  wait {m['time/wait_s']:.2f}s"
+    elif "eval/pass@1" in m:
+        text += f"  held-out pass@1 {m['eval/pass@1']:.1%}"
+    return text
+
+
+# --------------------------------------------------------------------------- a run
+def run_rows(metrics: Metrics) -> list[tuple[str, str]]:
+    """The run report's summary table (figure, value)."""
+    if not metrics:
+        return []
+    last = metrics[-1]
+    first10, last10 = head(metrics, 0.10), tail(metrics, 0.10)
+    evals = pass_at_1_track(metrics)
+
+    def val(k, fmt="{:.4g}"):
+        return fmt.format(last[k]) if k in last else "-"
+
+    return [
+        ("learner steps", str(len(metrics))),
+        ("reward, first 10% -> last 10%",
+         f"{mean(series(first10, 'reward/mean')):.4f} -> {mean(series(last10, 'reward/mean')):.4f}"),
+        ("rollout-learner KL k3, first 10% -> last 10%",
+         f"{mean(series(first10, 'mismatch/k3')):.3g} -> {mean(series(last10, 'mismatch/k3')):.3g}"),
+        ("kernel mismatch max |Δ| (all steps)",
+         f"{max(series(metrics, 'mismatch/kernel_max_abs'), default=0.0):.3g}"),
+        ("importance weight peak/median (max over steps)",
+         f"{max(series(metrics, 'is_weight/peak_over_median'), default=1.0):.4g}"),
+        ("largest gradient norm before clipping",
+         f"{max(series(metrics, 'train/grad_norm'), default=0.0):.4g}"),
+        ("policy lag max / mean",
+         f"{max(series(metrics, 'lag/max'), default=0):.0f} / {mean(series(metrics, 'lag/mean')):.2f}"),
+        ("learner steps/hour (end)", val("throughput/steps_per_hour", "{:,.0f}")),
+        ("wall time (s)", val("time/wall_s", "{:.1f}")),
+        ("held-out pass@1: start / peak / end",
+         f"{evals[0]:.3f} / {max(evals):.3f} / {evals[-1]:.3f}" if evals else "-"),
+    ]
+
+
+def demo_rows(metrics: Metrics) -> list[tuple[str, str]]:
+    """`parity demo`'s closing table (figure, value)."""
+    first, last = metrics[0], metrics[-1]
+    before = first.get("eval/pass@1")
+    after = last.get("eval/pass@1_final", last.get("eval/pass@1"))
+    ci_b, ci_a = first.get("eval/pass@1_ci95", NAN), last.get("eval/pass@1_ci95_final", NAN)
+    peak = series(metrics, "is_weight/peak_over_median")
+    first10, last10 = head(metrics, 0.10), tail(metrics, 0.10)
+    pts = (after - before) * 100 if before is not None and after is not None else NAN
+    return [
+        ("held-out pass@1 (greedy), before -> after",
+         f"{before:.1%} ± {ci_b:.1%} -> {after:.1%} ± {ci_a:.1%}  ({pts:+.1f} points)"),
+        ("rollout-learner KL at the sampling version (max)",
+         f"{max(series(metrics, 'mismatch/kernel_k3'), default=NAN):.3g}"),
+        ("kernel mismatch max |Δ log-prob| (all steps)",
+         f"{max(series(metrics, 'mismatch/kernel_max_abs'), default=NAN):.3g}"),
+        ("importance weight peak/median (median step / worst step)",
+         f"{median(peak):.4g} / {max(peak, default=NAN):.4g}"),
+        ("policy lag max / mean",
+         f"{max(series(metrics, 'lag/max'), default=0):.0f} / {mean(series(metrics, 'lag/mean')):.2f}"),
+        ("reward, first 10% -> last 10%",
+         f"{mean(series(first10, 'reward/mean')):.3f} -> {mean(series(last10, 'reward/mean')):.3f}"),
+        ("tool calls per episode, first 10% -> last 10%",
+         f"{mean(series(first10, 'rollout/tool_calls')):.2f} -> "
+         f"{mean(series(last10, 'rollout/tool_calls')):.2f}"),
+        ("learner steps/hour; sampled tokens/s", f"{last.get('throughput/steps_per_hour', 0):,.0f}; "
+                                                 f"{last.get('throughput/tokens_per_s', 0):,.0f}"),
+        ("training wall time (s)", f"{last.get('time/wall_s', 0):.0f}"),
+    ]
+
+
+# --------------------------------------------------------------------------- the study's figures
+def row_figures(metrics: Metrics) -> dict[str, float]:
+    """The published figures of one run, from its metrics (definitions as published):
+
+    - is_peak_over_median: peak over median of the per-step max importance weight;
+    - kl_last_over_first: rollout-to-learner KL (k3), mean of the last 10% of updates over the
+      mean of the first 10%;
+    - kernel_mismatch_max: max |Δ log-prob| between rollout and learner at the same weights;
+    - grad_norm_max: largest gradient norm before clipping;
+    - reward_first5 / reward_last5: mean reward over the first / last 5% of updates;
+    - pass1_start / pass1_peak / pass1_end: held-out greedy pass@1;
+    - wall_s, steps_per_hour; lag_mean, lag_max: observed policy lag.
+    """
+    w, k3 = series(metrics, "is_weight/max"), series(metrics, "mismatch/k3")
+    kl_first = mean(k3[:edge_count(len(metrics), 0.10)])
+    kl_last = mean(k3[-edge_count(len(metrics), 0.10):])
+    rewards = series(metrics, "reward/mean")
+    evals = pass_at_1_track(metrics)
+    last = metrics[-1]
+    return {
+        "steps": float(len(metrics)),
+        "is_peak_over_median": max(w) / statistics.median(w) if w else NAN,
+        "kl_first": kl_first,
+        "kl_last": kl_last,
+        "kl_last_over_first": kl_last / kl_first if kl_first > 0 else (1.0 if kl_last == 0 else float("inf")),
+        "kernel_mismatch_max": max(series(metrics, "mismatch/kernel_max_abs"), default=NAN),
+        "grad_norm_max": max(series(metrics, "train/grad_norm"), default=NAN),
+        "reward_first5": mean(rewards[:edge_count(len(metrics), 0.05)]),
+        "reward_last5": mean(rewards[-edge_count(len(metrics), 0.05):]),
+        "pass1_start": evals[0] if evals else NAN,
+        "pass1_peak": max(evals) if evals else NAN,
+        "pass1_end": evals[-1] if evals else NAN,
+        "wall_s": last.get("time/wall_s", NAN),
+        "steps_per_hour": last.get("throughput/steps_per_hour", NAN),
+        "lag_mean": mean(series(metrics, "lag/mean")),
+        "lag_max": max(series(metrics, "lag/max"), default=0.0),
+    }
+
+
+def aggregate(per_seed: list[dict[str, float]]) -> dict[str, dict]:
+    """Mean, spread (min..max half-range) and values over seeds, per figure."""
+    out = {}
+    for key in per_seed[0]:
+        vals = [r[key] for r in per_seed]
+        finite = [v for v in vals if not math.isnan(v)]
+        out[key] = {"mean": mean(vals), "spread": (max(finite) - min(finite)) / 2 if finite else NAN,
+                    "values": vals}
+    return out
+
+
+STUDY_COLUMNS = [
+    ("IS weight peak/median", "is_peak_over_median", "{:.4g}"),
+    ("KL last/first 10%", "kl_last_over_first", "{:.3g}"),
+    ("kernel mismatch max abs Δ", "kernel_mismatch_max", "{:.3g}"),
+    ("max grad norm", "grad_norm_max", "{:.4g}"),
+    ("reward first 5%", "reward_first5", "{:.3f}"),
+    ("reward last 5%", "reward_last5", "{:.3f}"),
+    ("pass@1 start", "pass1_start", "{:.1%}"),
+    ("pass@1 peak", "pass1_peak", "{:.1%}"),
+    ("pass@1 end", "pass1_end", "{:.1%}"),
+    ("wall s", "wall_s", "{:.0f}"),
+    ("steps/hour", "steps_per_hour", "{:,.0f}"),
+    ("vs sync", "throughput_vs_sync", "{:.2f}x"),
+    ("lag mean", "lag_mean", "{:.1f}"),
+    ("lag max", "lag_max", "{:.0f}"),
+]
+"""The study table's columns: (header, figure key, format)."""
+
+
+def _cell(fig: dict, fmt: str, seeds: int) -> str:
+    m, spread = fig["mean"], fig["spread"]
+    if m is None or math.isnan(m):
+        return "-"
+    text = fmt.format(m)
+    if seeds > 1 and not math.isnan(spread) and spread > 0:
+        text += " ± " + fmt.format(spread).rstrip("x")
+    return text
+
+
+def study_table_markdown(results: dict) -> str:
+    """The study's table (Markdown) from its results.json contents."""
+    seeds = len(results["config"]["seeds"])
+    lines = ["| run | kernels | lag | objective | " + " | ".join(c[0] for c in STUDY_COLUMNS) + " |",
+             "|" + "---|" * (4 + len(STUDY_COLUMNS))]
+    for name, r in results["runs"].items():
+        cells = [_cell(r["figures"][key], fmt, seeds) if key in r["figures"] else "-"
+                 for _, key, fmt in STUDY_COLUMNS]
+        lines.append(f"| {name} | {r['run']['kernels']} | {r['run']['lag']} | {r['run']['loss']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)

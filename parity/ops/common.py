@@ -1,0 +1,29 @@
+"""Helpers both kernel backends share: exact element-wise math and cache layout, no reductions
+whose order could differ (so sharing them cannot leak one backend's numerics into the other)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for float32/bfloat16/float16 inputs; float64 stays float64 (gradient checks)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) in float32: x [T, H, D], cos/sin [T, D] float32."""
+    xf = x.to(compute_dtype(x.dtype))
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
+
+
+def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's keys/values in order, [B, nblk * bs, Hkv, D], from the cache layout."""
+    bsz, nblk = tables.shape
+    _, hkv, d, bs = k_cache.shape
+    k = k_cache[tables].permute(0, 1, 4, 2, 3).reshape(bsz, nblk * bs, hkv, d)
+    v = v_cache[tables].permute(0, 1, 3, 2, 4).reshape(bsz, nblk * bs, hkv, d)
+    return k, v

@@ -1,0 +1,70 @@
+"""Build a run's model and environment from its `TrainConfig` — once per process.
+
+The learner's process loads the model from its checkpoint (or a seeded preset); a rollout
+worker builds the same architecture empty (`model_skeleton`) and receives the learner's weights,
+so nothing is loaded from disk twice. `"base"` (the cached base policy of `parity sft`) must
+have been resolved to a directory by the application before a config reaches this module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import TrainConfig
+from ..dtypes import dtype_from_name
+from ..errors import ConfigError, ParityError
+from ..model import Model, ModelConfig, load_model
+
+
+def checkpoint_dir(cfg: TrainConfig) -> str | None:
+    """The run's checkpoint directory (None: a random-init preset)."""
+    path = cfg.model.checkpoint
+    if path == "base":
+        raise ConfigError('model.checkpoint = "base" must be resolved to the base policy\'s directory '
+                          "first (the parity commands do it; in Python: parity.apps.sft.resolve_base)")
+    return path
+
+
+def build_model(cfg: TrainConfig) -> Model:
+    """The model the run starts from: its checkpoint, or the seeded preset."""
+    dtype = dtype_from_name(cfg.model.dtype, "model.dtype")
+    path = checkpoint_dir(cfg)
+    if path:
+        return load_model(path, kernels=cfg.model.kernels, dtype=dtype)
+    return Model(ModelConfig.preset(cfg.model.preset), kernels=cfg.model.kernels, dtype=dtype,
+                 seed=cfg.model.seed)
+
+
+def model_skeleton(cfg: TrainConfig, config: ModelConfig) -> Model:
+    """The run's architecture with uninitialised weights, for a worker that receives weights."""
+    return Model(config, kernels=cfg.model.kernels, dtype=dtype_from_name(cfg.model.dtype), seed=None)
+
+
+def tokenizer_path(cfg: TrainConfig) -> Path | None:
+    """The checkpoint's tokenizer.json, when the run has one."""
+    path = checkpoint_dir(cfg)
+    return Path(path) / "tokenizer.json" if path and (Path(path) / "tokenizer.json").exists() else None
+
+
+def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
+    """The run's environment (text tasks read the checkpoint's tokenizer.json)."""
+    t = cfg.task
+    if t.name == "target_tokens":
+        from ..envs import TargetTokensTask
+
+        return TargetTokensTask(vocab_size, t.targets, t.prompt_len, cfg.seed)
+    from ..model.tokenizer import HFTokenizer
+
+    path = tokenizer_path(cfg)
+    if path is None:
+        raise ParityError(f"task {t.name!r} needs a tokenizer.json in the checkpoint directory "
+                          f"({cfg.model.checkpoint}); use model.checkpoint = \"base\" or a parity sft output")
+    tokenizer = HFTokenizer(path)
+    if t.name == "math":
+        from ..envs.math import MathEnv
+
+        return MathEnv(tokenizer, t.math_task, t.level, cfg.seed, t.heldout_size)
+    from ..envs.tool import ToolEnv
+
+    return ToolEnv(tokenizer, tuple(t.kinds), t.level, cfg.seed, t.heldout_size, t.max_tool_calls,
+                   sandbox=sandbox)

@@ -1,0 +1,237 @@
+"""The rollout worker: model + engine + environment; weights in, trajectories out.
+
+Everything the rollout side does lives here, whatever process or actor hosts it:
+
+- **weights**: versions arrive through `receive` (pushed) or a `poll` function (pulled); between
+  batches the worker loads the one admission allows (drain), and with in-flight updates it
+  switches running sequences to the newest version between two engine steps;
+- **admission control**: batch b is sampled only with weights of version >= b - max_policy_lag
+  (exactly that version in deterministic mode), so no token is trained on more than
+  max_policy_lag updates after the version that sampled it; the producer waits, nothing is dropped;
+- **episodes**: `run_episodes` keeps every episode of the batch in the engine at once, judges each
+  finished turn with the environment, runs tool calls of turns that ended in the same engine step
+  concurrently and feeds observations back (`loss_mask` 0, cache kept);
+- **trajectories**: the batch leaves as one `RolloutBatch`.
+
+A batch's content depends only on (seed, batch index, the version that sampled it).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..config import TrainConfig
+from ..engine import Engine, RequestOutput, SamplingParams
+from ..envs.base import Env, Episode, Turn
+from ..errors import InputError
+from .trajectory import RolloutBatch, Trajectory
+
+State = dict[str, torch.Tensor]
+Poll = Callable[[bool], list[tuple[int, State]]]
+"""`poll(block)` -> newly published (version, weights) pairs; with block=True it may wait a little."""
+
+
+# --------------------------------------------------------------------------- a batch's requests
+def geometric_lengths(rnd: random.Random, n: int, mean: float, cap: int) -> list[int]:
+    """n lengths from a geometric distribution on 1, 2, ... with the given mean, capped at `cap`."""
+    p = 1.0 / mean
+    out = []
+    for _ in range(n):
+        k = 1
+        while rnd.random() > p and k < cap:
+            k += 1
+        out.append(k)
+    return out
+
+
+def response_limits(cfg: TrainConfig, batch_index: int, n: int) -> list[int]:
+    """Per-request max_tokens for batch `batch_index` (seeded, so any batch can be redone)."""
+    cap = cfg.rollout.max_tokens
+    if cfg.rollout.lengths == "fixed":
+        return [cap] * n
+    return geometric_lengths(random.Random(cfg.seed * 104_729 + batch_index), n, cap / 4, cap)
+
+
+def sampling_params(cfg: TrainConfig, batch_index: int, n: int) -> list[SamplingParams]:
+    """Per-response SamplingParams of batch `batch_index` (seeded, so any batch can be redone).
+    The toy task samples to its length limit; text tasks stop at EOS (limits are per turn)."""
+    limits = response_limits(cfg, batch_index, n)
+    toy = cfg.task.name == "target_tokens"
+    return [SamplingParams(temperature=cfg.rollout.temperature, max_tokens=limits[i],
+                           seed=hash((cfg.seed, batch_index, i)) % 2**62, ignore_eos=toy)
+            for i in range(n)]
+
+
+def rollout_stats(episodes: list[Episode]) -> dict[str, float]:
+    """Per-batch episode statistics (tool use, answers, pass rate)."""
+    n = len(episodes)
+    return {"rollout/pass_rate": sum(e.passed for e in episodes) / n,
+            "rollout/answered": sum(e.answered for e in episodes) / n,
+            "rollout/tool_calls": sum(e.tool_calls for e in episodes) / n,
+            "rollout/tool_errors": sum(e.tool_errors for e in episodes) / n,
+            "rollout/turns": sum(e.turns for e in episodes) / n}
+
+
+# --------------------------------------------------------------------------- episodes on the engine
+@dataclass
+class EpisodeResult:
+    output: RequestOutput
+    """The engine's output for the whole sequence (loss mask, log-probs, versions)."""
+    episode: Episode
+
+    @property
+    def reward(self) -> float:
+        return self.episode.reward
+
+
+def run_episodes(engine: Engine, env: Env, problems: list, params: list[SamplingParams],
+                 before_step: Callable[[Engine], None] | None = None,
+                 tool_threads: int = 4) -> list[EpisodeResult]:
+    """Run one episode per problem (params[i] for problem i) to the end; results in order."""
+    if len(params) != len(problems):
+        raise InputError(f"got {len(params)} SamplingParams for {len(problems)} problems")
+    stops = env.stop_token_ids
+    results: list[EpisodeResult | None] = [None] * len(problems)
+    active: dict[int, tuple[int, Episode, int]] = {}  # request id -> (index, episode, turn start)
+    for i, (problem, p) in enumerate(zip(problems, params)):
+        p = replace(p, stop_token_ids=sorted(set(p.stop_token_ids) | set(stops)))
+        episode = env.start(problem)
+        prompt = env.prompt_ids(problem)
+        rid = engine.add_request(prompt, p, multi_turn=env.multi_turn)
+        active[rid] = (i, episode, len(prompt))
+    pool = ThreadPoolExecutor(tool_threads) if env.multi_turn and tool_threads > 1 else None
+    try:
+        while active:
+            if not engine.has_unfinished():
+                raise RuntimeError("engine idle with episodes unfinished")  # a bug, not bad input
+            if before_step is not None:
+                before_step(engine)
+            outs = [o for o in engine.step() if o.request_id in active]
+            if not outs:
+                continue
+
+            def judge(out) -> Turn:
+                _, episode, start = active[out.request_id]
+                if out.finish_reason == "error":
+                    episode.info["ended"] = out.error or "engine error"
+                    return Turn(None, True, 0.0)
+                return env.step(episode, out.full_token_ids[start:])
+
+            turns = list(pool.map(judge, outs)) if pool is not None and len(outs) > 1 else \
+                [judge(o) for o in outs]
+            for out, turn in zip(outs, turns):
+                i, episode, _ = active[out.request_id]
+                if not turn.done:
+                    try:
+                        start = len(out.full_token_ids) + len(turn.observation or [])
+                        engine.continue_request(out.request_id, turn.observation or [])
+                        active[out.request_id] = (i, episode, start)
+                        continue
+                    except InputError as exc:  # the observation does not fit the context
+                        episode.info["ended"] = str(exc)
+                        episode.reward, episode.passed = 0.0, False
+                episode.reward = turn.reward if turn.done else 0.0
+                # a request the engine failed (finish_reason "error") is already gone from it
+                final = engine.release(out.request_id) if env.multi_turn and out.finish_reason != "error" \
+                    else out
+                results[i] = EpisodeResult(final, episode)
+                del active[out.request_id]
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        for rid in active:  # an exception above: do not leave paused requests holding cache
+            if rid in engine.seqs:
+                engine.release(rid)
+    return results  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- the worker
+class RolloutWorker:
+    """Samples batches for a run: holds the model (loaded with `version`'s weights), an engine
+    on it and the run's environment."""
+
+    def __init__(self, cfg: TrainConfig, model, env: Env, version: int = 0, poll: Poll | None = None):
+        self.cfg = cfg
+        self.env = env
+        self.engine = Engine(model, max_num_seqs=cfg.rollout.max_num_seqs)
+        self.engine.policy_version = version
+        self.held: dict[int, State] = {}  # versions received, not loaded yet
+        self._poll = poll
+
+    @property
+    def version(self) -> int:
+        """The version the engine's weights are."""
+        return self.engine.policy_version
+
+    # ------------------------------------------------------------------ weights
+    def receive(self, version: int, state: State) -> None:
+        """A newly published version (kept until admission or an in-flight update loads it)."""
+        if version > self.version:
+            self.held[version] = state
+
+    def poll(self, block: bool = False) -> None:
+        """Take in what the poll function has (with block=True, wait for it a little)."""
+        if self._poll is not None:
+            for version, state in self._poll(block):
+                self.receive(version, state)
+
+    def _newest(self) -> int:
+        return max(self.held, default=self.version)
+
+    def _load(self, version: int, mode: str) -> None:
+        if version != self.version:
+            self.engine.update_weights(self.held[version], version, mode=mode)
+        for v in [v for v in self.held if v <= version]:
+            del self.held[v]
+
+    # ------------------------------------------------------------------ admission
+    def required_version(self, batch_index: int) -> int:
+        """The oldest version batch `batch_index` may be sampled with."""
+        return max(0, batch_index - self.cfg.max_policy_lag)
+
+    def admissible(self, batch_index: int) -> bool:
+        need = self.required_version(batch_index)
+        if self.cfg.deterministic:
+            return need == self.version or need in self.held
+        return self._newest() >= need
+
+    def wait_for(self, batch_index: int, stopped: Callable[[], bool]) -> float | None:
+        """Take in published weights until batch `batch_index` is admissible; the seconds waited,
+        or None when `stopped()` became true first."""
+        self.poll(block=False)
+        t0 = time.perf_counter()
+        while not stopped() and not self.admissible(batch_index):
+            self.poll(block=True)
+        return None if stopped() else time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, batch_index: int, wait_s: float = 0.0) -> RolloutBatch:
+        """Sample batch `batch_index` (which must be admissible) and return its trajectories."""
+        if not self.admissible(batch_index):
+            raise RuntimeError(f"batch {batch_index} is not admissible with versions "
+                               f"{sorted({self.version, *self.held})}")  # a caller bug
+        cfg = self.cfg
+        version = self.required_version(batch_index) if cfg.deterministic else self._newest()
+        self._load(version, mode="drain")  # between batches nothing is running
+        t0 = time.perf_counter()
+        group = cfg.rollout.group_size
+        problems = self.env.problems(batch_index, cfg.rollout.prompts_per_step)
+        params = sampling_params(cfg, batch_index, len(problems) * group)
+        inflight = cfg.rollout.weight_update == "inflight"  # (never with deterministic = true)
+        results = run_episodes(self.engine, self.env, [p for p in problems for _ in range(group)], params,
+                               before_step=self._load_newer if inflight else None)
+        trajectories = [Trajectory.from_output(r.output, r.reward, i // group) for i, r in enumerate(results)]
+        return RolloutBatch(batch_index, trajectories, version, time.perf_counter() - t0, wait_s,
+                            rollout_stats([r.episode for r in results]))
+
+    def _load_newer(self, engine: Engine) -> None:
+        """In-flight: running sequences continue on the newest weights from their next token."""
+        self.poll(block=False)
+        if self._newest() > self.version:
+            self._load(self._newest(), mode="inflight")
