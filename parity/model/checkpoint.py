@@ -1,8 +1,8 @@
-"""Hugging Face-compatible checkpoints: `config.json` (Qwen3 fields) + `model.safetensors`.
+"""Hugging Face-compatible checkpoint files: `config.json` + `model.safetensors` (or shards).
 
-What `parity` saves loads in `transformers` as `Qwen3ForCausalLM`, and a local Qwen3 checkpoint
-(one safetensors file, or several with an index) loads here. Names and shapes are checked
-against the config before any weight is copied, so a bad file is refused, never half-loaded.
+`save_pretrained` writes what `transformers` loads as `Qwen3ForCausalLM`; `read_tensors` reads
+one safetensors file or an index of shards, with one-line errors for missing or corrupt files.
+Building a model from a directory is `loading.load_model`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
-from .config import ModelConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ..errors import CheckpointError
 
 
 def save_pretrained(model, path: str | Path) -> None:
@@ -33,7 +30,7 @@ def save_pretrained(model, path: str | Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -54,44 +51,3 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({exc})") from None
     return tensors
-
-
-def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | None = None,
-               block_size: int | None = None):
-    """Load a `parity` or Hugging Face Qwen3 checkpoint directory."""
-    from .qwen3 import DEFAULT_BLOCK_SIZE, Model
-
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found")
-    try:
-        config = ModelConfig.from_json(path / "config.json")
-    except ConfigError as exc:
-        raise CheckpointError(str(exc)) from None
-    raw = json.loads((path / "config.json").read_text())
-    if dtype is None:
-        dtype = _DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32)
-        dtype = torch.float32 if dtype == torch.float16 else dtype
-    tensors = _read_tensors(path)
-    model = Model(config, kernels=kernels, dtype=dtype, seed=None,
-                  block_size=block_size or DEFAULT_BLOCK_SIZE)
-    expected = model.state_dict()
-    weights_file = path / "model.safetensors"
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise CheckpointError(f"{weights_file}: missing tensor {missing[0]}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"{weights_file}: unexpected tensor {unexpected[0]} for this config")
-    for name, want in expected.items():
-        got = tensors[name]
-        if tuple(got.shape) != tuple(want.shape):
-            raise CheckpointError(f"{weights_file}: tensor {name} has shape {tuple(got.shape)}, "
-                                  f"config.json implies {tuple(want.shape)}")
-        if not torch.isfinite(got.float()).all():
-            raise CheckpointError(f"{weights_file}: tensor {name} contains NaN or inf")
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
-    return model

@@ -13,6 +13,7 @@ from torch import nn
 from ..errors import ConfigError, InputError
 from ..ops import get_kernels
 from .batch import ForwardBatch
+from .checkpoint import save_pretrained
 from .config import ModelConfig
 from .kv_cache import KVCache
 
@@ -208,6 +209,5 @@ class Model(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path) -> None:
-        from .checkpoint import save_pretrained
-
+        """Write `config.json` + `model.safetensors` (HF Qwen3 names) into directory `path`."""
         save_pretrained(self, path)

@@ -136,9 +136,9 @@ def test_pure_pytorch_fallback_is_also_invariant(pure_torch_kernels):
 
 
 # ---------------------------------------------------------------------------- controls
-def _standard_mismatches(dtype: str, preset: str, rounds: int) -> int:
+def _standard_mismatches(dtype: str, preset: str, rounds: int, cases=("batch", "padding", "decode")) -> int:
     model = cached_model(preset, "standard", dtype, 0, 0.02)
-    results = run_checks(model, rounds=rounds, seed=2, cases=("batch", "padding", "decode"))
+    results = run_checks(model, rounds=rounds, seed=2, cases=cases)
     return sum(r.mismatches for r in results)
 
 
@@ -152,8 +152,13 @@ def test_control_standard_bfloat16_differs():
     assert _standard_mismatches("bfloat16", "small", 6) > 0
 
 
+def test_control_standard_engine_differs():
+    """The rollout engine's recorded log-probs against the learner's, with standard kernels."""
+    assert _standard_mismatches("float32", "tiny", 3, cases=("engine",)) > 0
+
+
 def test_control_same_suite_on_aligned_passes():
     for dtype, preset, rounds in (("float32", "tiny", 3), ("bfloat16", "small", 6)):
         model = cached_model(preset, "aligned", dtype, 0, 0.02)
-        results = run_checks(model, rounds=rounds, seed=2, cases=("batch", "padding", "decode"))
+        results = run_checks(model, rounds=rounds, seed=2, cases=("batch", "padding", "decode", "engine"))
         assert sum(r.mismatches for r in results) == 0

@@ -1,0 +1,128 @@
+"""Run untrusted Python (a model's tool call) in a sandboxed child process, never in the host interpreter.
+
+Each `Sandbox.run` starts a small launcher interpreter (`python -I -S launcher.py`, see that file) with an
+empty environment in its own session and temporary directory. The launcher enters new Linux namespaces via
+`unshare(2)` (mount, pid, net, ipc, uts; plus user when not root), forks the child that becomes pid 1 of
+the new pid namespace, and enforces the wall-clock limit. The child builds a private root on a tmpfs
+(read-only bind mounts of /usr and the Python prefix only, installed packages masked, a small writable
+/work and /tmp), pivots into it, drops privileges (a per-run unprivileged uid when root, no capabilities,
+no_new_privs), sets rlimits (cpu, address space, file size, process count, open files, core) and execs a
+fresh interpreter on the code. When pid 1 dies the kernel kills every process left in the namespace, so
+fork bombs and background processes are cleaned up. stdout and stderr go to files capped by
+RLIMIT_FSIZE; the host reads them back bounded and maps the outcome to a one-line error.
+
+What works is probed once per process. Where namespaces are not permitted the sandbox degrades to a
+separate process with rlimits, an empty environment and its own temp directory, and `describe()` says
+loudly that there is NO filesystem/network isolation; `Sandbox(require_isolation=True)` refuses instead.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+from ...errors import ConfigError, InputError, ParityError
+from .host import SandboxLimits, ToolResult, execute, expected_root_listing, fmt_bytes, others_can_run_python
+
+__all__ = ["Sandbox", "SandboxLimits", "ToolResult"]
+
+_PROBE_CODE = "import os\nprint(sorted(os.listdir('/')))\n"
+_others_can_run_python = others_can_run_python  # (tests force the fallback modes with it)
+
+
+@dataclass(frozen=True)
+class _Probe:
+    mode: str  # "root" or "user" (isolated), "plain" or "plain-keep-uid"
+    reason: str | None  # why isolation is unavailable, for mode "plain"
+
+
+_PROBE: _Probe | None = None
+_PROBE_LOCK = threading.Lock()
+
+
+def _run_probe() -> _Probe:
+    modes = ["root", "user"] if os.geteuid() == 0 else ["user"]
+    reasons: list[str] = []
+    expected = expected_root_listing()
+    for mode in modes:
+        try:
+            result = execute(mode, _PROBE_CODE.encode(), SandboxLimits())
+        except OSError as exc:
+            reasons.append(f"{mode} mode: {exc}")
+            continue
+        if result.ok and result.stdout.strip() == expected:
+            return _Probe(mode, None)
+        why = result.error or f"unexpected root listing {result.stdout.strip()[:200]!r}"
+        why = why.removeprefix("sandbox setup failed: ")
+        if why not in reasons:
+            reasons.append(why)
+    plain = "plain" if os.geteuid() != 0 or others_can_run_python() else "plain-keep-uid"
+    return _Probe(plain, "; ".join(reasons) or "no isolation mode worked")
+
+
+def _probe() -> _Probe:
+    global _PROBE
+    with _PROBE_LOCK:
+        if _PROBE is None:
+            _PROBE = _run_probe()
+        return _PROBE
+
+
+class Sandbox:
+    """Runs model-written Python in a sandboxed child process; see the module docstring.
+
+    `run` is thread-safe: every call has its own process, namespaces and temporary directory.
+    """
+
+    def __init__(self, limits: SandboxLimits | None = None, require_isolation: bool = False):
+        self.limits = limits if limits is not None else SandboxLimits()
+        if not isinstance(self.limits, SandboxLimits):
+            raise ConfigError(f"Sandbox.limits must be a SandboxLimits, got {type(self.limits).__name__}")
+        probe = _probe()
+        self._mode = probe.mode
+        self.unavailable_reason: str | None = probe.reason
+        self.isolated: bool = probe.mode in ("root", "user")
+        if require_isolation and not self.isolated:
+            raise ParityError(f"sandbox isolation is unavailable: {probe.reason}")
+        lim = self.limits
+        rlimits = (
+            f"rlimits cpu {lim.cpu_s} s / mem {lim.memory_mb} MiB / nproc {lim.nproc} / "
+            f"output {fmt_bytes(lim.output_bytes)}"
+        )
+        protections = ["separate process"]
+        if self.isolated:
+            user = "user+" if probe.mode == "user" else ""
+            protections += [
+                f"{user}mount+pid+net+ipc+uts namespaces",
+                "private read-only root",
+                "no network",
+                "empty env",
+                "unprivileged per-run uid" if probe.mode == "root" else "no capabilities",
+                "no_new_privs",
+            ]
+        else:
+            protections += ["empty env", "own temp working dir"]
+            if os.geteuid() == 0:
+                protections.append(
+                    "unprivileged per-run uid" if probe.mode == "plain" else "root without capabilities"
+                )
+            protections.append("no_new_privs")
+        protections += [rlimits, f"wall {lim.wall_s:g} s"]
+        self.protections: list[str] = protections
+        self._description = "sandbox: " + ", ".join(protections)
+        if not self.isolated:
+            self._description += f"; NO filesystem/network isolation ({probe.reason})"
+
+    def describe(self) -> str:
+        """One line for start-up logs saying which protections are active."""
+        return self._description
+
+    def run(self, code: str) -> ToolResult:
+        """Run `code` as a fresh `python` script in the sandbox; never raises for what the code does."""
+        if not isinstance(code, str):
+            raise InputError(f"Sandbox.run: code must be a str, got {type(code).__name__}")
+        data = code.encode("utf-8", "surrogatepass")
+        if len(data) > self.limits.code_bytes:
+            return ToolResult(False, "", f"code too long ({len(data)} bytes > {self.limits.code_bytes})", 0.0)
+        return execute(self._mode, data, self.limits)

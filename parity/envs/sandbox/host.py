@@ -1,0 +1,314 @@
+"""The host side of the sandbox: resource limits in, a `ToolResult` out, and the launcher run between.
+
+`execute(mode, code, limits)` writes the code into a fresh temporary directory, runs
+`launcher.py` on it (by path, with an isolated interpreter and an empty environment, in its own
+process group), waits at most the wall limit plus a margin, kills whatever is left, and maps the
+launcher's status file and the capped output files to a result with a one-line error. The mount
+plan says what the private root holds.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+import os
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import ConfigError
+
+LAUNCHER = Path(__file__).with_name("launcher.py")
+"""The script that builds the sandbox and runs the code (never imported by the host)."""
+
+_HOST_MARGIN_S = 2.0  # the launcher enforces wall_s itself; the host kills it only if it is this late
+_ERROR_MAX_CHARS = 500  # one-line errors are cut to this length
+_ERR_TAIL_BYTES = 8192  # how much of the end of stderr is read to find the last line
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits for one `Sandbox.run`; every run gets a fresh process and filesystem."""
+
+    wall_s: float = 5.0
+    """Wall-clock limit per run, in seconds; the whole process tree is killed when it is reached."""
+    cpu_s: int = 4
+    """CPU-time limit per process, in seconds (RLIMIT_CPU; the process is killed when it is reached)."""
+    memory_mb: int = 512
+    """Address-space limit per process, in MiB (RLIMIT_AS); allocations beyond it raise MemoryError."""
+    output_bytes: int = 65536
+    """Cap on the size of the stdout file and of the stderr file (and any file written; RLIMIT_FSIZE)."""
+    nproc: int = 16
+    """Most processes the sandboxed code may have at once (RLIMIT_NPROC)."""
+    code_bytes: int = 16384
+    """Longest code accepted, in UTF-8 bytes; longer code is rejected without running."""
+    fs_mb: int = 16
+    """Size of the writable tmpfs that holds /work and /tmp, in MiB."""
+
+    def __post_init__(self) -> None:
+        wall = self.wall_s
+        if isinstance(wall, bool) or not isinstance(wall, (int, float)) or not (0 < wall < math.inf):
+            raise ConfigError(f"SandboxLimits.wall_s must be a positive number of seconds, got {wall!r}")
+        minimum = {"cpu_s": 1, "memory_mb": 64, "output_bytes": 1, "nproc": 1, "code_bytes": 1, "fs_mb": 1}
+        for name, low in minimum.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"SandboxLimits.{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass
+class ToolResult:
+    """The outcome of one sandboxed run."""
+
+    ok: bool
+    """True when the code exited with status 0 and hit no limit."""
+    stdout: str
+    """Captured stdout, decoded as UTF-8 with errors replaced, at most `output_bytes` bytes of it."""
+    error: str | None
+    """One line when not ok: a limit that was hit, or the last line of the traceback; None when ok."""
+    elapsed_s: float
+    """Wall-clock seconds the run took on the host, start-up included."""
+
+
+_PLAN: list[tuple[str, str, str]] | None = None
+
+
+def _under(path: str, parents: list[str]) -> bool:
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in parents)
+
+
+def python_paths() -> tuple[str, list[str]]:
+    """The real interpreter and the prefixes it needs, outermost first."""
+    exe = os.path.realpath(sys.executable)
+    prefixes = {os.path.realpath(sys.base_prefix), os.path.dirname(os.path.dirname(exe))}
+    return exe, sorted(p for p in prefixes if p not in ("", "/"))
+
+
+def mount_plan() -> list[tuple[str, str, str]]:
+    """What the private root holds, as (kind, host path, arg) triples, parents before children.
+
+    Kinds: "ro" read-only bind of a directory, "file" read-only bind of a file, "dev" bind of a device
+    node, "ln" a symlink (arg: its target) mirroring the host, "mask" an empty read-only tmpfs over a
+    directory (installed packages, /usr/local) so it is not visible.
+    """
+    global _PLAN
+    if _PLAN is not None:
+        return _PLAN
+    exe, prefixes = python_paths()
+    binds = ["/usr"]
+    links: list[tuple[str, str, str]] = []
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            links.append(("ln", top, os.readlink(top)))
+        elif os.path.isdir(top):
+            binds.append(top)
+    for prefix in prefixes:
+        if not _under(prefix, binds):
+            binds.append(prefix)
+    plan: list[tuple[str, str, str]] = links + [("ro", b, "") for b in sorted(binds)]
+    if os.path.isfile("/etc/ld.so.cache"):
+        plan.append(("file", "/etc/ld.so.cache", ""))
+    for dev in ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"):
+        if os.path.exists(dev):
+            plan.append(("dev", dev, ""))
+    masks: list[str] = []
+    if os.path.isdir("/usr/local") and not any(_under(p, ["/usr/local"]) for p in [exe, *prefixes]):
+        masks.append("/usr/local")
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    for base in [*prefixes, "/usr", "/usr/local"]:
+        for sub in (
+            f"lib/{version}/site-packages",
+            f"lib/{version}/dist-packages",
+            "lib/python3/dist-packages",
+        ):
+            path = os.path.join(base, sub)
+            if os.path.isdir(path) and not os.path.islink(path) and _under(path, binds):
+                if not _under(path, masks) and os.path.realpath(path) == path:
+                    masks.append(path)
+    plan += [("mask", m, "") for m in sorted(set(masks))]
+    _PLAN = plan
+    return plan
+
+
+def others_can_run_python() -> bool:
+    """Whether an unprivileged uid can run the interpreter (every directory on the way is o+x)."""
+    exe, _ = python_paths()
+    for target in (exe, os.path.dirname(os.path.realpath(os.__file__))):
+        path = target
+        while True:
+            try:
+                if not os.stat(path).st_mode & stat.S_IXOTH:
+                    return False
+            except OSError:
+                return False
+            if path in ("/", ""):
+                break
+            path = os.path.dirname(path)
+    return True
+
+
+def expected_root_listing() -> str:
+    tops = {p.split("/")[1] for _, p, _ in mount_plan()} | {"work", "tmp"}
+    return repr(sorted(tops))
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} bytes"
+
+
+def _read_head(path: str, limit: int) -> tuple[bytes, int]:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit), os.fstat(f.fileno()).st_size
+    except OSError:
+        return b"", 0
+
+
+def _read_tail(path: str, limit: int) -> tuple[bytes, int]:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - limit))
+            return f.read(limit), size
+    except OSError:
+        return b"", 0
+
+
+def _read_status(path: str) -> dict[str, str]:
+    info: dict[str, str] = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.rstrip("\n").partition(" ")
+                info[key] = value
+    except OSError:
+        pass
+    return info
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _ERROR_MAX_CHARS else text[: _ERROR_MAX_CHARS - 3] + "..."
+
+
+def _last_line(data: bytes) -> str:
+    lines = [ln for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
+    return _one_line(lines[-1]) if lines else ""
+
+
+def _wait_exit(proc: subprocess.Popen, timeout: float) -> tuple[bool, bool]:
+    """Wait until `proc` exits or `timeout` passes, without reaping it when possible.
+
+    Returns (exited, reaped). An unreaped zombie keeps its process-group id reserved, so the caller can
+    still kill the group safely afterwards.
+    """
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        try:
+            proc.wait(timeout)
+            return True, True
+        except subprocess.TimeoutExpired:
+            return False, False
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(timeout * 1000.0)), False
+    finally:
+        os.close(fd)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
+    """Run `code` once in `mode`; the host side of the launcher protocol."""
+    start = time.monotonic()
+    tmp = tempfile.mkdtemp(prefix="parity-sandbox-")
+    try:
+        os.mkdir(os.path.join(tmp, "work"), 0o700)
+        with open(os.path.join(tmp, "work", "main.py"), "wb") as f:
+            f.write(code)
+        exe, _ = python_paths()
+        argv = [exe, "-I", "-S", "-B", str(LAUNCHER), tmp, mode, exe, repr(float(limits.wall_s))]
+        numbers = (limits.cpu_s, limits.memory_mb, limits.output_bytes, limits.nproc, limits.fs_mb)
+        argv += [str(v) for v in numbers]
+        if not mode.startswith("plain"):
+            for triple in mount_plan():
+                argv += triple
+        with open(os.path.join(tmp, "launcher.log"), "wb") as log:
+            proc = subprocess.Popen(
+                argv,
+                env={},
+                cwd=tmp,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                close_fds=True,
+                start_new_session=True,
+            )
+        exited = reaped = False
+        try:
+            exited, reaped = _wait_exit(proc, float(limits.wall_s) + _HOST_MARGIN_S)
+        finally:
+            if not reaped:
+                _kill_group(proc.pid)  # leftovers of the group; the launcher itself when it is late
+            proc.wait()
+        return _collect(tmp, limits, host_timeout=not exited, start=start)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _collect(tmp: str, limits: SandboxLimits, host_timeout: bool, start: float) -> ToolResult:
+    info = _read_status(os.path.join(tmp, "status"))
+    out, out_size = _read_head(os.path.join(tmp, "out"), limits.output_bytes)
+    err, err_size = _read_tail(os.path.join(tmp, "err"), _ERR_TAIL_BYTES)
+    if out_size > len(out):  # cut mid-stream: leave out a multi-byte character split at the cap
+        stdout = codecs.getincrementaldecoder("utf-8")("replace").decode(out, final=False)
+    else:
+        stdout = out.decode("utf-8", "replace")
+    last = _last_line(err)
+
+    def done(error: str | None) -> ToolResult:
+        return ToolResult(ok=error is None, stdout=stdout, error=error, elapsed_s=time.monotonic() - start)
+
+    if "setup" in info:
+        return done(_one_line(f"sandbox setup failed: {info['setup']}"))
+    cap = limits.output_bytes
+    if out_size > cap or err_size > cap or last.startswith("OSError: [Errno 27]"):
+        return done(f"output limit exceeded ({cap} bytes)")
+    if host_timeout or info.get("timeout") == "1":
+        return done(f"time limit exceeded ({float(limits.wall_s)} s wall)")
+    if "status" not in info:
+        log, _ = _read_tail(os.path.join(tmp, "launcher.log"), _ERR_TAIL_BYTES)
+        return done(_one_line(f"sandbox launcher failed: {_last_line(log) or 'no status'}"))
+    code = os.waitstatus_to_exitcode(int(info["status"]))
+    if code < 0:
+        sig = -code
+        cpu = float(info.get("cpu", "0") or 0)
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= limits.cpu_s - 0.05):
+            return done("cpu time limit exceeded")
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        return done(f"killed by signal {name}")
+    if last.split(":", 1)[0].strip() == "MemoryError":
+        return done("memory limit exceeded")
+    if code != 0:
+        return done(last or f"exit status {code}")
+    return done(None)

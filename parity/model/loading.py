@@ -1,0 +1,54 @@
+"""Build a model from a checkpoint directory: `parity` or Hugging Face Qwen3 (`config.json` +
+safetensors, one file or sharded). Names and shapes are checked against the config before any
+weight is copied, so a bad file is refused, never half-loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..dtypes import checkpoint_dtype
+from ..errors import CheckpointError, ConfigError
+from .checkpoint import read_tensors
+from .config import ModelConfig
+from .qwen3 import DEFAULT_BLOCK_SIZE, Model
+
+
+def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | None = None,
+               block_size: int | None = None):
+    """Load a `parity` or Hugging Face Qwen3 checkpoint directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory not found")
+    try:
+        config = ModelConfig.from_json(path / "config.json")
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    raw = json.loads((path / "config.json").read_text())
+    if dtype is None:
+        dtype = checkpoint_dtype(raw.get("dtype") or raw.get("torch_dtype"))
+    tensors = read_tensors(path)
+    model = Model(config, kernels=kernels, dtype=dtype, seed=None,
+                  block_size=block_size or DEFAULT_BLOCK_SIZE)
+    expected = model.state_dict()
+    weights_file = path / "model.safetensors"
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{weights_file}: missing tensor {missing[0]}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{weights_file}: unexpected tensor {unexpected[0]} for this config")
+    for name, want in expected.items():
+        got = tensors[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise CheckpointError(f"{weights_file}: tensor {name} has shape {tuple(got.shape)}, "
+                                  f"config.json implies {tuple(want.shape)}")
+        if not torch.isfinite(got.float()).all():
+            raise CheckpointError(f"{weights_file}: tensor {name} contains NaN or inf")
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
+    return model
