@@ -1,0 +1,27 @@
+# The README's two commands. Each installs what is missing first, so both work on a fresh machine:
+#   make demo   - the main job: base policy + asynchronous REINFORCE Zero on the tool task
+#   make test   - lint and the whole test suite (what .ci/run runs)
+# torch is pinned to the CPU build (an unpinned `torch` would pull a multi-GB CUDA build).
+# Extra arguments go through ARGS, e.g. `make demo ARGS="--steps 20"`, `make test ARGS="-x tests/rl"`.
+
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+PIP = PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check
+HAVE = $(PYTHON) -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))'
+
+.PHONY: demo test install install-dev
+
+demo: install
+	$(PYTHON) -m parity.cli demo $(ARGS)
+
+test: install-dev
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m pytest $(ARGS)
+
+install:
+	@$(HAVE) torch || { echo "installing $(TORCH) (CPU build)"; $(PIP) "$(TORCH)"; }
+	@$(PYTHON) -m pip show -q parity >/dev/null 2>&1 && $(HAVE) safetensors tokenizers rich matplotlib \
+		|| { echo "installing parity and its dependencies"; $(PIP) -e .; }
+
+install-dev: install
+	@$(HAVE) pytest hypothesis ruff transformers || { echo "installing the test extras"; $(PIP) -e ".[dev]"; }
