@@ -1,9 +1,11 @@
-"""`parity bench async`: learner steps/hour, synchronous vs asynchronous training.
+"""`parity bench async`: learner steps/hour, synchronous vs asynchronous training, per backend.
 
-The same task and model train for `--steps` updates synchronously (lag 0) and asynchronously
-(each lag in `--lags`) on long-tail response lengths; modes take turns per repetition. Steady-state
-throughput excludes the first step (process start-up). Also reported: the share of time each side
-waited for the other, and the largest lag seen.
+The same task and model train for `--steps` updates synchronously (lag 0, local backend, one
+worker) and asynchronously (each lag in `--lags`, on each of `--backends` with each of
+`--workers` rollout workers) on long-tail response lengths; modes take turns per repetition.
+Steady-state throughput excludes the first step (process or actor start-up). Also reported: the
+share of time each side waited for the other, the largest lag seen, and weight sync — seconds per
+publication, how long a worker paused to load weights, bytes moved per step.
 """
 
 from __future__ import annotations
@@ -26,48 +28,63 @@ from .ui import status, table
 @dataclass
 class AsyncRow:
     mode: str
+    """'sync' (lag 0, local backend, one worker: the baseline) or 'async'."""
+    backend: str
+    workers: int
     max_policy_lag: int
     steps: int
     steps_per_hour: float
     learner_wait_frac: float
     rollout_wait_frac: float
     observed_lag_max: float
+    publish_s: float
+    """Median seconds the learner spent publishing one version to the workers."""
+    rollout_pause_s: float
+    """Median seconds per batch a worker paused to load new weights."""
+    bytes_moved: float
+    """Weight bytes sent to the workers per learner step (one version per worker)."""
+
+
+def _measure(cfg: TrainConfig) -> tuple[float, ...]:
+    metrics = Controller(cfg).run()
+    steady = metrics[-1]["time/wall_s"] - metrics[0]["time/wall_s"]
+    rest = metrics[1:]  # the first step includes process / actor start-up
+    return (3600 * len(rest) / steady, sum(m["time/wait_s"] for m in rest) / steady,
+            sum(m["time/rollout_wait_s"] for m in rest) / steady, max(m["lag/max"] for m in metrics),
+            statistics.median(m["sync/publish_s"] for m in rest),
+            statistics.median(m["sync/rollout_pause_s"] for m in rest), rest[-1]["sync/bytes_moved"])
 
 
 def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8, 64), prompts: int = 8,
                 group: int = 4, max_tokens: int = 128, reps: int = 1, dtype: str = "float32",
+                backends: Sequence[str] = ("local",), workers: Sequence[int] = (1,),
                 progress: Callable[[str], None] | None = None) -> tuple[list[AsyncRow], dict]:
-    """Train the same task and model for `steps` updates synchronously (lag 0) and
-    asynchronously (each lag in `lags`) on long-tail response lengths; modes take turns per
-    repetition. Steady-state throughput excludes the first step (process start-up)."""
-    modes = [0, *lags]
-    per_mode: dict[int, list[tuple[float, float, float, float]]] = {m: [] for m in modes}
+    """Train the same task and model for `steps` updates synchronously (lag 0, local backend, one
+    worker) and asynchronously (each lag in `lags`, on each backend with each worker count) on
+    long-tail response lengths; modes take turns per repetition. Steady-state throughput excludes
+    the first step (process or actor start-up)."""
+    modes = [("local", 1, 0)] + [(b, n, lag) for b in backends for n in workers for lag in lags]
+    per_mode: dict[tuple, list[tuple[float, ...]]] = {m: [] for m in modes}
     for r in range(reps):
-        for lag in modes:
+        for mode in modes:
+            backend, n, lag = mode
             if progress:
-                progress(f"async bench: lag {lag}, repetition {r + 1}/{reps}")
+                progress(f"async bench: {backend} x{n}, lag {lag}, repetition {r + 1}/{reps}")
             with tempfile.TemporaryDirectory() as tmp:
-                cfg = TrainConfig(
+                per_mode[mode].append(_measure(TrainConfig(
                     steps=steps, max_policy_lag=lag, run_dir=tmp, eval_every=0,
                     model=ModelSection(preset=preset, dtype=dtype),
                     rollout=RolloutSection(prompts_per_step=prompts, group_size=group, max_tokens=max_tokens,
-                                           lengths="geometric"),
-                    learner=LearnerConfig(micro_batch_size=8))
-                metrics = Controller(cfg).run()
-            steady = metrics[-1]["time/wall_s"] - metrics[0]["time/wall_s"]
-            rest = metrics[1:]
-            per_mode[lag].append((3600 * len(rest) / steady,
-                                  sum(m["time/wait_s"] for m in rest) / steady,
-                                  sum(m["time/rollout_wait_s"] for m in rest) / steady,
-                                  max(m["lag/max"] for m in metrics)))
+                                           lengths="geometric", backend=backend, workers=n),
+                    learner=LearnerConfig(micro_batch_size=8))))
     rows = []
-    for lag in modes:
-        vals = per_mode[lag]
-        rows.append(AsyncRow("sync" if lag == 0 else "async", lag, steps,
-                             statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals),
-                             statistics.median(v[2] for v in vals), max(v[3] for v in vals)))
+    for (backend, n, lag), vals in per_mode.items():
+        med = [statistics.median(v[k] for v in vals) for k in range(7)]
+        rows.append(AsyncRow("sync" if lag == 0 else "async", backend, n, lag, steps, med[0], med[1], med[2],
+                             max(v[3] for v in vals), med[4], med[5], med[6]))
     sync = rows[0].steps_per_hour
-    ratios = {f"async_lag{r.max_policy_lag}_over_sync": r.steps_per_hour / sync for r in rows[1:]}
+    ratios = {f"{r.backend}_x{r.workers}_lag{r.max_policy_lag}_over_sync": r.steps_per_hour / sync
+              for r in rows[1:]}
     return rows, ratios
 
 
@@ -78,8 +95,10 @@ def main(args) -> int:
     if any(lag < 1 for lag in args.lags):
         raise ParityError("--lags must be positive (lag 0, synchronous, always runs)")
     dtype_from_name(args.dtype, "--dtype")
+    if any(b not in ("local", "ray") for b in args.backends) or any(n < 1 for n in args.workers):
+        raise ParityError("--backends takes local and/or ray, --workers positive integers")
     rows, ratios = bench_async(args.preset, args.steps, args.lags, args.prompts, args.group, args.max_tokens,
-                               args.reps, args.dtype, progress=status)
+                               args.reps, args.dtype, args.backends, args.workers, progress=status)
     status("")
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows],
@@ -88,10 +107,12 @@ def main(args) -> int:
     print(f"parity bench async: {args.preset} {args.dtype}, {args.steps} learner steps of "
           f"{args.prompts}x{args.group} responses, geometric lengths up to {args.max_tokens} tokens; "
           f"steady state (first step excluded), median of {args.reps}")
-    print(table(["mode", "max lag", "steps/hour", "learner waits", "rollout waits", "lag seen"],
-                [[r.mode, str(r.max_policy_lag), f"{r.steps_per_hour:,.0f}",
+    print(table(["mode", "backend", "workers", "max lag", "steps/hour", "learner waits", "rollout waits",
+                 "lag seen", "publish ms", "load ms", "MB moved/step"],
+                [[r.mode, r.backend, str(r.workers), str(r.max_policy_lag), f"{r.steps_per_hour:,.0f}",
                   f"{100 * r.learner_wait_frac:.0f}%", f"{100 * r.rollout_wait_frac:.0f}%",
-                  f"{r.observed_lag_max:.0f}"] for r in rows]))
+                  f"{r.observed_lag_max:.0f}", f"{1000 * r.publish_s:.2f}", f"{1000 * r.rollout_pause_s:.1f}",
+                  f"{r.bytes_moved / 2**20:.1f}"] for r in rows]))
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}")
     return 0

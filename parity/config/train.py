@@ -23,6 +23,7 @@ TASK_NAMES: tuple[str, ...] = ("tool", "math", "target_tokens")
 
 LENGTH_MODES: tuple[str, ...] = ("fixed", "geometric")
 WEIGHT_UPDATE_MODES: tuple[str, ...] = ("drain", "inflight")
+ROLLOUT_BACKENDS: tuple[str, ...] = ("local", "ray")
 
 DERIVED_LEARNER_FIELDS: dict[str, str] = {
     "temperature": "rollout.temperature", "compute_dtype": "model.dtype", "max_policy_lag": "max_policy_lag"}
@@ -72,9 +73,17 @@ class RolloutSection:
     lengths: str = "fixed"
     """'fixed': every response runs to max_tokens; 'geometric': each request's limit is drawn
     from a geometric distribution with mean max_tokens / 4 (a long tail of response lengths)."""
+    backend: str = "local"
+    """Where rollout workers run: 'local' (child processes of this one; Ray not needed) or 'ray'
+    (actors on a Ray cluster, see the [ray] table)."""
+    workers: int = 1
+    """Rollout workers; batch b is sampled by worker b mod workers, and in deterministic mode its
+    content does not depend on which worker or how many."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "group_size", "max_tokens", "max_num_seqs"):
+        if self.backend not in ROLLOUT_BACKENDS:
+            raise ConfigError(f"rollout.backend must be 'local' or 'ray', got {self.backend!r}")
+        for name in ("prompts_per_step", "group_size", "max_tokens", "max_num_seqs", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1")
         if not self.temperature > 0:
@@ -88,6 +97,23 @@ class RolloutSection:
     @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.group_size
+
+
+@dataclass
+class RaySection:
+    """The Ray cluster the rollout actors run on (used with rollout.backend = 'ray')."""
+
+    address: str | None = None
+    """Cluster to join: 'auto', the HOST:PORT printed by `ray start --head`, or 'ray://...'. None
+    starts a Ray instance on this machine for the run (and stops it at the end)."""
+    cpus_per_worker: float = 1.0
+    """CPUs each rollout actor reserves; its torch thread count is this rounded down (at least 1)."""
+    namespace: str = "parity"
+    """Ray namespace of the run's actors."""
+
+    def __post_init__(self) -> None:
+        if not self.cpus_per_worker > 0:
+            raise ConfigError(f"ray.cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
 
 
 @dataclass
@@ -152,6 +178,7 @@ class TrainConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     task: TaskSection = field(default_factory=TaskSection)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    ray: RaySection = field(default_factory=RaySection)
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -13,6 +13,15 @@ import statistics
 Metrics = list[dict]
 NAN = float("nan")
 
+TRANSPORT_PREFIXES = ("time/", "throughput/", "sync/")
+"""Metrics that depend on the machine, the backend or the number of rollout workers (wall-clock
+times, weight transfers); in a deterministic run every other metric depends only on the config."""
+
+
+def deterministic_view(metrics: Metrics) -> Metrics:
+    """The metrics without transport figures: what deterministic runs must agree on exactly."""
+    return [{k: v for k, v in m.items() if not k.startswith(TRANSPORT_PREFIXES)} for m in metrics]
+
 
 # --------------------------------------------------------------------------- primitives
 def series(metrics: Metrics, key: str) -> list[float]:

@@ -2,9 +2,10 @@
 
     Controller(cfg).run()     # or Controller(cfg, resume=True) to continue from a checkpoint
 
-Each step it evaluates when due, takes batch `step` from the rollout backend (`LocalRollout`:
-a `RolloutWorker` in a child process, which enforces the lag bound), runs one learner update on
-it, publishes the new weight version to the backend and records the step's metrics. The learner
+Each step it evaluates when due, takes batch `step` from the rollout backend (`rl/local.py`:
+RolloutWorkers in child processes, or `rl/ray_backend.py`: RolloutWorker actors on Ray; the
+worker enforces the lag bound), runs one learner update on it, publishes the new weight version
+to the backend and records the step's metrics, weight-sync figures included (`sync/...`). The learner
 consumes batch s at step s, so every sampled token's lag is <= max_policy_lag; `max_policy_lag
 = 0` is synchronous on-policy training (strict alternation). Ctrl-C finishes the step and saves
 a checkpoint.
@@ -41,6 +42,15 @@ class Interrupted(Exception):
         self.path = path
 
 
+def make_rollout(cfg: TrainConfig, model_config, versions):
+    """The rollout backend `cfg.rollout.backend` names (Ray is imported only when chosen)."""
+    if cfg.rollout.backend == "ray":
+        from .ray_backend import RayRollout
+
+        return RayRollout(cfg, model_config, versions)
+    return LocalRollout(cfg, model_config, versions)
+
+
 class Controller:
     """Runs `cfg.steps` learner updates on batches from a rollout backend; writes the run dir."""
 
@@ -57,7 +67,7 @@ class Controller:
             self.learner = Learner(self.model, cfg.learner)
         self.env = build_env(cfg, self.model.config.vocab_size)  # a bad task fails here, not in a worker
         self.task_description = self.env.describe()
-        self.rollout = LocalRollout(cfg, self.model.config, lambda: self.learner.history)
+        self.rollout = make_rollout(cfg, self.model.config, lambda: self.learner.history)
 
     def _resume(self) -> None:
         path = checkpoint.latest(self.run_dir)
@@ -92,7 +102,10 @@ class Controller:
                 batch = TrajectoryBatch(rollout.trajectories)
                 m = self.learner.step(batch)
                 state, version = self.learner.publish()
+                t_pub = time.perf_counter()
                 self.rollout.publish(version, state)
+                publish_s = time.perf_counter() - t_pub
+                version_bytes = sum(t.numel() * t.element_size() for t in state.values())
                 tokens += int(batch.mask.sum())
                 elapsed = time.perf_counter() - t_start
                 done = step + 1 - self.start_step
@@ -100,6 +113,9 @@ class Controller:
                           "time/rollout_wait_s": rollout.wait_s, "time/wall_s": elapsed,
                           "throughput/tokens_per_s": tokens / elapsed,
                           "throughput/steps_per_hour": 3600 * done / elapsed,
+                          "sync/publish_s": publish_s, "sync/rollout_pause_s": rollout.load_s,
+                          "sync/version_bytes": float(version_bytes),
+                          "sync/bytes_moved": float(version_bytes * cfg.rollout.workers),
                           "lag/bound": float(cfg.max_policy_lag), **rollout.stats, **evaluation})
                 record = {"step": step, **m}
                 self.metrics.append(record)

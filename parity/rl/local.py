@@ -1,14 +1,16 @@
-"""The local rollout backend: one `RolloutWorker` in a child process beside the learner.
+"""The local rollout backend: `rollout.workers` RolloutWorkers in child processes beside the learner.
 
-Weights go learner -> worker through a queue, one message per published version; batches go
-worker -> learner through files in a spool directory (atomic rename), the queue carrying only
-their paths, so a worker that dies mid-send leaves a partial file nobody reads, never a torn
-message. A dead worker is restarted from the batch the learner waits for: what it held is
-sampled again, nothing consumed is repeated, nothing pending is lost. A worker that has sent its
-last batch stays alive until told to stop, so its queued messages are always delivered.
+Worker i samples batches i, i + N, i + 2N, ... (N workers). Weights go learner -> each worker
+through its own queue, one message per published version (torch shares the tensors' memory, so
+nothing is copied per worker); batches go worker -> learner through files in a spool directory
+(atomic rename), the worker's own queue carrying only their paths, so a worker that dies mid-send
+leaves a partial file nobody reads, never a torn message or a lock held by a dead process. A dead
+worker is restarted from the batch the learner waits for: what it held is sampled again, nothing
+consumed is repeated, nothing pending is lost. A worker that has sent its last batch stays alive
+until told to stop, so its queued messages are always delivered.
 
-The controller sees only `start`, `publish`, `next_batch` and `close`; a distributed backend
-(Ray actors) provides the same four.
+The controller sees only `start`, `publish`, `next_batch` and `close`; the Ray backend
+(`rl/ray_backend.py`) provides the same four.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -29,7 +33,7 @@ from ..config import TrainConfig
 from ..errors import ParityError
 from ..model import ModelConfig
 from .build import build_env, model_skeleton
-from .rollout_worker import RolloutWorker, State
+from .rollout_worker import RolloutWorker, State, first_batch, start_version
 from .trajectory import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -38,17 +42,18 @@ _CORES = max(1, torch.get_num_threads())  # read once, before any split changes 
 
 
 def split_threads(cfg: TrainConfig) -> tuple[int, int]:
-    """(rollout threads, learner threads): both get every core when they alternate (lag 0),
-    the cores are shared out when they run at once."""
+    """(threads per rollout worker, learner threads): with lag 0 the two sides alternate and both
+    get every core; otherwise the cores are shared out, the rollout half among the workers."""
     if cfg.max_policy_lag == 0 or _CORES == 1:
-        return _CORES, _CORES
-    return max(1, _CORES // 2), max(1, _CORES - _CORES // 2)
+        return max(1, _CORES // cfg.rollout.workers), _CORES
+    return max(1, _CORES // 2 // cfg.rollout.workers), max(1, _CORES - _CORES // 2)
+
 
 
 # --------------------------------------------------------------------------- the child process
-def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, version: int, start_batch: int,
+def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, version: int, first: int,
                  weights_q, traj_q, stop, threads: int, spool: str) -> None:
-    """Rollout worker process body."""
+    """Rollout worker process body: batches first, first + N, ... (N = rollout.workers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     traj_q.cancel_join_thread()  # once told to stop, never block this process's exit on the queue
     parent = mp.parent_process()
@@ -77,7 +82,7 @@ def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, vers
             return got
 
         worker = RolloutWorker(cfg, model, env, version, poll)
-        for b in range(start_batch, cfg.steps):
+        for b in range(first, cfg.steps, cfg.rollout.workers):
             wait_s = worker.wait_for(b, orphaned)
             if wait_s is None:
                 return
@@ -97,10 +102,23 @@ def _send(traj_q, spool: str, batch: RolloutBatch) -> None:
 
 
 # --------------------------------------------------------------------------- the learner's side
+@dataclass
+class _Slot:
+    """One worker process and its queues."""
+
+    index: int
+    process: Any = None
+    weights_q: Any = None
+    traj_q: Any = None
+    stop: Any = None
+
+
 class LocalRollout:
-    """Runs the rollout worker in a child process (spawned) and hands its batches over in order."""
+    """Runs `rollout.workers` rollout workers as child processes (spawned) and hands their batches
+    over in order."""
 
     max_restarts = 3
+    """Restarts allowed over the run (all workers together) before it gives up."""
 
     def __init__(self, cfg: TrainConfig, model_config: ModelConfig,
                  versions: Callable[[], dict[int, State]]):
@@ -110,54 +128,63 @@ class LocalRollout:
         self.versions = versions
         self.ctx = mp.get_context("spawn")
         self.restarts = 0
-        self.process = None
-        self.weights_q = self.traj_q = self.stop = None
+        self.slots = [_Slot(i) for i in range(cfg.rollout.workers)]
         self.spool: str | None = None
 
     @property
+    def pids(self) -> list[int | None]:
+        return [s.process.pid if s.process is not None else None for s in self.slots]
+
+    @property
     def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
+        """The first worker's process id."""
+        return self.pids[0]
 
     def start(self, start_batch: int) -> None:
-        """(Re)start the worker to sample batches start_batch, start_batch + 1, ..."""
-        self._close_queues()
+        """Start the workers to sample batches start_batch, start_batch + 1, ..."""
         if self.spool is None:
             shm = Path("/dev/shm")
             self.spool = tempfile.mkdtemp(prefix="parity-batches-", dir=shm if shm.is_dir() else None)
-        self.weights_q, self.traj_q, self.stop = self.ctx.Queue(), self.ctx.Queue(), self.ctx.Event()
+        for slot in self.slots:
+            self._start(slot, start_batch)
+
+    def _start(self, slot: _Slot, from_batch: int) -> None:
+        self._close_queues(slot)
+        slot.weights_q, slot.traj_q, slot.stop = self.ctx.Queue(), self.ctx.Queue(), self.ctx.Event()
         history = self.versions()
-        version = max(history)
-        if self.cfg.deterministic:  # the worker may need older versions than the newest
-            version = max(0, start_batch - self.cfg.max_policy_lag)
+        first = first_batch(slot.index, len(self.slots), from_batch)
+        version = start_version(self.cfg, history, first)
         rollout_threads, learner_threads = split_threads(self.cfg)
         torch.set_num_threads(learner_threads)
-        self.process = self.ctx.Process(target=_worker_main, daemon=True, args=(
-            self.cfg, self.model_config, history[version], version, start_batch, self.weights_q,
-            self.traj_q, self.stop, rollout_threads, self.spool))
-        self.process.start()
+        slot.process = self.ctx.Process(target=_worker_main, daemon=True, args=(
+            self.cfg, self.model_config, history[version], version, first, slot.weights_q, slot.traj_q,
+            slot.stop, rollout_threads, self.spool))
+        slot.process.start()
         for v in sorted(history):
             if v > version:
-                self.weights_q.put((v, history[v]))
+                slot.weights_q.put((v, history[v]))
 
     def publish(self, version: int, state: State) -> None:
-        """A new version for the worker (it loads it when admission or an in-flight update asks)."""
-        self.weights_q.put((version, state))
+        """A new version for every worker (each loads it when admission or an in-flight update asks)."""
+        for slot in self.slots:
+            slot.weights_q.put((version, state))
 
     def next_batch(self, step: int) -> RolloutBatch:
-        """Batch `step`; a dead worker is restarted from that batch."""
+        """Batch `step`, from the worker that owns it; a dead worker is restarted from that batch."""
+        slot = self.slots[step % len(self.slots)]
         while True:
             try:
-                kind, value = self.traj_q.get(timeout=1.0)
+                kind, value = slot.traj_q.get(timeout=1.0)
             except queue_mod.Empty:
-                if self.process.is_alive():
+                if slot.process.is_alive():
                     continue
                 if self.restarts >= self.max_restarts:
-                    raise ParityError(f"the rollout worker died (exit code {self.process.exitcode}) "
-                                      f"{self.restarts + 1} times; giving up at batch {step}") from None
+                    raise ParityError(f"rollout worker {slot.index} died (exit code {slot.process.exitcode})"
+                                      f" after {self.restarts} restarts; giving up at batch {step}") from None
                 self.restarts += 1
-                log.warning("rollout worker died (exit code %s); restarting it from batch %d",
-                            self.process.exitcode, step)
-                self.start(step)
+                log.warning("rollout worker %d died (exit code %s); restarting it from batch %d",
+                            slot.index, slot.process.exitcode, step)
+                self._start(slot, step)
                 continue
             if kind == "error":
                 raise ParityError(f"rollout worker: {value}")
@@ -166,19 +193,23 @@ class LocalRollout:
             path.unlink()
             return batch
 
-    def _close_queues(self) -> None:
-        for q in (self.weights_q, self.traj_q):
+    @staticmethod
+    def _close_queues(slot: _Slot) -> None:
+        for q in (slot.weights_q, slot.traj_q):
             if q is not None:
                 q.cancel_join_thread()  # unread weight messages must not block our exit
                 q.close()
 
     def close(self) -> None:
-        """Stop the worker and remove the spool directory."""
-        self._close_queues()
-        if self.process is not None:
-            self.stop.set()
-            self.process.join(timeout=10)
-            if self.process.is_alive():
-                self.process.terminate()
+        """Stop the workers and remove the spool directory."""
+        started = [s for s in self.slots if s.process is not None and s.process.pid is not None]
+        for slot in self.slots:
+            self._close_queues(slot)
+            if slot.stop is not None:
+                slot.stop.set()
+        for slot in started:
+            slot.process.join(timeout=10)
+            if slot.process.is_alive():
+                slot.process.terminate()
         if self.spool is not None:
             shutil.rmtree(self.spool, ignore_errors=True)

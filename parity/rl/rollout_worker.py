@@ -152,6 +152,20 @@ def run_episodes(engine: Engine, env: Env, problems: list, params: list[Sampling
 
 
 # --------------------------------------------------------------------------- the worker
+def first_batch(worker: int, workers: int, from_batch: int) -> int:
+    """Worker `worker`'s first batch at or after `from_batch` (of N workers, worker i samples the
+    batches b with b mod N = i)."""
+    return from_batch + (worker - from_batch) % workers
+
+
+def start_version(cfg: TrainConfig, versions: dict, first: int) -> int:
+    """The version a worker starts from: the newest one, or in deterministic mode the one its
+    first batch must be sampled with (or the newest, when that one is not published yet)."""
+    if cfg.deterministic:
+        return min(max(0, first - cfg.max_policy_lag), max(versions))
+    return max(versions)
+
+
 class RolloutWorker:
     """Samples batches for a run: holds the model (loaded with `version`'s weights), an engine
     on it and the run's environment."""
@@ -163,6 +177,7 @@ class RolloutWorker:
         self.engine.policy_version = version
         self.held: dict[int, State] = {}  # versions received, not loaded yet
         self._poll = poll
+        self._load_s = 0.0  # seconds spent loading weights for the batch being sampled
 
     @property
     def version(self) -> int:
@@ -186,7 +201,9 @@ class RolloutWorker:
 
     def _load(self, version: int, mode: str) -> None:
         if version != self.version:
+            t0 = time.perf_counter()
             self.engine.update_weights(self.held[version], version, mode=mode)
+            self._load_s += time.perf_counter() - t0
         for v in [v for v in self.held if v <= version]:
             del self.held[v]
 
@@ -218,6 +235,7 @@ class RolloutWorker:
                                f"{sorted({self.version, *self.held})}")  # a caller bug
         cfg = self.cfg
         version = self.required_version(batch_index) if cfg.deterministic else self._newest()
+        self._load_s = 0.0
         self._load(version, mode="drain")  # between batches nothing is running
         t0 = time.perf_counter()
         group = cfg.rollout.group_size
@@ -228,7 +246,7 @@ class RolloutWorker:
                                before_step=self._load_newer if inflight else None)
         trajectories = [Trajectory.from_output(r.output, r.reward, i // group) for i, r in enumerate(results)]
         return RolloutBatch(batch_index, trajectories, version, time.perf_counter() - t0, wait_s,
-                            rollout_stats([r.episode for r in results]))
+                            rollout_stats([r.episode for r in results]), self._load_s)
 
     def _load_newer(self, engine: Engine) -> None:
         """In-flight: running sequences continue on the newest weights from their next token."""

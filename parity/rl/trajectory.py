@@ -122,3 +122,5 @@ class RolloutBatch:
     """Seconds the worker waited for fresh enough weights before sampling (admission control)."""
     stats: dict[str, float] = field(default_factory=dict)
     """Episode statistics (`rollout/...` keys)."""
+    load_s: float = 0.0
+    """Seconds the worker paused to load new weights for this batch (in-flight loads included)."""

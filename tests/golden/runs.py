@@ -56,9 +56,6 @@ def fingerprint() -> dict:
             "native": os.environ.get("PARITY_NATIVE", "1") != "0"}
 
 
-def timeless(metrics: list[dict]) -> list[dict]:
-    """Metrics without wall-clock figures."""
-    return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))} for m in metrics]
 
 
 def _tool_checkpoint(root: Path) -> str:
@@ -75,14 +72,15 @@ def _tool_checkpoint(root: Path) -> str:
 
 
 def run(name: str, root: Path) -> list[dict]:
-    """Run one golden configuration in `root`; its metrics without timings."""
+    """Run one golden configuration in `root`; its metrics without timings and transfers."""
     from parity.config import load_config
+    from parity.metrics.summary import deterministic_view
     from parity.rl.controller import Controller
 
     overrides = list(RUNS[name]) + [f"run_dir=\"{root / name}\""]
     if "task.name=\"tool\"" in overrides:
         overrides.append(f"model.checkpoint=\"{_tool_checkpoint(root)}\"")
-    return timeless(Controller(load_config(None, overrides)).run())
+    return deterministic_view(Controller(load_config(None, overrides)).run())
 
 
 def main() -> None:

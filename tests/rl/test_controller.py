@@ -10,6 +10,7 @@ import pytest
 
 from parity.config import load_config, to_toml
 from parity.errors import ConfigError
+from parity.metrics.summary import deterministic_view
 from parity.rl.controller import Controller
 
 BASE = ["model.preset=\"tiny\"", "rollout.prompts_per_step=2", "rollout.group_size=2",
@@ -20,8 +21,7 @@ def config(tmp_path, *extra):
     return load_config(None, BASE + [f"run_dir=\"{tmp_path}\"", *extra])
 
 
-def timeless(metrics):
-    return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))} for m in metrics]
+timeless = deterministic_view
 
 
 @pytest.mark.parametrize("lag", [0, 1, 8, 64])
@@ -45,11 +45,11 @@ def test_deterministic_runs_repeat_and_survive_a_killed_worker(tmp_path):
     assert timeless(first) == timeless(second)
     assert max(m["lag/max"] for m in first) == 2
 
-    killed = Controller(config(tmp_path / "c", *args))
+    killed = Controller(config(tmp_path / "c", *args, "rollout.workers=2"))
 
     def kill_after_step_two(step, metrics):
         if step == 2:
-            os.kill(killed.rollout.pid, signal.SIGKILL)
+            os.kill(killed.rollout.pids[1], signal.SIGKILL)
 
     third = killed.run(progress=kill_after_step_two)
     assert killed.rollout.restarts == 1  # the killed one, and only it: a finished worker is not "dead"

@@ -1,0 +1,269 @@
+"""The Ray rollout backend: `rollout.workers` RolloutWorker actors on a Ray cluster.
+
+- Each actor (`RolloutActor`) is one process holding model + engine + environment (and its
+  sandbox) around one `RolloutWorker`. It has two concurrency groups of one thread each:
+  "weights" (`receive`, `stop`) and "rollout" (`sample`, run in submission order), so weights
+  arrive while a batch is being sampled (admission waits, in-flight updates) and batches are
+  sampled one at a time.
+- Each published version goes into the object store once (`ray.put`); every actor receives the
+  reference. Batches come back by reference (the result of `sample.remote(b)`) and the learner
+  fetches them in order.
+- Admission control is the worker's (batch b only with weights >= b - max_policy_lag, exactly
+  that version in deterministic mode); the driver keeps each actor's next admissible batches
+  submitted, so rollout runs ahead up to the lag bound, as with the local backend.
+- A dead actor is replaced: the new one starts from the batch the learner waits for and its
+  unconsumed batches are submitted again; nothing consumed is repeated, nothing is lost.
+- With `ray.address` unset the run starts a Ray head on this machine (`ray start --head
+  --block`, with enough logical CPUs for the workers) whose parent-death signal is set, so it
+  takes every Ray process down with it even when the learner is killed; with an address the run
+  joins that cluster, and Ray ends the run's actors when their owner, the learner, dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..config import TrainConfig
+from ..errors import ConfigError, ParityError
+from ..model import ModelConfig
+from .build import build_env, model_skeleton
+from .local import split_threads
+from .rollout_worker import RolloutWorker, State, first_batch, start_version
+from .trajectory import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+_GROUPS = {"weights": 1, "rollout": 1}
+
+
+def require_ray():
+    """The `ray` module, or a one-line error saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("rollout.backend = 'ray' needs Ray: pip install -e '.[ray]' "
+                          "(or pip install 'ray>=2.9')") from None
+    return ray
+
+
+_PDEATHSIG_EXEC = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 15, 0, 0, 0); "
+                    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])")
+"""Run argv[2:] with SIGTERM as its parent-death signal (kept across exec), unless the parent
+(argv[1]) is already gone."""
+
+
+def start_local_head(num_cpus: int, timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """A Ray head on this machine's loopback that stops (all its processes) when this process dies;
+    returns the head's process and its address."""
+    log_file = tempfile.NamedTemporaryFile(prefix="parity-ray-head-", suffix=".log", delete=False)
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
+    argv = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *ray_cli, "start", "--head", "--block",
+            f"--num-cpus={num_cpus}", "--port=0", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
+            "--disable-usage-stats"]
+    # the learner's Ray read its authentication mode when it was imported (unset means disabled);
+    # the head must use the same one
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = open(log_file.name, errors="replace").read()
+        found = re.search(r"ray start --address='([^']+)'", text)
+        if found:
+            os.unlink(log_file.name)
+            return proc, found.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    tail = [ln for ln in open(log_file.name, errors="replace").read().splitlines() if ln.strip()][-1:]
+    raise ParityError(f"could not start a Ray head on this machine ({tail[0] if tail else 'no output'}; "
+                      f"log: {log_file.name})")
+
+
+class RolloutActor:
+    """The body of a rollout-worker actor (made a Ray actor class by `RayRollout`)."""
+
+    def __init__(self, cfg: TrainConfig, model_config: ModelConfig, state: State, version: int,
+                 threads: int):
+        torch.set_num_threads(threads)
+        model = model_skeleton(cfg, model_config)
+        model.load_state_dict(state)
+        self._inbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self.worker = RolloutWorker(cfg, model, build_env(cfg, model_config.vocab_size), version, self._poll)
+
+    def _poll(self, block: bool) -> list[tuple[int, State]]:
+        got: list[tuple[int, State]] = []
+        try:
+            while True:
+                got.append(self._inbox.get(block=block, timeout=0.5 if block else None))
+                block = False
+        except queue.Empty:
+            pass
+        return got
+
+    def receive(self, version: int, state: State) -> None:
+        """A newly published version ("weights" group: runs while a batch is being sampled)."""
+        self._inbox.put((version, state))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def sample(self, batch_index: int) -> RolloutBatch | None:
+        """Wait for admissible weights, then sample batch `batch_index` (None when stopped)."""
+        wait_s = self.worker.wait_for(batch_index, self._stop.is_set)
+        return None if wait_s is None else self.worker.sample(batch_index, wait_s)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+class RayRollout:
+    """Rollout on Ray actors, with the local backend's interface: start, publish, next_batch, close."""
+
+    max_restarts = 3
+    """Actor restarts allowed over the run (all workers together) before it gives up."""
+
+    def __init__(self, cfg: TrainConfig, model_config: ModelConfig,
+                 versions: Callable[[], dict[int, State]]):
+        if cfg.ray.address is None and "ray" not in sys.modules:
+            os.environ.setdefault("RAY_AUTH_MODE", "token")  # as Ray's own local clusters (read on import)
+        self.ray = require_ray()
+        self.cfg, self.model_config, self.versions = cfg, model_config, versions
+        self.n = cfg.rollout.workers
+        self.actors: list = [None] * self.n
+        self.next_submit = [0] * self.n  # per worker: the next batch to submit
+        self.pending: dict[int, object] = {}  # batch index -> ObjectRef of its RolloutBatch
+        self.refs: dict[int, object] = {}  # version -> ObjectRef of its weights
+        self.restarts = 0
+        self._head: subprocess.Popen | None = None  # the Ray head this run started, if any
+        self._actor_class = None
+
+    # ------------------------------------------------------------------ cluster
+    def _connect(self) -> None:
+        ray, cfg = self.ray, self.cfg
+        needed = math.ceil(self.n * cfg.ray.cpus_per_worker)
+        if not ray.is_initialized():
+            address = cfg.ray.address
+            if address is None:
+                self._head, address = start_local_head(max(os.cpu_count() or 1, needed))
+            try:
+                ray.init(address=address, namespace=cfg.ray.namespace, logging_level=logging.WARNING)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                where = cfg.ray.address or "this machine"
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise ParityError(f"cannot start or join Ray at {where}: {reason}") from None
+        total = ray.cluster_resources().get("CPU", 0)
+        if total < needed:
+            raise ConfigError(f"the Ray cluster has {total:g} CPUs; rollout.workers={self.n} x "
+                              f"ray.cpus_per_worker={cfg.ray.cpus_per_worker:g} need {needed}")
+        self._actor_class = ray.remote(num_cpus=cfg.ray.cpus_per_worker, concurrency_groups=_GROUPS,
+                                       max_restarts=0)(RolloutActor)
+
+    def _ref(self, version: int, state: State):
+        """The object-store reference of a version's weights: one put per version."""
+        if version not in self.refs:
+            self.refs[version] = self.ray.put(state)
+        return self.refs[version]
+
+    @property
+    def pids(self) -> list[int]:
+        return self.ray.get([a.pid.remote() for a in self.actors])
+
+    # ------------------------------------------------------------------ the backend interface
+    def start(self, start_batch: int) -> None:
+        self._connect()
+        torch.set_num_threads(split_threads(self.cfg)[1])
+        for i in range(self.n):
+            self._start_actor(i, start_batch)
+        self._submit(start_batch)
+        nodes = set(self.ray.get([a.node.remote() for a in self.actors]))
+        log.info("%d rollout actor(s) on %d Ray node(s) (%g CPU each)", self.n, len(nodes),
+                 self.cfg.ray.cpus_per_worker)
+
+    def _start_actor(self, i: int, from_batch: int) -> None:
+        history = self.versions()
+        first = first_batch(i, self.n, from_batch)
+        version = start_version(self.cfg, history, first)
+        threads = max(1, int(self.cfg.ray.cpus_per_worker))
+        actor = self._actor_class.remote(self.cfg, self.model_config, self._ref(version, history[version]),
+                                         version, threads)
+        for v in sorted(history):
+            if v > version:
+                actor.receive.options(concurrency_group="weights").remote(v, self._ref(v, history[v]))
+        self.actors[i], self.next_submit[i] = actor, first
+
+    def _submit(self, step: int) -> None:
+        """Keep every worker's batches that are (or soon will be) admissible submitted."""
+        horizon = min(self.cfg.steps, step + 1 + self.cfg.max_policy_lag + self.n)
+        for i, actor in enumerate(self.actors):
+            while self.next_submit[i] < horizon:
+                b = self.next_submit[i]
+                self.pending[b] = actor.sample.options(concurrency_group="rollout").remote(b)
+                self.next_submit[i] += self.n
+
+    def publish(self, version: int, state: State) -> None:
+        ref = self._ref(version, state)
+        for actor in self.actors:
+            actor.receive.options(concurrency_group="weights").remote(version, ref)
+        keep = version - self.cfg.max_policy_lag  # what a restarted actor may still need
+        for v in [v for v in self.refs if v < keep]:
+            del self.refs[v]
+
+    def next_batch(self, step: int) -> RolloutBatch:
+        self._submit(step)
+        while True:
+            try:
+                batch = self.ray.get(self.pending[step])
+                del self.pending[step]
+                return batch
+            except self.ray.exceptions.RayActorError as exc:
+                i = step % self.n
+                if self.restarts >= self.max_restarts:
+                    raise ParityError(f"rollout actor {i} died after {self.restarts} restarts; giving up at "
+                                      f"batch {step} ({str(exc).splitlines()[0]})") from None
+                self.restarts += 1
+                log.warning("rollout actor %d died; restarting it from batch %d", i, step)
+                for b in [b for b in self.pending if b % self.n == i]:
+                    del self.pending[b]
+                self._start_actor(i, step)
+                self._submit(step)
+
+    def close(self) -> None:
+        for actor in self.actors:
+            if actor is not None:
+                try:
+                    actor.stop.options(concurrency_group="weights").remote()
+                    self.ray.kill(actor)
+                except Exception:  # noqa: BLE001 - an actor already gone is fine
+                    pass
+        self.actors = [None] * self.n
+        self.pending.clear()
+        self.refs.clear()
+        if self._head is not None:
+            self.ray.shutdown()
+            self._head.terminate()  # `ray start --block` stops every process it started
+            try:
+                self._head.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._head.kill()
+            self._head = None
