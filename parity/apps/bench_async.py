@@ -11,12 +11,11 @@ publication, how long a worker paused to load weights, bytes moved per step.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-
-import torch
 
 from ..config import LearnerConfig, ModelSection, RolloutSection, TrainConfig
 from ..dtypes import dtype_from_name
@@ -101,8 +100,8 @@ def main(args) -> int:
                                args.reps, args.dtype, args.backends, args.workers, progress=status)
     status("")
     if args.json:
-        print(json.dumps({"threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows],
-                          "ratios": ratios}, indent=2))
+        print(json.dumps({"cores": os.cpu_count(), "rows": [asdict(r) for r in rows], "ratios": ratios},
+                         indent=2))
         return 0
     print(f"parity bench async: {args.preset} {args.dtype}, {args.steps} learner steps of "
           f"{args.prompts}x{args.group} responses, geometric lengths up to {args.max_tokens} tokens; "
