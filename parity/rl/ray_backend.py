@@ -236,6 +236,11 @@ class RayRollout:
                 batch = self.ray.get(self.pending[step])
                 del self.pending[step]
                 return batch
+            except self.ray.exceptions.RayTaskError as exc:  # the worker raised: a restart would repeat it
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, ParityError):
+                    raise ParityError(f"rollout worker: {cause}") from None
+                raise
             except self.ray.exceptions.RayActorError as exc:
                 i = step % self.n
                 if self.restarts >= self.max_restarts:
