@@ -78,6 +78,8 @@ class LearnerConfig:
     TrainConfig: its max_policy_lag)."""
     decompose_every: int = 1
     """Run the decomposition every N steps (0 = never)."""
+    router_aux_loss_coef: float = 0.0
+    """MoE models: weight of the router's load-balancing loss added to the objective (0 = off)."""
     dump_dir: str | None = None
     """Where a batch that produced a NaN/inf loss or gradient is saved (None = not saved)."""
     loss_config: LossConfig = field(default_factory=LossConfig)
@@ -102,5 +104,7 @@ class LearnerConfig:
             raise ConfigError("LearnerConfig.temperature must be > 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"LearnerConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.router_aux_loss_coef < 0:
+            raise ConfigError("LearnerConfig.router_aux_loss_coef must be >= 0")
         if self.weight_decay < 0:
             raise ConfigError("LearnerConfig.weight_decay must be >= 0")

@@ -43,6 +43,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, bs, on_release=self.runner.cache.zero_blocks)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler(model, seed)
+        self._eos = frozenset(model.config.eos_token_ids)
         self.policy_version = 0
         self._pending: tuple[Mapping[str, torch.Tensor], int] | None = None
         self._ids = itertools.count()
@@ -154,8 +155,7 @@ class Engine:
         p = seq.params
         if token in p.stop_token_ids:
             return "stop"
-        eos = self.model.config.eos_token_id
-        if eos is not None and token == eos and not p.ignore_eos:
+        if token in self._eos and not p.ignore_eos:
             return "eos"
         if p.stop_strings and self.tokenizer is not None:
             # the tail of this turn's text: enough tokens to hold the longest stop string
@@ -187,11 +187,11 @@ class Engine:
             return [out]
         if not batch:
             return []
-        ready, logits = self.runner.run(batch, self.blocks)
+        ready, logits, routing = self.runner.run(batch, self.blocks)
         done: list[RequestOutput] = []
         if ready:
-            for seq, (tok, lp, slp) in zip(ready, self.sampler.sample(ready, logits)):
-                seq.append_sampled(tok, lp, slp, self.policy_version)
+            for j, (seq, (tok, lp, slp)) in enumerate(zip(ready, self.sampler.sample(ready, logits))):
+                seq.append_sampled(tok, lp, slp, self.policy_version, None if routing is None else routing[j])
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:
                     seq.finish_reason = reason

@@ -32,9 +32,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, batch: list[tuple[Request, int]],
-            blocks: BlockManager) -> tuple[list[Request], torch.Tensor]:
+            blocks: BlockManager) -> tuple[list[Request], torch.Tensor, torch.Tensor | None]:
         """Feed each scheduled request its next `n` tokens; return the requests whose pending
-        tokens are now all in the cache (they sample next) and their last-token logits [N, V]."""
+        tokens are now all in the cache (they sample next), their last-token logits [N, V] and,
+        for MoE models, the experts their last token was routed to [N, moe layers, k]."""
         tokens = [torch.tensor(s.token_ids[s.num_computed:s.num_computed + n]) for s, n in batch]
         hidden = self.forward(tokens, [s.num_computed for s, _ in batch],
                               [blocks.table(s.request_id) for s, _ in batch])
@@ -46,5 +47,7 @@ class ModelRunner:
                 ready.append(s)
                 rows.append(int(ends[i]))
         if not ready:
-            return [], hidden.new_zeros(0, self.model.config.vocab_size)
-        return ready, self.model.logits(hidden[torch.tensor(rows)])
+            return [], hidden.new_zeros(0, self.model.config.vocab_size), None
+        index = torch.tensor(rows)
+        routing = self.model.last_routing
+        return ready, self.model.logits(hidden[index]), None if routing is None else routing[index]

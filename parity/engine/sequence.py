@@ -83,6 +83,8 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)  # per token; 0.0 where not sampled
     sampled_logprobs: list[float] = field(default_factory=list)  # under the truncated dist
     policy_versions: list[int] = field(default_factory=list)  # per token; -1 where not sampled
+    routing: list = field(default_factory=list)  # MoE: per token, experts [layers, k] of the forward
+    # that produced it (None where not sampled, and for dense models)
     turn_tokens: int = 0  # tokens sampled in the current turn
     finish_reason: str | None = None
     arrival: int = 0
@@ -94,6 +96,7 @@ class Sequence:
         self.logprobs = [0.0] * n
         self.sampled_logprobs = [0.0] * n
         self.policy_versions = [-1] * n
+        self.routing = [None] * n
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
@@ -105,8 +108,10 @@ class Sequence:
         """Tokens not yet in the KV cache."""
         return len(self.token_ids) - self.num_computed
 
-    def append_sampled(self, token: int, logprob: float, sampled_logprob: float, version: int) -> None:
+    def append_sampled(self, token: int, logprob: float, sampled_logprob: float, version: int,
+                       routing: torch.Tensor | None = None) -> None:
         self.token_ids.append(token)
+        self.routing.append(routing)
         self.loss_mask.append(1)
         self.logprobs.append(logprob)
         self.sampled_logprobs.append(sampled_logprob)
@@ -119,6 +124,7 @@ class Sequence:
         self.logprobs.extend([0.0] * len(tokens))
         self.sampled_logprobs.extend([0.0] * len(tokens))
         self.policy_versions.extend([-1] * len(tokens))
+        self.routing.extend([None] * len(tokens))
 
 
 @dataclass
@@ -135,6 +141,7 @@ class RequestOutput:
     finish_reason: str | None  # "length", "stop", "eos", "error", or None while paused
     error: str | None = None
     text: str | None = None
+    routing: list | None = None  # MoE: per completion token, experts [layers, k] (None: not sampled)
 
     @property
     def full_token_ids(self) -> list[int]:
@@ -143,6 +150,7 @@ class RequestOutput:
     @staticmethod
     def from_sequence(seq: Sequence) -> RequestOutput:
         p = seq.prompt_len
+        routing = seq.routing[p:] if any(r is not None for r in seq.routing[p:]) else None
         return RequestOutput(seq.request_id, seq.token_ids[:p], seq.token_ids[p:], seq.logprobs[p:],
                              seq.sampled_logprobs[p:], seq.policy_versions[p:], seq.loss_mask[p:],
-                             seq.finish_reason)
+                             seq.finish_reason, routing=routing)

@@ -1,8 +1,9 @@
 """Hugging Face-compatible checkpoint files: `config.json` + `model.safetensors` (or shards).
 
-`save_pretrained` writes what `transformers` loads as `Qwen3ForCausalLM`; `read_tensors` reads
-one safetensors file or an index of shards, with one-line errors for missing or corrupt files.
-Building a model from a directory is `loading.load_model`.
+`save_pretrained` writes what `transformers` loads back as the model's family (tensor names as on
+the Hub: `families.tensors_to_files`); `read_tensors` reads one safetensors file or an index of
+shards, with one-line errors for missing or corrupt files. Building a model from a directory is
+`loading.load_model`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
+from .families import config_to_hf, tensors_to_files
 
 
 def save_pretrained(model, path: str | Path) -> None:
@@ -21,9 +23,10 @@ def save_pretrained(model, path: str | Path) -> None:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = model.config.to_hf_dict()
+    cfg = config_to_hf(model.config)
     cfg["torch_dtype"] = str(model.dtype).removeprefix("torch.")
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors = tensors_to_files(model.config, state)
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(path / "model.safetensors")

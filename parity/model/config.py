@@ -1,22 +1,47 @@
-"""`ModelConfig`: the Qwen3-style decoder's shape, validated on construction, HF-compatible."""
+"""`ModelConfig`: a decoder's shape and family, validated on construction, HF-compatible names.
+
+One decoder definition serves four families, which differ in a few switches:
+
+| model_type | q/k norm | q/k/v bias | MLP                 | RoPE                  |
+|------------|----------|------------|---------------------|-----------------------|
+| qwen3      | yes      | no         | SwiGLU              | default               |
+| qwen3_moe  | yes      | no         | top-k mixture of SwiGLU experts | default   |
+| qwen2      | no       | yes        | SwiGLU              | default               |
+| llama      | no       | no         | SwiGLU              | default or llama3     |
+
+Reading a Hugging Face `config.json` (and refusing what parity does not honour) is
+`families.config_from_hf`; writing one is `families.config_to_hf`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 
+MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama")
+"""Decoder families parity builds."""
+
+_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+_SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
 _PRESETS: dict[str, dict[str, Any]] = {
     # unit tests: runs a forward in a few milliseconds
-    "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+    "tiny": _TINY,
     # demos and benchmarks: ~5M parameters, learns small tasks on 2 cores in minutes
-    "small": dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024),
+    "small": _SMALL,
+    # the other families at the tiny and small sizes (parity check and the bitwise suite per family)
+    "tiny-moe": dict(_TINY, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, norm_topk_prob=True),
+    "small-moe": dict(_SMALL, model_type="qwen3_moe", num_experts=16, num_experts_per_tok=2,
+                      moe_intermediate_size=192, norm_topk_prob=True),
+    "tiny-qwen2": dict(_TINY, model_type="qwen2"),
+    "tiny-llama": dict(_TINY, model_type="llama", rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
@@ -25,14 +50,14 @@ PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
 @dataclass
 class ModelConfig:
-    """Shape of a Qwen3-style dense decoder (field names follow Hugging Face `Qwen3Config`)."""
+    """Shape of a decoder (field names follow Hugging Face's configs)."""
 
     vocab_size: int = 128
     """Number of token ids; every id fed to the model must be below it."""
     hidden_size: int = 64
     """Width of the residual stream."""
     intermediate_size: int = 128
-    """Width of the SwiGLU MLP."""
+    """Width of the dense SwiGLU MLP."""
     num_hidden_layers: int = 2
     """Number of decoder layers."""
     num_attention_heads: int = 4
@@ -51,8 +76,30 @@ class ModelConfig:
     """Share the input embedding matrix with the LM head."""
     bos_token_id: int | None = None
     """Beginning-of-sequence id, if the tokenizer has one (informational)."""
-    eos_token_id: int | None = None
-    """End-of-sequence id, if the tokenizer has one (the engine stops on it)."""
+    eos_token_id: int | list[int] | None = None
+    """End-of-sequence id(s): the engine stops on any of them."""
+    model_type: str = "qwen3"
+    """The family: 'qwen3', 'qwen3_moe', 'qwen2' or 'llama' (see the module docstring)."""
+    attention_bias: bool = False
+    """q/k/v projections have biases (always for qwen2; unsupported elsewhere)."""
+    rope_scaling: dict[str, Any] | None = None
+    """RoPE frequency scaling: None, or {"rope_type": "llama3", "factor", "low_freq_factor",
+    "high_freq_factor", "original_max_position_embeddings"} (llama)."""
+    num_experts: int = 0
+    """qwen3_moe: experts per MoE layer."""
+    num_experts_per_tok: int = 0
+    """qwen3_moe: experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """qwen3_moe: width of each expert's SwiGLU MLP."""
+    norm_topk_prob: bool = False
+    """qwen3_moe: renormalise the top-k routing weights to sum to 1."""
+    decoder_sparse_step: int = 1
+    """qwen3_moe: layer i has an MoE block when (i + 1) % decoder_sparse_step == 0 ..."""
+    mlp_only_layers: list[int] = field(default_factory=list)
+    """qwen3_moe: ... and i is not listed here (those layers use the dense MLP)."""
+    router_aux_loss_coef: float = 0.0
+    """qwen3_moe: the checkpoint's load-balancing loss weight (informational; the learner's own
+    `LearnerConfig.router_aux_loss_coef` decides, 0 = off)."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     """Fields of a loaded config.json that parity does not use, kept so a save round-trips."""
 
@@ -81,14 +128,87 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be a positive number, got {value!r}")
-        for name in ("bos_token_id", "eos_token_id"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
-                raise ConfigError(f"ModelConfig.{name}={value!r} is not a token id below vocab_size")
+        if self.bos_token_id is not None and not (isinstance(self.bos_token_id, int)
+                                                  and 0 <= self.bos_token_id < self.vocab_size):
+            raise ConfigError(f"ModelConfig.bos_token_id={self.bos_token_id!r} is not a token id "
+                              "below vocab_size")
+        for value in self.eos_token_ids:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
+                raise ConfigError(f"ModelConfig.eos_token_id={self.eos_token_id!r} is not a token id "
+                                  "(or list of ids) below vocab_size")
+        if self.model_type not in MODEL_TYPES:
+            raise ConfigError(f"ModelConfig.model_type {self.model_type!r} is not supported: parity builds "
+                              f"{', '.join(MODEL_TYPES)}")
+        if self.attention_bias and self.model_type != "qwen2":
+            raise ConfigError(f"ModelConfig.attention_bias=true is not supported for {self.model_type}")
+        if self.model_type == "qwen2":
+            self.attention_bias = True  # Qwen2's q/k/v projections always carry biases
+        self._check_rope_scaling()
+        self._check_moe()
 
+    def _check_rope_scaling(self) -> None:
+        rs = self.rope_scaling
+        if rs is None:
+            return
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind != "llama3" or self.model_type != "llama":
+            raise ConfigError(f"ModelConfig.rope_scaling of type {kind!r} is not supported"
+                              + ("" if self.model_type == "llama" else f" for {self.model_type}")
+                              + " (parity honours 'llama3' scaling on llama models)")
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if not isinstance(rs.get(key), (int, float)) or isinstance(rs.get(key), bool) or rs[key] <= 0:
+                raise ConfigError(f"ModelConfig.rope_scaling.{key} must be a positive number, "
+                                  f"got {rs.get(key)!r}")
+        if not rs["high_freq_factor"] > rs["low_freq_factor"]:
+            raise ConfigError("ModelConfig.rope_scaling.high_freq_factor must exceed low_freq_factor")
+
+    def _check_moe(self) -> None:
+        if self.model_type != "qwen3_moe":
+            if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
+                raise ConfigError(f"ModelConfig.num_experts is set but model_type is {self.model_type!r}")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be a positive integer for qwen3_moe, "
+                                  f"got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                              f"num_experts={self.num_experts}")
+        layers = range(self.num_hidden_layers)
+        bad = [i for i in self.mlp_only_layers if not (isinstance(i, int) and i in layers)]
+        if bad:
+            raise ConfigError(f"ModelConfig.mlp_only_layers: {bad[0]!r} is not a layer index")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every end-of-sequence id (the engine stops on any)."""
+        e = self.eos_token_id
+        return [] if e is None else list(e) if isinstance(e, (list, tuple)) else [e]
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on queries and keys (the Qwen3 families)."""
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.model_type == "qwen3_moe"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a mixture-of-experts block instead of the dense MLP."""
+        return (self.is_moe and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    # ------------------------------------------------------------------ construction
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """A named preset ('tiny' or 'small'), optionally with fields overridden."""
+        """A named preset (`PRESET_NAMES`), optionally with fields overridden."""
         if name not in _PRESETS:
             raise ConfigError(f"unknown model preset {name!r}: expected one of {', '.join(_PRESETS)}")
         return cls.from_dict({**_PRESETS[name], **overrides})
@@ -102,40 +222,17 @@ class ModelConfig:
             raise ConfigError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
         return cls(**{k: v for k, v in data.items() if k in known}, extra=unknown)
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` a Hugging Face Qwen3 model loads."""
-        out = {**self.extra}
-        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"})
-        out.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu",
-                   attention_bias=False, attention_dropout=0.0, use_sliding_window=False)
-        return out
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> ModelConfig:
-        """Load a Qwen3 `config.json`; HF-only fields are kept in `extra`."""
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        model_type = data.get("model_type", "qwen3")
-        if model_type != "qwen3":
-            raise ConfigError(f"{path}: model_type {model_type!r} is not supported (only 'qwen3')")
-        if data.get("attention_bias"):
-            raise ConfigError(f"{path}: attention_bias=true is not supported")
-        try:
-            return cls.from_dict(data, strict=False)
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
-
     @property
     def num_parameters(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         hq, hkv = self.num_attention_heads, self.num_key_value_heads
-        layer = h * d * (hq + 2 * hkv) + hq * d * h + 3 * h * i + 2 * h + 2 * d
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + emb + h
+        attn = h * d * (hq + 2 * hkv) + hq * d * h + (2 * d if self.qk_norm else 0)
+        attn += d * (hq + 2 * hkv) if self.attention_bias else 0
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for layer in range(self.num_hidden_layers):
+            if self.is_moe_layer(layer):
+                mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)
+            else:
+                mlp = 3 * h * i
+            total += attn + mlp + 2 * h
+        return total

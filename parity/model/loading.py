@@ -1,6 +1,7 @@
-"""Build a model from a checkpoint directory: `parity` or Hugging Face Qwen3 (`config.json` +
-safetensors, one file or sharded). Names and shapes are checked against the config before any
-weight is copied, so a bad file is refused, never half-loaded."""
+"""Build a model from a checkpoint directory: `parity`'s or Hugging Face's (`config.json` +
+safetensors, one file or sharded) for Qwen3, Qwen3-MoE, Qwen2/2.5 and Llama 3. The family comes
+from `config.json` (`families.config_from_hf`); names and shapes are checked against the config
+before any weight is copied, so a bad file is refused, never half-loaded."""
 
 from __future__ import annotations
 
@@ -12,24 +13,27 @@ import torch
 from ..dtypes import checkpoint_dtype
 from ..errors import CheckpointError, ConfigError
 from .checkpoint import read_tensors
-from .config import ModelConfig
-from .qwen3 import DEFAULT_BLOCK_SIZE, Model
+from .decoder import DEFAULT_BLOCK_SIZE, Model
+from .families import config_from_hf, read_json, tensors_from_files
 
 
 def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | None = None,
                block_size: int | None = None):
-    """Load a `parity` or Hugging Face Qwen3 checkpoint directory."""
+    """Load a `parity` or Hugging Face checkpoint directory of a supported family."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
     try:
-        config = ModelConfig.from_json(path / "config.json")
+        config = config_from_hf(read_json(path / "config.json"), path / "config.json")
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
     raw = json.loads((path / "config.json").read_text())
     if dtype is None:
         dtype = checkpoint_dtype(raw.get("dtype") or raw.get("torch_dtype"))
-    tensors = read_tensors(path)
+    try:
+        tensors = tensors_from_files(config, read_tensors(path), str(path / "model.safetensors"))
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
     model = Model(config, kernels=kernels, dtype=dtype, seed=None,
                   block_size=block_size or DEFAULT_BLOCK_SIZE)
     expected = model.state_dict()

@@ -61,3 +61,15 @@ def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
         logp = model.kernels.log_softmax(logits.detach(), temperature)
         entropy = -(logp.exp() * logp).sum(-1)
     return list(lp.split(split)), list(entropy.split(split))
+
+
+def scored_routing(model, sequences: Sequence) -> list[torch.Tensor] | None:
+    """Right after `sequence_logprobs(model, sequences)` on an MoE model: for each sequence, the
+    experts of every scored position [len - 1, moe layers, k] (the forward of token t produced
+    the log-prob of token t + 1), or None for a dense model."""
+    routing = model.last_routing
+    if routing is None:
+        return None
+    lens = [len(s) for s in sequences]
+    starts = torch.tensor([0] + lens[:-1]).cumsum(0).tolist()
+    return [routing[st:st + n - 1] for st, n in zip(starts, lens)]

@@ -41,6 +41,12 @@ class Kernels:
     paged_attention: Callable
     token_logprobs: Callable
     log_softmax: Callable
+    rope: Callable
+    """Rotary embedding without a preceding norm (models without q/k norm)."""
+    moe_route: Callable
+    """`moe_route(router_logits, k, normalize) -> (weights, expert ids)`: top-k routing."""
+    moe_combine: Callable
+    """`moe_combine(parts [T, k, H]) -> [T, H]`: a token's weighted expert outputs summed."""
 
 
 def _needs_grad(*tensors) -> bool:
@@ -85,6 +91,9 @@ _ALIGNED = Kernels(
     paged_attention=aligned.paged_attention,
     token_logprobs=aligned.token_logprobs,
     log_softmax=aligned.log_softmax,
+    rope=aligned.rope,
+    moe_route=aligned.moe_route,
+    moe_combine=aligned.moe_combine,
 )
 
 def _plain_pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -103,6 +112,9 @@ _STANDARD = Kernels(
     paged_attention=standard.paged_attention,
     token_logprobs=standard.token_logprobs,
     log_softmax=standard.log_softmax,
+    rope=standard.rope,
+    moe_route=standard.moe_route,
+    moe_combine=standard.moe_combine,
 )
 
 

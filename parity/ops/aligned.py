@@ -260,3 +260,23 @@ def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Full `log_softmax(logits / T)` rows in float32, same bits as `token_logprobs`. [N, V]"""
     z, lse = _log_norm(logits, temperature)
     return z - lse.unsqueeze(-1)
+
+
+def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixture-of-experts routing: softmax over experts in float32, the k largest (ties to the
+    lower expert index: a stable sort), optionally renormalised; weights cast to the logits'
+    dtype. logits [T, E] -> (weights [T, k], expert ids [T, k]). Every step is per row."""
+    probs = pointwise(torch.exp, log_softmax(logits, 1.0))
+    top, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top, idx = top[:, :k], idx[:, :k]
+    if normalize:
+        top = top / row_sum(top).unsqueeze(-1)
+    return top.to(logits.dtype), idx
+
+
+def moe_combine(parts: torch.Tensor) -> torch.Tensor:
+    """Sum each token's k weighted expert outputs in rank order. [T, k, H] -> [T, H]"""
+    out = parts[:, 0]
+    for j in range(1, parts.shape[1]):
+        out = out + parts[:, j]
+    return out

@@ -72,3 +72,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1)
+
+
+def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing as frameworks write it: float32 softmax, `torch.topk`, optional renormalisation."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, idx = torch.topk(probs, k, dim=-1)
+    if normalize:
+        top = top / top.sum(-1, keepdim=True)
+    return top.to(logits.dtype), idx
+
+
+def moe_combine(parts: torch.Tensor) -> torch.Tensor:
+    return parts.sum(1)

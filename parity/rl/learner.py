@@ -21,9 +21,9 @@ import torch
 from ..config.learner import LearnerConfig
 from ..dtypes import dtype_from_name
 from ..metrics.diagnostics import importance_weight_stats, lag_stats, mismatch_stats, response_stats
-from ..model import sequence_logprobs
-from .losses import get_loss, group_advantages
-from .trajectory import TrajectoryBatch
+from ..model import scored_routing, sequence_logprobs
+from .losses import get_loss, group_advantages, load_balancing_loss
+from .trajectory import TrajectoryBatch, pad_routing
 
 log = logging.getLogger(__name__)
 
@@ -73,35 +73,53 @@ class Learner:
 
     # ------------------------------------------------------------------ log-probs
     def logprobs(self, batch: TrajectoryBatch, version: int | None = None,
-                 micro_batch_size: int | None = None) -> torch.Tensor:
-        """Learner log-probs [B, L] (no grad) under the weights of `version` (default current)."""
+                 micro_batch_size: int | None = None, routing: bool = False):
+        """Learner log-probs [B, L] (no grad) under the weights of `version` (default current);
+        with `routing`, also the experts of every scored position [B, L, moe layers, k] (MoE)."""
         model = self._model_at(self.version if version is None else version)
         mb = micro_batch_size or self.config.micro_batch_size
-        out = []
+        out, routes = [], []
         with torch.no_grad():
             for i in range(0, len(batch), mb):
-                out += sequence_logprobs(model, batch.sequences[i:i + mb], self.config.temperature)
-        return batch.pad(out)
+                seqs = batch.sequences[i:i + mb]
+                out += sequence_logprobs(model, seqs, self.config.temperature)
+                routes += scored_routing(model, seqs) or []
+        lp = batch.pad(out)
+        return (lp, pad_routing(batch, routes)) if routing else lp
 
-    def decompose(self, batch: TrajectoryBatch, learner_lp: torch.Tensor) -> dict[str, float]:
+    def decompose(self, batch: TrajectoryBatch, learner_lp: torch.Tensor,
+                  learner_routing: torch.Tensor | None = None) -> dict[str, float]:
         """Split learner(θ_now) − rollout(θ_old) per token into kernel mismatch
         learner(θ_old) − rollout(θ_old) and weight lag learner(θ_now) − learner(θ_old), with θ_old
-        the weights that sampled the token; reported overall and per lag bucket."""
+        the weights that sampled the token; reported overall and per lag bucket. For MoE models
+        also the share of sampled tokens routed to a different expert set by the learner at θ_old
+        (`mismatch/routing_flip_frac`, a kernel mismatch too)."""
         stats: dict[str, float] = {}
         kernel = torch.zeros_like(learner_lp)
         lag_part = torch.zeros_like(learner_lp)
         covered = torch.zeros_like(batch.mask)
+        flips = routed = 0
         for v in batch.versions[batch.mask.bool()].unique().tolist():
             if v not in self.history:
                 continue  # older than the kept window
             rows = (batch.versions == v).any(1).nonzero().flatten().tolist()
             sub = batch.select(rows, validate=False)
             width = sub.mask.shape[1]
+            route_old = None
             if v == self.version:  # the weights of this step: its log-probs are already known
                 lp_old = learner_lp[rows][:, :width]
+                if learner_routing is not None:
+                    route_old = learner_routing[rows][:, :width]
+            elif sub.routing is not None:
+                lp_old, route_old = self.logprobs(sub, version=v, routing=True)
             else:
                 lp_old = self.logprobs(sub, version=v)
             sel = (sub.versions == v) & sub.mask.bool()
+            if route_old is not None and sub.routing is not None:
+                have = sel & (sub.routing[..., 0, 0] >= 0)
+                mine, theirs = route_old[have].sort(-1).values, sub.routing[have].sort(-1).values
+                flips += int((mine != theirs).flatten(1).any(1).sum())
+                routed += int(have.sum())
             for j, r in enumerate(rows):
                 m = sel[j]
                 kernel[r, :width][m] = lp_old[j][m] - sub.rollout_logprobs[j][m]
@@ -121,6 +139,8 @@ class Learner:
             stats["mismatch/weight_lag_max_abs"] = float(lag_part[m].abs().max())
             stats["mismatch/weight_lag_mean_abs"] = float(lag_part[m].abs().mean())
             stats["mismatch/decomposed_frac"] = float(m.sum() / batch.mask.sum())
+        if routed:
+            stats["mismatch/routing_flip_frac"] = flips / routed
         return stats
 
     # ------------------------------------------------------------------ step
@@ -131,13 +151,20 @@ class Learner:
         adv_std = cfg.loss == "ppo_clip" and cfg.loss_config.ppo_std_adv
         adv = group_advantages(batch.rewards, batch.group_ids, normalize_std=adv_std)
         bsz = len(batch)
-        lps, entropies, losses, extra = [], [], [], {}
+        lps, entropies, losses, routes, extra = [], [], [], [], {}
+        aux_coef = cfg.router_aux_loss_coef if self.model.config.is_moe else 0.0
         for i in range(0, bsz, cfg.micro_batch_size):
             idx = list(range(i, min(bsz, i + cfg.micro_batch_size)))
             sub = batch.select(idx, validate=False)
             lp, ent = sequence_logprobs(self.model, sub.sequences, cfg.temperature, return_entropy=True)
+            routes += scored_routing(self.model, sub.sequences) or []
             lp_pad = sub.pad(lp)
             loss, stats = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config)
+            if aux_coef:  # the router's load-balancing loss over this micro-batch's tokens
+                aux = load_balancing_loss(self.model.last_router_logits,
+                                          self.model.config.num_experts_per_tok)
+                loss = loss + aux_coef * aux
+                stats = {**stats, "train/router_aux_loss": float(aux.detach())}
             for k, v in stats.items():  # response-weighted over micro-batches
                 extra[k] = extra.get(k, 0.0) + v * len(idx) / bsz
             (loss * (len(idx) / bsz)).backward()
@@ -145,6 +172,7 @@ class Learner:
             lps += [x.detach() for x in lp]
             entropies += ent
         learner_lp = batch.pad(lps)
+        learner_routing = pad_routing(batch, routes)
         loss_value = sum(losses)
         grads = [p.grad for p in self.model.parameters()]
         finite = math.isfinite(loss_value) and all(g is None or bool(torch.isfinite(g).all()) for g in grads)
@@ -161,7 +189,7 @@ class Learner:
             for m, p in zip(self.master, self.model.parameters()):
                 m.grad = None if p.grad is None else p.grad.float()
         if cfg.decompose_every and self.steps % cfg.decompose_every == 0:
-            metrics.update(self.decompose(batch, learner_lp))  # needs the pre-update weights
+            metrics.update(self.decompose(batch, learner_lp, learner_routing))  # pre-update weights
         grad_norm = torch.nn.utils.clip_grad_norm_(self.master, cfg.max_grad_norm)
         metrics["train/grad_norm"] = float(grad_norm)  # before clipping
         self.optimizer.step()

@@ -32,6 +32,18 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_s
     return adv
 
 
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
+    """The router's auxiliary load-balancing loss (Switch Transformer style), over every MoE
+    layer's logits [T, E] concatenated: E * Σ_e f_e · P_e, with f_e the share of routing slots
+    that went to expert e and P_e the mean router probability of e. 1.0 when perfectly balanced."""
+    logits = torch.cat(router_logits).float()
+    probs = torch.softmax(logits, dim=-1)
+    chosen = torch.topk(probs, top_k, dim=-1).indices
+    slots = torch.zeros_like(probs).scatter_(1, chosen, 1.0)  # [T, E]: 1 where e is in the top-k
+    share = slots.mean(0) / top_k
+    return logits.shape[1] * (share * probs.mean(0)).sum()
+
+
 def _response_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(1/|y_i|) Σ_t values_it over masked-in tokens, per response. [B, L] -> [B]"""
     return (values * mask).sum(1) / mask.sum(1)

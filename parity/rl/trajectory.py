@@ -28,14 +28,24 @@ class Trajectory:
     reward: float
     group_id: int
     metadata: dict[str, Any] = field(default_factory=dict)
+    rollout_routing: torch.Tensor | None = None
+    """MoE models: [n, moe layers, k] int16, the experts the rollout routed the forward that
+    produced token t to (-1 where token t was not sampled); None for dense models."""
 
     @staticmethod
     def from_output(out, reward: float, group_id: int, **metadata) -> Trajectory:
         """From an engine `RequestOutput` (prompt tokens get mask 0, version -1)."""
         p = len(out.prompt_token_ids)
+        routing = None
+        if out.routing is not None:
+            shape = next(r for r in out.routing if r is not None).shape
+            routing = torch.full((p + len(out.routing), *shape), -1, dtype=torch.int16)
+            for t, r in enumerate(out.routing):
+                if r is not None:
+                    routing[p + t] = r
         return Trajectory(out.full_token_ids, [0] * p + list(out.loss_mask),
                           [0.0] * p + list(out.logprobs), [-1] * p + list(out.policy_versions),
-                          float(reward), group_id, dict(metadata))
+                          float(reward), group_id, dict(metadata), routing)
 
     def validate(self, index: int) -> None:
         where = f"response {index}"
@@ -59,13 +69,17 @@ class Trajectory:
                 raise InputError(f"{where}: policy_versions[{t}] is missing for a sampled token")
         if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
             raise InputError(f"{where}: reward {self.reward!r} is not a finite number")
+        r = self.rollout_routing
+        if r is not None and (not isinstance(r, torch.Tensor) or r.dim() != 3 or r.shape[0] != n):
+            raise InputError(f"{where}: rollout_routing must be a [{n}, layers, k] tensor")
 
 
 class TrajectoryBatch:
     """Responses padded into tensors over scored positions (token t+1 for t = 0..n-2).
 
     Tensors: `mask`, `rollout_logprobs` [B, L] float32, `versions` [B, L] int64 (-1 where
-    masked out), `rewards` [B] float32, `group_ids` [B] int64.
+    masked out), `rewards` [B] float32, `group_ids` [B] int64, and for MoE models `routing`
+    [B, L, moe layers, k] (the rollout's experts; -1 where not recorded).
     """
 
     def __init__(self, trajectories: Sequence[Trajectory], validate: bool = True):
@@ -86,6 +100,13 @@ class TrajectoryBatch:
             self.rollout_logprobs[i, :n] = torch.tensor(t.rollout_logprobs[1:], dtype=torch.float32)
             self.versions[i, :n] = torch.tensor(t.policy_versions[1:])
         self.versions[self.mask == 0] = -1
+        self.routing = None  # MoE: [B, L, moe layers, k] rollout experts per scored position
+        routed = [t.rollout_routing for t in trajectories if t.rollout_routing is not None]
+        if routed:
+            self.routing = torch.full((bsz, width, *routed[0].shape[1:]), -1, dtype=torch.int16)
+            for i, t in enumerate(trajectories):
+                if t.rollout_routing is not None:
+                    self.routing[i, :len(t.token_ids) - 1] = t.rollout_routing[1:]
         self.rewards = torch.tensor([float(t.reward) for t in trajectories])
         self.group_ids = torch.tensor([int(t.group_id) for t in trajectories])
 
@@ -105,6 +126,16 @@ class TrajectoryBatch:
         for i, v in enumerate(per_response):
             out[i, :v.numel()] = v
         return out
+
+
+def pad_routing(batch: TrajectoryBatch, routes: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Per-response routing [n_i - 1, layers, k] stacked into [B, L, layers, k] (-1 after)."""
+    if not routes:
+        return None
+    out = torch.full((len(batch), batch.mask.shape[1], *routes[0].shape[1:]), -1, dtype=torch.int16)
+    for i, r in enumerate(routes):
+        out[i, :r.shape[0]] = r
+    return out
 
 
 @dataclass

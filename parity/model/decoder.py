@@ -1,8 +1,12 @@
-"""The Qwen3-style decoder: one model definition for the engine and the learner.
+"""The decoder: one model definition for the engine and the learner, for every supported family.
 
-Parameter names are Hugging Face Qwen3's (`model.layers.0.self_attn.q_proj.weight`, ...), so the
-state dict is a valid HF checkpoint. Every reduction goes through the `Kernels` bundle chosen at
-construction (`aligned` or `standard`); the model code does not know which one it runs on.
+Qwen3 (q/k norm), Qwen3-MoE (q/k norm, mixture-of-experts blocks, `moe.py`), Qwen2 (q/k/v
+biases) and Llama 3 (llama3 RoPE scaling, `rope.py`) differ only in the switches of their
+`ModelConfig`. Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...;
+MoE experts stacked as in transformers 5). Every reduction goes through the `Kernels` bundle
+chosen at construction (`aligned` or `standard`); the model code does not know which one it runs
+on. A forward also leaves each MoE layer's routing behind (`last_routing`, `last_router_logits`)
+for the engine to record and the learner to compare.
 """
 
 from __future__ import annotations
@@ -16,29 +20,33 @@ from .batch import ForwardBatch
 from .checkpoint import save_pretrained
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .moe import SparseMoE
+from .rope import rope_tables
 
 DEFAULT_BLOCK_SIZE = 32
 """Attention key-block size = KV-cache page size (the aligned kernel reduces keys in these)."""
 
 
 class _Weight(nn.Module):
-    """A module holding one `weight` parameter, so state-dict names match HF's."""
+    """A module holding one `weight` parameter (and a `bias`), so state-dict names match HF's."""
 
-    def __init__(self, *shape: int):
+    def __init__(self, *shape: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(*shape))
+        self.bias = nn.Parameter(torch.empty(shape[0])) if bias else None
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d = cfg.head_dim
-        self.q_proj = _Weight(cfg.num_attention_heads * d, cfg.hidden_size)
-        self.k_proj = _Weight(cfg.num_key_value_heads * d, cfg.hidden_size)
-        self.v_proj = _Weight(cfg.num_key_value_heads * d, cfg.hidden_size)
+        d, bias = cfg.head_dim, cfg.attention_bias
+        self.q_proj = _Weight(cfg.num_attention_heads * d, cfg.hidden_size, bias=bias)
+        self.k_proj = _Weight(cfg.num_key_value_heads * d, cfg.hidden_size, bias=bias)
+        self.v_proj = _Weight(cfg.num_key_value_heads * d, cfg.hidden_size, bias=bias)
         self.o_proj = _Weight(cfg.hidden_size, cfg.num_attention_heads * d)
-        self.q_norm = _Weight(d)
-        self.k_norm = _Weight(d)
+        if cfg.qk_norm:
+            self.q_norm = _Weight(d)
+            self.k_norm = _Weight(d)
 
 
 class MLP(nn.Module):
@@ -50,10 +58,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
         self.input_layernorm = _Weight(cfg.hidden_size)
         self.post_attention_layernorm = _Weight(cfg.hidden_size)
 
@@ -62,12 +70,12 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = _Weight(cfg.hidden_size)
 
 
 class Model(nn.Module):
-    """Qwen3-style causal LM. `kernels` is 'aligned' or 'standard'; weights live in `dtype`."""
+    """Causal LM of any supported family. `kernels` is 'aligned' or 'standard'; weights live in `dtype`."""
 
     def __init__(self, config: ModelConfig, kernels: str = "aligned",
                  dtype: torch.dtype = torch.float32, seed: int | None = 0,
@@ -83,14 +91,10 @@ class Model(nn.Module):
         self.model = Backbone(config)
         if not config.tie_word_embeddings:
             self.lm_head = _Weight(config.vocab_size, config.hidden_size)
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        angles = torch.arange(config.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq
-        angles = torch.cat([angles, angles], dim=-1)
-        # RoPE tables in float32 (plain attributes, so `.to(dtype)` leaves them alone), computed
-        # once: a position's rotation never depends on the batch
-        self.rope_cos = angles.cos().float()
-        self.rope_sin = angles.sin().float()
+        # RoPE tables in float32 (plain attributes, so `.to(dtype)` leaves them alone)
+        self.rope_cos, self.rope_sin = rope_tables(config)
+        self.last_routing: torch.Tensor | None = None
+        self.last_router_logits: list[torch.Tensor] = []
         if seed is not None:
             self.reset_parameters(seed)
         self.to(dtype)
@@ -108,7 +112,7 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int, std: float = 0.02) -> None:
-        """Seeded init: N(0, std) projections and embeddings, ones for norms."""
+        """Seeded init: N(0, std) projections, biases, routers and embeddings; ones for norms."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
@@ -169,16 +173,22 @@ class Model(nn.Module):
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [rows, D] float32
         q_index = batch.q_index
         k_index = batch.k_index
+        routing, router_logits = [], []
         for i, layer in enumerate(self.model.layers):
             att, mlp = layer.self_attn, layer.mlp
             h = K.rms_norm(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
-            w_qkv = self._fused(i, "qkv", [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
-            qkv = K.linear(h, w_qkv)
+            projections = (att.q_proj, att.k_proj, att.v_proj)
+            w_qkv = self._fused(i, "qkv", [p.weight for p in projections])
+            b_qkv = self._fused(i, "qkv_bias", [p.bias for p in projections]) if cfg.attention_bias else None
+            qkv = K.linear(h, w_qkv, b_qkv)
             q = qkv[:, :hq * d].reshape(rows, hq, d)
             k = qkv[:, hq * d:(hq + hkv) * d].reshape(rows, hkv, d)
             v = qkv[:, (hq + hkv) * d:].reshape(rows, hkv, d)
-            q = K.rms_norm_rope(q, att.q_norm.weight, cfg.rms_norm_eps, cos, sin)
-            k = K.rms_norm_rope(k, att.k_norm.weight, cfg.rms_norm_eps, cos, sin)
+            if cfg.qk_norm:
+                q = K.rms_norm_rope(q, att.q_norm.weight, cfg.rms_norm_eps, cos, sin)
+                k = K.rms_norm_rope(k, att.k_norm.weight, cfg.rms_norm_eps, cos, sin)
+            else:
+                q, k = K.rope(q, cos, sin), K.rope(k, cos, sin)
             # row `t` (a padding row, or an appended zero row) serves as the gather pad target
             if rows == t:
                 q, k, v = (torch.cat([z, z.new_zeros(1, *z.shape[1:])]) for z in (q, k, v))
@@ -193,9 +203,18 @@ class Model(nn.Module):
                 o = torch.cat([o, o.new_zeros(rows - t, o.shape[1])])
             x = x + K.linear(o, att.o_proj.weight)
             h = K.rms_norm(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+            if isinstance(mlp, SparseMoE):  # the real tokens only: padding rows would take expert slots
+                out, experts, logits = mlp.run(K, h[:t])
+                routing.append(experts)
+                router_logits.append(logits)
+                x = x + (torch.cat([out, out.new_zeros(rows - t, out.shape[1])]) if rows > t else out)
+                continue
             gate_up = K.linear(h, self._fused(i, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]))
             act = K.silu_mul(gate_up[:, :cfg.intermediate_size], gate_up[:, cfg.intermediate_size:])
             x = x + K.linear(act, mlp.down_proj.weight)
+        # which experts each token went to, per MoE layer: [T, layers, k] (None for dense models)
+        self.last_routing = torch.stack(routing, 1).to(torch.int16) if routing else None
+        self.last_router_logits = router_logits
         return K.rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)[:t]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -209,5 +228,5 @@ class Model(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path) -> None:
-        """Write `config.json` + `model.safetensors` (HF Qwen3 names) into directory `path`."""
+        """Write `config.json` + `model.safetensors` (Hugging Face names) into directory `path`."""
         save_pretrained(self, path)

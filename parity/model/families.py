@@ -1,0 +1,198 @@
+"""Model families: reading and writing Hugging Face `config.json` files and checkpoint tensor names.
+
+`config_from_hf` turns a config of a supported family (Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x;
+the layouts of transformers 4.x and 5.x) into a `ModelConfig`, and refuses — with a one-line
+error naming the field — anything parity would otherwise get silently wrong: another
+architecture, sliding-window attention, biases or RoPE scalings it does not implement, an
+activation other than SiLU. `config_to_hf` writes what `transformers` loads back.
+
+Checkpoint files name Qwen3-MoE experts one by one (`mlp.experts.<e>.gate_proj.weight`, as on
+the Hub); in memory parity keeps each layer's experts stacked (`mlp.experts.gate_up_proj`
+[E, 2I, H], `mlp.experts.down_proj` [E, H, I], as transformers 5 does): `tensors_from_files`
+and `tensors_to_files` convert.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .config import MODEL_TYPES, ModelConfig
+
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+_DEFAULT_CONTEXT = {"qwen3": 32768, "qwen3_moe": 32768, "qwen2": 32768, "llama": 2048}
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def _model_type(data: dict, where: str) -> str:
+    model_type = data.get("model_type")
+    archs = data.get("architectures") or []
+    if model_type is None and archs:
+        model_type = ARCHITECTURES.get(archs[0])
+    if model_type is None and not archs:
+        model_type = "qwen3"  # parity's first checkpoints did not name the type
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"{where}: model_type {model_type!r} (architectures {archs}) is not supported; "
+                          f"parity builds {', '.join(ARCHITECTURES)}")
+    for arch in archs:
+        if ARCHITECTURES.get(arch) != model_type:
+            raise ConfigError(f"{where}: architecture {arch!r} is not supported (model_type {model_type!r})")
+    return model_type
+
+
+def _rope(data: dict, where: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from transformers 4 (`rope_theta`, `rope_scaling`) or 5
+    (`rope_parameters`) layouts."""
+    params = data.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per layer type (5.x)
+        params = params["full_attention"]
+    theta = data.get("rope_theta", (params or {}).get("rope_theta", 10000.0))
+    scaling = data.get("rope_scaling")
+    if scaling is None and isinstance(params, dict):
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: rope_scaling must be an object, got {scaling!r}")
+    return theta, scaling
+
+
+def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> ModelConfig:
+    """A `ModelConfig` from a Hugging Face config dict of a supported family."""
+    model_type = _model_type(data, str(where))
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise ConfigError(f"{where}: required field {missing[0]!r} is missing")
+    if data.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {data['hidden_act']!r} is not supported (only 'silu')")
+    if data.get("use_sliding_window"):
+        raise ConfigError(f"{where}: sliding-window attention (use_sliding_window=true) is not supported")
+    layer_types = data.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ConfigError(f"{where}: layer_types {sorted(set(layer_types))} are not supported "
+                          "(only full attention)")
+    if data.get("mlp_bias"):
+        raise ConfigError(f"{where}: mlp_bias=true is not supported")
+    if model_type != "qwen2" and data.get("attention_bias"):
+        raise ConfigError(f"{where}: attention_bias=true is not supported for {model_type}")
+    theta, scaling = _rope(data, where)
+    fields = {k: data[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim",
+                                   "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+                                   "bos_token_id", "eos_token_id") if data.get(k) is not None}
+    fields.setdefault("num_key_value_heads", data["num_attention_heads"])
+    fields.setdefault("max_position_embeddings", _DEFAULT_CONTEXT[model_type])
+    fields.setdefault("tie_word_embeddings", False)  # every supported family's default
+    fields.setdefault("intermediate_size", data.get("moe_intermediate_size", 1))
+    fields.update(model_type=model_type, rope_theta=float(theta), rope_scaling=scaling)
+    if model_type == "qwen3_moe":
+        fields.update(num_experts=data.get("num_experts", data.get("num_local_experts")),
+                      num_experts_per_tok=data.get("num_experts_per_tok"),
+                      moe_intermediate_size=data.get("moe_intermediate_size"),
+                      norm_topk_prob=bool(data.get("norm_topk_prob", False)),
+                      decoder_sparse_step=data.get("decoder_sparse_step", 1),
+                      mlp_only_layers=list(data.get("mlp_only_layers") or []),
+                      router_aux_loss_coef=float(data.get("router_aux_loss_coef") or 0.0))
+    extra = {k: v for k, v in data.items() if k not in fields and k not in _WRITTEN}
+    try:
+        return ModelConfig(**fields, extra=extra)
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+_WRITTEN = {"model_type", "architectures", "hidden_act", "attention_bias", "attention_dropout", "rope_theta",
+            "rope_scaling", "rope_parameters", "use_sliding_window", "sliding_window", "layer_types",
+            "mlp_bias", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
+            "torch_dtype", "dtype", "transformers_version"}
+"""HF fields `config_to_hf` writes itself (not carried in `extra`)."""
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The `config.json` `transformers` loads as this family (both 4.x and 5.x read it)."""
+    arch = {v: k for k, v in ARCHITECTURES.items()}[cfg.model_type]
+    out = {**cfg.extra}
+    out.update({k: getattr(cfg, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+        "tie_word_embeddings", "bos_token_id", "eos_token_id")})
+    out.update(model_type=cfg.model_type, architectures=[arch], hidden_act="silu", attention_dropout=0.0,
+               rope_scaling=cfg.rope_scaling)
+    if cfg.model_type != "qwen2":
+        out["attention_bias"] = False
+    if cfg.model_type in ("qwen3", "qwen3_moe", "qwen2"):
+        out["use_sliding_window"] = False
+    if cfg.model_type == "llama":
+        out["mlp_bias"] = False
+    if cfg.is_moe:
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
+                   router_aux_loss_coef=cfg.router_aux_loss_coef)
+    return out
+
+
+# --------------------------------------------------------------------------- checkpoint tensor names
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+                       where: str) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors under the model's own names: per-expert MoE weights are stacked."""
+    if not cfg.is_moe:
+        return tensors
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+    for prefix, parts in experts.items():
+        for kind in ("gate_proj", "up_proj", "down_proj"):
+            have = parts.get(kind, {})
+            absent = [e for e in range(cfg.num_experts) if e not in have]
+            if absent:
+                raise ConfigError(f"{where}: missing tensor {prefix}.{absent[0]}.{kind}.weight")
+        stack = {k: torch.stack([parts[k][e] for e in range(cfg.num_experts)]) for k in parts}
+        out[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
+        out[f"{prefix}.down_proj"] = stack["down_proj"]
+    return out
+
+
+def tensors_to_files(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's tensors under the checkpoint names the Hub and `transformers` use."""
+    if not cfg.is_moe:
+        return state
+    out, inter = {}, cfg.moe_intermediate_size
+    for name, t in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter].contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:].contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out

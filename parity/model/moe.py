@@ -1,0 +1,60 @@
+"""The mixture-of-experts block (Qwen3-MoE): a router and `num_experts` SwiGLU experts.
+
+Each token goes to its top-k experts; the block's output is the routing-weighted sum of those
+experts' outputs. Routing (softmax, top-k with a fixed tie-break) and the final sum (a fixed
+order over the k ranks) come from the kernel bundle. Each expert runs one GEMM chain over the
+tokens routed to it; with aligned kernels a row's result does not depend on how many rows the
+GEMM has (padding to 16 rows, as everywhere), so a token's expert outputs do not depend on how
+many other tokens chose the same expert, nor on the batch, padding or chunking around it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+
+
+class Experts(nn.Module):
+    """Every expert's weights, stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+
+
+class SparseMoE(nn.Module):
+    """`mlp.gate` (the router) and `mlp.experts`, under Hugging Face's names."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.inter = cfg.moe_intermediate_size
+
+    def run(self, kernels, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [T, H] -> (output [T, H], expert ids [T, k], router logits [T, E])."""
+        logits = kernels.linear(h, self.gate.weight)
+        weights, idx = kernels.moe_route(logits, self.top_k, self.normalize)
+        t, k = idx.shape
+        flat = idx.reshape(-1)  # slot j of token i sits at i * k + j
+        outs, where = [], []
+        for e in flat.unique().tolist():
+            slots = (flat == e).nonzero().flatten()
+            gate_up = kernels.linear(h[slots // k], self.experts.gate_up_proj[e])
+            act = kernels.silu_mul(gate_up[:, :self.inter], gate_up[:, self.inter:])
+            outs.append(kernels.linear(act, self.experts.down_proj[e]))
+            where.append(slots)
+        parts = h.new_zeros(t * k, h.shape[1]).index_copy(0, torch.cat(where), torch.cat(outs))
+        parts = parts.view(t, k, -1) * weights.unsqueeze(-1)
+        return kernels.moe_combine(parts), idx, logits
