@@ -1,9 +1,10 @@
 """The Ray backend: many rollout workers, one learner, the same bits.
 
 A deterministic run writes the same metrics (all but timings and weight-transfer figures) on the
-local backend with 1 and 3 worker processes and on Ray with 1, 2 and 4 actors; the lag bound holds with several workers; a
-killed actor is replaced without losing or repeating a batch; a two-node cluster trains; a killed
-learner takes its Ray processes down and leaves its last checkpoint intact, which resumes on Ray.
+local backend with 1 and 3 worker processes and on Ray with 1, 2 and 4 actors; the lag bound
+holds with several workers; a killed actor is replaced without losing or repeating a batch; a
+two-node cluster trains; a killed learner takes its Ray processes down and leaves its last
+checkpoint intact, which resumes on Ray.
 """
 
 from __future__ import annotations
