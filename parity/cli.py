@@ -18,7 +18,7 @@ from .errors import ParityError
 from .ops import BACKENDS
 
 _POSITIVE = ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_seqs", "max_num_seqs", "steps",
-             "prompts", "group", "max_tokens", "eval_prompts", "n")
+             "prompts", "group", "max_tokens", "eval_prompts", "n", "batch", "length")
 """Integer options that must be at least 1."""
 
 
@@ -135,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reps", type=int, default=3)
     r.add_argument("--vs-transformers", action="store_true", help="also time HF generate()")
     r.add_argument("--json", action="store_true")
+    n = _command(bsub, "learner", "bench_learner", "learner forward+backward tokens/s, aligned vs standard")
+    n.add_argument("--presets", type=_csv(str), default=["small", "small-moe"])
+    n.add_argument("--dtypes", type=_csv(str), default=all_dtypes)
+    n.add_argument("--batch", type=int, default=8, help="sequences per step")
+    n.add_argument("--length", type=int, default=128, help="tokens per sequence")
+    n.add_argument("--reps", type=int, default=5)
+    n.add_argument("--json", action="store_true")
     a = _command(bsub, "async", "bench_async", "learner steps/hour: synchronous vs asynchronous training")
     a.add_argument("--preset", default="small")
     a.add_argument("--dtype", default="float32")

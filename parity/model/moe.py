@@ -48,12 +48,15 @@ class SparseMoE(nn.Module):
         weights, idx = kernels.moe_route(logits, self.top_k, self.normalize)
         t, k = idx.shape
         flat = idx.reshape(-1)  # slot j of token i sits at i * k + j
+        # one view per expert (under autograd, unbind's backward assembles the gradient once;
+        # indexing per expert would allocate a whole zero gradient per expert)
+        gate_up_w, down_w = self.experts.gate_up_proj.unbind(0), self.experts.down_proj.unbind(0)
         outs, where = [], []
         for e in flat.unique().tolist():
             slots = (flat == e).nonzero().flatten()
-            gate_up = kernels.linear(h[slots // k], self.experts.gate_up_proj[e])
+            gate_up = kernels.linear(h[slots // k], gate_up_w[e])
             act = kernels.silu_mul(gate_up[:, :self.inter], gate_up[:, self.inter:])
-            outs.append(kernels.linear(act, self.experts.down_proj[e]))
+            outs.append(kernels.linear(act, down_w[e]))
             where.append(slots)
         parts = h.new_zeros(t * k, h.shape[1]).index_copy(0, torch.cat(where), torch.cat(outs))
         parts = parts.view(t, k, -1) * weights.unsqueeze(-1)

@@ -1,0 +1,95 @@
+"""`parity bench learner`: the learner's forward+backward tokens/s, aligned vs standard.
+
+Both backends train on the same weights and the same batch (`sequence_logprobs` of B sequences
+of L tokens, the mean log-prob's gradient), repetitions interleaved (A B A B ...), medians
+compared, per preset and dtype (bfloat16 with float32 master weights, as the learner runs it).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import LearnerConfig
+from ..dtypes import dtype_from_name
+from ..errors import ParityError
+from ..model import Model, ModelConfig, sequence_logprobs
+from ..ops import BACKENDS
+from .ui import status, table
+
+
+@dataclass
+class LearnerRow:
+    preset: str
+    dtype: str
+    batch: int
+    length: int
+    aligned_tok_s: float
+    standard_tok_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.aligned_tok_s / self.standard_tok_s
+
+
+def _step_fn(model: Model, seqs: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        lps = sequence_logprobs(model, seqs)
+        (-torch.cat(lps).mean()).backward()
+        model.zero_grad(set_to_none=True)
+    return run
+
+
+def bench_learner(presets: Sequence[str] = ("small",), dtypes: Sequence[str] = ("float32", "bfloat16"),
+                  batch: int = 8, length: int = 128, reps: int = 5,
+                  progress: Callable[[str], None] | None = None) -> list[LearnerRow]:
+    rows = []
+    for preset in presets:
+        cfg = ModelConfig.preset(preset)
+        gen = torch.Generator().manual_seed(0)
+        seqs = [torch.randint(0, cfg.vocab_size, (length,), generator=gen) for _ in range(batch)]
+        for dtype_name in dtypes:
+            LearnerConfig(compute_dtype=dtype_name)  # validates the name
+            models = {k: Model(cfg, kernels=k, dtype=dtype_from_name(dtype_name), seed=0) for k in BACKENDS}
+            fns = {k: _step_fn(m, seqs) for k, m in models.items()}
+            times: dict[str, list[float]] = {k: [] for k in fns}
+            for r in range(reps + 1):  # round 0 warms up
+                for k, fn in fns.items():
+                    if progress:
+                        progress(f"learner {preset} {dtype_name} {k} {r}/{reps}")
+                    t0 = time.perf_counter()
+                    fn()
+                    if r:
+                        times[k].append(time.perf_counter() - t0)
+            tokens = batch * length
+            rows.append(LearnerRow(preset, dtype_name, batch, length,
+                                   tokens / statistics.median(times["aligned"]),
+                                   tokens / statistics.median(times["standard"])))
+    return rows
+
+
+def main(args) -> int:
+    """`parity bench learner`."""
+    for name in args.dtypes:
+        dtype_from_name(name, "--dtypes")
+    for p in args.presets:
+        if args.length > ModelConfig.preset(p).max_position_embeddings:
+            raise ParityError(f"--length {args.length} exceeds preset {p}'s max_position_embeddings")
+    rows = bench_learner(args.presets, args.dtypes, args.batch, args.length, args.reps,
+                         progress=lambda m: status(f"bench {m}"))
+    status("")
+    if args.json:
+        print(json.dumps({"threads": torch.get_num_threads(),
+                          "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, indent=2))
+        return 0
+    print(f"parity bench learner: forward+backward of {args.batch} x {args.length} tokens, medians of "
+          f"{args.reps} interleaved repetitions, {torch.get_num_threads()} threads")
+    print(table(["preset", "dtype", "aligned tok/s", "standard tok/s", "aligned/standard"],
+                [[r.preset, r.dtype, f"{r.aligned_tok_s:,.0f}", f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}"]
+                 for r in rows]))
+    return 0
