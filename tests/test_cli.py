@@ -25,6 +25,13 @@ def test_check_json_passes_and_shows_standard_gap():
     assert sum(r["mismatches"] for r in out["results"] if r["kernels"] == "standard") > 0
 
 
+def test_check_covers_moe(capsys):
+    assert main(["check", "--preset", "tiny-moe", "--rounds", "1", "--dtype", "float32",
+                 "--cases", "batch,decode,engine"]) == 0
+    out = capsys.readouterr().out
+    assert "preset tiny-moe" in out and "PASS" in out
+
+
 def test_check_on_a_saved_checkpoint(tmp_path, capsys):
     import parity
 
