@@ -20,7 +20,7 @@ test: install-dev
 
 install:
 	@$(HAVE) torch || { echo "installing $(TORCH) (CPU build)"; $(PIP) "$(TORCH)"; }
-	@$(PYTHON) -m pip show -q parity >/dev/null 2>&1 && $(HAVE) safetensors tokenizers rich matplotlib \
+	@$(PYTHON) -m pip show -q parity >/dev/null 2>&1 && $(HAVE) safetensors tokenizers jinja2 rich matplotlib \
 		|| { echo "installing parity and its dependencies"; $(PIP) -e .; }
 
 install-dev: install

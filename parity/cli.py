@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
     g.add_argument("--prompts-file", help="one prompt per line, or JSONL with prompt / prompt_ids")
+    g.add_argument("--chat", action="store_true", help="text prompts as a user turn of the chat template")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)

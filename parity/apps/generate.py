@@ -1,6 +1,7 @@
 """`parity generate`: sample completions with the rollout engine.
 
-Prompts come as text (`--prompt`, encoded with the checkpoint's tokenizer.json or UTF-8 bytes),
+Prompts come as text (`--prompt`, encoded with the checkpoint's tokenizer.json or UTF-8 bytes;
+with `--chat` as a user turn of the checkpoint's chat template),
 as token ids (`--prompt-ids`) or from a file (one prompt per line, or JSONL with `prompt` /
 `prompt_ids`). `--json` prints token ids, float32 log-probs and the policy version of each token.
 """
@@ -16,10 +17,19 @@ from ..model import Model, ModelConfig, load_model
 from ..model.tokenizer import load_tokenizer
 
 
+def _text_prompt(args, tokenizer, text: str) -> list[int]:
+    """A text prompt: a user turn of the checkpoint's chat template with --chat, else raw text."""
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ParityError("--chat: this checkpoint has no chat template (tokenizer_config.json)")
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode_prompt(text)
+
+
 def _read_prompts(args, tokenizer) -> list[list[int]]:
     prompts: list[list[int]] = []
     for text in args.prompt or []:
-        prompts.append(tokenizer.encode(text))
+        prompts.append(_text_prompt(args, tokenizer, text))
     for ids in args.prompt_ids or []:
         try:
             prompts.append([int(x) for x in ids.split(",") if x.strip()])
@@ -46,11 +56,11 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
                         raise ParityError(f"{args.prompts_file}:{n}: prompt_ids must be a list of integers")
                     prompts.append(ids)
                 elif "prompt" in item:
-                    prompts.append(tokenizer.encode(str(item["prompt"])))
+                    prompts.append(_text_prompt(args, tokenizer, str(item["prompt"])))
                 else:
                     raise ParityError(f"{args.prompts_file}:{n}: expected a 'prompt' or 'prompt_ids' field")
             else:
-                prompts.append(tokenizer.encode(line))
+                prompts.append(_text_prompt(args, tokenizer, line))
     if not prompts:
         raise ParityError("no prompts: give --prompt, --prompt-ids or --prompts-file")
     return prompts

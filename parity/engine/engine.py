@@ -43,7 +43,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, bs, on_release=self.runner.cache.zero_blocks)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler(model, seed)
-        self._eos = frozenset(model.config.eos_token_ids)
+        # the model's end-of-sequence ids, and those the tokenizer's directory adds (generation_config)
+        self._eos = frozenset(model.config.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
         self.policy_version = 0
         self._pending: tuple[Mapping[str, torch.Tensor], int] | None = None
         self._ids = itertools.count()

@@ -55,9 +55,18 @@ class Env(ABC):
     multi_turn: bool = False
     """True when `step` may return observations (the engine then keeps the request's cache)."""
 
+    tokenizer = None
+    """The text tasks' tokenizer (the engine decodes with it to find stop strings)."""
+
     @property
     def stop_token_ids(self) -> list[int]:
         """Tokens that end a model turn, besides the model's EOS (e.g. `</python>`)."""
+        return []
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """Texts that end a model turn when they are not single tokens (e.g. `</python>` in a
+        tokenizer that spells it out)."""
         return []
 
     @abstractmethod

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .base import Env, Episode, Turn
-from .chat import prompt_text, strip_special
+from .chat import prompt_ids, turn_text
 
 TASKS = ("add", "sub", "mul", "expr", "countdown")
 
@@ -194,11 +194,11 @@ class MathEnv(Env):
         return self.math.heldout(n)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
-        return self.tokenizer.encode(prompt_text(problem.prompt))
+        return prompt_ids(self.tokenizer, problem.prompt)
 
     def step(self, episode: Episode, turn_ids: list[int]) -> Turn:
         episode.turns += 1
-        text = strip_special(self.tokenizer.decode(turn_ids))
+        text = turn_text(self.tokenizer, turn_ids)
         episode.answered = "answer:" in text.lower()
         episode.reward = score(episode.problem, text)
         episode.passed = episode.reward == 1.0

@@ -22,7 +22,7 @@ import threading
 
 from ..errors import ConfigError
 from .base import Env, Episode, Turn
-from .chat import PY_CLOSE, PY_OPEN, RESULT_CLOSE, RESULT_OPEN, prompt_text, strip_special
+from .chat import PY_CLOSE, PY_OPEN, RESULT_CLOSE, RESULT_OPEN, prompt_ids, turn_text
 from .math import Problem, _stable_seed, score
 
 KINDS = ("mul", "sum")
@@ -84,11 +84,8 @@ class ToolEnv(Env):
         self.name = f"tool-{'+'.join(self.kinds)}-{level}"
         self._sandbox = sandbox
         self._lock = threading.Lock()
-        close = tokenizer.encode(PY_CLOSE)
-        if len(close) != 1:
-            raise ConfigError(f"the tokenizer must have {PY_CLOSE} as one special token "
-                              "(use a tokenizer built by parity sft)")
-        self._close_id = close[0]
+        close = tokenizer.encode(PY_CLOSE)  # one special token in parity's tokenizer, text elsewhere
+        self._close_id = close[0] if len(close) == 1 else None
         rnd = random.Random(_stable_seed("tool", self.kinds, level, seed, "heldout"))
         self._heldout = [self._make(i, rnd) for i in range(heldout_size)]
         self._heldout_prompts = {p.prompt for p in self._heldout}
@@ -107,7 +104,11 @@ class ToolEnv(Env):
 
     @property
     def stop_token_ids(self) -> list[int]:
-        return [self._close_id]
+        return [self._close_id] if self._close_id is not None else []
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [] if self._close_id is not None else [PY_CLOSE]
 
     def problems(self, batch_index: int, n: int) -> list[Problem]:
         rnd = random.Random(_stable_seed("tool", self.kinds, self.level, self.seed, batch_index))
@@ -122,7 +123,7 @@ class ToolEnv(Env):
         return list(self._heldout[:n])
 
     def prompt_ids(self, problem: Problem) -> list[int]:
-        return self.tokenizer.encode(prompt_text(problem.prompt))
+        return prompt_ids(self.tokenizer, problem.prompt)
 
     def describe(self) -> str:
         return (f"task: {self.name} (multi-turn, up to {self.max_tool_calls} tool calls); "
@@ -133,8 +134,14 @@ class ToolEnv(Env):
 
     def step(self, episode: Episode, turn_ids: list[int]) -> Turn:
         episode.turns += 1
-        text = strip_special(self.tokenizer.decode(turn_ids))
-        if turn_ids and turn_ids[-1] == self._close_id:  # a tool call
+        text = turn_text(self.tokenizer, turn_ids)
+        if self._close_id is not None:
+            is_call = bool(turn_ids) and turn_ids[-1] == self._close_id
+        else:  # the engine stops a turn at the first `</python>` in its text (a stop string); the
+            # token that completed it may carry a few more characters, which are dropped
+            is_call = PY_CLOSE in text
+            text = text[:text.rfind(PY_CLOSE) + len(PY_CLOSE)] if is_call else text
+        if is_call:  # a tool call
             episode.tool_calls += 1
             start = text.rfind(PY_OPEN)
             if episode.tool_calls > self.max_tool_calls:

@@ -1,4 +1,5 @@
-"""Tokenizers: a checkpoint's `tokenizer.json` (Hugging Face `tokenizers`), else UTF-8 bytes.
+"""Tokenizers: a checkpoint's `tokenizer.json` (Hugging Face `tokenizers`) with its chat template
+and special tokens, else UTF-8 bytes.
 
 The byte fallback maps text to its UTF-8 bytes, so it needs `vocab_size >= 256` for arbitrary
 text (the `tiny` preset's 128 ids cover ASCII only); ids it cannot decode print as `<id>`.
@@ -6,14 +7,21 @@ text (the `tiny` preset's 128 ids cover ASCII only); ids it cannot decode print 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..errors import InputError
 
 
 class ByteTokenizer:
+    chat_template = None
+    eos_token_ids: list[int] = []
+
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)
 
     def encode(self, text: str) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -38,16 +46,52 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    def __init__(self, path: Path):
+    """A Hugging Face `tokenizer.json` (any model: byte-level BPE, SentencePiece-style, or parity's
+    character tokenizer) with what its directory says about it: special tokens and the chat
+    template from `tokenizer_config.json` (or `chat_template.jinja`), end-of-sequence ids from
+    `generation_config.json` as well."""
+
+    def __init__(self, path: Path, directory: Path | None = None):
         from tokenizers import Tokenizer
 
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # the library raises its own exception types
             raise InputError(f"{path}: cannot load tokenizer ({exc})") from None
+        directory = Path(directory) if directory is not None else Path(path).parent
+        config = _read_json(directory / "tokenizer_config.json")
+        self.special_tokens: dict[str, str] = {}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = config.get(name)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                self.special_tokens[name] = value
+        self.chat_template: str | None = _chat_template(config, directory)
+        generation = _read_json(directory / "generation_config.json").get("eos_token_id")
+        eos = [self.token_id(self.special_tokens["eos_token"])] if "eos_token" in self.special_tokens else []
+        eos += generation if isinstance(generation, list) else [generation] if generation is not None else []
+        self.eos_token_ids: list[int] = sorted({e for e in eos if isinstance(e, int)})
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without the special tokens the tokenizer would add around it."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw prompt, with the tokenizer's own additions (a BOS token, say)."""
         return self._tok.encode(text).ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> list[int]:
+        """The conversation rendered by the checkpoint's chat template, as token ids (as
+        `transformers`' `apply_chat_template(..., tokenize=True)`)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        from .chat_template import render_chat
+
+        if self.chat_template is None:
+            raise InputError("this checkpoint has no chat template (tokenizer_config.json chat_template)")
+        return render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens, **kwargs)
 
     @property
     def vocab_size(self) -> int:
@@ -59,6 +103,29 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _chat_template(config: dict, directory: Path) -> str | None:
+    """The default chat template: `chat_template.jinja`, else tokenizer_config.json's entry (a
+    string, or a list of named templates of which "default" is taken)."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def load_tokenizer(checkpoint: str | Path | None, vocab_size: int):

@@ -19,7 +19,7 @@ def evaluate(model, env: Env, n: int | None = None, k: int = 0, temperature: flo
     problems = env.heldout(n)
     if not problems:
         raise InputError(f"{env.name}: empty held-out set")
-    engine = Engine(model, max_num_seqs=max_num_seqs)
+    engine = Engine(model, max_num_seqs=max_num_seqs, tokenizer=env.tokenizer)
     greedy_params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     greedy = run_episodes(engine, env, problems, [greedy_params] * len(problems))
     p1, p1_ci = mean_ci([float(r.episode.passed) for r in greedy])

@@ -96,11 +96,12 @@ def run_episodes(engine: Engine, env: Env, problems: list, params: list[Sampling
     """Run one episode per problem (params[i] for problem i) to the end; results in order."""
     if len(params) != len(problems):
         raise InputError(f"got {len(params)} SamplingParams for {len(problems)} problems")
-    stops = env.stop_token_ids
+    stops, stop_strings = env.stop_token_ids, env.stop_strings
     results: list[EpisodeResult | None] = [None] * len(problems)
     active: dict[int, tuple[int, Episode, int]] = {}  # request id -> (index, episode, turn start)
     for i, (problem, p) in enumerate(zip(problems, params)):
-        p = replace(p, stop_token_ids=sorted(set(p.stop_token_ids) | set(stops)))
+        p = replace(p, stop_token_ids=sorted(set(p.stop_token_ids) | set(stops)),
+                    stop_strings=list(dict.fromkeys([*p.stop_strings, *stop_strings])))
         episode = env.start(problem)
         prompt = env.prompt_ids(problem)
         rid = engine.add_request(prompt, p, multi_turn=env.multi_turn)
@@ -173,7 +174,7 @@ class RolloutWorker:
     def __init__(self, cfg: TrainConfig, model, env: Env, version: int = 0, poll: Poll | None = None):
         self.cfg = cfg
         self.env = env
-        self.engine = Engine(model, max_num_seqs=cfg.rollout.max_num_seqs)
+        self.engine = Engine(model, max_num_seqs=cfg.rollout.max_num_seqs, tokenizer=env.tokenizer)
         self.engine.policy_version = version
         self.held: dict[int, State] = {}  # versions received, not loaded yet
         self._poll = poll

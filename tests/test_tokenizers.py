@@ -1,0 +1,147 @@
+"""Any Hugging Face tokenizer and chat template: byte-level BPE through `tokenizers`, templates
+rendered exactly as `transformers` renders them, EOS ids from the checkpoint's configs, and
+environments that prompt a model in its own format (tool markers spelled out as text)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import parity
+from parity.cli import main
+from parity.envs.math import MathEnv
+from parity.envs.tool import ToolEnv
+from parity.errors import InputError
+from parity.model.tokenizer import HFTokenizer
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|eot_id|>",
+           "<|start_header_id|>", "<|end_header_id|>"]
+
+CHATML = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+          "<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+          "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA = ("{{ bos_token }}{% for message in messages %}"
+         "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+         "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+         "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+FANCY = ("{%- set ns = namespace(turns=0) -%}\n"
+         "{%- for m in messages -%}\n"
+         "  {%- if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif -%}\n"
+         "  {%- if m.role == 'system' %}{% continue %}{% endif -%}\n"
+         "  {%- set ns.turns = ns.turns + 1 -%}\n"
+         "  [{{ ns.turns }}] {{ m.role }}: {{ m.content | tojson }}\n"
+         "  {%- if m.role == 'assistant' %}{% generation %} (done){% endgeneration %}{% endif %}\n"
+         "{% endfor -%}\n"
+         "{%- if add_generation_prompt %}[{{ ns.turns + 1 }}] assistant:{% endif -%}")
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 48213*9127?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo ✓"}],
+    [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "answer: 4"},
+     {"role": "user", "content": "  and 3+3?  "}],
+]
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer trained here, saved by transformers with a chat template."""
+    path = tmp_path_factory.mktemp("bpe")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [f"What is {a}*{b}? answer: {a * b} <python>print({a}+{b})</python> héllo ✓"
+            for a in range(40) for b in range(7)]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                                              eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHATML
+    hf.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 2]}))
+    return path
+
+
+def hf_tokenizer(path, template):
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok.chat_template = template
+    return tok
+
+
+def ids_of(result):
+    return list(result["input_ids"] if isinstance(result, dict) or hasattr(result, "keys") else result)
+
+
+def test_byte_level_bpe_encodes_and_decodes_like_transformers(bpe_dir):
+    ours = HFTokenizer(bpe_dir / "tokenizer.json")
+    theirs = transformers.AutoTokenizer.from_pretrained(bpe_dir)
+    for text in ("What is 12*34? answer: 408", "héllo ✓ <python>print(1)</python>", "  spaces\tand\nlines"):
+        ids = ours.encode(text)
+        assert ids == theirs(text, add_special_tokens=False)["input_ids"]
+        assert ours.decode(ids) == text
+    assert ours.eos_token_ids == sorted({theirs.convert_tokens_to_ids("<|im_end|>"), 4, 2})
+    assert ours.special_tokens["bos_token"] == "<|begin_of_text|>"
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA, FANCY], ids=["chatml", "llama3", "features"])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_chat_templates_render_as_transformers_renders_them(bpe_dir, template, generation_prompt):
+    ours = HFTokenizer(bpe_dir / "tokenizer.json")
+    ours.chat_template = template
+    theirs = hf_tokenizer(bpe_dir, template)
+    for conversation in CONVERSATIONS:
+        text = ours.render_chat(conversation, add_generation_prompt=generation_prompt)
+        assert text == theirs.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+        ids = theirs.apply_chat_template(conversation, tokenize=True, add_generation_prompt=generation_prompt)
+        assert ours.apply_chat_template(conversation, add_generation_prompt=generation_prompt) == ids_of(ids)
+
+
+def test_the_chat_template_file_and_template_errors(bpe_dir, tmp_path):
+    ours = HFTokenizer(bpe_dir / "tokenizer.json")
+    assert ours.chat_template == CHATML  # from the directory transformers wrote
+    ours.chat_template = FANCY
+    with pytest.raises(InputError, match="no tools here"):
+        ours.render_chat([{"role": "tool", "content": "x"}])
+    ours.chat_template = "{% for m in messages %}{{ m.content }"
+    with pytest.raises(InputError, match="syntax error") as err:
+        ours.render_chat(CONVERSATIONS[0])
+    assert "\n" not in str(err.value)
+
+
+def test_environments_prompt_in_the_models_own_format(bpe_dir):
+    tok = HFTokenizer(bpe_dir / "tokenizer.json")
+    env = MathEnv(tok, "add", 1)
+    problem = env.heldout(1)[0]
+    ids = env.prompt_ids(problem)
+    assert tok.decode(ids).endswith(f"<|im_start|>user\n{problem.prompt}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_tool_task_with_a_tokenizer_that_spells_its_markers_out(bpe_dir):
+    tok = HFTokenizer(bpe_dir / "tokenizer.json")
+    env = ToolEnv(tok, ("mul",), 1, sandbox=None)
+    assert env.stop_token_ids == [] and env.stop_strings == ["</python>"]
+    problem = env.heldout(1)[0]
+    episode = env.start(problem)
+    call = env.step(episode, tok.encode('<python>print("answer:", ' + problem.prompt[8:-1] + ")</python>"))
+    assert not call.done and f"answer: {problem.answer}" in tok.decode(call.observation)
+    end = env.step(episode, tok.encode(f"answer: {problem.answer}") + [tok.token_id("<|im_end|>")])
+    assert end.done and end.reward == 1.0 and episode.tool_calls == 1
+
+
+def test_generate_chat_with_a_checkpoint_that_brings_its_tokenizer(bpe_dir, tmp_path, capsys):
+    cfg = parity.ModelConfig.preset("tiny", vocab_size=512, eos_token_id=2)
+    parity.Model(cfg, seed=0).save_pretrained(tmp_path)
+    for path in bpe_dir.iterdir():  # tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "What is 2*3?", "--chat", "--json",
+                 "--max-tokens", "5"]) == 0
+    out = json.loads(capsys.readouterr().out)[0]
+    assert HFTokenizer(tmp_path / "tokenizer.json").decode(out["prompt_token_ids"]).endswith(
+        "<|im_start|>user\nWhat is 2*3?<|im_end|>\n<|im_start|>assistant\n")
+    assert len(out["logprobs"]) == len(out["token_ids"]) and all(lp <= 0 for lp in out["logprobs"])
+    assert torch.tensor(out["logprobs"]).isfinite().all()
