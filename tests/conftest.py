@@ -19,6 +19,14 @@ def cached_model(preset: str, kernels: str, dtype_name: str, seed: int, std: flo
     return model
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Training runs set the learner's thread count in this process; give it back after a test."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def tiny():
     return cached_model("tiny", "aligned", "float32", 0, 0.02)

@@ -145,3 +145,21 @@ def test_generate_chat_with_a_checkpoint_that_brings_its_tokenizer(bpe_dir, tmp_
         "<|im_start|>user\nWhat is 2*3?<|im_end|>\n<|im_start|>assistant\n")
     assert len(out["logprobs"]) == len(out["token_ids"]) and all(lp <= 0 for lp in out["logprobs"])
     assert torch.tensor(out["logprobs"]).isfinite().all()
+
+
+def test_eval_and_train_accept_a_brought_checkpoint(bpe_dir, tmp_path, capsys):
+    """A Qwen2 checkpoint written by transformers, with its own BPE tokenizer and chat template."""
+    cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    ckpt = tmp_path / "qwen2"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(ckpt)
+    for path in bpe_dir.iterdir():
+        (ckpt / path.name).write_bytes(path.read_bytes())
+    assert main(["eval", "--model", str(ckpt), "--task", "math", "--n", "2", "-k", "0", "--max-tokens", "4",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["eval/problems"] == 2.0
+    sets = ['task.name="math"', f'model.checkpoint="{ckpt}"', "steps=1", "rollout.prompts_per_step=2",
+            "rollout.group_size=2", "rollout.max_tokens=4", "eval_every=0", f'run_dir="{tmp_path / "run"}"']
+    assert main(["train", *[x for s in sets for x in ("--set", s)]]) == 0
+    assert (tmp_path / "run" / "checkpoint-1" / "tokenizer.json").exists()

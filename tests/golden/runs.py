@@ -1,11 +1,19 @@
 """Golden-metrics runs: short deterministic training runs whose metrics must not change.
 
 A refactor must not change what a deterministic run computes. `RUNS` are three small runs on the
-`tiny` model (float32 async with evaluation, bfloat16 synchronous, and the multi-turn tool task
-with its sandbox); `metrics.json` beside this file holds what they wrote, with the fingerprint of
-the machine that wrote them. `tests/test_golden.py` re-runs them and compares bit for bit where
-the fingerprint matches, within a stated tolerance where it does not (native kernels and MKL
-follow the CPU's instruction set).
+`tiny` model (float32 async with evaluation, bfloat16 synchronous — both with rewards that vary
+within groups, so every step's gradient is non-zero — and the multi-turn tool task with its
+sandbox); `metrics.json` beside this file holds what they wrote, with the fingerprint of the
+machine that wrote them.
+
+History: recorded before the issue-11 redesign and matched bit for bit after it; regenerated when
+the learner's attention backward moved to PyTorch's fused attention (gradients change in the last
+bits; every forward, hence every log-prob and the kernel mismatch, is unchanged) and the toy runs'
+target sets were widened (the first recording had mostly zero advantages).
+
+`tests/test_golden.py` re-runs them and compares bit for bit where the fingerprint matches,
+within a stated tolerance where it does not (native kernels and MKL follow the CPU's
+instruction set).
 
 Regenerate only on purpose, when a change is meant to alter the numbers:
 
@@ -30,10 +38,10 @@ COMMON = ["model.preset=\"tiny\"", "rollout.prompts_per_step=2", "rollout.group_
 
 RUNS: dict[str, list[str]] = {
     "float32-lag2-eval": COMMON + [
-        "steps=6", "max_policy_lag=2", "task.targets=[7, 8]", "rollout.max_tokens=12",
+        "steps=6", "max_policy_lag=2", f"task.targets={list(range(0, 128, 2))}", "rollout.max_tokens=12",
         "rollout.lengths=\"geometric\"", "eval_every=3", "eval_prompts=4", "eval_samples=2"],
     "bfloat16-sync-tis": COMMON + [
-        "steps=4", "max_policy_lag=0", "model.dtype=\"bfloat16\"", "task.targets=[3]",
+        "steps=4", "max_policy_lag=0", "model.dtype=\"bfloat16\"", f"task.targets={list(range(40))}",
         "rollout.max_tokens=8", "learner.loss=\"tis\"", "eval_every=0"],
     "tool-multiturn-lag1": COMMON + [
         "steps=4", "max_policy_lag=1", "task.name=\"tool\"", "task.level=1", "task.heldout_size=8",
