@@ -1,14 +1,20 @@
 """`parity study`: the published comparisons as a grid of training runs, and one report.
 
-The default grid (every run from the same base policy, task, seeds and budget):
+The default grid (every run from the same base policy, task, seeds and budget; bfloat16 on both
+sides with float32 master weights, as the published runs):
 
-    | run         | kernels  | lag | objective                      |
-    | sync        | aligned  | 0   | reinforce_zero                 |
-    | async-8     | aligned  | 8   | reinforce_zero                 |
-    | async-64    | aligned  | 64  | reinforce_zero                 |
-    | std-64      | standard | 64  | reinforce_zero (unclipped IS)  |
-    | std-64-tis  | standard | 64  | tis                            |
-    | std-64-gate | standard | 64  | seq_gate                       |
+    | run               | kernels  | lag | staleness | objective                     |
+    | sync              | aligned  | 0   | -         | reinforce_zero                |
+    | async-8           | aligned  | 8   | natural   | reinforce_zero                |
+    | fixed-64          | aligned  | 64  | fixed     | reinforce_zero                |
+    | std-fixed-64      | standard | 64  | fixed     | reinforce_zero (unclipped IS) |
+    | std-fixed-64-tis  | standard | 64  | fixed     | tis                           |
+    | std-fixed-64-gate | standard | 64  | fixed     | seq_gate                      |
+    | fixed-64-fp32, std-fixed-64-fp32: the same in float32, shorter (the mechanism by dtype) |
+
+"natural" staleness is whatever lag asynchronous training reaches on this machine (at most the
+bound); "fixed" samples every batch after warm-up with weights exactly `lag` versions old
+(deterministic mode: generation running `lag` batches ahead, as on separate hardware).
 
 Runs execute one after another (each is a normal `parity train` run with its own directory).
 The table is computed from the runs' `metrics.jsonl` files with the definitions the published
@@ -26,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import LOSS_NAMES, TrainConfig, config_from_dict, read_toml, set_dotted
+from ..dtypes import DTYPE_NAMES
 from ..errors import ConfigError
 from ..metrics.report import write_study_report
 from ..metrics.sinks import read_metrics
@@ -50,9 +57,25 @@ class StudyRun:
     """max_policy_lag (0 = synchronous)."""
     loss: str = "reinforce_zero"
     """Learner objective."""
+    staleness: str = "natural"
+    """'natural': the lag is whatever this machine produces, up to `lag` (asynchronous training);
+    'fixed': every batch after warm-up is sampled by weights exactly `lag` versions old (the
+    worker always runs `lag` batches ahead: generation on separate hardware)."""
+    dtype: str | None = None
+    """Compute dtype of this row (None: the study's `model.dtype`)."""
+    steps: int | None = None
+    """Learner steps of this row (None: the study's `steps`)."""
 
     def __post_init__(self) -> None:
         check_backend(self.kernels, f"study run {self.name!r}: kernels")
+        if self.staleness not in ("natural", "fixed"):
+            raise ConfigError(f"study run {self.name!r}: staleness must be 'natural' or 'fixed', "
+                              f"got {self.staleness!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"study run {self.name!r}: dtype must be one of {', '.join(DTYPE_NAMES)}")
+        if self.steps is not None and (isinstance(self.steps, bool) or not isinstance(self.steps, int)
+                                       or self.steps < 1):
+            raise ConfigError(f"study run {self.name!r}: steps must be a positive integer")
         if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0:
             raise ConfigError(f"study run {self.name!r}: lag must be an integer >= 0, got {self.lag!r}")
         if self.loss not in LOSS_NAMES:
@@ -62,10 +85,13 @@ class StudyRun:
 DEFAULT_GRID = [
     StudyRun("sync", "aligned", 0),
     StudyRun("async-8", "aligned", 8),
-    StudyRun("async-64", "aligned", 64),
-    StudyRun("std-64", "standard", 64),
-    StudyRun("std-64-tis", "standard", 64, "tis"),
-    StudyRun("std-64-gate", "standard", 64, "seq_gate"),
+    StudyRun("fixed-64", "aligned", 64, staleness="fixed"),
+    StudyRun("std-fixed-64", "standard", 64, staleness="fixed"),
+    StudyRun("std-fixed-64-tis", "standard", 64, "tis", staleness="fixed"),
+    StudyRun("std-fixed-64-gate", "standard", 64, "seq_gate", staleness="fixed"),
+    # the mechanism in float32, for comparison with bfloat16 (shorter runs)
+    StudyRun("fixed-64-fp32", "aligned", 64, staleness="fixed", dtype="float32", steps=100),
+    StudyRun("std-fixed-64-fp32", "standard", 64, staleness="fixed", dtype="float32", steps=100),
 ]
 
 
@@ -97,15 +123,16 @@ class StudyConfig:
 
 
 DEFAULT_TRAIN = {
-    "steps": 60,
-    "eval_every": 20,
+    "steps": 350,
+    "eval_every": 175,
     "eval_prompts": 100,
     "model.checkpoint": "base",
-    "rollout.prompts_per_step": 8,
-    "rollout.group_size": 8,
-    "rollout.max_tokens": 64,
+    "model.dtype": "bfloat16",
+    "rollout.prompts_per_step": 6,
+    "rollout.group_size": 4,
+    "rollout.max_tokens": 48,
     "learner.lr": 5e-5,
-    "learner.micro_batch_size": 16,
+    "learner.micro_batch_size": 12,
 }
 
 QUICK_TRAIN = {
@@ -161,11 +188,15 @@ def run_config(study: StudyConfig, run: StudyRun, seed: int) -> TrainConfig:
         set_dotted(data, key, value)
     for key, value in {
         "max_policy_lag": run.lag,
+        "deterministic": run.staleness == "fixed",
         "seed": seed,
         "run_dir": str(Path(study.out_dir) / f"{run.name}-seed{seed}"),
         "model.kernels": run.kernels,
         "learner.loss": run.loss,
+        "learner.mechanism": True,
         "task.name": study.task,
+        **({"model.dtype": run.dtype} if run.dtype else {}),
+        **({"steps": run.steps} if run.steps and not study.quick else {}),
     }.items():
         set_dotted(data, key, value)
     if study.task == "tool":

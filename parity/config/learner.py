@@ -78,6 +78,9 @@ class LearnerConfig:
     TrainConfig: its max_policy_lag)."""
     decompose_every: int = 1
     """Run the decomposition every N steps (0 = never)."""
+    mechanism: bool = False
+    """Also report the mechanism diagnostics: kernel mismatch and importance weights bucketed by
+    the sampled token's rollout probability (`mechanism/...` metrics; `parity study` turns it on)."""
     router_aux_loss_coef: float = 0.0
     """MoE models: weight of the router's load-balancing loss added to the objective (0 = off)."""
     dump_dir: str | None = None

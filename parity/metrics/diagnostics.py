@@ -72,3 +72,38 @@ def response_stats(mask: torch.Tensor, rewards: torch.Tensor, entropy: torch.Ten
     if entropy is not None:
         out["policy/entropy"] = float(_masked(entropy, mask).mean())
     return out
+
+
+PROB_BUCKETS = (0.0, 1e-4, 1e-3, 1e-2, 1e-1, 0.5, 1.0)
+"""Edges of the rollout-probability buckets of the mechanism diagnostics (the last bucket holds 1)."""
+
+
+def bucket_labels() -> list[str]:
+    return [f"p{lo:g}-{hi:g}" for lo, hi in zip(PROB_BUCKETS[:-1], PROB_BUCKETS[1:])]
+
+
+def bucketed_stats(rollout_lp: torch.Tensor, mask: torch.Tensor, kernel_delta: torch.Tensor | None,
+                   learner_lp: torch.Tensor) -> dict[str, float]:
+    """The mechanism, per bucket of the sampled token's rollout probability: how many tokens, the
+    mean and max |Δ log-prob| between learner and rollout at the version that sampled them
+    (`kernel_delta`, where decomposed; the kernel mismatch) and the largest importance weight
+    (learner now / rollout). Keys `mechanism/<stat>/<bucket>`."""
+    m = mask.bool()
+    p = rollout_lp.detach().double().exp()[m]
+    w = (learner_lp.detach().double() - rollout_lp.detach().double()).exp()[m]
+    k = kernel_delta.detach().double().abs()[m] if kernel_delta is not None else None  # NaN: not decomposed
+    out: dict[str, float] = {}
+    edges = PROB_BUCKETS
+    for i, label in enumerate(bucket_labels()):
+        upper = p <= edges[i + 1] if i == len(edges) - 2 else p < edges[i + 1]
+        sel = (p >= edges[i]) & upper
+        n = int(sel.sum())
+        out[f"mechanism/tokens/{label}"] = float(n)
+        if n:
+            out[f"mechanism/is_weight_max/{label}"] = float(w[sel].max())
+            ks = k[sel] if k is not None else None
+            ks = ks[~ks.isnan()] if ks is not None else None
+            if ks is not None and ks.numel():
+                out[f"mechanism/kernel_abs_mean/{label}"] = float(ks.mean())
+                out[f"mechanism/kernel_abs_max/{label}"] = float(ks.max())
+    return out

@@ -20,7 +20,13 @@ import torch
 
 from ..config.learner import LearnerConfig
 from ..dtypes import dtype_from_name
-from ..metrics.diagnostics import importance_weight_stats, lag_stats, mismatch_stats, response_stats
+from ..metrics.diagnostics import (
+    bucketed_stats,
+    importance_weight_stats,
+    lag_stats,
+    mismatch_stats,
+    response_stats,
+)
 from ..model import scored_routing, sequence_logprobs
 from .losses import get_loss, group_advantages, load_balancing_loss
 from .trajectory import TrajectoryBatch, pad_routing
@@ -45,6 +51,7 @@ class Learner:
         self.history: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
         self.steps = 0
         self._scratch = None
+        self.last_kernel_delta: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ weights
     def _lr_factor(self, step: int) -> float:
@@ -131,6 +138,7 @@ class Learner:
             stats[f"mismatch/kernel_max_abs/lag_{bucket}"] = float(k.max())
             stats[f"mismatch/weight_lag_mean_abs/lag_{bucket}"] = float(w.mean())
         m = covered.bool()
+        self.last_kernel_delta = kernel.masked_fill(~m, float("nan"))  # for the mechanism buckets
         if m.any():
             stats["mismatch/kernel_max_abs"] = float(kernel[m].abs().max())
             stats["mismatch/kernel_mean_abs"] = float(kernel[m].abs().mean())
@@ -148,6 +156,7 @@ class Learner:
         """One optimizer step on `batch`; returns its metrics. A NaN/inf loss or gradient skips
         the update (weights untouched), saves the batch to `dump_dir`, and says so."""
         cfg, t0 = self.config, time.perf_counter()
+        self.last_kernel_delta = None  # set by this step's decomposition, if it runs
         adv_std = cfg.loss == "ppo_clip" and cfg.loss_config.ppo_std_adv
         adv = group_advantages(batch.rewards, batch.group_ids, normalize_std=adv_std)
         bsz = len(batch)
@@ -203,6 +212,9 @@ class Learner:
         # diagnostics are about the weights that computed this step's loss (before the update)
         metrics.update(mismatch_stats(learner_lp, batch.rollout_logprobs, batch.mask))
         metrics.update(importance_weight_stats(learner_lp, batch.rollout_logprobs, batch.mask))
+        if cfg.mechanism:
+            metrics.update(bucketed_stats(batch.rollout_logprobs, batch.mask,
+                                          self.last_kernel_delta, learner_lp))
         metrics.update(lag_stats(batch.versions, batch.mask, self.version))
         metrics.update(response_stats(batch.mask, batch.rewards, batch.pad(entropies)))
         metrics.update(extra)
