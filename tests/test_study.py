@@ -56,7 +56,11 @@ def test_study_config_errors_are_one_line(tmp_path):
     bad.write_text('[[runs]]\nname = "x"\nkernels = "fast"\n')
     with pytest.raises(ConfigError, match="kernels"):
         load_study(str(bad), quick=True, out_dir=str(tmp_path / "o"))
-    names = ["sync", "async-8", "async-64", "std-64", "std-64-tis", "std-64-gate"]
+    bad.write_text('[[runs]]\nname = "x"\nstaleness = "sometimes"\n')
+    with pytest.raises(ConfigError, match="staleness"):
+        load_study(str(bad))
+    names = ["sync", "async-8", "fixed-64", "std-fixed-64", "std-fixed-64-tis", "std-fixed-64-gate",
+             "fixed-64-fp32", "std-fixed-64-fp32"]
     assert [r.name for r in DEFAULT_GRID] == names
 
 
@@ -73,4 +77,4 @@ def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
             assert fig["is_peak_over_median"]["mean"] == 1.0
     report = (out / "report.md").read_text()
     assert "| sync | aligned | 0 | reinforce_zero |" in report and (out / "study.png").exists()
-    assert "std-64-gate" in capsys.readouterr().out
+    assert "std-fixed-64-gate" in capsys.readouterr().out
