@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .sinks import read_metrics
-from .summary import run_rows, study_table_markdown
+from .summary import mechanism_table_markdown, run_rows, study_table_markdown
 
 PANELS = [
     ("reward", ["reward/mean"]),
@@ -114,6 +114,41 @@ def write_study_report(out_dir: str | Path, title: str, results: dict,
              f"{results['seconds']:.0f} s in all.", "", study_table_markdown(results), ""]
     if png is not None:
         lines += ["![curves (first seed)](study.png)", ""]
+    mechanism = mechanism_table_markdown(results)
+    if mechanism:
+        lines += ["## The mechanism: mismatch and importance weights by the sampled token's rollout "
+                  "probability", "", mechanism, ""]
+        if plt is not None and _plot_mechanism(plt, results, out / "mechanism.png"):
+            lines += ["![mechanism](mechanism.png)", ""]
     md = out / "report.md"
     md.write_text("\n".join(lines))
     return md
+
+
+def _plot_mechanism(plt, results: dict, path: Path) -> bool:
+    """Kernel mismatch (mean |Δ log-prob|) and the largest IS weight per rollout-probability
+    bucket, one line per row that has mechanism figures."""
+    rows = {n: r["figures"] for n, r in results["runs"].items()
+            if any(k.startswith("mech_tokens/") for k in r["figures"])}
+    if not rows:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for name, figs in rows.items():
+        buckets = [k.split("/", 1)[1] for k in figs if k.startswith("mech_tokens/")]
+        for ax, stat in zip(axes, ("kernel_mean", "is_max")):
+            ys = [figs.get(f"mech_{stat}/{b}", {}).get("mean") for b in buckets]
+            pts = [(i, y) for i, y in enumerate(ys) if y is not None and y == y]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ax.set_xticks(range(len(buckets)), [b[1:] for b in buckets], rotation=30, fontsize=7)
+    axes[0].set_title("kernel mismatch: mean |Δ log-prob| at the sampling version")
+    axes[0].set_yscale("symlog", linthresh=1e-9)
+    axes[1].set_title("largest importance weight")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.set_xlabel("rollout probability of the sampled token")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True

@@ -184,7 +184,37 @@ def row_figures(metrics: Metrics) -> dict[str, float]:
         "steps_per_hour": last.get("throughput/steps_per_hour", NAN),
         "lag_mean": mean(series(metrics, "lag/mean")),
         "lag_max": max(series(metrics, "lag/max"), default=0.0),
+        **_after_warmup(metrics),
+        **mechanism_figures(metrics),
     }
+
+
+def _after_warmup(metrics: Metrics) -> dict[str, float]:
+    """The smallest and largest per-token lag over the steps after the first `lag/bound` (when a
+    fixed staleness should make every token exactly `bound` versions old)."""
+    bound = int(metrics[-1].get("lag/bound", 0))
+    later = [m for m in metrics if m["step"] >= bound and "lag/min" in m]
+    return {"lag_min_after_warmup": min((m["lag/min"] for m in later), default=NAN),
+            "lag_max_after_warmup": max((m["lag/max"] for m in later), default=NAN)}
+
+
+def mechanism_figures(metrics: Metrics) -> dict[str, float]:
+    """Per rollout-probability bucket over the whole run (`mechanism/...` metrics): the token-weighted
+    mean and the max of the kernel mismatch |Δ log-prob|, the largest importance weight, and the
+    number of tokens. Keys `mech_<stat>/<bucket>`."""
+    out: dict[str, float] = {}
+    buckets = sorted({k.rsplit("/", 1)[1] for m in metrics for k in m if k.startswith("mechanism/tokens/")},
+                     key=lambda b: float(b[1:].split("-")[0]))
+    for b in buckets:
+        tokens = [m.get(f"mechanism/tokens/{b}", 0.0) for m in metrics]
+        means = [(m[f"mechanism/kernel_abs_mean/{b}"], n) for m, n in zip(metrics, tokens)
+                 if f"mechanism/kernel_abs_mean/{b}" in m]
+        out[f"mech_tokens/{b}"] = float(sum(tokens))
+        out[f"mech_kernel_mean/{b}"] = (sum(v * n for v, n in means) / sum(n for _, n in means)
+                                        if means and sum(n for _, n in means) else NAN)
+        out[f"mech_kernel_max/{b}"] = max(series(metrics, f"mechanism/kernel_abs_max/{b}"), default=NAN)
+        out[f"mech_is_max/{b}"] = max(series(metrics, f"mechanism/is_weight_max/{b}"), default=NAN)
+    return out
 
 
 def aggregate(per_seed: list[dict[str, float]]) -> dict[str, dict]:
@@ -237,4 +267,23 @@ def study_table_markdown(results: dict) -> str:
                  for _, key, fmt in STUDY_COLUMNS]
         lines.append(f"| {name} | {r['run']['kernels']} | {r['run']['lag']} | {r['run']['loss']} | "
                      + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def mechanism_table_markdown(results: dict) -> str:
+    """The mechanism by row: per rollout-probability bucket, the tokens, the mean and max kernel
+    mismatch |Δ log-prob| and the largest importance weight (means over seeds)."""
+    rows = {name: r["figures"] for name, r in results["runs"].items()
+            if any(k.startswith("mech_tokens/") for k in r["figures"])}
+    if not rows:
+        return ""
+    buckets = [k.split("/", 1)[1] for k in next(iter(rows.values())) if k.startswith("mech_tokens/")]
+    lines = ["| run | rollout p of the token | tokens | kernel mismatch mean abs Δ | "
+             "kernel mismatch max abs Δ | max IS weight |", "|---|---|---|---|---|---|"]
+    stats, fmts = ("tokens", "kernel_mean", "kernel_max", "is_max"), ("{:,.0f}", "{:.3g}", "{:.3g}", "{:.4g}")
+    for name, fig in rows.items():
+        for b in buckets:
+            cells = [fig.get(f"mech_{k}/{b}", {}).get("mean", NAN) for k in stats]
+            text = " | ".join("-" if math.isnan(v) else f.format(v) for v, f in zip(cells, fmts))
+            lines.append(f"| {name} | {b[1:].replace('-', ' – ')} | {text} |")
     return "\n".join(lines)
