@@ -28,9 +28,9 @@ def main(args) -> int:
     try:
         metrics = controller.run(progress=lambda step, m: bar.update(step, step_line(m, timing=True)))
     except Interrupted as stop:
-        print(f"parity: interrupted; checkpoint saved to {stop.path} "
+        print(f"parity: interrupted ({stop.signal_name}); checkpoint saved to {stop.path} "
               f"(continue with: parity train --resume {cfg.run_dir})", file=sys.stderr)
-        return 130
+        return 143 if stop.signal_name == "SIGTERM" else 130
     finally:
         bar.close()
     print(table(["figure", "value"], [list(r) for r in run_rows(metrics)]))

@@ -79,6 +79,9 @@ class RolloutSection:
     workers: int = 1
     """Rollout workers; batch b is sampled by worker b mod workers, and in deterministic mode its
     content does not depend on which worker or how many."""
+    heartbeat_timeout_s: float = 300.0
+    """A rollout worker that shows no sign of life (it beats at every engine step and every
+    wait for weights) for this long is taken for hung, killed and restarted (0 = never)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ROLLOUT_BACKENDS:
@@ -88,6 +91,8 @@ class RolloutSection:
                 raise ConfigError(f"rollout.{name} must be >= 1")
         if not self.temperature > 0:
             raise ConfigError("rollout.temperature must be > 0")
+        if self.heartbeat_timeout_s < 0:
+            raise ConfigError("rollout.heartbeat_timeout_s must be >= 0")
         if self.lengths not in LENGTH_MODES:
             raise ConfigError(f"rollout.lengths must be 'fixed' or 'geometric', got {self.lengths!r}")
         if self.weight_update not in WEIGHT_UPDATE_MODES:

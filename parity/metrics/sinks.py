@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import ParityError
+
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """A run directory's metrics.jsonl as a list of per-step dicts."""
@@ -23,8 +25,22 @@ class MetricsSink:
         self.tb = tensorboard_writer(Path(run_dir))
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        """Append one line; on a write failure (a full disk) cut the file back to its last whole
+        line and raise a one-line error."""
+        end = self._file.tell()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            try:
+                self._file.close()  # flushes what it can; the truncation below removes any part line
+            except OSError:
+                pass
+            self._file = None
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+            raise ParityError(f"{self.path}: could not write step {record.get('step')} ({exc.strerror}); "
+                              "earlier steps are intact") from None
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step":
@@ -39,7 +55,10 @@ class MetricsSink:
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # a full disk can fail the last flush too; the lines are whole
+                pass
             self._file = None
         if self.tb is not None:
             self.tb.close()

@@ -28,7 +28,12 @@ def save_pretrained(model, path: str | Path) -> None:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     tensors = tensors_to_files(model.config, state)
     tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    except Exception as exc:  # safetensors reports I/O failures (a full disk) as its own error type
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{tmp.parent}: could not write model.safetensors "
+                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     tmp.replace(path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 

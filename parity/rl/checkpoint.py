@@ -9,6 +9,7 @@ A directory without a valid manifest, or whose files do not match it, is refused
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import torch
 
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError
+from .faults import checkpoint_fault
 from .learner import Learner
 
 
@@ -36,18 +38,27 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
     final = Path(run_dir) / f"checkpoint-{step}"
     tmp = Path(run_dir) / f".checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    if tokenizer is not None and Path(tokenizer).exists():
-        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-    separate = learner.config.compute_dtype != "float32"
-    torch.save({
-        "step": step, "version": learner.version, "steps": learner.steps,
-        "optimizer": learner.optimizer.state_dict(), "scheduler": learner.scheduler.state_dict(),
-        "master": [m.detach() for m in learner.master] if separate else None,
-        "history": learner.history, "torch_rng": torch.get_rng_state(),
-    }, tmp / "trainer_state.pt")
-    files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
-    (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None and Path(tokenizer).exists():
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        checkpoint_fault(step)
+        separate = learner.config.compute_dtype != "float32"
+        state = io.BytesIO()  # serialised in memory, written with a plain write: clear OS errors
+        torch.save({
+            "step": step, "version": learner.version, "steps": learner.steps,
+            "optimizer": learner.optimizer.state_dict(), "scheduler": learner.scheduler.state_dict(),
+            "master": [m.detach() for m in learner.master] if separate else None,
+            "history": learner.history, "torch_rng": torch.get_rng_state(),
+        }, state)
+        (tmp / "trainer_state.pt").write_bytes(state.getbuffer())
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
+    except (OSError, RuntimeError, CheckpointError) as exc:  # a full disk, say
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        raise CheckpointError(f"{final}: could not be written ({reason}); earlier checkpoints are "
+                              "untouched") from None
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -35,11 +35,12 @@ log = logging.getLogger(__name__)
 
 
 class Interrupted(Exception):
-    """Ctrl-C during training: a checkpoint was saved at `path`."""
+    """Ctrl-C or SIGTERM during training: a checkpoint was saved at `path`."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, signal_name: str = "SIGINT"):
         super().__init__(str(path))
         self.path = path
+        self.signal_name = signal_name
 
 
 def make_rollout(cfg: TrainConfig, model_config, versions):
@@ -124,8 +125,9 @@ class Controller:
                     progress(step, m)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     self.save_checkpoint(step + 1)
-                if self.interrupted:  # Ctrl-C: stop at this clean step boundary
-                    raise Interrupted(self.save_checkpoint(step + 1))
+                if self.interrupted:  # Ctrl-C / SIGTERM: stop at this clean step boundary
+                    raise Interrupted(self.save_checkpoint(step + 1),
+                                      self.interrupted if isinstance(self.interrupted, str) else "SIGINT")
             if cfg.eval_every and self.metrics:  # the final weights, recorded with the last step
                 final = self.evaluate()
                 self.metrics[-1].update({k + "_final": v for k, v in final.items()})
@@ -135,22 +137,24 @@ class Controller:
         finally:
             self.rollout.close()
             sink.close()
-            if previous_handler is not None:
-                signal.signal(signal.SIGINT, previous_handler)
+            for signum, handler in (previous_handler or {}).items():
+                signal.signal(signum, handler)
         return self.metrics
 
     def _catch_ctrl_c(self):
-        """First Ctrl-C: finish the step, save, stop; second: abort. Returns the old handler."""
+        """Ctrl-C or SIGTERM (a scheduler ending the job): finish the step, save, stop; a second
+        Ctrl-C aborts. Returns the old handlers."""
         if threading.current_thread() is not threading.main_thread():
             return None
 
-        def on_sigint(signum, frame):
-            if self.interrupted:
+        def on_signal(signum, frame):
+            if self.interrupted and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            self.interrupted = True
-            log.warning("Ctrl-C: finishing this step, then saving a checkpoint (press again to abort)")
+            self.interrupted = signal.Signals(signum).name
+            log.warning("%s: finishing this step, then saving a checkpoint%s", self.interrupted,
+                        " (press Ctrl-C again to abort)" if signum == signal.SIGINT else "")
 
-        return signal.signal(signal.SIGINT, on_sigint)
+        return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def evaluate(self) -> dict[str, float]:
         """Held-out greedy pass@1 (and mean@k with eval_samples = k) of the current weights."""

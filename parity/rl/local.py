@@ -21,6 +21,7 @@ import queue as queue_mod
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from ..config import TrainConfig
 from ..errors import ParityError
 from ..model import ModelConfig
 from .build import build_env, model_skeleton
+from .faults import worker_faults
 from .rollout_worker import RolloutWorker, State, first_batch, start_version
 from .trajectory import RolloutBatch
 
@@ -52,7 +54,7 @@ def split_threads(cfg: TrainConfig) -> tuple[int, int]:
 
 # --------------------------------------------------------------------------- the child process
 def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, version: int, first: int,
-                 weights_q, traj_q, stop, threads: int, spool: str) -> None:
+                 weights_q, traj_q, stop, heartbeat, threads: int, spool: str) -> None:
     """Rollout worker process body: batches first, first + N, ... (N = rollout.workers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     traj_q.cancel_join_thread()  # once told to stop, never block this process's exit on the queue
@@ -81,22 +83,27 @@ def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, vers
                 pass
             return got
 
-        worker = RolloutWorker(cfg, model, env, version, poll)
+        def beat() -> None:
+            heartbeat.value = time.monotonic()
+
+        worker = RolloutWorker(cfg, model, env, version, poll, beat)
         for b in range(first, cfg.steps, cfg.rollout.workers):
             wait_s = worker.wait_for(b, orphaned)
             if wait_s is None:
                 return
-            _send(traj_q, spool, worker.sample(b, wait_s))
+            batch = worker.sample(b, wait_s)
+            _send(traj_q, spool, batch, corrupt=worker_faults(b))
     except ParityError as exc:  # a problem that a restart would only repeat
         traj_q.put(("error", str(exc)))
     while not orphaned():  # finished (or failed): stay until the controller has read everything
         stop.wait(0.5)
 
 
-def _send(traj_q, spool: str, batch: RolloutBatch) -> None:
+def _send(traj_q, spool: str, batch: RolloutBatch, corrupt: bool = False) -> None:
     path = Path(spool) / f"batch-{batch.index}.pkl"
     tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+    data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+    tmp.write_bytes(data[: len(data) // 2] if corrupt else data)  # (corrupt: a fault-injection test)
     tmp.rename(path)
     traj_q.put(("batch", str(path)))
 
@@ -111,6 +118,7 @@ class _Slot:
     weights_q: Any = None
     traj_q: Any = None
     stop: Any = None
+    heartbeat: Any = None  # shared double: the worker's last sign of life (time.monotonic)
 
 
 class LocalRollout:
@@ -151,6 +159,7 @@ class LocalRollout:
     def _start(self, slot: _Slot, from_batch: int) -> None:
         self._close_queues(slot)
         slot.weights_q, slot.traj_q, slot.stop = self.ctx.Queue(), self.ctx.Queue(), self.ctx.Event()
+        slot.heartbeat = self.ctx.Value("d", time.monotonic(), lock=False)
         history = self.versions()
         first = first_batch(slot.index, len(self.slots), from_batch)
         version = start_version(self.cfg, history, first)
@@ -158,7 +167,7 @@ class LocalRollout:
         torch.set_num_threads(learner_threads)
         slot.process = self.ctx.Process(target=_worker_main, daemon=True, args=(
             self.cfg, self.model_config, history[version], version, first, slot.weights_q, slot.traj_q,
-            slot.stop, rollout_threads, self.spool))
+            slot.stop, slot.heartbeat, rollout_threads, self.spool))
         slot.process.start()
         for v in sorted(history):
             if v > version:
@@ -172,26 +181,51 @@ class LocalRollout:
     def next_batch(self, step: int) -> RolloutBatch:
         """Batch `step`, from the worker that owns it; a dead worker is restarted from that batch."""
         slot = self.slots[step % len(self.slots)]
+        timeout = self.cfg.rollout.heartbeat_timeout_s
         while True:
             try:
                 kind, value = slot.traj_q.get(timeout=1.0)
             except queue_mod.Empty:
-                if slot.process.is_alive():
+                silent = time.monotonic() - slot.heartbeat.value
+                if slot.process.is_alive() and not (timeout and silent > timeout):
                     continue
-                if self.restarts >= self.max_restarts:
-                    raise ParityError(f"rollout worker {slot.index} died (exit code {slot.process.exitcode})"
-                                      f" after {self.restarts} restarts; giving up at batch {step}") from None
-                self.restarts += 1
-                log.warning("rollout worker %d died (exit code %s); restarting it from batch %d",
-                            slot.index, slot.process.exitcode, step)
-                self._start(slot, step)
+                if slot.process.is_alive():  # alive but silent: hung
+                    why = f"showed no sign of life for {silent:.0f} s"
+                    slot.process.kill()
+                    slot.process.join(10)
+                else:
+                    why = f"died (exit code {slot.process.exitcode})"
+                self._restart(slot, step, why)
                 continue
             if kind == "error":
                 raise ParityError(f"rollout worker: {value}")
-            path = Path(value)
-            batch = pickle.loads(path.read_bytes())
-            path.unlink()
+            batch = self._read(Path(value), step)
+            if batch is None:  # unreadable: sample it again
+                self._restart(slot, step, f"sent a corrupt batch file ({value})")
+                continue
             return batch
+
+    def _restart(self, slot: _Slot, step: int, why: str) -> None:
+        if self.restarts >= self.max_restarts:
+            raise ParityError(f"rollout worker {slot.index} {why} after {self.restarts} restarts; "
+                              f"giving up at batch {step}")
+        self.restarts += 1
+        log.warning("rollout worker %d %s; restarting it from batch %d", slot.index, why, step)
+        if slot.process.is_alive():
+            slot.process.kill()
+            slot.process.join(10)
+        self._start(slot, step)
+
+    @staticmethod
+    def _read(path: Path, step: int) -> RolloutBatch | None:
+        """The batch in `path`, or None when the file is not a whole batch `step`."""
+        try:
+            batch = pickle.loads(path.read_bytes())
+        except Exception:  # noqa: BLE001 - any unpickling failure means a torn or corrupt file
+            batch = None
+        path.unlink(missing_ok=True)
+        ok = isinstance(batch, RolloutBatch) and batch.index == step
+        return batch if ok else None
 
     @staticmethod
     def _close_queues(slot: _Slot) -> None:

@@ -39,6 +39,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError, ParityError
 from ..model import ModelConfig
 from .build import build_env, model_skeleton
+from .faults import worker_faults
 from .local import split_threads
 from .rollout_worker import RolloutWorker, State, first_batch, start_version
 from .trajectory import RolloutBatch
@@ -103,7 +104,16 @@ class RolloutActor:
         model.load_state_dict(state)
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
-        self.worker = RolloutWorker(cfg, model, build_env(cfg, model_config.vocab_size), version, self._poll)
+        self._last_beat = time.monotonic()
+        self.worker = RolloutWorker(cfg, model, build_env(cfg, model_config.vocab_size), version, self._poll,
+                                    self._beat)
+
+    def _beat(self) -> None:
+        self._last_beat = time.monotonic()
+
+    def silence(self) -> float:
+        """Seconds since the worker last showed a sign of life (answered from another thread)."""
+        return time.monotonic() - self._last_beat
 
     def _poll(self, block: bool) -> list[tuple[int, State]]:
         got: list[tuple[int, State]] = []
@@ -125,7 +135,11 @@ class RolloutActor:
     def sample(self, batch_index: int) -> RolloutBatch | None:
         """Wait for admissible weights, then sample batch `batch_index` (None when stopped)."""
         wait_s = self.worker.wait_for(batch_index, self._stop.is_set)
-        return None if wait_s is None else self.worker.sample(batch_index, wait_s)
+        if wait_s is None:
+            return None
+        batch = self.worker.sample(batch_index, wait_s)
+        worker_faults(batch_index)  # (fault-injection tests only)
+        return batch
 
     def pid(self) -> int:
         return os.getpid()
@@ -176,8 +190,11 @@ class RayRollout:
         if total < needed:
             raise ConfigError(f"the Ray cluster has {total:g} CPUs; rollout.workers={self.n} x "
                               f"ray.cpus_per_worker={cfg.ray.cpus_per_worker:g} need {needed}")
+        # actors start from the cluster's environment: pass on the fault-injection settings, if any
+        faults = {k: os.environ[k] for k in ("PARITY_FAULTS", "PARITY_FAULT_STATE") if k in os.environ}
+        options = {"runtime_env": {"env_vars": faults}} if faults else {}
         self._actor_class = ray.remote(num_cpus=cfg.ray.cpus_per_worker, concurrency_groups=_GROUPS,
-                                       max_restarts=0)(RolloutActor)
+                                       max_restarts=0, **options)(RolloutActor)
 
     def _ref(self, version: int, state: State):
         """The object-store reference of a version's weights: one put per version."""
@@ -231,8 +248,14 @@ class RayRollout:
 
     def next_batch(self, step: int) -> RolloutBatch:
         self._submit(step)
+        timeout = self.cfg.rollout.heartbeat_timeout_s
         while True:
             try:
+                ready, _ = self.ray.wait([self.pending[step]], timeout=1.0)
+                if not ready:
+                    if timeout and self._silence(step % self.n) > timeout:
+                        self.ray.kill(self.actors[step % self.n])  # hung: its sample call now fails
+                    continue
                 batch = self.ray.get(self.pending[step])
                 del self.pending[step]
                 return batch
@@ -252,6 +275,13 @@ class RayRollout:
                     del self.pending[b]
                 self._start_actor(i, step)
                 self._submit(step)
+
+    def _silence(self, i: int) -> float:
+        """Seconds actor i has shown no sign of life (infinite when it does not even answer)."""
+        try:
+            return self.ray.get(self.actors[i].silence.remote(), timeout=30)
+        except (self.ray.exceptions.GetTimeoutError, self.ray.exceptions.RayActorError):
+            return float("inf")
 
     def close(self) -> None:
         for actor in self.actors:

@@ -171,8 +171,12 @@ class RolloutWorker:
     """Samples batches for a run: holds the model (loaded with `version`'s weights), an engine
     on it and the run's environment."""
 
-    def __init__(self, cfg: TrainConfig, model, env: Env, version: int = 0, poll: Poll | None = None):
+    def __init__(self, cfg: TrainConfig, model, env: Env, version: int = 0, poll: Poll | None = None,
+                 beat: Callable[[], None] | None = None):
+        """`poll` fetches newly published weights; `beat`, if given, is called at every engine step
+        and every wait for weights (the host's sign of life for a hung-worker detector)."""
         self.cfg = cfg
+        self._beat = beat
         self.env = env
         self.engine = Engine(model, max_num_seqs=cfg.rollout.max_num_seqs, tokenizer=env.tokenizer)
         self.engine.policy_version = version
@@ -193,6 +197,8 @@ class RolloutWorker:
 
     def poll(self, block: bool = False) -> None:
         """Take in what the poll function has (with block=True, wait for it a little)."""
+        if self._beat is not None:
+            self._beat()
         if self._poll is not None:
             for version, state in self._poll(block):
                 self.receive(version, state)
@@ -244,13 +250,17 @@ class RolloutWorker:
         params = sampling_params(cfg, batch_index, len(problems) * group)
         inflight = cfg.rollout.weight_update == "inflight"  # (never with deterministic = true)
         results = run_episodes(self.engine, self.env, [p for p in problems for _ in range(group)], params,
-                               before_step=self._load_newer if inflight else None)
+                               before_step=self._before_step if (inflight or self._beat) else None)
         trajectories = [Trajectory.from_output(r.output, r.reward, i // group) for i, r in enumerate(results)]
         return RolloutBatch(batch_index, trajectories, version, time.perf_counter() - t0, wait_s,
                             rollout_stats([r.episode for r in results]), self._load_s)
 
-    def _load_newer(self, engine: Engine) -> None:
-        """In-flight: running sequences continue on the newest weights from their next token."""
+    def _before_step(self, engine: Engine) -> None:
+        """Before every engine step: a heartbeat, and with in-flight updates the newest weights
+        (running sequences continue on them from their next token)."""
+        if self.cfg.rollout.weight_update != "inflight":
+            self._beat()
+            return
         self.poll(block=False)
         if self._newest() > self.version:
             self._load(self._newest(), mode="inflight")

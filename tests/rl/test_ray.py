@@ -115,6 +115,18 @@ def test_a_killed_actor_is_replaced_and_nothing_is_lost(ray_cluster, tmp_path):
     assert deterministic_view(killed) == deterministic_view(whole)  # nothing lost, nothing repeated
 
 
+def test_a_hung_actor_is_replaced_and_nothing_is_lost(ray_cluster, tmp_path, monkeypatch):
+    whole = Controller(config(tmp_path / "whole", *DETERMINISTIC)).run()
+    (tmp_path / "state").mkdir()
+    monkeypatch.setenv("PARITY_FAULTS", "worker-hang@1")
+    monkeypatch.setenv("PARITY_FAULT_STATE", str(tmp_path / "state"))
+    run = Controller(config(tmp_path / "hung", *DETERMINISTIC, "rollout.backend=\"ray\"", "rollout.workers=2",
+                            "rollout.heartbeat_timeout_s=3.0"))
+    hung = run.run()
+    assert run.rollout.restarts == 1
+    assert deterministic_view(hung) == deterministic_view(whole)
+
+
 def test_ray_missing_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[ray\]'"):

@@ -23,7 +23,16 @@ import threading
 from dataclasses import dataclass
 
 from ...errors import ConfigError, InputError, ParityError
-from .host import SandboxLimits, ToolResult, execute, expected_root_listing, fmt_bytes, others_can_run_python
+from . import seccomp
+from .host import (
+    SandboxLimits,
+    ToolResult,
+    cgroup_support,
+    execute,
+    expected_root_listing,
+    fmt_bytes,
+    others_can_run_python,
+)
 
 __all__ = ["Sandbox", "SandboxLimits", "ToolResult"]
 
@@ -35,6 +44,7 @@ _others_can_run_python = others_can_run_python  # (tests force the fallback mode
 class _Probe:
     mode: str  # "root" or "user" (isolated), "plain" or "plain-keep-uid"
     reason: str | None  # why isolation is unavailable, for mode "plain"
+    protections: tuple[str, ...] = ()  # what the launcher reported in force on the probe run
 
 
 _PROBE: _Probe | None = None
@@ -52,13 +62,17 @@ def _run_probe() -> _Probe:
             reasons.append(f"{mode} mode: {exc}")
             continue
         if result.ok and result.stdout.strip() == expected:
-            return _Probe(mode, None)
+            return _Probe(mode, None, result.protections)
         why = result.error or f"unexpected root listing {result.stdout.strip()[:200]!r}"
         why = why.removeprefix("sandbox setup failed: ")
         if why not in reasons:
             reasons.append(why)
     plain = "plain" if os.geteuid() != 0 or others_can_run_python() else "plain-keep-uid"
-    return _Probe(plain, "; ".join(reasons) or "no isolation mode worked")
+    try:
+        protections = execute(plain, b"pass\n", SandboxLimits()).protections
+    except OSError:
+        protections = ()
+    return _Probe(plain, "; ".join(reasons) or "no isolation mode worked", protections)
 
 
 def _probe() -> _Probe:
@@ -108,11 +122,31 @@ class Sandbox:
                     "unprivileged per-run uid" if probe.mode == "plain" else "root without capabilities"
                 )
             protections.append("no_new_privs")
-        protections += [rlimits, f"wall {lim.wall_s:g} s"]
+        protections += [rlimits, f"wall {lim.wall_s:g} s", "output through pipes"]
+        active, missing = set(probe.protections), []
+        if "seccomp" in active:
+            protections.append(seccomp.describe(seccomp.build_filter()))
+        else:
+            missing.append(seccomp.describe(seccomp.build_filter()).replace("no ", "NO ", 1)
+                           if seccomp.build_filter() is None else "NO seccomp filter (it did not load)")
+        if "session-keyring" in active:
+            protections.append("own session keyring")
+        else:
+            missing.append("NO keyring isolation")
+        if "ipc-limits" in active:
+            protections.append("no SysV IPC")
+        elif self.isolated:
+            missing.append("NO SysV IPC limits")
+        if "cgroup" in active:
+            protections.append(f"whole-run cgroup (memory {lim.memory_mb} MiB, {lim.nproc} processes, 1 CPU)")
+        else:
+            missing.append(f"NO whole-run limits ({cgroup_support()[1] or 'the cgroup was not joined'})")
         self.protections: list[str] = protections
         self._description = "sandbox: " + ", ".join(protections)
         if not self.isolated:
-            self._description += f"; NO filesystem/network isolation ({probe.reason})"
+            missing.insert(0, f"NO filesystem/network isolation ({probe.reason})")
+        if missing:
+            self._description += "; " + "; ".join(missing)
 
     def describe(self) -> str:
         """One line for start-up logs saying which protections are active."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import ConfigError
+from . import cgroup, seccomp
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
 """The script that builds the sandbox and runs the code (never imported by the host)."""
@@ -70,11 +72,18 @@ class ToolResult:
     ok: bool
     """True when the code exited with status 0 and hit no limit."""
     stdout: str
-    """Captured stdout, decoded as UTF-8 with errors replaced, at most `output_bytes` bytes of it."""
+    """Captured stdout, decoded as UTF-8 with errors replaced and control characters removed, at
+    most `output_bytes` bytes of it."""
     error: str | None
-    """One line when not ok: a limit that was hit, or the last line of the traceback; None when ok."""
+    """One line when not ok: a limit that was hit ("sandbox: ..."), or the last line the code wrote
+    to stderr (control characters removed, never starting with "sandbox:"); None when ok."""
     elapsed_s: float
     """Wall-clock seconds the run took on the host, start-up included."""
+    limit: str | None = None
+    """The limit the run hit — 'time', 'cpu', 'memory' or 'output' — decided from the launcher's
+    status and the kernel alone, never from anything the code printed; None otherwise."""
+    protections: tuple[str, ...] = ()
+    """What the launcher reports in force for this run (cgroup, ipc-limits, session-keyring, seccomp)."""
 
 
 _PLAN: list[tuple[str, str, str]] | None = None
@@ -196,8 +205,17 @@ def _read_status(path: str) -> dict[str, str]:
     return info
 
 
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(text: str) -> str:
+    """`text` without control characters (newlines and tabs kept): nothing the code writes can
+    move a terminal's cursor or hide text in a log."""
+    return _CONTROL.sub("", text)
+
+
 def _one_line(text: str) -> str:
-    text = " ".join(text.split())
+    text = " ".join(clean(text).split())
     return text if len(text) <= _ERROR_MAX_CHARS else text[: _ERROR_MAX_CHARS - 3] + "..."
 
 
@@ -235,32 +253,43 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+_CGROUP: tuple[str | None, str] | None = None
+
+
+def cgroup_support() -> tuple[str | None, str]:
+    """('v1' | 'v2' | None, why not): probed once per process."""
+    global _CGROUP
+    if _CGROUP is None:
+        _CGROUP = cgroup.probe()
+    return _CGROUP
+
+
 def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
     """Run `code` once in `mode`; the host side of the launcher protocol."""
     start = time.monotonic()
     tmp = tempfile.mkdtemp(prefix="parity-sandbox-")
+    version, _ = cgroup_support()
+    group = None
     try:
         os.mkdir(os.path.join(tmp, "work"), 0o700)
         with open(os.path.join(tmp, "work", "main.py"), "wb") as f:
             f.write(code)
+        program = seccomp.build_filter()
+        if program is not None:
+            with open(os.path.join(tmp, "seccomp.bpf"), "wb") as f:
+                f.write(program)
+        if version is not None:  # the launcher and the code's processes (+1: the launcher)
+            group = cgroup.RunCgroup(version, limits.memory_mb << 20, limits.nproc + 2)
         exe, _ = python_paths()
         argv = [exe, "-I", "-S", "-B", str(LAUNCHER), tmp, mode, exe, repr(float(limits.wall_s))]
         numbers = (limits.cpu_s, limits.memory_mb, limits.output_bytes, limits.nproc, limits.fs_mb)
-        argv += [str(v) for v in numbers]
+        argv += [str(v) for v in numbers] + [",".join(group.paths) if group else "-"]
         if not mode.startswith("plain"):
             for triple in mount_plan():
                 argv += triple
         with open(os.path.join(tmp, "launcher.log"), "wb") as log:
-            proc = subprocess.Popen(
-                argv,
-                env={},
-                cwd=tmp,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                close_fds=True,
-                start_new_session=True,
-            )
+            proc = subprocess.Popen(argv, env={}, cwd=tmp, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    close_fds=True, start_new_session=True)
         exited = reaped = False
         try:
             exited, reaped = _wait_exit(proc, float(limits.wall_s) + _HOST_MARGIN_S)
@@ -268,47 +297,55 @@ def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
             if not reaped:
                 _kill_group(proc.pid)  # leftovers of the group; the launcher itself when it is late
             proc.wait()
-        return _collect(tmp, limits, host_timeout=not exited, start=start)
+        oom = group is not None and group.oom_killed()
+        return _collect(tmp, limits, host_timeout=not exited, start=start, oom=oom)
     finally:
+        if group is not None:
+            group.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _collect(tmp: str, limits: SandboxLimits, host_timeout: bool, start: float) -> ToolResult:
+def _collect(tmp: str, limits: SandboxLimits, host_timeout: bool, start: float, oom: bool) -> ToolResult:
+    """The result, its verdict decided by the launcher's status and the kernel (cgroup OOM kills,
+    signals, byte counts, timers) only; stderr supplies the error text of a failing program."""
     info = _read_status(os.path.join(tmp, "status"))
     out, out_size = _read_head(os.path.join(tmp, "out"), limits.output_bytes)
-    err, err_size = _read_tail(os.path.join(tmp, "err"), _ERR_TAIL_BYTES)
-    if out_size > len(out):  # cut mid-stream: leave out a multi-byte character split at the cap
+    err, _ = _read_tail(os.path.join(tmp, "err"), _ERR_TAIL_BYTES)
+    if int(info.get("out_bytes", out_size) or 0) > len(out):  # cut at the cap: drop a split character
         stdout = codecs.getincrementaldecoder("utf-8")("replace").decode(out, final=False)
     else:
         stdout = out.decode("utf-8", "replace")
+    stdout = clean(stdout)
     last = _last_line(err)
+    if last.lower().startswith("sandbox"):  # the code's words never read as a verdict
+        last = "stderr: " + last
 
-    def done(error: str | None) -> ToolResult:
-        return ToolResult(ok=error is None, stdout=stdout, error=error, elapsed_s=time.monotonic() - start)
+    def done(error: str | None, limit: str | None = None) -> ToolResult:
+        return ToolResult(ok=error is None, stdout=stdout, error=error, elapsed_s=time.monotonic() - start,
+                          limit=limit, protections=tuple(info.get("protections", "").split()))
 
     if "setup" in info:
         return done(_one_line(f"sandbox setup failed: {info['setup']}"))
-    cap = limits.output_bytes
-    if out_size > cap or err_size > cap or last.startswith("OSError: [Errno 27]"):
-        return done(f"output limit exceeded ({cap} bytes)")
+    code = os.waitstatus_to_exitcode(int(info["status"])) if "status" in info else None
+    if info.get("output_exceeded") == "1" or code == -signal.SIGXFSZ:
+        return done(f"sandbox: output limit exceeded ({limits.output_bytes} bytes)", "output")
     if host_timeout or info.get("timeout") == "1":
-        return done(f"time limit exceeded ({float(limits.wall_s)} s wall)")
-    if "status" not in info:
+        return done(f"sandbox: time limit exceeded ({float(limits.wall_s)} s wall)", "time")
+    if oom:
+        return done(f"sandbox: memory limit exceeded ({limits.memory_mb} MiB for the whole run)", "memory")
+    if code is None:
         log, _ = _read_tail(os.path.join(tmp, "launcher.log"), _ERR_TAIL_BYTES)
         return done(_one_line(f"sandbox launcher failed: {_last_line(log) or 'no status'}"))
-    code = os.waitstatus_to_exitcode(int(info["status"]))
     if code < 0:
         sig = -code
         cpu = float(info.get("cpu", "0") or 0)
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= limits.cpu_s - 0.05):
-            return done("cpu time limit exceeded")
+            return done(f"sandbox: cpu time limit exceeded ({limits.cpu_s} s)", "cpu")
         try:
             name = signal.Signals(sig).name
         except ValueError:
             name = str(sig)
-        return done(f"killed by signal {name}")
-    if last.split(":", 1)[0].strip() == "MemoryError":
-        return done("memory limit exceeded")
+        return done(f"sandbox: killed by signal {name}")
     if code != 0:
         return done(last or f"exit status {code}")
     return done(None)

@@ -3,7 +3,7 @@
 The host (`parity.envs.sandbox`) never imports this file; it runs it as a script, in an empty
 environment, with an isolated interpreter that sees no site-packages:
 
-    python -I -S -B launcher.py TMP MODE EXE WALL CPU MEM OUT NPROC FS_MB [KIND SRC ARG]...
+    python -I -S -B launcher.py TMP MODE EXE WALL CPU MEM OUT NPROC FS_MB CGROUPS [KIND SRC ARG]...
 
 MODE is "root" (namespaces, per-run uid), "user" (a user namespace too), "plain" (no
 namespaces; per-run uid when root) or "plain-keep-uid" (no namespaces, uid unchanged). The
@@ -11,10 +11,17 @@ launcher enters new mount/pid/net/ipc/uts namespaces, forks the child that becom
 pid namespace (so everything it starts dies with it), and enforces the wall-clock limit. The
 child builds a private root on a tmpfs from the mount plan (KIND SRC ARG triples: read-only
 binds of the Python runtime, device nodes, symlinks, empty tmpfs masks over installed
-packages), pivots into it, drops privileges and capabilities, sets rlimits and execs a fresh
-interpreter on TMP/work/main.py. The launcher writes TMP/status as "key value" lines: status
-(wait status of the child), cpu (its cpu seconds), timeout (1 when the wall limit killed it),
-setup (why the sandbox could not be built, when it could not).
+packages), pivots into it, drops privileges and capabilities, joins a fresh anonymous session
+keyring, sets rlimits, loads the seccomp filter the host built (TMP/seccomp.bpf) and execs a fresh
+interpreter on TMP/work/main.py. Before anything else the launcher joins the run's cgroups
+(CGROUPS: comma-separated directories, or "-"), so every process of the run counts against the
+whole-run memory, process and CPU limits; in the new IPC namespace it sets the SysV IPC limits to
+zero. The code's stdout and stderr are pipes: the launcher keeps at most OUT bytes of each and
+kills the run when either goes beyond, so nothing the code does grows a file on the host disk.
+The launcher writes TMP/status as "key value" lines: status (wait status of the child), cpu (its
+cpu seconds), timeout (1 when the wall limit killed it), out_bytes / err_bytes (what the code
+wrote), output_exceeded, protections (the ones in force), setup (why the sandbox could not be
+built, when it could not). Only these lines decide a verdict; what the code prints never does.
 
 Only modules that are built in or cheap to import are used, to keep start-up fast: no json, no re.
 """
@@ -22,150 +29,49 @@ Only modules that are built in or cheap to import are used, to keep start-up fas
 import ctypes
 import os
 import resource
+import select
 import signal
 import sys
+import time
 
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
-MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
-SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41}.get(os.uname().machine)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # rootfs.py (run under python -I)
+from rootfs import (  # noqa: E402
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
+    CLONE_NEWPID,
+    CLONE_NEWUSER,
+    CLONE_NEWUTS,
+    PR_CAPBSET_DROP,
+    PR_SET_DUMPABLE,
+    PR_SET_NO_NEW_PRIVS,
+    PR_SET_PDEATHSIG,
+    build_root,
+    check,
+    libc,
+    message,
+    prctl,
+    put,
+)
 
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-libc.unshare.argtypes = [ctypes.c_int]
-libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-
-
-class Fail(Exception):
-    pass
-
-
-def check(ret, what):
-    if ret != 0:
-        raise Fail(f"{what} failed: {os.strerror(ctypes.get_errno())}")
-
-
-def enc(s):
-    return None if s is None else os.fsencode(s)
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219}.get(os.uname().machine)
+KEYCTL_JOIN_SESSION_KEYRING = 1
+IPC_LIMITS = (("shmmni", "0"), ("msgmni", "0"), ("sem", "0 0 0 0"))
 
 
-def mount(src, dst, fstype, flags, data=None):
-    check(libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)), f"mount {dst}")
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def prctl(option, arg):
-    check(libc.prctl(option, arg, 0, 0, 0), f"prctl {option}")
+def load_seccomp(program):
+    """Install the host-built BPF program (8 bytes per instruction); needs no_new_privs."""
+    buf = ctypes.create_string_buffer(program, len(program))
+    fprog = SockFprog(len(program) // 8, ctypes.addressof(buf))
+    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0), "seccomp")
 
 
-def put(path, text):
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
-def message(exc):
-    if isinstance(exc, Fail):
-        return str(exc)
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
-    return f"{type(exc).__name__}: {exc}"
-
-
-def mount_points_under(root):
-    with open("/proc/self/mountinfo", "rb") as f:
-        lines = f.read().split(b"\n")
-    found = []
-    for line in lines:
-        fields = line.split(b" ")
-        if len(fields) < 5:
-            continue
-        mp = fields[4]
-        for esc, ch in ((b"\\040", b" "), (b"\\011", b"\t"), (b"\\012", b"\n"), (b"\\134", b"\\")):
-            mp = mp.replace(esc, ch)
-        mp = os.fsdecode(mp)
-        if mp.startswith(root + "/"):
-            found.append(mp)
-    return found
-
-
-def remount_readonly(path, device):
-    # Keep flags the original mount already had: in a user namespace they are locked and a remount
-    # that drops them fails with EPERM. Atime flags are preserved by the kernel when none are given.
-    have = os.statvfs(path).f_flag
-    flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID
-    if not device or have & os.ST_NODEV:
-        flags |= MS_NODEV
-    if device or have & os.ST_NOEXEC:
-        flags |= MS_NOEXEC
-    mount(None, path, None, flags)
-
-
-def build_root(code):
-    # A mount namespace of the child's own: pivot_root moves every process of the namespace whose root
-    # is the old root, and the launcher must stay outside.
-    check(libc.unshare(CLONE_NEWNS), "unshare mount namespace")
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    # Scratch space over T, in this namespace only (T itself may not be searchable by our uid).
-    mount("tmpfs", T, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=700")
-    root, rw = T + "/root", T + "/rw"
-    os.mkdir(root, 0o755)
-    os.mkdir(rw, 0o755)
-    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
-    mount("tmpfs", rw, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={FS_MB}m,mode=755")
-    os.mkdir(rw + "/work", 0o755)
-    os.mkdir(rw + "/tmp", 0o755)
-    os.chmod(rw + "/tmp", 0o1777)
-    fd = os.open(rw + "/work/main.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, code)
-    finally:
-        os.close(fd)
-    if DROP_UID:
-        os.chown(rw + "/work", UID, UID)
-    devices = set()
-    for kind, src, arg in PLAN:
-        dst = root + src
-        if kind != "mask":
-            os.makedirs(os.path.dirname(dst), 0o755, exist_ok=True)
-        if kind == "ln":
-            os.symlink(arg, dst)
-        elif kind == "ro":
-            os.makedirs(dst, 0o755, exist_ok=True)
-            mount(src, dst, None, MS_BIND | MS_REC)
-        elif kind in ("file", "dev"):
-            os.close(os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644))
-            mount(src, dst, None, MS_BIND)
-            if kind == "dev":
-                devices.add(dst)
-    # Every bind, submounts included, becomes read-only. A submount whose path no longer resolves
-    # (hidden under another mount) is unreachable and left alone.
-    for mp in mount_points_under(root):
-        try:
-            remount_readonly(mp, mp in devices)
-        except FileNotFoundError:
-            pass
-    for kind, src, _ in PLAN:
-        if kind == "mask":
-            flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
-            mount("tmpfs", root + src, "tmpfs", flags, "size=4k,mode=755")
-    for name in ("work", "tmp"):
-        os.mkdir(root + "/" + name, 0o755)
-        mount(rw + "/" + name, root + "/" + name, None, MS_BIND)
-    os.chdir(root)
-    if SYS_PIVOT_ROOT is not None and libc.syscall(SYS_PIVOT_ROOT, b".", b".") == 0:
-        check(libc.umount2(b".", MNT_DETACH), "umount old root")
-    else:
-        os.chroot(".")
-    os.chdir("/")
-    mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    check(libc.sethostname(b"sandbox", 7), "sethostname")
+def report(fd, name):
+    os.write(fd, f"ok {name}\n".encode())
 
 
 class CapHeader(ctypes.Structure):
@@ -187,7 +93,7 @@ def drop_privileges():
     prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
-def child(code, out, err, alive_r, errpipe_w):
+def child(code, out, err, alive_r, errpipe_w, program):
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if PLAIN:
         work = T + "/work"
@@ -196,11 +102,15 @@ def child(code, out, err, alive_r, errpipe_w):
         os.chdir(work)
         script, home, tmp = "main.py", work, work
     else:
-        build_root(code)
+        build_root(T, code, PLAN, FS_MB, UID if DROP_UID else None)
         os.chdir("/work")
         script, home, tmp = "/work/main.py", "/work", "/tmp"
     null = os.open("/dev/null", os.O_RDWR)
     drop_privileges()
+    # a keyring of this run's own: the caller's session keyring is out of reach (and the keyring
+    # system calls are refused below, so no key outlives the run)
+    if SYS_KEYCTL is not None and libc.syscall(SYS_KEYCTL, KEYCTL_JOIN_SESSION_KEYRING, None) >= 0:
+        report(errpipe_w, "session-keyring")
     # Changing uid clears the parent-death signal: set it again, then make sure the launcher (which
     # holds the write end of alive_r) did not die before it was set.
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -224,6 +134,9 @@ def child(code, out, err, alive_r, errpipe_w):
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))
+    if program:
+        load_seccomp(program)
+        report(errpipe_w, "seccomp")
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": tmp, "PYTHONHASHSEED": "0"}
     os.execve(EXE, [EXE, "-s", "-S", "-B", "-u", script], env)
 
@@ -247,10 +160,61 @@ def become_uid():
     os.setresuid(UID, UID, UID)
 
 
+def set_ipc_limits():
+    """No SysV shared memory, message queues or semaphores in the run's IPC namespace (they
+    escape the address-space limit)."""
+    for name, value in IPC_LIMITS:
+        put("/proc/sys/kernel/" + name, value)
+
+
+def pump(pid, pipes, errpipe_r):
+    """Read the child's stdout/stderr pipes into the capped files and its setup reports, until
+    the pipes close (or shortly after the child exits); kill the run when output goes beyond the
+    cap. Returns (wait status, rusage, reports, bytes per pipe, output exceeded)."""
+    counts = {fd: 0 for fd in pipes}
+    reports, exceeded, done, done_at = b"", False, None, 0.0
+    live = set(pipes) | {errpipe_r}
+    while live:
+        ready, _, _ = select.select(list(live), [], [], 0.1)
+        for fd in ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                live.discard(fd)
+            elif fd == errpipe_r:
+                reports += chunk
+            else:
+                room = OUTB - counts[fd]
+                if room > 0:
+                    os.write(pipes[fd], chunk[:room])
+                counts[fd] += len(chunk)
+                if counts[fd] > OUTB and not exceeded:
+                    exceeded = True
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+        if done is None:
+            waited, status, usage = os.wait4(pid, os.WNOHANG)
+            if waited:
+                done, done_at = (status, usage), time.monotonic()
+        elif time.monotonic() - done_at > 0.5:
+            break  # (no pid namespace) a leftover process holds the pipes: stop reading
+    if done is None:
+        _, status, usage = os.wait4(pid, 0)
+        done = (status, usage)
+    return done[0], done[1], reports, list(counts.values()), exceeded
+
+
 def main():
     os.umask(0o022)
+    protections = []
+    for cgroup in CGROUPS:  # first, so that every process of the run is counted
+        put(cgroup + "/cgroup.procs", str(os.getpid()))
+    if CGROUPS:
+        protections.append("cgroup")
     with open(T + "/work/main.py", "rb") as f:
         code = f.read()
+    program = open(T + "/seccomp.bpf", "rb").read() if os.path.exists(T + "/seccomp.bpf") else b""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     out = os.open(T + "/out", flags, 0o600)
     err = os.open(T + "/err", flags, 0o600)
@@ -273,25 +237,32 @@ def main():
                 put("/proc/self/setgroups", "deny")
                 put("/proc/self/uid_map", f"0 {euid} 1")
                 put("/proc/self/gid_map", f"0 {egid} 1")
+            try:
+                set_ipc_limits()
+                protections.append("ipc-limits")
+            except OSError:
+                pass
     except Exception as exc:
         write_status(["setup " + message(exc)])
         return
     errpipe_r, errpipe_w = os.pipe()
     alive_r, alive_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            os.close(errpipe_r)
-            os.close(alive_w)
-            child(code, out, err, alive_r, errpipe_w)
+            for fd in (errpipe_r, alive_w, out_r, err_r):
+                os.close(fd)
+            child(code, out_w, err_w, alive_r, errpipe_w, program)
         except BaseException as exc:
             try:
                 os.write(errpipe_w, message(exc).encode("utf-8", "replace"))
             except BaseException:
                 pass
         os._exit(127)
-    os.close(errpipe_w)
-    os.close(alive_r)
+    for fd in (errpipe_w, alive_r, out_w, err_w):
+        os.close(fd)
     timed_out = []
 
     def on_alarm(signum, frame):
@@ -303,34 +274,35 @@ def main():
 
     signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, WALL)
-    setup_error = b""
-    while True:
-        chunk = os.read(errpipe_r, 4096)
-        if not chunk:
-            break
-        setup_error += chunk
-    _, status, usage = os.wait4(pid, 0)
+    status, usage, reports, sizes, exceeded = pump(pid, {out_r: out, err_r: err}, errpipe_r)
     signal.setitimer(signal.ITIMER_REAL, 0)
     if PLAIN and DROP_UID:
         reap_uid()
     cpu = usage.ru_utime + usage.ru_stime
-    lines = [f"status {status}", f"cpu {cpu:.3f}", f"timeout {int(bool(timed_out))}"]
+    lines = [f"status {status}", f"cpu {cpu:.3f}", f"timeout {int(bool(timed_out))}", f"out_bytes {sizes[0]}",
+             f"err_bytes {sizes[1]}", f"output_exceeded {int(exceeded)}"]
+    text = reports.decode("utf-8", "replace").splitlines()
+    protections += [ln[3:] for ln in text if ln.startswith("ok ")]
+    lines.append("protections " + " ".join(protections))
+    setup_error = " ".join(" ".join(ln for ln in text if not ln.startswith("ok ")).split())
     if setup_error:
-        lines.append("setup " + " ".join(setup_error.decode("utf-8", "replace").split()))
+        lines.append("setup " + setup_error)
     write_status(lines)
 
 
 def configure(argv):
     """Read the host's arguments (see the module docstring) into this module's settings."""
-    global T, MODE, EXE, PLAIN, DROP_UID, WALL, CPU, MEM, OUTB, NPROC, FS_MB, PLAN, UID
+    global T, MODE, EXE, PLAIN, DROP_UID, WALL, CPU, MEM, OUTB, NPROC, FS_MB, CGROUPS, PLAN, UID
     T, MODE, EXE = argv[1:4]
     PLAIN = MODE.startswith("plain")
     DROP_UID = os.geteuid() == 0 and MODE in ("root", "plain")
     WALL = float(argv[4])
     CPU, MEM, OUTB, NPROC, FS_MB = (int(a) for a in argv[5:10])
-    rest = argv[10:]
+    CGROUPS = [] if argv[10] == "-" else argv[10].split(",")
+    rest = argv[11:]
     PLAN = [tuple(rest[i:i + 3]) for i in range(0, len(rest), 3)]
-    UID = 1500000000 + os.getpid()
+    # a fresh random uid per run: no kernel state keyed by uid carries over from an earlier run
+    UID = 1500000000 + int.from_bytes(os.urandom(4), "little") % (1 << 28)
 
 
 if __name__ == "__main__":

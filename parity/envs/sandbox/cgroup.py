@@ -1,0 +1,117 @@
+"""Whole-run limits for the sandbox: one cgroup per run, so that memory (SysV shared memory and
+every process included), the number of processes and CPU are bounded for all the run's processes
+together — an rlimit bounds each process alone.
+
+cgroup v2 where the unified hierarchy has the memory and pids controllers, else cgroup v1's
+memory, pids and cpu hierarchies; none when neither is writable (the sandbox then says so at
+start-up). The launcher joins the run's directories before it forks anything; afterwards the
+host reads whether the kernel's OOM killer acted in the cgroup (the only memory-limit verdict
+that code cannot forge) and removes the directories.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup")
+PARENT = "parity-sandbox"
+V1_CONTROLLERS = ("memory", "pids", "cpu")
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _v2_ready() -> bool:
+    try:
+        controllers = (ROOT / "cgroup.controllers").read_text().split()
+    except OSError:
+        return False
+    if not {"memory", "pids"} <= set(controllers):
+        return False
+    parent = ROOT / PARENT
+    try:
+        parent.mkdir(exist_ok=True)
+        enable = " ".join(f"+{c}" for c in ("memory", "pids", "cpu") if c in controllers)
+        for path in (ROOT / "cgroup.subtree_control", parent / "cgroup.subtree_control"):
+            _write(path, enable)
+        return True
+    except OSError:
+        return False
+
+
+def _v1_ready() -> bool:
+    try:
+        for c in V1_CONTROLLERS:
+            (ROOT / c / PARENT).mkdir(exist_ok=True)
+        return True
+    except OSError:
+        return False
+
+
+def probe() -> tuple[str | None, str]:
+    """('v2' | 'v1' | None, why not) for this machine; checked by creating the parent groups."""
+    if _v2_ready():
+        return "v2", ""
+    if all((ROOT / c / "cgroup.procs").exists() for c in V1_CONTROLLERS) and _v1_ready():
+        return "v1", ""
+    return None, "no writable cgroup v2 or v1 memory/pids/cpu hierarchy"
+
+
+class RunCgroup:
+    """The cgroup(s) of one sandboxed run."""
+
+    def __init__(self, version: str, memory_bytes: int, pids: int, cpus: float = 1.0):
+        self.version = version
+        name = f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        period = 100_000
+        quota = str(int(cpus * period))
+        if version == "v2":
+            d = ROOT / PARENT / name
+            d.mkdir()
+            self.dirs = [d]
+            for file, value in (("memory.max", str(memory_bytes)), ("memory.swap.max", "0"),
+                                ("pids.max", str(pids)), ("cpu.max", f"{quota} {period}")):
+                if (d / file).exists():
+                    _write(d / file, value)
+        else:
+            self.dirs = [ROOT / c / PARENT / name for c in V1_CONTROLLERS]
+            for d in self.dirs:
+                d.mkdir()
+            mem, pid_dir, cpu = self.dirs
+            _write(mem / "memory.limit_in_bytes", str(memory_bytes))
+            if (mem / "memory.memsw.limit_in_bytes").exists():  # no swapping past the limit
+                _write(mem / "memory.memsw.limit_in_bytes", str(memory_bytes))
+            _write(pid_dir / "pids.max", str(pids))
+            _write(cpu / "cpu.cfs_period_us", str(period))
+            _write(cpu / "cpu.cfs_quota_us", quota)
+
+    @property
+    def paths(self) -> list[str]:
+        return [str(d) for d in self.dirs]
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel killed a process of the run for exceeding the memory limit."""
+        mem = self.dirs[0]
+        try:
+            text = (mem / ("memory.events" if self.version == "v2" else "memory.oom_control")).read_text()
+        except OSError:
+            return False
+        counts = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
+        return int(counts.get("oom_kill", "0")) > 0
+
+    def close(self) -> None:
+        """Remove the directories (the run's processes are gone; give the kernel a moment)."""
+        for d in self.dirs:
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)

@@ -1,0 +1,70 @@
+"""The sandbox's seccomp filter: the system calls model-written code never needs, refused.
+
+Built on the host as a classic-BPF program (the launcher only loads it, after no_new_privs,
+right before it execs the interpreter). Refused with EPERM: new namespaces (unshare, setns, and
+clone with any CLONE_NEW* flag; clone3 answers ENOSYS so libc falls back to clone), mounting
+and changing root, the kernel keyrings (keyctl, add_key, request_key), bpf, perf_event_open,
+userfaultfd, io_uring, inotify and fanotify, the kernel log (syslog), ptrace and
+process_vm_readv/writev, module, kexec, reboot, swap and accounting calls. A call from another
+ABI than the filter's (x86-64's x32, 32-bit entry) kills the process. x86-64 only; elsewhere
+`build_filter` returns None and the sandbox says seccomp is unavailable.
+"""
+
+from __future__ import annotations
+
+import errno
+import platform
+import struct
+
+AUDIT_ARCH_X86_64 = 0xC000003E
+X32_SYSCALL_BIT = 0x40000000
+RET_KILL_PROCESS, RET_ALLOW = 0x80000000, 0x7FFF0000
+LD_ABS, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, ..., BPF_RET|K
+OFF_NR, OFF_ARCH, OFF_ARG0 = 0, 4, 16  # struct seccomp_data (little-endian: arg0's low word at 16)
+
+CLONE_NEW_FLAGS = 0x7E020080  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+
+DENIED_X86_64: dict[str, int] = {
+    "ptrace": 101, "syslog": 103, "chroot": 161, "acct": 163, "mount": 165, "umount2": 166,
+    "swapon": 167, "swapoff": 168, "reboot": 169, "init_module": 175, "delete_module": 176,
+    "pivot_root": 155, "kexec_load": 246, "add_key": 248, "request_key": 249, "keyctl": 250,
+    "inotify_init": 253, "unshare": 272, "inotify_init1": 294, "perf_event_open": 298,
+    "fanotify_init": 300, "name_to_handle_at": 303, "open_by_handle_at": 304, "setns": 308,
+    "process_vm_readv": 310, "process_vm_writev": 311, "finit_module": 313, "kexec_file_load": 320,
+    "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
+    "io_uring_register": 427, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
+    "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+}
+CLONE_X86_64, CLONE3 = 56, 435
+
+
+def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
+    return struct.pack("<HBBI", code, jt, jf, k)
+
+
+def build_filter(machine: str | None = None) -> bytes | None:
+    """The filter as packed `struct sock_filter` entries, or None where it is not implemented."""
+    if (machine or platform.machine()) != "x86_64":
+        return None
+    eperm, enosys = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
+    prog = [_insn(LD_ABS, 0, 0, OFF_ARCH),
+            _insn(JEQ, 1, 0, AUDIT_ARCH_X86_64),
+            _insn(RET, 0, 0, RET_KILL_PROCESS),
+            _insn(LD_ABS, 0, 0, OFF_NR),
+            _insn(JGE, 0, 1, X32_SYSCALL_BIT),
+            _insn(RET, 0, 0, RET_KILL_PROCESS)]
+    for nr in sorted(DENIED_X86_64.values()):
+        prog += [_insn(JEQ, 0, 1, nr), _insn(RET, 0, 0, eperm)]
+    prog += [_insn(JEQ, 0, 1, CLONE3), _insn(RET, 0, 0, enosys),
+             _insn(JEQ, 0, 3, CLONE_X86_64),
+             _insn(LD_ABS, 0, 0, OFF_ARG0),
+             _insn(JSET, 0, 1, CLONE_NEW_FLAGS),
+             _insn(RET, 0, 0, eperm),
+             _insn(RET, 0, 0, RET_ALLOW)]
+    return b"".join(prog)
+
+
+def describe(program: bytes | None) -> str:
+    if program is None:
+        return f"no seccomp filter (not implemented for {platform.machine()})"
+    return f"seccomp filter ({len(DENIED_X86_64) + 2} syscalls refused)"

@@ -1,0 +1,157 @@
+"""What a week-long run meets, injected on purpose: a rollout worker that hangs, a corrupt batch
+file, a worker killed by the kernel's OOM killer, SIGTERM from a scheduler, the learner killed in
+the middle of writing a checkpoint, a full disk. Every deterministic run must end with the
+metrics of an uninterrupted one (or a one-line error and nothing earlier lost)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from parity.config import load_config
+from parity.metrics.sinks import read_metrics
+from parity.metrics.summary import deterministic_view
+from parity.rl import checkpoint
+from parity.rl.controller import Controller
+
+RUN = ["model.preset=\"tiny\"", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_tokens=8",
+       "learner.lr=0.003", "learner.micro_batch_size=4", "task.targets=[7, 8]", "steps=6", "max_policy_lag=2",
+       "deterministic=true", "eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """The uninterrupted run every faulty run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    return deterministic_view(Controller(load_config(None, RUN + [f'run_dir="{run_dir}"'])).run())
+
+
+@pytest.fixture
+def faults(tmp_path, monkeypatch):
+    """Set PARITY_FAULTS for this test (each fault fires once)."""
+    state = tmp_path / "fault-state"
+    state.mkdir()
+    monkeypatch.setenv("PARITY_FAULT_STATE", str(state))
+
+    def inject(spec: str) -> None:
+        monkeypatch.setenv("PARITY_FAULTS", spec)
+    return inject
+
+
+def run(tmp_path, *extra) -> Controller:
+    return Controller(load_config(None, RUN + [f'run_dir="{tmp_path / "run"}"', *extra]))
+
+
+def test_a_hung_worker_is_detected_and_its_batches_sampled_again(tmp_path, faults, reference):
+    faults("worker-hang@2")
+    controller = run(tmp_path, "rollout.heartbeat_timeout_s=3.0")
+    t0 = time.monotonic()
+    metrics = controller.run()
+    assert controller.rollout.restarts == 1 and time.monotonic() - t0 < 60
+    assert deterministic_view(metrics) == reference
+
+
+def test_a_corrupt_batch_file_is_refused_and_sampled_again(tmp_path, faults, reference):
+    faults("corrupt-batch@1")
+    controller = run(tmp_path)
+    assert deterministic_view(controller.run()) == reference and controller.rollout.restarts == 1
+
+
+def _memory_cgroup(limit_bytes: int) -> Path | None:
+    root = Path("/sys/fs/cgroup")
+    base = root / "memory" if (root / "memory" / "cgroup.procs").exists() else root
+    path = base / f"parity-test-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir()
+        (path / ("memory.limit_in_bytes" if base != root else "memory.max")).write_text(str(limit_bytes))
+    except OSError:
+        return None
+    return path
+
+
+def test_a_worker_killed_by_the_oom_killer_is_restarted(tmp_path, faults, reference):
+    group = _memory_cgroup(256 << 20)
+    if group is None:
+        pytest.skip("no writable memory cgroup here")
+    try:
+        faults(f"worker-oom@3:{group}")
+        controller = run(tmp_path)
+        assert deterministic_view(controller.run()) == reference and controller.rollout.restarts == 1
+    finally:
+        group.rmdir()
+
+
+def _train(run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    sets = [x for item in RUN + [f'run_dir="{run_dir}"', *extra] for x in ("--set", item)]
+    return subprocess.Popen([sys.executable, "-m", "parity.cli", "train", *sets], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def _lines(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_matches(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, "steps=60")
+    deadline = time.monotonic() + 120
+    while _lines(run_dir) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "interrupted (SIGTERM); checkpoint saved" in err
+    saved = checkpoint.latest(run_dir)
+    checkpoint.verify(saved)
+    resumed = subprocess.run([sys.executable, "-m", "parity.cli", "train", "--resume", str(run_dir),
+                              "--set", "steps=6"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert deterministic_view(read_metrics(run_dir)) == reference
+
+
+def test_the_learner_killed_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    (tmp_path / "state").mkdir()
+    proc = _train(run_dir, "checkpoint_every=2",
+                  env={"PARITY_FAULTS": "ckpt-kill@4", "PARITY_FAULT_STATE": str(tmp_path / "state")})
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert (run_dir / ".checkpoint-4.tmp").exists()  # the half-written one, never renamed
+    last = checkpoint.latest(run_dir)
+    assert last.name == "checkpoint-2"
+    checkpoint.verify(last)
+    resumed = subprocess.run([sys.executable, "-m", "parity.cli", "train", "--resume", str(run_dir)],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert deterministic_view(read_metrics(run_dir)) == reference
+
+
+def test_a_full_disk_is_a_one_line_error_and_nothing_earlier_is_lost(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(run_dir)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        proc = _train(run_dir, "steps=60", "checkpoint_every=1")
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "No space left on device" in lines[0] and "Traceback" not in err
+        for path in run_dir.glob("checkpoint-*"):
+            checkpoint.verify(path)  # every checkpoint that exists is whole
+        records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(len(records)))
+    finally:
+        subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
