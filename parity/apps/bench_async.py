@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from .. import hardware
 from ..config import LearnerConfig, ModelSection, RolloutSection, TrainConfig
 from ..dtypes import dtype_from_name
 from ..errors import ParityError
@@ -100,12 +101,14 @@ def main(args) -> int:
                                args.reps, args.dtype, args.backends, args.workers, progress=status)
     status("")
     if args.json:
-        print(json.dumps({"cores": os.cpu_count(), "rows": [asdict(r) for r in rows], "ratios": ratios},
+        print(json.dumps({"machine": hardware.describe(),
+                          "cores": os.cpu_count(), "rows": [asdict(r) for r in rows], "ratios": ratios},
                          indent=2))
         return 0
     print(f"parity bench async: {args.preset} {args.dtype}, {args.steps} learner steps of "
           f"{args.prompts}x{args.group} responses, geometric lengths up to {args.max_tokens} tokens; "
           f"steady state (first step excluded), median of {args.reps}")
+    print(f"machine: {hardware.line()}")
     print(table(["mode", "backend", "workers", "max lag", "steps/hour", "learner waits", "rollout waits",
                  "lag seen", "publish ms", "load ms", "MB moved/step"],
                 [[r.mode, r.backend, str(r.workers), str(r.max_policy_lag), f"{r.steps_per_hour:,.0f}",

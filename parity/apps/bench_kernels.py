@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .. import hardware
 from ..dtypes import dtype_from_name
 from ..engine import Decoder
 from ..errors import ParityError
@@ -130,12 +131,14 @@ def main(args) -> int:
                          progress=lambda m: status(f"bench kernels: {m}"))
     status("")
     if args.json:
-        print(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
+        print(json.dumps({"machine": hardware.describe(),
+                          "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "rows": [r.as_dict() for r in rows]}, indent=2))
         return 0
     print(f"parity bench kernels: medians of {args.reps} interleaved repetitions, "
           f"{torch.get_num_threads()} threads; prefill {args.prefill_len} tokens/seq, "
           f"decode {args.decode_steps} steps")
+    print(f"machine: {hardware.line()}")
     print(table(["preset", "dtype", "phase", "batch", "aligned tok/s", "standard tok/s", "aligned/standard"],
                 [[r.preset, r.dtype, r.phase, str(r.batch), f"{r.aligned_tok_s:,.0f}",
                   f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}"] for r in rows]))

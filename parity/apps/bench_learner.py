@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .. import hardware
 from ..config import LearnerConfig
 from ..dtypes import dtype_from_name
 from ..errors import ParityError
@@ -84,11 +85,13 @@ def main(args) -> int:
                          progress=lambda m: status(f"bench {m}"))
     status("")
     if args.json:
-        print(json.dumps({"threads": torch.get_num_threads(),
+        print(json.dumps({"machine": hardware.describe(),
+                          "threads": torch.get_num_threads(),
                           "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, indent=2))
         return 0
     print(f"parity bench learner: forward+backward of {args.batch} x {args.length} tokens, medians of "
           f"{args.reps} interleaved repetitions, {torch.get_num_threads()} threads")
+    print(f"machine: {hardware.line()}")
     print(table(["preset", "dtype", "aligned tok/s", "standard tok/s", "aligned/standard"],
                 [[r.preset, r.dtype, f"{r.aligned_tok_s:,.0f}", f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}"]
                  for r in rows]))

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .. import hardware
 from ..dtypes import dtype_from_name
 from ..engine import Engine, SamplingParams
 from ..errors import ParityError
@@ -161,7 +162,8 @@ def main(args) -> int:
                                  progress=lambda m: status(f"bench rollout: {m}"))
     status("")
     if args.json:
-        print(json.dumps({"threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows],
+        print(json.dumps({"machine": hardware.describe(),
+                          "threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows],
                           "ratios": ratios}, indent=2))
         return 0
     print(f"parity bench rollout: {args.preset}, {args.num_seqs} requests, geometric response lengths "
@@ -171,6 +173,7 @@ def main(args) -> int:
     def ms(v):
         return "-" if v is None else f"{v:.1f}"
 
+    print(f"machine: {hardware.line()}")
     print(table(["system", "dtype", "output tokens", "tok/s", "step p50 ms", "p90", "p99"],
                 [[r.system, r.dtype, str(r.output_tokens), f"{r.tok_s:,.0f}", ms(r.step_ms_p50),
                   ms(r.step_ms_p90), ms(r.step_ms_p99)] for r in rows]))

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import hardware
 from ..config import LOSS_NAMES, TrainConfig, config_from_dict, read_toml, set_dotted
 from ..dtypes import DTYPE_NAMES
 from ..errors import ConfigError
@@ -226,7 +227,7 @@ def run_study(study: StudyConfig, progress: bool = True) -> dict:
         for run in study.runs:
             run_config(study, run, study.seeds[0])
     t0 = time.perf_counter()
-    results: dict[str, Any] = {"config": asdict(study), "runs": {}}
+    results: dict[str, Any] = {"config": asdict(study), "machine": hardware.describe(), "runs": {}}
     total = len(study.runs) * len(study.seeds)
     k = 0
     figures: dict[str, list[dict[str, float]]] = {run.name: [] for run in study.runs}

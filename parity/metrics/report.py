@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import hardware
 from .sinks import read_metrics
 from .summary import mechanism_table_markdown, run_rows, study_table_markdown
 
@@ -110,8 +111,9 @@ def write_study_report(out_dir: str | Path, title: str, results: dict,
         png = out / "study.png"
         fig.savefig(png, dpi=80)
         plt.close(fig)
+    machine = f" Machine: {hardware.line(results['machine'])}." if "machine" in results else ""
     lines = [f"# {title}", "", f"Computed from the runs' metrics.jsonl by `parity study`; "
-             f"{results['seconds']:.0f} s in all.", "", study_table_markdown(results), ""]
+             f"{results['seconds']:.0f} s in all.{machine}", "", study_table_markdown(results), ""]
     if png is not None:
         lines += ["![curves (first seed)](study.png)", ""]
     mechanism = mechanism_table_markdown(results)

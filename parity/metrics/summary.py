@@ -156,6 +156,8 @@ def row_figures(metrics: Metrics) -> dict[str, float]:
     - kl_last_over_first: rollout-to-learner KL (k3), mean of the last 10% of updates over the
       mean of the first 10%;
     - kernel_mismatch_max: max |Δ log-prob| between rollout and learner at the same weights;
+    - kernel_mismatch_mean / weight_lag_mean_abs: mean over steps of the per-token mean |Δ log-prob|
+      due to kernels (same weights) and due to weight lag (sampling vs current weights);
     - grad_norm_max: largest gradient norm before clipping;
     - reward_first5 / reward_last5: mean reward over the first / last 5% of updates;
     - pass1_start / pass1_peak / pass1_end: held-out greedy pass@1;
@@ -174,6 +176,8 @@ def row_figures(metrics: Metrics) -> dict[str, float]:
         "kl_last": kl_last,
         "kl_last_over_first": kl_last / kl_first if kl_first > 0 else (1.0 if kl_last == 0 else float("inf")),
         "kernel_mismatch_max": max(series(metrics, "mismatch/kernel_max_abs"), default=NAN),
+        "kernel_mismatch_mean": mean(series(metrics, "mismatch/kernel_mean_abs")),
+        "weight_lag_mean_abs": mean(series(metrics, "mismatch/weight_lag_mean_abs")),
         "grad_norm_max": max(series(metrics, "train/grad_norm"), default=NAN),
         "reward_first5": mean(rewards[:edge_count(len(metrics), 0.05)]),
         "reward_last5": mean(rewards[-edge_count(len(metrics), 0.05):]),
