@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 
+from .config import BASE_CHECKPOINTS
 from .dtypes import DTYPE_NAMES
 from .errors import ParityError
 from .ops import BACKENDS
@@ -61,13 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = _command(sub, "sft", "sft", "train (or show) the cached base policy")
     s.add_argument("--out", help="output directory (default: the cache)")
+    s.add_argument("--recipe", default="base", choices=BASE_CHECKPOINTS,
+                   help="which base policy: 'base' (tool use) or 'base-math' (column-sum addition)")
     s.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--eval-problems", type=int, default=100, help="held-out problems per task (0 = skip)")
     s.add_argument("--force", action="store_true", help="rebuild even when cached")
 
     e = _command(sub, "eval", "evaluate", "held-out pass@1 (greedy) and mean@k of a checkpoint on a task")
-    e.add_argument("--model", default="base", help='checkpoint directory ("base" = the cached base policy)')
+    e.add_argument("--model", default="base",
+                   help=f"checkpoint directory (or {', '.join(BASE_CHECKPOINTS)}: the cached base policies)")
     e.add_argument("--task", default="tool", help="tool or math")
     e.add_argument("--level", type=int, default=0, help="difficulty (default: the task's)")
     e.add_argument("--math-task", help="math: add, sub, mul, expr or countdown")

@@ -78,3 +78,12 @@ def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "| sync | aligned | 0 | reinforce_zero |" in report and (out / "study.png").exists()
     assert "std-fixed-64-gate" in capsys.readouterr().out
+
+
+def test_study_runs_at_the_base_policies_level_and_math_uses_base_math():
+    from parity.apps.study import run_config
+
+    for task, base in (("tool", "base"), ("math", "base-math")):
+        study = load_study(None, task=task)
+        cfg = run_config(study, study.runs[0], 0)
+        assert cfg.task.level == 1 and cfg.model.checkpoint == base and cfg.task.name == task

@@ -11,11 +11,16 @@ so RL has signal:
   RL can fix, since only exact answers are rewarded;
 - training is short, so copying long digit strings is imperfect.
 
+Two named recipes (`RECIPES`): `base` (tool use, math answered directly: the `small` model
+barely learns carrying that way) and `base-math` (two-digit addition only, half of the
+demonstrations worked in columns: `7+5=12 4+8+1=13 answer: 132`; the base is right when it
+chooses columns, so RL on the math task has a behaviour to reinforce).
+
 The checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`, `sft.json` with the
 recipe and the measured held-out pass@1 per task) is cached under
 `~/.cache/parity/base/<recipe hash>/` (`PARITY_CACHE` moves it) and reused by `parity demo`.
-A training config may name it `model.checkpoint = "base"`; `resolve_base` turns that into the
-directory (building it first) before the library sees the config.
+A training config may name it `model.checkpoint = "base"` (or "base-math"); `resolve_base`
+turns that into the directory (building it first) before the library sees the config.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import torch
 
 from ..config import TrainConfig, with_overrides
 from ..envs.chat import EOS, prompt_text
-from ..envs.math import MathTask, Problem
+from ..envs.math import MathTask, Problem, worked_answer
 from ..envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
 from ..errors import ConfigError
 from .ui import Progress, table
@@ -76,6 +81,9 @@ class SFTConfig:
     """Math task of the single-turn demonstrations."""
     math_level: int = 1
     """Its difficulty level (1..5)."""
+    math_columns: float = 0.0
+    """Share of math demonstrations written as column sums (least significant digit first, then
+    the answer); the rest answer directly (`answer: N`). Needs math_task 'add'."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or not self.lr > 0:
@@ -84,9 +92,16 @@ class SFTConfig:
             value = self.tool_use[name[9:]] if name.startswith("tool_use.") else getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"sft: {name} must be in [0, 1], got {value}")
+        if not 0.0 <= self.math_columns <= 1.0:
+            raise ConfigError(f"sft: math_columns must be in [0, 1], got {self.math_columns}")
+        if self.math_columns and self.math_task != "add":
+            raise ConfigError("sft: math_columns needs math_task 'add'")
 
     def key(self) -> str:
-        blob = json.dumps({"recipe": RECIPE_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if not fields["math_columns"]:  # the field's default: keys of existing caches stay valid
+            del fields["math_columns"]
+        blob = json.dumps({"recipe": RECIPE_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -124,7 +139,9 @@ def demonstration(rnd: random.Random, cfg: SFTConfig, math_task: MathTask, tool_
                 break
         return prompt_text(problem.prompt), tool_demonstration(problem, rnd, cfg)
     problem = math_task.problems(index, 1)[0]
-    return prompt_text(problem.prompt), [(f"answer: {problem.answer}{EOS}", 1)]
+    # the default recipe draws nothing here, so its demonstrations stay what they were
+    fmt = "columns" if cfg.math_columns and rnd.random() < cfg.math_columns else "direct"
+    return prompt_text(problem.prompt), [(worked_answer(problem, fmt) + EOS, 1)]
 
 
 def encode_demo(tokenizer, prompt: str, segments: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
@@ -214,6 +231,21 @@ def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
     return record
 
 
+MATH_STEPS = 300
+"""Optimizer steps of the 'base-math' recipe."""
+MATH_COLUMNS = 0.5
+"""Share of its demonstrations that work the sum in columns (chosen so the base policy's held-out
+pass@1 sits in 20-60%: column sums it gets right, direct answers it rarely does)."""
+
+RECIPES: dict[str, SFTConfig] = {
+    "base": SFTConfig(),
+    "base-math": SFTConfig(tool_fraction=0.0, math_columns=MATH_COLUMNS, steps=MATH_STEPS),
+}
+"""The named base policies (`model.checkpoint = "<name>"`): 'base' for the tool task (and math
+answered directly, which this model size barely learns), 'base-math' for two-digit addition
+written as column sums, trained only part of the way so RL has signal."""
+
+
 def get_base_policy(cfg: SFTConfig | None = None, progress=None) -> Path:
     """The cached base policy's directory, built first when it is not there yet."""
     cfg = cfg or SFTConfig()
@@ -226,10 +258,12 @@ def get_base_policy(cfg: SFTConfig | None = None, progress=None) -> Path:
 
 
 def resolve_base(cfg: TrainConfig, progress=None) -> TrainConfig:
-    """`cfg` with model.checkpoint = "base" replaced by the base policy's directory."""
-    if cfg.model.checkpoint != "base":
+    """`cfg` with model.checkpoint = "base" (or another recipe name, `RECIPES`) replaced by that
+    base policy's directory."""
+    name = cfg.model.checkpoint
+    if name not in RECIPES:
         return cfg
-    return with_overrides(cfg, {"model.checkpoint": str(get_base_policy(progress=progress))})
+    return with_overrides(cfg, {"model.checkpoint": str(get_base_policy(RECIPES[name], progress=progress))})
 
 
 # --------------------------------------------------------------------------- the command
@@ -241,7 +275,8 @@ def sft_progress(total: int):
 
 def main(args) -> int:
     """`parity sft`: train (or show) the base policy."""
-    cfg = SFTConfig(steps=args.steps, seed=args.seed) if args.steps else SFTConfig(seed=args.seed)
+    cfg = dataclasses.replace(RECIPES[args.recipe], seed=args.seed,
+                              **({"steps": args.steps} if args.steps else {}))
     out = Path(args.out) if args.out else base_dir(cfg)
     if is_built(out) and not args.force:
         print(f"parity: base policy already built: {out} (--force rebuilds)")

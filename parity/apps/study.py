@@ -200,8 +200,9 @@ def run_config(study: StudyConfig, run: StudyRun, seed: int) -> TrainConfig:
         **({"steps": run.steps} if run.steps and not study.quick else {}),
     }.items():
         set_dotted(data, key, value)
-    if study.task == "tool":
-        data.setdefault("task", {}).setdefault("level", 1)
+    data.setdefault("task", {}).setdefault("level", 1)  # the level the base policies learned
+    if study.task == "math" and data.get("model", {}).get("checkpoint") == "base":
+        data["model"]["checkpoint"] = "base-math"  # the base that learned column-sum addition
     return config_from_dict(data)
 
 

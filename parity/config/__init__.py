@@ -15,8 +15,16 @@ from .loading import (
     to_toml,
     with_overrides,
 )
-from .train import TASK_NAMES, ModelSection, RaySection, RolloutSection, TaskSection, TrainConfig
+from .train import (
+    BASE_CHECKPOINTS,
+    TASK_NAMES,
+    ModelSection,
+    RaySection,
+    RolloutSection,
+    TaskSection,
+    TrainConfig,
+)
 
-__all__ = ["LOSS_NAMES", "TASK_NAMES", "LearnerConfig", "LossConfig", "ModelSection", "RaySection",
-           "RolloutSection", "TaskSection", "TrainConfig", "config_from_dict", "config_to_dict",
+__all__ = ["BASE_CHECKPOINTS", "LOSS_NAMES", "TASK_NAMES", "LearnerConfig", "LossConfig", "ModelSection",
+           "RaySection", "RolloutSection", "TaskSection", "TrainConfig", "config_from_dict", "config_to_dict",
            "load_config", "parse_override", "read_toml", "set_dotted", "to_toml", "with_overrides"]

@@ -21,6 +21,10 @@ from .learner import LearnerConfig
 TASK_NAMES: tuple[str, ...] = ("tool", "math", "target_tokens")
 """Environments a run can train on."""
 
+BASE_CHECKPOINTS: tuple[str, ...] = ("base", "base-math")
+"""Names `model.checkpoint` may give instead of a directory: the cached base policies of
+`parity sft` ('base': tool use and direct math answers; 'base-math': column-sum addition)."""
+
 LENGTH_MODES: tuple[str, ...] = ("fixed", "geometric")
 WEIGHT_UPDATE_MODES: tuple[str, ...] = ("drain", "inflight")
 ROLLOUT_BACKENDS: tuple[str, ...] = ("local", "ray")
@@ -38,7 +42,8 @@ class ModelSection:
     """Random-init preset ('tiny' or 'small') when no checkpoint is given."""
     checkpoint: str | None = None
     """A checkpoint directory to start from (overrides `preset`). The `parity` commands also
-    accept "base", the cached base policy of `parity sft`, and resolve it to its directory."""
+    accept "base" or "base-math", the cached base policies of `parity sft`, and resolve them to
+    their directories (building them first)."""
     kernels: str = "aligned"
     """'aligned' (bitwise rollout = learner) or 'standard' (the baseline)."""
     dtype: str = "float32"

@@ -125,6 +125,39 @@ def _safe_eval(text: str) -> int | None:
     return value if pos == len(tokens) else None
 
 
+def column_sums(a: int, b: int) -> str:
+    """The worked column addition of two non-negative integers, least significant digit first:
+    `47+85` -> "7+5=12 4+8+1=13 " (each column's digits, the carry in, and the column sum). A
+    format a small model can learn: every step is a one-digit sum, and the answer is read back
+    from the steps (the last sum, then the earlier sums' last digits in reverse)."""
+    if a < 0 or b < 0:
+        raise ValueError("column_sums needs non-negative operands")
+    da, db = str(a)[::-1], str(b)[::-1]
+    steps, carry = [], 0
+    for i in range(max(len(da), len(db))):
+        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+        total = x + y + carry
+        steps.append(f"{x}+{y}{'+1' if carry else ''}={total} ")
+        carry = total // 10
+    return "".join(steps)
+
+
+def worked_answer(problem: Problem, fmt: str) -> str:
+    """A demonstrator's response to a math problem: 'direct' (just `answer: N`) or 'columns'
+    (the column sums of an addition, then the answer)."""
+    if fmt == "direct":
+        return f"answer: {problem.answer}"
+    if fmt == "columns":
+        if problem.task != "add":
+            raise ConfigError(f"math format 'columns' is for the add task, not {problem.task!r}")
+        a, b = (int(x) for x in problem.prompt.rstrip("=").split("+"))
+        return f"{column_sums(a, b)}answer: {problem.answer}"
+    raise ConfigError(f"unknown math format {fmt!r}: expected one of {', '.join(MATH_FORMATS)}")
+
+
+MATH_FORMATS = ("direct", "columns")
+
+
 def extract_answer(response: str) -> str:
     """The text after the last `answer:`, else the last line."""
     low = response.lower()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import TrainConfig
+from ..config import BASE_CHECKPOINTS, TrainConfig
 from ..dtypes import dtype_from_name
 from ..errors import ConfigError, ParityError
 from ..model import Model, ModelConfig, load_model
@@ -19,8 +19,8 @@ from ..model import Model, ModelConfig, load_model
 def checkpoint_dir(cfg: TrainConfig) -> str | None:
     """The run's checkpoint directory (None: a random-init preset)."""
     path = cfg.model.checkpoint
-    if path == "base":
-        raise ConfigError('model.checkpoint = "base" must be resolved to the base policy\'s directory '
+    if path in BASE_CHECKPOINTS:
+        raise ConfigError(f"model.checkpoint = {path!r} must be resolved to the base policy's directory "
                           "first (the parity commands do it; in Python: parity.apps.sft.resolve_base)")
     return path
 
