@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--task", choices=["tool", "math"], help="task (default: the config's, else tool)")
     st.add_argument("--seeds", type=_csv(int), help="comma-separated seeds")
     st.add_argument("--out", help="output directory (default runs/study)")
+    st.add_argument("--report-only", action="store_true",
+                    help="train nothing: write the report from the runs already finished")
 
     s = _command(sub, "sft", "sft", "train (or show) the cached base policy")
     s.add_argument("--out", help="output directory (default: the cache)")

@@ -34,7 +34,7 @@ from typing import Any
 from .. import hardware
 from ..config import LOSS_NAMES, TrainConfig, config_from_dict, read_toml, set_dotted
 from ..dtypes import DTYPE_NAMES
-from ..errors import ConfigError
+from ..errors import ConfigError, ParityError
 from ..metrics.report import write_study_report
 from ..metrics.sinks import read_metrics
 from ..metrics.summary import aggregate, row_figures, step_line, study_table_markdown
@@ -216,11 +216,13 @@ def _train(cfg: TrainConfig, name: str, progress: bool) -> None:
             bar.close()
 
 
-def run_study(study: StudyConfig, progress: bool = True) -> dict:
-    """Run every grid cell (skipping ones already finished in out_dir) and write the report."""
+def run_study(study: StudyConfig, progress: bool = True, train: bool = True) -> dict:
+    """Run every grid cell (skipping ones already finished in out_dir) and write the report.
+    With `train=False` nothing is trained: the report covers the finished runs only (a row's
+    figures are over its finished seeds; rows with none are left out)."""
     out = Path(study.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if study.quick:
+    if study.quick and train:
         quick_base = Path(study.train.get("model.checkpoint", out / "quick-base"))
         if not is_built(quick_base):
             log.info("--quick: building a smoke base policy (10 SFT steps) in %s", quick_base)
@@ -232,6 +234,7 @@ def run_study(study: StudyConfig, progress: bool = True) -> dict:
     total = len(study.runs) * len(study.seeds)
     k = 0
     figures: dict[str, list[dict[str, float]]] = {run.name: [] for run in study.runs}
+    seeds_done: dict[str, list[int]] = {run.name: [] for run in study.runs}
     for seed in study.seeds:  # seed-major: a study cut short still has every row
         for run in study.runs:
             k += 1
@@ -239,13 +242,19 @@ def run_study(study: StudyConfig, progress: bool = True) -> dict:
             done_marker = Path(cfg.run_dir) / "report.md"
             if done_marker.exists() and len(read_metrics(cfg.run_dir)) == cfg.steps:
                 log.info("[%d/%d] %s seed %d: already done (%s)", k, total, run.name, seed, cfg.run_dir)
+            elif not train:
+                continue
             else:
                 log.info("[%d/%d] %s seed %d: %s kernels, lag %d, %s", k, total, run.name, seed,
                          run.kernels, run.lag, run.loss)
                 _train(resolve_base(cfg), f"{run.name}/{seed}", progress)
             figures[run.name].append(row_figures(read_metrics(cfg.run_dir)))
-    for run in study.runs:
-        results["runs"][run.name] = {"run": asdict(run), "seeds": study.seeds,
+            seeds_done[run.name].append(seed)
+    rows = [run for run in study.runs if figures[run.name]]
+    if not rows:
+        raise ParityError(f"{out}: no finished study runs to report on")
+    for run in rows:
+        results["runs"][run.name] = {"run": asdict(run), "seeds": seeds_done[run.name],
                                      "figures": aggregate(figures[run.name])}
     sync = results["runs"].get("sync")
     if sync:
@@ -255,7 +264,8 @@ def run_study(study: StudyConfig, progress: bool = True) -> dict:
                 "mean": r["figures"]["steps_per_hour"]["mean"] / base, "spread": float("nan"), "values": []}
     results["seconds"] = time.perf_counter() - t0
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    curves = {run.name: read_metrics(run_config(study, run, study.seeds[0]).run_dir) for run in study.runs}
+    curves = {run.name: read_metrics(run_config(study, run, results["runs"][run.name]["seeds"][0]).run_dir)
+              for run in rows}
     write_study_report(out, f"parity study ({study.task} task, seeds {study.seeds})", results, curves)
     return results
 
@@ -265,7 +275,7 @@ def main(args) -> int:
     study = load_study(args.config, quick=args.quick, task=args.task, seeds=args.seeds, out_dir=args.out)
     print(f"parity: study of {len(study.runs)} runs x {len(study.seeds)} seeds on the {study.task} task "
           f"-> {study.out_dir}", flush=True)
-    results = run_study(study)
+    results = run_study(study, train=not args.report_only)
     print(study_table_markdown(results))
     print(f"done in {results['seconds']:.0f} s: {study.out_dir}/report.md, study.png, results.json")
     return 0

@@ -274,20 +274,36 @@ def study_table_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+MECHANISM_STATS = [
+    ("share of sampled tokens", "tokens", "{:.2%}"),
+    ("kernel mismatch: mean |Δ log-prob| at the sampling version", "kernel_mean", "{:.3g}"),
+    ("kernel mismatch: max |Δ log-prob|", "kernel_max", "{:.3g}"),
+    ("largest importance weight", "is_max", "{:.4g}"),
+]
+"""The mechanism tables: (title, `mech_<stat>` key, format)."""
+
+
 def mechanism_table_markdown(results: dict) -> str:
-    """The mechanism by row: per rollout-probability bucket, the tokens, the mean and max kernel
-    mismatch |Δ log-prob| and the largest importance weight (means over seeds)."""
+    """The mechanism by row, one table per statistic (`MECHANISM_STATS`): a line per rollout-
+    probability bucket of the sampled token, a column per row that recorded it (means over
+    seeds)."""
     rows = {name: r["figures"] for name, r in results["runs"].items()
             if any(k.startswith("mech_tokens/") for k in r["figures"])}
     if not rows:
         return ""
     buckets = [k.split("/", 1)[1] for k in next(iter(rows.values())) if k.startswith("mech_tokens/")]
-    lines = ["| run | rollout p of the token | tokens | kernel mismatch mean abs Δ | "
-             "kernel mismatch max abs Δ | max IS weight |", "|---|---|---|---|---|---|"]
-    stats, fmts = ("tokens", "kernel_mean", "kernel_max", "is_max"), ("{:,.0f}", "{:.3g}", "{:.3g}", "{:.4g}")
-    for name, fig in rows.items():
+    out = []
+    for title, stat, fmt in MECHANISM_STATS:
+        out += [f"**{title}**", "", "| rollout p of the token | " + " | ".join(rows) + " |",
+                "|---|" + "---|" * len(rows)]
         for b in buckets:
-            cells = [fig.get(f"mech_{k}/{b}", {}).get("mean", NAN) for k in stats]
-            text = " | ".join("-" if math.isnan(v) else f.format(v) for v, f in zip(cells, fmts))
-            lines.append(f"| {name} | {b[1:].replace('-', ' – ')} | {text} |")
-    return "\n".join(lines)
+            cells = []
+            for fig in rows.values():
+                v = fig.get(f"mech_{stat}/{b}", {}).get("mean", NAN)
+                if stat == "tokens":
+                    total = sum(fig[f"mech_tokens/{c}"]["mean"] for c in buckets)
+                    v = v / total if total else NAN
+                cells.append("-" if math.isnan(v) else fmt.format(v))
+            out.append(f"| {b[1:].replace('-', ' – ')} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out).rstrip()
