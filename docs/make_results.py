@@ -1,7 +1,8 @@
 """Build docs/results.md from a finished study, a demo run and a rollout benchmark.
 
-    python docs/make_results.py --study DIR --demo DIR [--bench-rollout FILE.json]
-        [--study-command "..."] [--study-time "..."] [--demo-time "..."]
+    python docs/make_results.py --study DIR [--demo DIR] [--bench-rollout FILE.json]
+        [--bench-async FILE.json] [--study-command "..."] [--study-time "..."] [--demo-time "..."]
+        [--out DIR (default: docs/)]
 
 Every number in the page is read from the runs' files (the study's results.json, the demo's
 metrics.jsonl, `parity bench rollout --json` output); the prose around them is this script's,
@@ -260,10 +261,30 @@ def reasons(r: dict, rollout_ratio: float | None, async_ratio: float | None) -> 
     return out
 
 
+def demo_section(demo_dir: Path, demo_time: str, out: Path) -> list[str]:
+    shutil.copyfile(demo_dir / "report.png", out / "demo.png")
+    demo = read_metrics(demo_dir)
+    return [
+        "## `parity demo`",
+        "",
+        f"`parity demo` ({demo_time or 'time not recorded'}): asynchronous REINFORCE Zero, aligned "
+        f"kernels, policy lag 8, {len(demo)} learner steps on the tool-use task; held-out set of 200 "
+        "problems:",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        *[f"| {k.replace('|', '&#124;')} | {v} |" for k, v in demo_rows(demo)],
+        "",
+        "![demo run](demo.png)",
+        "",
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--study", type=Path, required=True)
-    ap.add_argument("--demo", type=Path, required=True)
+    ap.add_argument("--demo", type=Path, help="a `parity demo` run directory (section left out without)")
+    ap.add_argument("--out", type=Path, default=HERE, help="where results.md and the plots go")
     ap.add_argument("--bench-rollout", type=Path, help="`parity bench rollout --json` output")
     ap.add_argument("--bench-async", type=Path, help="`parity bench async --json` output")
     ap.add_argument("--study-command", default="parity study configs/study.toml")
@@ -275,9 +296,7 @@ def main() -> None:
     machine = r.get("machine") or hardware.describe()
     for name in ("study.png", "mechanism.png"):
         if (args.study / name).exists():
-            shutil.copyfile(args.study / name, HERE / name)
-    shutil.copyfile(args.demo / "report.png", HERE / "demo.png")
-    demo = read_metrics(args.demo)
+            shutil.copyfile(args.study / name, args.out / name)
     rollout_ratio = None
     if args.bench_rollout:
         ratios = json.loads(args.bench_rollout.read_text())["ratios"]
@@ -343,21 +362,11 @@ def main() -> None:
         "",
         f"![study curves, seed {seeds[0]}](study.png)",
         "",
-        "## `parity demo`",
-        "",
-        f"`parity demo` ({args.demo_time or 'time not recorded'}): asynchronous REINFORCE Zero, "
-        f"aligned kernels, policy lag 8, {len(demo)} learner steps on the tool-use task; held-out set "
-        "of 200 problems:",
-        "",
-        "| figure | value |",
-        "|---|---|",
-        *[f"| {k.replace('|', '&#124;')} | {v} |" for k, v in demo_rows(demo)],
-        "",
-        "![demo run](demo.png)",
-        "",
     ]
-    (HERE / "results.md").write_text("\n".join(lines))
-    print(f"wrote {HERE / 'results.md'}")
+    if args.demo:
+        lines += demo_section(args.demo, args.demo_time, args.out)
+    (args.out / "results.md").write_text("\n".join(lines))
+    print(f"wrote {args.out / 'results.md'}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ grid end to end (the CI smoke run)."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +69,8 @@ def test_study_config_errors_are_one_line(tmp_path):
 
 
 def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
+    """The CI smoke run: every row of the default grid, its report, the results page built from
+    it, and --report-only on finished and missing runs."""
     out = tmp_path / "study"
     assert main(["study", "--quick", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
@@ -78,6 +84,31 @@ def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "| sync | aligned | 0 | reinforce_zero |" in report and (out / "study.png").exists()
     assert "std-fixed-64-gate" in capsys.readouterr().out
+
+    # the results page from this study: the published-comparison table with a verdict per figure,
+    # the lag check and the mechanism tables, written where asked (not over docs/)
+    page = tmp_path / "page"
+    page.mkdir()
+    script = Path(__file__).resolve().parents[1] / "docs" / "make_results.py"
+    proc = subprocess.run([sys.executable, str(script), "--study", str(out), "--out", str(page)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = (page / "results.md").read_text()
+    assert "| importance-weight peak/median | 1.5 / 442.54 |" in text
+    assert "| fixed-64 | 64 |" in text and "exactly the bound?" in text
+    assert "**kernel mismatch: mean |Δ log-prob| at the sampling version**" in text
+    assert (page / "study.png").exists()
+
+    # a report from finished runs only: drop one row's run, nothing is trained, the row is left out
+    shutil.rmtree(out / "std-fixed-64-gate-seed0")
+    assert main(["study", "--quick", "--out", str(out), "--report-only"]) == 0
+    partial = json.loads((out / "results.json").read_text())
+    assert "std-fixed-64-gate" not in partial["runs"] and not (out / "std-fixed-64-gate-seed0").exists()
+    assert partial["runs"]["sync"]["figures"] == results["runs"]["sync"]["figures"]
+    shutil.rmtree(out)
+    out.mkdir()
+    assert main(["study", "--quick", "--out", str(out), "--report-only"]) == 2
+    assert "no finished study runs" in capsys.readouterr().err
 
 
 def test_study_runs_at_the_base_policies_level_and_math_uses_base_math():
