@@ -4,7 +4,7 @@ Layers (a module may import its own package and any lower layer, never a higher 
 sibling package of its own layer):
 
     0  errors
-    1  dtypes
+    1  dtypes, hardware
     2  ops                        kernels behind the switch
     3  model                      one model definition on the kernels
     4  engine                     the rollout engine and the model-level Decoder
@@ -20,7 +20,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "parity"
-LAYERS = {"errors": 0, "dtypes": 1, "ops": 2, "model": 3, "engine": 4, "config": 5, "envs": 5,
+LAYERS = {"errors": 0, "dtypes": 1, "hardware": 1, "ops": 2, "model": 3, "engine": 4, "config": 5, "envs": 5,
           "metrics": 5, "invariance": 5, "rl": 6, "apps": 7, "cli": 8}
 MAX_LINES = 400
 
