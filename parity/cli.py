@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from .config import BASE_CHECKPOINTS
@@ -21,6 +22,24 @@ from .ops import BACKENDS
 _POSITIVE = ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_seqs", "max_num_seqs", "steps",
              "prompts", "group", "max_tokens", "eval_prompts", "n", "batch", "length")
 """Integer options that must be at least 1."""
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _memory(text: str) -> float:
+    """'0.25' (a fraction of available memory), '4GiB', '512MiB', '1e9' -> a number for
+    `kv_cache_memory`."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    try:
+        value = float(m.group(1)) * _UNITS[unit] if m and unit in _UNITS else None
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or (unit and value <= 1):
+        raise argparse.ArgumentTypeError(f"expected a fraction of available memory or a size like 4GiB, "
+                                         f"got {text!r}")
+    return value
 
 
 def _csv(kind):
@@ -120,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernels", default="aligned", choices=BACKENDS)
     g.add_argument("--dtype", default="float32")
     g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--kv-cache-memory", type=_memory, default=0.25,
+                   help="KV cache budget: a fraction of available memory (0.25) or a size (512MiB, 4GiB)")
     g.add_argument("--json", action="store_true", help="token ids, log-probs and versions as JSON")
 
     b = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")

@@ -9,6 +9,7 @@ as token ids (`--prompt-ids`) or from a file (one prompt per line, or JSONL with
 from __future__ import annotations
 
 import json
+import sys
 
 from ..dtypes import dtype_from_name
 from ..engine import Engine, SamplingParams
@@ -78,7 +79,9 @@ def main(args) -> int:
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=args.top_k,
                              top_p=args.top_p, seed=args.seed + i, stop_strings=args.stop or [])
               for i in range(len(prompts))]
-    engine = Engine(model, max_num_seqs=args.max_num_seqs, tokenizer=tokenizer)
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, tokenizer=tokenizer,
+                    kv_cache_memory=args.kv_cache_memory)
+    print(f"parity: {engine.describe_cache()}", file=sys.stderr, flush=True)
     outs = engine.generate(prompts, params)
     if args.json:
         print(json.dumps([{"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,

@@ -68,6 +68,9 @@ class LearnerConfig:
     """Gradient-norm clipping threshold (the norm before clipping is logged)."""
     micro_batch_size: int = 8
     """Responses per forward/backward; gradients accumulate over micro-batches."""
+    micro_batch_tokens: int = 0
+    """Also cap a micro-batch at this many tokens (prompt + response; a longer sequence goes
+    alone): memory then follows the tokens, not the response count (0 = by count only)."""
     compute_dtype: str = "float32"
     """'float32', or 'bfloat16' with float32 master weights (in a TrainConfig: model.dtype)."""
     temperature: float = 1.0
@@ -98,6 +101,8 @@ class LearnerConfig:
         for name in ("warmup_steps", "max_policy_lag", "decompose_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"LearnerConfig.{name} must be >= 0")
+        if self.micro_batch_tokens < 0:
+            raise ConfigError("LearnerConfig.micro_batch_tokens must be >= 0 (0 = no token cap)")
         if self.micro_batch_size < 1 or self.total_steps < 1:
             raise ConfigError("LearnerConfig.micro_batch_size and total_steps must be >= 1")
         if not self.max_grad_norm > 0:

@@ -73,6 +73,10 @@ class RolloutSection:
     """Sampling temperature (the learner scores at the same temperature)."""
     max_num_seqs: int = 64
     """Sequences in flight in the engine."""
+    kv_cache_memory: float = 0.25
+    """The engine's KV cache budget: a fraction of the memory available when a worker starts
+    (0 < x <= 1) or a number of bytes (> 1). The cache never holds more than max_num_seqs full
+    sequences; the capacity is logged at start-up."""
     weight_update: str = "drain"
     """'drain' (finish on old weights, then load) or 'inflight' (switch between tokens)."""
     lengths: str = "fixed"
@@ -96,6 +100,9 @@ class RolloutSection:
                 raise ConfigError(f"rollout.{name} must be >= 1")
         if not self.temperature > 0:
             raise ConfigError("rollout.temperature must be > 0")
+        if isinstance(self.kv_cache_memory, bool) or not 0 < self.kv_cache_memory < float("inf"):
+            raise ConfigError("rollout.kv_cache_memory must be a fraction of available memory in "
+                              f"(0, 1] or a number of bytes, got {self.kv_cache_memory!r}")
         if self.heartbeat_timeout_s < 0:
             raise ConfigError("rollout.heartbeat_timeout_s must be >= 0")
         if self.lengths not in LENGTH_MODES:

@@ -12,6 +12,8 @@ can run several turns, with environment tokens appended between them (`continue_
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
@@ -19,26 +21,70 @@ from collections.abc import Sequence as Seq
 import torch
 
 from ..errors import InputError
+from ..model.kv_cache import KVCache
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import CacheFull, Scheduler
 from .sequence import RequestOutput, SamplingParams, Sequence, Status
 
+log = logging.getLogger(__name__)
+
 WEIGHT_MODES = ("inflight", "drain")
+
+DEFAULT_KV_CACHE_MEMORY = 0.25
+"""The KV cache's default budget: this fraction of the memory available when the engine starts
+(the rest is the learner's, the weights' and the other processes')."""
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation now (MemAvailable; physical memory when
+    /proc/meminfo is not there)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_budget(value: float | int) -> int:
+    """A memory budget in bytes: a fraction of available memory (0 < value <= 1) or bytes (> 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise InputError(f"kv_cache_memory must be a fraction of available memory in (0, 1] or "
+                         f"a number of bytes, got {value!r}")
+    return int(value * available_memory()) if value <= 1 else int(value)
 
 
 class Engine:
     def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 kv_cache_tokens: int | None = None, tokenizer=None, seed: int = 0):
+                 kv_cache_tokens: int | None = None, tokenizer=None, seed: int = 0,
+                 kv_cache_memory: float | int = DEFAULT_KV_CACHE_MEMORY):
+        """`kv_cache_tokens` fixes the cache size; otherwise it holds what `kv_cache_memory` (a
+        fraction of available memory, or bytes) allows, and never more than `max_num_seqs`
+        sequences of min(max_position_embeddings, 2048) tokens can use."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise InputError("max_num_seqs and max_num_batched_tokens must be positive")
         self.model = model
         self.tokenizer = tokenizer
         bs = model.block_size
+        per_token = KVCache.bytes_per_token(model.config, model.dtype)
         if kv_cache_tokens is None:
-            kv_cache_tokens = max_num_seqs * min(model.config.max_position_embeddings, 2048)
+            budget = memory_budget(kv_cache_memory)
+            wanted = max_num_seqs * min(model.config.max_position_embeddings, 2048)
+            kv_cache_tokens = min(wanted, budget // per_token // bs * bs)
+            if kv_cache_tokens < bs:
+                raise InputError(f"kv_cache_memory: {budget:,} bytes hold no cache block of this model "
+                                 f"({bs} tokens x {per_token:,} bytes); raise it")
+        elif kv_cache_tokens < 1:
+            raise InputError(f"kv_cache_tokens must be positive, got {kv_cache_tokens}")
         num_blocks = max(1, -(-kv_cache_tokens // bs))
+        self.cache_info = {"tokens": num_blocks * bs, "bytes": num_blocks * bs * per_token,
+                           "full_length_seqs": num_blocks * bs // model.config.max_position_embeddings}
+        """The cache's capacity: tokens, bytes, and how many sequences of max_position_embeddings
+        tokens it holds at once."""
+        log.debug("engine: %s", self.describe_cache())
         self.runner = ModelRunner(model, num_blocks)
         self.blocks = BlockManager(num_blocks, bs, on_release=self.runner.cache.zero_blocks)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
@@ -51,6 +97,12 @@ class Engine:
         self._arrivals = itertools.count()
         self.seqs: dict[int, Sequence] = {}
         self.step_times: list[float] = []
+
+    def describe_cache(self) -> str:
+        """The cache's capacity in one line (what the commands print at start-up)."""
+        c = self.cache_info
+        return (f"KV cache {c['tokens']:,} tokens ({c['full_length_seqs']} sequences at the full "
+                f"{self.model.config.max_position_embeddings:,}), {c['bytes'] / 2**20:,.1f} MiB")
 
     # ------------------------------------------------------------------ requests
     def _check_tokens(self, tokens: Seq[int], what: str) -> list[int]:
@@ -78,7 +130,7 @@ class Engine:
         capacity = self.blocks.capacity_tokens
         if len(ids) + 1 > capacity:
             raise InputError(f"prompt: length {len(ids)} does not fit the KV cache "
-                             f"({capacity} tokens; raise kv_cache_tokens)")
+                             f"({capacity} tokens; raise kv_cache_memory or kv_cache_tokens)")
         rid = next(self._ids)
         seq = Sequence(rid, ids, params, prompt_len=len(ids), multi_turn=multi_turn,
                        arrival=next(self._arrivals))
@@ -184,7 +236,7 @@ class Engine:
             seq.finish_reason = "error"
             out = self._output(seq)
             out.error = (f"request {seq.request_id}: KV cache too small for {len(seq)} tokens "
-                         f"(raise kv_cache_tokens)")
+                         f"(raise kv_cache_memory or kv_cache_tokens)")
             return [out]
         if not batch:
             return []

@@ -24,6 +24,12 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
 
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Cache bytes one token takes: keys and values of every layer and KV head."""
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * item
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values [T, Hkv, D] at flat slots [T] (block * block_size + offset)."""
         block, offset = slots // self.block_size, slots % self.block_size

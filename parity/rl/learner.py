@@ -34,6 +34,20 @@ from .trajectory import TrajectoryBatch, pad_routing
 log = logging.getLogger(__name__)
 
 
+def micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -> list[list[int]]:
+    """Consecutive groups of sequence indices, each of at most `max_seqs` sequences and (when
+    `max_tokens` > 0) at most `max_tokens` tokens; a sequence longer than `max_tokens` goes alone."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if not groups or len(groups[-1]) == max_seqs or (max_tokens and tokens + n > max_tokens):
+            groups.append([])
+            tokens = 0
+        groups[-1].append(i)
+        tokens += n
+    return groups
+
+
 class Learner:
     def __init__(self, model, config: LearnerConfig | None = None):
         self.config = cfg = config or LearnerConfig()
@@ -86,9 +100,10 @@ class Learner:
         model = self._model_at(self.version if version is None else version)
         mb = micro_batch_size or self.config.micro_batch_size
         out, routes = [], []
+        all_seqs = batch.sequences
         with torch.no_grad():
-            for i in range(0, len(batch), mb):
-                seqs = batch.sequences[i:i + mb]
+            for idx in micro_batches([len(x) for x in all_seqs], mb, self.config.micro_batch_tokens):
+                seqs = [all_seqs[j] for j in idx]
                 out += sequence_logprobs(model, seqs, self.config.temperature)
                 routes += scored_routing(model, seqs) or []
         lp = batch.pad(out)
@@ -162,8 +177,8 @@ class Learner:
         bsz = len(batch)
         lps, entropies, losses, routes, extra = [], [], [], [], {}
         aux_coef = cfg.router_aux_loss_coef if self.model.config.is_moe else 0.0
-        for i in range(0, bsz, cfg.micro_batch_size):
-            idx = list(range(i, min(bsz, i + cfg.micro_batch_size)))
+        for idx in micro_batches([len(x) for x in batch.sequences], cfg.micro_batch_size,
+                                 cfg.micro_batch_tokens):
             sub = batch.select(idx, validate=False)
             lp, ent = sequence_logprobs(self.model, sub.sequences, cfg.temperature, return_entropy=True)
             routes += scored_routing(self.model, sub.sequences) or []

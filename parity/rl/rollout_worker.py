@@ -178,7 +178,8 @@ class RolloutWorker:
         self.cfg = cfg
         self._beat = beat
         self.env = env
-        self.engine = Engine(model, max_num_seqs=cfg.rollout.max_num_seqs, tokenizer=env.tokenizer)
+        self.engine = Engine(model, max_num_seqs=cfg.rollout.max_num_seqs, tokenizer=env.tokenizer,
+                             kv_cache_memory=cfg.rollout.kv_cache_memory)
         self.engine.policy_version = version
         self.held: dict[int, State] = {}  # versions received, not loaded yet
         self._poll = poll

@@ -239,3 +239,41 @@ def test_update_weights_checks_everything_before_copying():
             eng.update_weights(bad, version=1)
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert eng.policy_version == 0
+
+
+def test_the_kv_cache_is_sized_from_a_memory_budget(monkeypatch):
+    """The cache holds what its budget allows (bytes, or a fraction of available memory), never
+    more than max_num_seqs full sequences, and says so; a budget without room for one block is a
+    one-line error. A model whose full-length cache would not fit in memory still starts."""
+    from parity.engine import engine as engine_mod
+    from parity.model.kv_cache import KVCache
+
+    model = cached_model("tiny", "aligned", "float32", 0, 0.02)
+    per_token = KVCache.bytes_per_token(model.config, model.dtype)
+    bs = model.block_size
+    eng = parity.Engine(model, max_num_seqs=64, kv_cache_memory=100 * bs * per_token + 5)
+    assert eng.cache_info["tokens"] == 100 * bs == eng.blocks.capacity_tokens
+    assert eng.cache_info["bytes"] == 100 * bs * per_token
+    assert eng.runner.cache.k.numel() * 4 * 2 == (100 + 1) * bs * per_token  # + the pad block
+    assert "tokens" in eng.describe_cache() and "MiB" in eng.describe_cache()
+    # a fraction of what is available: 1% of a pretend 1 GiB
+    monkeypatch.setattr(engine_mod, "available_memory", lambda: 2**30)
+    eng = parity.Engine(model, max_num_seqs=64, kv_cache_memory=0.01)
+    assert eng.cache_info["tokens"] == int(0.01 * 2**30) // per_token // bs * bs
+    # plenty of memory: capped at max_num_seqs sequences of the longest context
+    eng = parity.Engine(model, max_num_seqs=2, kv_cache_memory=1.0)
+    assert eng.cache_info["tokens"] == 2 * min(model.config.max_position_embeddings, 2048)
+    assert eng.cache_info["full_length_seqs"] == 2 * min(model.config.max_position_embeddings, 2048) \
+        // model.config.max_position_embeddings
+    # defaults on a machine too small for max_num_seqs full sequences (the old default sizing
+    # allocated all of them up front, and a 0.6B model was OOM-killed): the cache takes 25%
+    monkeypatch.setattr(engine_mod, "available_memory", lambda: 64 * 2**20)
+    eng = parity.Engine(model, max_num_seqs=256)
+    assert eng.cache_info["bytes"] <= 16 * 2**20 < 256 * model.config.max_position_embeddings * per_token
+    out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, seed=0))[0]
+    assert out.error is None and len(out.token_ids) == 4
+    with pytest.raises(InputError, match="kv_cache_memory: 100 bytes hold no cache block"):
+        parity.Engine(model, kv_cache_memory=100)
+    for bad in (0, -1, True, "lots", float("inf")):
+        with pytest.raises(InputError, match="kv_cache_memory must be"):
+            parity.Engine(model, kv_cache_memory=bad)

@@ -8,10 +8,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import parity
 from parity import InputError, SamplingParams
 from parity.rl import Learner, LearnerConfig, Trajectory, TrajectoryBatch, get_loss, group_advantages
+from parity.rl.learner import micro_batches
 from parity.rl.losses import LossConfig
 
 
@@ -131,3 +134,37 @@ def test_nonfinite_step_is_skipped_and_batch_saved(tmp_path, caplog):
     assert len(saved) == len(batch)
     for k, v in m.state_dict().items():
         assert torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
+
+
+@given(st.lists(st.integers(1, 50), max_size=30), st.integers(1, 8), st.integers(0, 120))
+@settings(max_examples=200, deadline=None)
+def test_micro_batches_cover_the_batch_in_order_within_both_caps(lengths, max_seqs, max_tokens):
+    groups = micro_batches(lengths, max_seqs, max_tokens)
+    assert [i for g in groups for i in g] == list(range(len(lengths)))
+    for g in groups:
+        assert 1 <= len(g) <= max_seqs
+        if max_tokens and len(g) > 1:
+            assert sum(lengths[i] for i in g) <= max_tokens
+    if not max_tokens:
+        assert [len(g) for g in groups[:-1]] == [max_seqs] * (len(groups) - 1)
+
+
+def test_a_token_budget_changes_the_micro_batches_but_not_a_bit_of_the_log_probs():
+    """micro_batch_tokens regroups the batch (more, smaller micro-batches of ragged lengths); the
+    learner's log-probs stay bit for bit those of one micro-batch, and training runs through the
+    same grouping. (Batch-composition invariance itself, with its standard-kernel control, is
+    proved in tests/parity/test_bitwise.py.)"""
+    m = model(seed=1)
+    engine = parity.Engine(m, max_num_seqs=8)
+    outs = engine.generate([[1 + i % 5] * (2 + i % 7) for i in range(12)],
+                           [SamplingParams(max_tokens=3 + (i * 5) % 17, seed=i) for i in range(12)])
+    batch = TrajectoryBatch([Trajectory.from_output(o, float(i % 2), i // 4) for i, o in enumerate(outs)])
+    whole = Learner(m, LearnerConfig(micro_batch_size=len(batch))).logprobs(batch)
+    budget = Learner(m, LearnerConfig(micro_batch_size=len(batch), micro_batch_tokens=40))
+    groups = micro_batches([len(s) for s in batch.sequences], len(batch), 40)
+    assert len(groups) > 3 and len({len(g) for g in groups}) > 1
+    assert torch.equal(budget.logprobs(batch), whole)
+    before = [p.detach().clone() for p in m.parameters()]
+    metrics = budget.step(batch)
+    assert math.isfinite(metrics["train/loss"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, m.parameters()))
