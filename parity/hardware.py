@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -48,3 +50,33 @@ def line(info: dict | None = None) -> str:
     gpu = f", GPU {info['gpu']}" if info.get("gpu") else ""
     return (f"{info['cpu']}, {info['cores']} cores, {feats}{amx}, torch {info['torch']}, "
             f"{info['threads']} threads{gpu}")
+
+
+def bf16_cost(size: int = 384, reps: int = 3) -> float:
+    """How many times slower a bfloat16 GEMM forward+backward runs than float32 on this machine
+    (median of `reps` interleaved timings of a size x size layer on size rows; ~0.1 s)."""
+    times: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randn(size, size, generator=gen)
+    for _ in range(reps):
+        for dtype in times:
+            x = data.to(dtype)
+            w = data.t().contiguous().to(dtype).requires_grad_()
+            t0 = time.perf_counter()
+            (x @ w).sum().backward()
+            times[dtype].append(time.perf_counter() - t0)
+    return statistics.median(times[torch.bfloat16]) / statistics.median(times[torch.float32])
+
+
+def bf16_warning(dtype_name: str, what: str = "model.dtype", info: dict | None = None) -> str | None:
+    """A one-line warning when `dtype_name` is bfloat16 on a CPU without bf16 instructions, with
+    the cost measured now; None otherwise."""
+    info = info or describe()
+    if dtype_name != "bfloat16" or info["bf16"] == "native" or info.get("gpu"):
+        return None
+    cost = bf16_cost()
+    if cost <= 1.1:  # no bf16 instructions, yet not slower: nothing to warn about
+        return None
+    feats = " ".join(info["features"]) or "no AVX2"
+    return (f"this CPU has no bf16 instructions ({feats}): bfloat16 forward+backward measured "
+            f"{cost:.1f}x slower than float32 here; {what} = 'float32' is faster on this machine")

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .. import hardware
 from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..invariance import CASES, run_checks
@@ -44,12 +45,13 @@ def main(args) -> int:
     status("")
     aligned_bad = sum(r["mismatches"] for r in results if r["kernels"] == "aligned")
     if args.json:
-        print(json.dumps({"model": label, "threads": torch.get_num_threads(),
+        print(json.dumps({"model": label, "machine": hardware.describe(), "threads": torch.get_num_threads(),
                           "aligned_implementation": native.describe(), "torch": torch.__version__,
                           "passed": aligned_bad == 0, "results": results}, indent=2))
         return 0 if aligned_bad == 0 else 1
     print(f"parity check: {label}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds per case; aligned kernels: {native.describe()}")
+    print(f"machine: {hardware.line()}")
     print(table(["case", "kernels", "dtype", "comparisons", "mismatches", "max |Δ|"],
                 [[r["case"], r["kernels"], r["dtype"], str(r["comparisons"]), str(r["mismatches"]),
                   f"{r['max_abs_diff']:.3g}"] for r in results]))

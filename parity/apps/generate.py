@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
+from .. import hardware
 from ..dtypes import dtype_from_name
 from ..engine import Engine, SamplingParams
 from ..errors import ParityError
@@ -70,6 +71,9 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
 def main(args) -> int:
     """`parity generate`."""
     dtype = dtype_from_name(args.dtype, "--dtype")
+    warning = hardware.bf16_warning(args.dtype, "--dtype")
+    if warning:
+        print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
     if args.model:
         model = load_model(args.model, kernels=args.kernels, dtype=dtype)
     else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -275,6 +276,11 @@ def main(args) -> int:
     study = load_study(args.config, quick=args.quick, task=args.task, seeds=args.seeds, out_dir=args.out)
     print(f"parity: study of {len(study.runs)} runs x {len(study.seeds)} seeds on the {study.task} task "
           f"-> {study.out_dir}", flush=True)
+    dtypes = {run.dtype or study.train.get("model.dtype", "float32") for run in study.runs}
+    warning = None if args.report_only or "bfloat16" not in dtypes else hardware.bf16_warning(
+        "bfloat16", "the study's model.dtype")
+    if warning:
+        print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
     results = run_study(study, train=not args.report_only)
     print(study_table_markdown(results))
     print(f"done in {results['seconds']:.0f} s: {study.out_dir}/report.md, study.png, results.json")

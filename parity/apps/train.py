@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .. import hardware
 from ..config import load_config
 from ..errors import ParityError
 from ..metrics.summary import run_rows, step_line
@@ -23,6 +24,9 @@ def main(args) -> int:
     else:
         cfg = resolve_base(load_config(args.config, args.set or []))
         controller = Controller(cfg)
+    warning = hardware.bf16_warning(cfg.model.dtype)
+    if warning:
+        print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
     print(f"parity: {controller.task_description}", flush=True)
     bar = Progress("step", cfg.steps, completed=controller.start_step, text="starting the rollout worker")
     try:

@@ -1,0 +1,51 @@
+"""The machine beside every figure: CPU features read from /proc/cpuinfo, and the one-line
+warning (with a cost measured on the spot) when bfloat16 is chosen on a CPU without bf16
+instructions."""
+
+from __future__ import annotations
+
+import pytest
+
+from parity import hardware
+from parity.cli import main
+
+
+def test_describe_names_the_features_that_matter():
+    info = hardware.describe()
+    assert set(info) >= {"cpu", "cores", "features", "bf16", "torch", "threads"}
+    assert set(info["features"]) <= {name for _, name in hardware.FEATURES}
+    assert info["bf16"] in ("native", "slow")
+    line = hardware.line(info)
+    assert info["torch"] in line and f"{info['cores']} cores" in line
+    flags = open("/proc/cpuinfo").read()
+    assert ("avx2" in flags) == ("AVX2" in info["features"])
+
+
+def test_measured_bf16_cost_is_a_positive_ratio():
+    assert 0 < hardware.bf16_cost(size=64, reps=1) < 1000
+
+
+@pytest.fixture
+def slow_bf16(monkeypatch):
+    info = {**hardware.describe(), "bf16": "slow", "features": ["AVX2"], "gpu": None}
+    monkeypatch.setattr(hardware, "describe", lambda: info)
+    monkeypatch.setattr(hardware, "bf16_cost", lambda *a, **k: 9.5)
+    return info
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_warns_with_the_cost(slow_bf16, monkeypatch):
+    text = hardware.bf16_warning("bfloat16")
+    assert text.startswith("this CPU has no bf16 instructions (AVX2)") and "9.5x slower" in text
+    assert "\n" not in text and hardware.bf16_warning("float32") is None
+    monkeypatch.setattr(hardware, "bf16_cost", lambda *a, **k: 1.0)  # measured: not slower
+    assert hardware.bf16_warning("bfloat16") is None
+    assert hardware.bf16_warning("bfloat16", info={**slow_bf16, "bf16": "native"}) is None
+
+
+def test_commands_print_the_warning_on_stderr(slow_bf16, capsys):
+    assert main(["generate", "--preset", "tiny", "--dtype", "bfloat16", "--prompt-ids", "1,2",
+                 "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "parity: warning: this CPU has no bf16 instructions" in err and "--dtype = 'float32'" in err
+    assert main(["generate", "--preset", "tiny", "--prompt-ids", "1,2", "--max-tokens", "2"]) == 0
+    assert "warning" not in capsys.readouterr().err
