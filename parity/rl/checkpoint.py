@@ -1,8 +1,9 @@
 """Training checkpoints: written atomically, verified before anything is loaded.
 
 `checkpoint-<step>/` holds the model (HF layout, compute dtype), `trainer_state.pt` (optimizer,
-schedule, policy version, float32 master weights, the recent weight versions that lagged samples
-and the decomposition need, RNG state) and `manifest.json` with a SHA-256 per file, written last.
+schedule, policy version, float32 master weights, the weight versions a restarted rollout worker
+could still need, the batches already sampled for later steps, RNG state) and `manifest.json`
+with a SHA-256 per file, written last.
 A directory without a valid manifest, or whose files do not match it, is refused whole.
 """
 
@@ -22,6 +23,7 @@ from ..dtypes import dtype_from_name
 from ..errors import CheckpointError
 from .faults import checkpoint_fault
 from .learner import Learner
+from .trajectory import RolloutBatch
 
 
 def _sha256(path: Path) -> str:
@@ -32,9 +34,11 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | None = None) -> Path:
+def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | None = None,
+         ready: list | None = None) -> Path:
     """Write checkpoint-<step>; `tokenizer` (a tokenizer.json) is copied in so the checkpoint
-    can be evaluated or trained from on its own."""
+    can be evaluated or trained from on its own; `ready`: RolloutBatches sampled for steps after
+    `step` (a resumed run consumes them instead of sampling them again)."""
     final = Path(run_dir) / f"checkpoint-{step}"
     tmp = Path(run_dir) / f".checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -50,6 +54,7 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
             "optimizer": learner.optimizer.state_dict(), "scheduler": learner.scheduler.state_dict(),
             "master": [m.detach() for m in learner.master] if separate else None,
             "history": learner.history, "torch_rng": torch.get_rng_state(),
+            "ready": [b.to_dict() for b in ready or []],  # plain data: loads with weights_only
         }, state)
         (tmp / "trainer_state.pt").write_bytes(state.getbuffer())
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
@@ -94,7 +99,7 @@ def verify(path: Path) -> dict:
 
 
 def load(path: Path, cfg):
-    """(model, learner, step) restored from a verified checkpoint directory."""
+    """(model, learner, step, ready batches) restored from a verified checkpoint directory."""
     from ..model import load_model
 
     verify(path)
@@ -116,6 +121,7 @@ def load(path: Path, cfg):
         learner.history = dict(state["history"])
         torch.set_rng_state(state["torch_rng"])
         step = int(state["step"])
+        ready = [RolloutBatch.from_dict(b) for b in state.get("ready", [])]
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise CheckpointError(f"{where}: does not match this run's model or optimizer ({exc})") from None
-    return model, learner, step
+    return model, learner, step, ready

@@ -59,6 +59,7 @@ class Controller:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.start_step = 0
+        self.ready = []  # batches sampled before a checkpoint and not consumed (resume serves them)
         self.metrics: list[dict] = []
         self.interrupted = False
         if resume:
@@ -72,7 +73,7 @@ class Controller:
 
     def _resume(self) -> None:
         path = checkpoint.latest(self.run_dir)
-        self.model, self.learner, self.start_step = checkpoint.load(path, self.cfg)
+        self.model, self.learner, self.start_step, self.ready = checkpoint.load(path, self.cfg)
         if self.start_step >= self.cfg.steps:
             raise ParityError(f"{path} is already at step {self.start_step}; to train on, raise "
                               f"steps (now {self.cfg.steps}) with --set steps=N")
@@ -92,7 +93,7 @@ class Controller:
         sink = MetricsSink(self.run_dir, self.metrics)
         previous_handler = self._catch_ctrl_c()
         try:
-            self.rollout.start(self.start_step)
+            self.rollout.start(self.start_step, ready=self.ready)
             t_start, tokens = time.perf_counter(), 0
             for step in range(self.start_step, cfg.steps):
                 evaluation = self.evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
@@ -106,11 +107,13 @@ class Controller:
                 t_pub = time.perf_counter()
                 self.rollout.publish(version, state)
                 publish_s = time.perf_counter() - t_pub
+                kept = self._retain()
                 version_bytes = sum(t.numel() * t.element_size() for t in state.values())
                 tokens += int(batch.mask.sum())
                 elapsed = time.perf_counter() - t_start
                 done = step + 1 - self.start_step
                 m.update({"time/generate_s": rollout.generate_s, "time/wait_s": wait_s,
+                          "sync/versions_kept": float(kept),
                           "time/rollout_wait_s": rollout.wait_s, "time/wall_s": elapsed,
                           "throughput/tokens_per_s": tokens / elapsed,
                           "throughput/steps_per_hour": 3600 * done / elapsed,
@@ -165,6 +168,18 @@ class Controller:
         out["eval/policy_version"] = float(self.learner.version)
         return out
 
+    def _retain(self) -> int:
+        """Take in the batches the workers have finished; let the learner drop the versions no
+        restarted worker could need. Returns how many versions it keeps."""
+        self.rollout.collect()
+        oldest = self.rollout.oldest_needed()
+        self.learner.retain(self.learner.version if oldest is None else oldest)
+        return len(self.learner.history)
+
     def save_checkpoint(self, step: int) -> Path:
+        """The model, the learner's state, the versions a restarted worker could need and the
+        batches already sampled for later steps (so no older weights need storing)."""
         tokenizer = tokenizer_path(self.cfg) if self.cfg.task.name != "target_tokens" else None
-        return checkpoint.save(self.run_dir, step, self.model, self.learner, tokenizer)
+        self._retain()
+        return checkpoint.save(self.run_dir, step, self.model, self.learner, tokenizer,
+                               ready=self.rollout.ready_batches())

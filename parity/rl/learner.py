@@ -5,7 +5,9 @@ accumulated), the loss, the gradient norm before clipping, clipping, AdamW with 
 schedule, then a new `policy_version` published in the dtype the engine computes in. With
 `compute_dtype = "bfloat16"` the model runs in bfloat16 while float32 master weights take the
 optimizer step. The decomposition of the rollout-to-learner gap into kernel mismatch and weight
-lag uses the weights of recent versions, kept up to `max_policy_lag` back.
+lag needs the learner path at the weights that sampled each token: the rollout worker computes it
+while it holds them; versions are kept here (`history`) only as far back as the controller says a
+restarted worker may still need (`retain`), at most `max_policy_lag` back.
 """
 
 from __future__ import annotations
@@ -113,55 +115,63 @@ class Learner:
                   learner_routing: torch.Tensor | None = None) -> dict[str, float]:
         """Split learner(θ_now) − rollout(θ_old) per token into kernel mismatch
         learner(θ_old) − rollout(θ_old) and weight lag learner(θ_now) − learner(θ_old), with θ_old
-        the weights that sampled the token; reported overall and per lag bucket. For MoE models
-        also the share of sampled tokens routed to a different expert set by the learner at θ_old
+        the weights that sampled the token; reported overall and per lag bucket. learner(θ_old) is
+        this step's own log-prob for tokens of the current version, else the rollout worker's
+        `sampled_learner_logprobs` (the learner path run where θ_old was loaded), else computed
+        here from a kept version; tokens with none of the three are left out
+        (`mismatch/decomposed_frac` says how many were split). For MoE models also the share of
+        sampled tokens routed to a different expert set by the learner at θ_old
         (`mismatch/routing_flip_frac`, a kernel mismatch too)."""
         stats: dict[str, float] = {}
-        kernel = torch.zeros_like(learner_lp)
-        lag_part = torch.zeros_like(learner_lp)
-        covered = torch.zeros_like(batch.mask)
+        mask = batch.mask.bool()
+        lp_old = batch.sampled_learner_logprobs.clone()
+        now = mask & (batch.versions == self.version)  # this step's weights: already computed
+        lp_old[now] = learner_lp[now]
         flips = routed = 0
-        for v in batch.versions[batch.mask.bool()].unique().tolist():
+
+        def count_flips(sel, mine, rollout):
+            nonlocal flips, routed
+            have = sel & (rollout[..., 0, 0] >= 0)
+            a, b = mine[have].sort(-1).values, rollout[have].sort(-1).values
+            flips += int((a != b).flatten(1).any(1).sum())
+            routed += int(have.sum())
+
+        if learner_routing is not None and batch.routing is not None:
+            count_flips(now, learner_routing, batch.routing)
+        todo = mask & lp_old.isnan()
+        for v in batch.versions[todo].unique().tolist():
             if v not in self.history:
-                continue  # older than the kept window
-            rows = (batch.versions == v).any(1).nonzero().flatten().tolist()
+                continue  # neither scored by the worker nor kept here
+            rows = (todo & (batch.versions == v)).any(1).nonzero().flatten().tolist()
             sub = batch.select(rows, validate=False)
             width = sub.mask.shape[1]
-            route_old = None
-            if v == self.version:  # the weights of this step: its log-probs are already known
-                lp_old = learner_lp[rows][:, :width]
-                if learner_routing is not None:
-                    route_old = learner_routing[rows][:, :width]
-            elif sub.routing is not None:
-                lp_old, route_old = self.logprobs(sub, version=v, routing=True)
+            if sub.routing is not None:
+                lp_v, route_v = self.logprobs(sub, version=v, routing=True)
             else:
-                lp_old = self.logprobs(sub, version=v)
-            sel = (sub.versions == v) & sub.mask.bool()
-            if route_old is not None and sub.routing is not None:
-                have = sel & (sub.routing[..., 0, 0] >= 0)
-                mine, theirs = route_old[have].sort(-1).values, sub.routing[have].sort(-1).values
-                flips += int((mine != theirs).flatten(1).any(1).sum())
-                routed += int(have.sum())
-            for j, r in enumerate(rows):
-                m = sel[j]
-                kernel[r, :width][m] = lp_old[j][m] - sub.rollout_logprobs[j][m]
-                lag_part[r, :width][m] = learner_lp[r, :width][m] - lp_old[j][m]
-                covered[r, :width][m] = 1
+                lp_v, route_v = self.logprobs(sub, version=v), None
+            sel = todo[rows][:, :width] & (sub.versions == v)
+            block = lp_old[rows][:, :width]
+            block[sel] = lp_v[sel]
+            lp_old[rows, :width] = block
+            if route_v is not None:
+                count_flips(sel, route_v, sub.routing)
+        covered = mask & ~lp_old.isnan()
+        kernel = (lp_old - batch.rollout_logprobs).masked_fill(~covered, 0.0)
+        lag_part = (learner_lp - lp_old).masked_fill(~covered, 0.0)
+        for v in batch.versions[covered].unique().tolist():
+            sel = covered & (batch.versions == v)
             bucket = self.version - v
-            k = (lp_old[sel] - sub.rollout_logprobs[sel]).abs()
-            w = (learner_lp[rows][:, :width][sel] - lp_old[sel]).abs()
-            stats[f"mismatch/kernel_max_abs/lag_{bucket}"] = float(k.max())
-            stats[f"mismatch/weight_lag_mean_abs/lag_{bucket}"] = float(w.mean())
-        m = covered.bool()
-        self.last_kernel_delta = kernel.masked_fill(~m, float("nan"))  # for the mechanism buckets
-        if m.any():
-            stats["mismatch/kernel_max_abs"] = float(kernel[m].abs().max())
-            stats["mismatch/kernel_mean_abs"] = float(kernel[m].abs().mean())
-            d = kernel[m].double()  # rollout-to-learner KL (k3) at the version that sampled
+            stats[f"mismatch/kernel_max_abs/lag_{bucket}"] = float(kernel[sel].abs().max())
+            stats[f"mismatch/weight_lag_mean_abs/lag_{bucket}"] = float(lag_part[sel].abs().mean())
+        self.last_kernel_delta = kernel.masked_fill(~covered, float("nan"))  # for the mechanism buckets
+        if covered.any():
+            stats["mismatch/kernel_max_abs"] = float(kernel[covered].abs().max())
+            stats["mismatch/kernel_mean_abs"] = float(kernel[covered].abs().mean())
+            d = kernel[covered].double()  # rollout-to-learner KL (k3) at the version that sampled
             stats["mismatch/kernel_k3"] = float((d.exp() - 1 - d).mean())
-            stats["mismatch/weight_lag_max_abs"] = float(lag_part[m].abs().max())
-            stats["mismatch/weight_lag_mean_abs"] = float(lag_part[m].abs().mean())
-            stats["mismatch/decomposed_frac"] = float(m.sum() / batch.mask.sum())
+            stats["mismatch/weight_lag_max_abs"] = float(lag_part[covered].abs().max())
+            stats["mismatch/weight_lag_mean_abs"] = float(lag_part[covered].abs().mean())
+            stats["mismatch/decomposed_frac"] = float(covered.sum() / mask.sum())
         if routed:
             stats["mismatch/routing_flip_frac"] = flips / routed
         return stats
@@ -242,7 +252,13 @@ class Learner:
         self.version += 1
         self.steps += 1
         self.history[self.version] = self._snapshot()
-        for v in [v for v in self.history if v < self.version - self.config.max_policy_lag]:
+        self.retain(self.version - self.config.max_policy_lag)
+
+    def retain(self, oldest: int) -> None:
+        """Drop the kept versions older than `oldest` (never the current one). The controller
+        calls it with the oldest version a restarted rollout worker could still need, so the kept
+        copies are bounded by how far the rollout side is behind, not by the lag."""
+        for v in [v for v in self.history if v < min(oldest, self.version)]:
             del self.history[v]
 
     def _dump(self, batch: TrajectoryBatch) -> str | None:

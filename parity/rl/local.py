@@ -5,12 +5,17 @@ through its own queue, one message per published version (torch shares the tenso
 nothing is copied per worker); batches go worker -> learner through files in a spool directory
 (atomic rename), the worker's own queue carrying only their paths, so a worker that dies mid-send
 leaves a partial file nobody reads, never a torn message or a lock held by a dead process. A dead
-worker is restarted from the batch the learner waits for: what it held is sampled again, nothing
-consumed is repeated, nothing pending is lost. A worker that has sent its last batch stays alive
-until told to stop, so its queued messages are always delivered.
+worker is restarted from the first batch of its that the learner has not received: what it held is
+sampled again, nothing received is repeated, nothing pending is lost. A worker that has sent its
+last batch stays alive until told to stop, so its queued messages are always delivered.
 
-The controller sees only `start`, `publish`, `next_batch` and `close`; the Ray backend
-(`rl/ray_backend.py`) provides the same four.
+Batches that arrive ahead of the step that consumes them are taken in after every step
+(`collect`) and held as ready; `oldest_needed` is then the oldest version a restarted worker could
+still ask for, so the learner keeps only those versions (not lag-many), and a checkpoint stores
+the ready batches (`ready_batches`) rather than the weights that sampled them.
+
+The controller sees `start`, `publish`, `next_batch`, `collect`, `oldest_needed`, `ready_batches`
+and `close`; the Ray backend (`rl/ray_backend.py`) provides the same.
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ class _Slot:
 
     index: int
     process: Any = None
+    next_batch: int = 0  # the next batch this worker will deliver (all before it were received)
     weights_q: Any = None
     traj_q: Any = None
     stop: Any = None
@@ -138,6 +144,7 @@ class LocalRollout:
         self.restarts = 0
         self.slots = [_Slot(i) for i in range(cfg.rollout.workers)]
         self.spool: str | None = None
+        self.ready: dict[int, RolloutBatch] = {}  # received ahead of the step that consumes them
 
     @property
     def pids(self) -> list[int | None]:
@@ -148,20 +155,26 @@ class LocalRollout:
         """The first worker's process id."""
         return self.pids[0]
 
-    def start(self, start_batch: int) -> None:
-        """Start the workers to sample batches start_batch, start_batch + 1, ..."""
+    def start(self, start_batch: int, ready: list[RolloutBatch] | None = None) -> None:
+        """Start the workers to sample batches start_batch, start_batch + 1, ...; `ready` batches
+        (from a checkpoint) are served as they are and not sampled again."""
         if self.spool is None:
             shm = Path("/dev/shm")
             self.spool = tempfile.mkdtemp(prefix="parity-batches-", dir=shm if shm.is_dir() else None)
+        self.ready = {b.index: b for b in ready or [] if b.index >= start_batch}
+        n = len(self.slots)
         for slot in self.slots:
-            self._start(slot, start_batch)
+            first = first_batch(slot.index, n, start_batch)
+            while first in self.ready:
+                first += n
+            self._start(slot, first)
 
     def _start(self, slot: _Slot, from_batch: int) -> None:
         self._close_queues(slot)
         slot.weights_q, slot.traj_q, slot.stop = self.ctx.Queue(), self.ctx.Queue(), self.ctx.Event()
         slot.heartbeat = self.ctx.Value("d", time.monotonic(), lock=False)
         history = self.versions()
-        first = first_batch(slot.index, len(self.slots), from_batch)
+        first = slot.next_batch = first_batch(slot.index, len(self.slots), from_batch)
         version = start_version(self.cfg, history, first)
         rollout_threads, learner_threads = split_threads(self.cfg)
         torch.set_num_threads(learner_threads)
@@ -179,13 +192,43 @@ class LocalRollout:
             slot.weights_q.put((version, state))
 
     def next_batch(self, step: int) -> RolloutBatch:
-        """Batch `step`, from the worker that owns it; a dead worker is restarted from that batch."""
+        """Batch `step`, from the worker that owns it; a dead worker is restarted from the first
+        batch of its not received."""
         slot = self.slots[step % len(self.slots)]
+        while step not in self.ready:
+            if slot.next_batch > step or not self._receive(slot, block=True):
+                raise ParityError(f"batch {step} was asked for twice or past the run's end")
+        return self.ready.pop(step)
+
+    def collect(self) -> None:
+        """Take in every batch the workers have finished (never waits)."""
+        for slot in self.slots:
+            while self._receive(slot, block=False):
+                pass
+
+    def oldest_needed(self) -> int | None:
+        """The oldest weight version a worker restarted now could need (None: only the newest)."""
+        first = min(s.next_batch for s in self.slots)
+        if not self.cfg.deterministic or first >= self.cfg.steps:
+            return None  # a restarted worker starts from the newest version (or has nothing left)
+        return max(0, first - self.cfg.max_policy_lag)
+
+    def ready_batches(self) -> list[RolloutBatch]:
+        """The batches received and not consumed yet, in order (what a checkpoint keeps)."""
+        return [self.ready[b] for b in sorted(self.ready)]
+
+    def _receive(self, slot: _Slot, block: bool) -> bool:
+        """Take one message from `slot` into `ready` (restarting a dead or hung worker); False when
+        nothing was there (block=False) or the worker has no batch left to send."""
+        if slot.next_batch >= self.cfg.steps:
+            return False
         timeout = self.cfg.rollout.heartbeat_timeout_s
         while True:
             try:
-                kind, value = slot.traj_q.get(timeout=1.0)
+                kind, value = slot.traj_q.get(timeout=1.0) if block else slot.traj_q.get_nowait()
             except queue_mod.Empty:
+                if not block:
+                    return False
                 silent = time.monotonic() - slot.heartbeat.value
                 if slot.process.is_alive() and not (timeout and silent > timeout):
                     continue
@@ -195,17 +238,20 @@ class LocalRollout:
                     slot.process.join(10)
                 else:
                     why = f"died (exit code {slot.process.exitcode})"
-                self._restart(slot, step, why)
+                self._restart(slot, why)
                 continue
             if kind == "error":
                 raise ParityError(f"rollout worker: {value}")
-            batch = self._read(Path(value), step)
+            batch = self._read(Path(value), slot.next_batch)
             if batch is None:  # unreadable: sample it again
-                self._restart(slot, step, f"sent a corrupt batch file ({value})")
+                self._restart(slot, f"sent a corrupt batch file ({value})")
                 continue
-            return batch
+            self.ready[batch.index] = batch
+            slot.next_batch += len(self.slots)
+            return True
 
-    def _restart(self, slot: _Slot, step: int, why: str) -> None:
+    def _restart(self, slot: _Slot, why: str) -> None:
+        step = slot.next_batch
         if self.restarts >= self.max_restarts:
             raise ParityError(f"rollout worker {slot.index} {why} after {self.restarts} restarts; "
                               f"giving up at batch {step}")

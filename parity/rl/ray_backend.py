@@ -167,6 +167,7 @@ class RayRollout:
         self.actors: list = [None] * self.n
         self.next_submit = [0] * self.n  # per worker: the next batch to submit
         self.pending: dict[int, object] = {}  # batch index -> ObjectRef of its RolloutBatch
+        self.ready: dict[int, RolloutBatch] = {}  # batches restored from a checkpoint
         self.refs: dict[int, object] = {}  # version -> ObjectRef of its weights
         self.restarts = 0
         self._head: subprocess.Popen | None = None  # the Ray head this run started, if any
@@ -207,7 +208,10 @@ class RayRollout:
         return self.ray.get([a.pid.remote() for a in self.actors])
 
     # ------------------------------------------------------------------ the backend interface
-    def start(self, start_batch: int) -> None:
+    def start(self, start_batch: int, ready: list[RolloutBatch] | None = None) -> None:
+        """Start the actors on batches start_batch, ...; `ready` batches (from a checkpoint) are
+        served as they are."""
+        self.ready = {b.index: b for b in ready or [] if b.index >= start_batch}
         self._connect()
         torch.set_num_threads(split_threads(self.cfg)[1])
         for i in range(self.n):
@@ -235,6 +239,9 @@ class RayRollout:
         for i, actor in enumerate(self.actors):
             while self.next_submit[i] < horizon:
                 b = self.next_submit[i]
+                if b in self.ready:
+                    self.next_submit[i] += self.n
+                    continue
                 self.pending[b] = actor.sample.options(concurrency_group="rollout").remote(b)
                 self.next_submit[i] += self.n
 
@@ -242,11 +249,28 @@ class RayRollout:
         ref = self._ref(version, state)
         for actor in self.actors:
             actor.receive.options(concurrency_group="weights").remote(version, ref)
-        keep = version - self.cfg.max_policy_lag  # what a restarted actor may still need
+        oldest = self.oldest_needed()  # what a restarted actor may still need
+        keep = version if oldest is None else min(oldest, version)
         for v in [v for v in self.refs if v < keep]:
             del self.refs[v]
 
+    def collect(self) -> None:
+        """Finished batches stay in Ray's object store until asked for: nothing to do."""
+
+    def oldest_needed(self) -> int | None:
+        """The oldest weight version a restarted actor could need (None: only the newest)."""
+        first = min(self.pending, default=min(self.next_submit))
+        if not self.cfg.deterministic or first >= self.cfg.steps:
+            return None
+        return max(0, first - self.cfg.max_policy_lag)
+
+    def ready_batches(self) -> list[RolloutBatch]:
+        """Batches in hand and not consumed (the restored ones; Ray keeps the others)."""
+        return [self.ready[b] for b in sorted(self.ready)]
+
     def next_batch(self, step: int) -> RolloutBatch:
+        if step in self.ready:
+            return self.ready.pop(step)
         self._submit(step)
         timeout = self.cfg.rollout.heartbeat_timeout_s
         while True:

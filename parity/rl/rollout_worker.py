@@ -11,7 +11,10 @@ Everything the rollout side does lives here, whatever process or actor hosts it:
 - **episodes**: `run_episodes` keeps every episode of the batch in the engine at once, judges each
   finished turn with the environment, runs tool calls of turns that ended in the same engine step
   concurrently and feeds observations back (`loss_mask` 0, cache kept);
-- **trajectories**: the batch leaves as one `RolloutBatch`.
+- **trajectories**: the batch leaves as one `RolloutBatch`; in async runs, on the batches the
+  learner will decompose, each token also carries the learner path's log-prob under the weights
+  that sampled it (`sampled_learner_logprobs`, computed here while those weights are loaded), so
+  the learner keeps no copy of old weights for its kernel/lag split.
 
 A batch's content depends only on (seed, batch index, the version that sampled it).
 """
@@ -30,6 +33,8 @@ from ..config import TrainConfig
 from ..engine import Engine, RequestOutput, SamplingParams
 from ..envs.base import Env, Episode, Turn
 from ..errors import InputError
+from ..model import sequence_logprobs
+from .learner import micro_batches
 from .trajectory import RolloutBatch, Trajectory
 
 State = dict[str, torch.Tensor]
@@ -253,8 +258,34 @@ class RolloutWorker:
         results = run_episodes(self.engine, self.env, [p for p in problems for _ in range(group)], params,
                                before_step=self._before_step if (inflight or self._beat) else None)
         trajectories = [Trajectory.from_output(r.output, r.reward, i // group) for i, r in enumerate(results)]
+        if self.scores(batch_index) and trajectories[0].rollout_routing is None:
+            self.score(trajectories)
         return RolloutBatch(batch_index, trajectories, version, time.perf_counter() - t0, wait_s,
                             rollout_stats([r.episode for r in results]), self._load_s)
+
+    def scores(self, batch_index: int) -> bool:
+        """Whether batch `batch_index` gets `sampled_learner_logprobs`: in async runs (lag > 0),
+        on the steps the learner decomposes (batch b is consumed at step b). MoE batches are
+        left to the learner, which also compares the experts chosen."""
+        every = self.cfg.learner.decompose_every
+        return self.cfg.max_policy_lag > 0 and every > 0 and batch_index % every == 0
+
+    def score(self, trajectories: list[Trajectory]) -> None:
+        """Set each trajectory's `sampled_learner_logprobs`: the learner's own computation
+        (`sequence_logprobs`, the learner's micro-batches and temperature) on the engine's weights,
+        kept for the tokens those weights sampled (NaN elsewhere: prompt, tool output, tokens of
+        an earlier version after an in-flight update)."""
+        lc, model = self.cfg.learner, self.engine.model
+        seqs = [t.token_ids for t in trajectories]
+        out: list[torch.Tensor] = []
+        with torch.no_grad():
+            for idx in micro_batches([len(x) for x in seqs], lc.micro_batch_size, lc.micro_batch_tokens):
+                out += sequence_logprobs(model, [seqs[j] for j in idx], lc.temperature)
+        nan = float("nan")
+        for t, lp in zip(trajectories, out):
+            values = [nan] + lp.tolist()
+            t.sampled_learner_logprobs = [x if m and v == self.version else nan
+                                          for x, m, v in zip(values, t.loss_mask, t.policy_versions)]
 
     def _before_step(self, engine: Engine) -> None:
         """Before every engine step: a heartbeat, and with in-flight updates the newest weights

@@ -3,7 +3,9 @@
 Per response: all token ids (prompt + completion, multi-turn allowed), `loss_mask` (1 on
 model-sampled tokens, 0 on prompt and environment tokens), `rollout_logprobs` and the
 `policy_version` of every sampled token, a scalar reward and a group id (responses to the same
-prompt). Per-token lists are aligned with `token_ids`; entry t describes token t.
+prompt). Per-token lists are aligned with `token_ids`; entry t describes token t. The rollout
+worker may add `sampled_learner_logprobs`: the learner path's log-probs under the very weights
+that sampled each token (so the learner can split its gap without keeping old weights).
 `TrajectoryBatch` pads them into tensors over the scored positions 1..n-1.
 """
 
@@ -31,6 +33,10 @@ class Trajectory:
     rollout_routing: torch.Tensor | None = None
     """MoE models: [n, moe layers, k] int16, the experts the rollout routed the forward that
     produced token t to (-1 where token t was not sampled); None for dense models."""
+    sampled_learner_logprobs: list[float] | None = None
+    """The learner path's (`sequence_logprobs`) log-prob of token t under the weights that sampled
+    it, computed by the rollout worker right after sampling; NaN where not computed. The learner's
+    kernel/lag decomposition uses it instead of a kept copy of those weights; None: not computed."""
 
     @staticmethod
     def from_output(out, reward: float, group_id: int, **metadata) -> Trajectory:
@@ -67,6 +73,9 @@ class Trajectory:
                 raise InputError(f"{where}: rollout_logprobs[{t}] = {lp!r} is not a finite log-prob")
             if m and self.policy_versions[t] < 0:
                 raise InputError(f"{where}: policy_versions[{t}] is missing for a sampled token")
+        old = self.sampled_learner_logprobs
+        if old is not None and len(old) != n:
+            raise InputError(f"{where}: sampled_learner_logprobs has {len(old)} entries, token_ids has {n}")
         if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
             raise InputError(f"{where}: reward {self.reward!r} is not a finite number")
         r = self.rollout_routing
@@ -78,7 +87,8 @@ class TrajectoryBatch:
     """Responses padded into tensors over scored positions (token t+1 for t = 0..n-2).
 
     Tensors: `mask`, `rollout_logprobs` [B, L] float32, `versions` [B, L] int64 (-1 where
-    masked out), `rewards` [B] float32, `group_ids` [B] int64, and for MoE models `routing`
+    masked out), `rewards` [B] float32, `group_ids` [B] int64, `sampled_learner_logprobs` [B, L]
+    float32 (NaN where the worker did not compute them) and for MoE models `routing`
     [B, L, moe layers, k] (the rollout's experts; -1 where not recorded).
     """
 
@@ -94,12 +104,17 @@ class TrajectoryBatch:
         self.mask = torch.zeros(bsz, width)
         self.rollout_logprobs = torch.zeros(bsz, width)
         self.versions = torch.full((bsz, width), -1, dtype=torch.long)
+        self.sampled_learner_logprobs = torch.full((bsz, width), float("nan"))
         for i, t in enumerate(trajectories):
             n = len(t.token_ids) - 1
             self.mask[i, :n] = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
             self.rollout_logprobs[i, :n] = torch.tensor(t.rollout_logprobs[1:], dtype=torch.float32)
             self.versions[i, :n] = torch.tensor(t.policy_versions[1:])
+            if t.sampled_learner_logprobs is not None:
+                self.sampled_learner_logprobs[i, :n] = torch.tensor(t.sampled_learner_logprobs[1:],
+                                                                    dtype=torch.float32)
         self.versions[self.mask == 0] = -1
+        self.sampled_learner_logprobs[self.mask == 0] = float("nan")
         self.routing = None  # MoE: [B, L, moe layers, k] rollout experts per scored position
         routed = [t.rollout_routing for t in trajectories if t.rollout_routing is not None]
         if routed:
@@ -155,3 +170,15 @@ class RolloutBatch:
     """Episode statistics (`rollout/...` keys)."""
     load_s: float = 0.0
     """Seconds the worker paused to load new weights for this batch (in-flight loads included)."""
+
+    def to_dict(self) -> dict:
+        """Plain lists, numbers and tensors (what `torch.load(weights_only=True)` reads back)."""
+        out = dict(vars(self))
+        out["trajectories"] = [dict(vars(t)) for t in self.trajectories]
+        return out
+
+    @staticmethod
+    def from_dict(data: dict) -> RolloutBatch:
+        fields = dict(data)
+        fields["trajectories"] = [Trajectory(**t) for t in fields["trajectories"]]
+        return RolloutBatch(**fields)

@@ -148,3 +148,77 @@ def test_tensorboard_scalars_when_installed(tmp_path, monkeypatch):
     Controller(config(tmp_path, "steps=2", "eval_every=0")).run()
     assert ("reward/mean", 1) in written and ("mismatch/kernel_max_abs", 0) in written
     assert written[-1] == ("closed", -1)
+
+
+def _worker_scores(tmp_path, kernels):
+    """A rollout worker samples batch 2 at lag 2 and scores it. Returns whether the scores equal
+    (a) the learner's log-probs for the same sequences in other batches (filler sequences beside
+    them) under the same weights, (b) the engine's own log-probs recorded while sampling."""
+    import copy
+
+    import torch
+
+    from parity.model import sequence_logprobs
+    from parity.rl.build import build_env, build_model
+    from parity.rl.learner import Learner
+    from parity.rl.rollout_worker import RolloutWorker
+    from parity.rl.trajectory import TrajectoryBatch
+
+    cfg = config(tmp_path, "max_policy_lag=2", f"model.kernels=\"{kernels}\"", "rollout.max_tokens=12",
+                 "rollout.prompts_per_step=3")
+    model = build_model(cfg)
+    learner = Learner(copy.deepcopy(model), cfg.learner)
+    worker = RolloutWorker(cfg, model, build_env(cfg, model.config.vocab_size), version=0)
+    batch = TrajectoryBatch(worker.sample(2).trajectories)
+    mask = batch.mask.bool()
+    assert not batch.sampled_learner_logprobs[mask].isnan().any()  # every sampled token scored
+    assert batch.sampled_learner_logprobs[~mask].isnan().all()
+    gen = torch.Generator().manual_seed(0)
+    same = True
+    for fillers, length in ((1, 40), (3, 77), (5, 130)):  # other batch shapes than the worker's
+        extra = [torch.randint(0, model.config.vocab_size, (length,), generator=gen) for _ in range(fillers)]
+        with torch.no_grad():
+            other = batch.pad([sequence_logprobs(learner.model, [s, *extra], cfg.learner.temperature)[0]
+                               for s in batch.sequences])
+        same &= torch.equal(batch.sampled_learner_logprobs[mask], other[mask])
+    return same, torch.equal(batch.sampled_learner_logprobs[mask], batch.rollout_logprobs[mask])
+
+
+def test_worker_scores_are_the_learners_own_log_probs(tmp_path):
+    """The learner path run by the rollout worker at the sampling weights equals, bit for bit,
+    what the learner computes for the same sequences in other batches and what the engine
+    recorded (so the kernel mismatch it reports is exactly zero); the standard kernels' control
+    differs from the engine."""
+    assert _worker_scores(tmp_path / "aligned", "aligned") == (True, True)
+    assert _worker_scores(tmp_path / "standard", "standard")[1] is False
+
+
+def test_kept_weight_versions_do_not_grow_with_the_lag(tmp_path):
+    """At lag 64 (deterministic: batch b is sampled by version 0 here) the learner ends up keeping
+    only the current weights once no batch is left to sample, yet every sampled token of the last
+    batch, four versions old, is split into kernel mismatch (exactly zero) and weight lag: the
+    worker scored its own samples at the weights that drew them."""
+    metrics = Controller(config(tmp_path, "steps=5", "max_policy_lag=64", "deterministic=true",
+                                "eval_every=0")).run()
+    assert metrics[-1]["sync/versions_kept"] == 1 and metrics[-1]["lag/max"] == 4
+    assert all(m["mismatch/decomposed_frac"] == 1.0 and m["mismatch/kernel_max_abs"] == 0.0 for m in metrics)
+    assert metrics[-1]["mismatch/weight_lag_mean_abs"] > 0
+
+
+def test_checkpoint_keeps_batches_sampled_ahead(tmp_path):
+    """A checkpoint stores the batches sampled for later steps as plain data and gives them back."""
+    from parity.rl import checkpoint
+    from parity.rl.build import build_model
+    from parity.rl.learner import Learner
+    from parity.rl.trajectory import RolloutBatch, Trajectory
+
+    cfg = config(tmp_path, "steps=4")
+    model = build_model(cfg)
+    tr = Trajectory([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.25], [-1, 0, 0], 1.0, 0,
+                    sampled_learner_logprobs=[float("nan"), -0.5, -0.25])
+    ready = [RolloutBatch(3, [tr], 0, 0.1, 0.0, {"rollout/turns": 1.0})]
+    path = checkpoint.save(tmp_path, 2, model, Learner(model, cfg.learner), ready=ready)
+    _, _, step, back = checkpoint.load(path, cfg)
+    assert step == 2 and len(back) == 1 and back[0].index == 3
+    assert back[0].trajectories[0].token_ids == [1, 2, 3]
+    assert back[0].trajectories[0].sampled_learner_logprobs[1:] == [-0.5, -0.25]
