@@ -88,6 +88,12 @@ class RolloutSection:
     workers: int = 1
     """Rollout workers; batch b is sampled by worker b mod workers, and in deterministic mode its
     content does not depend on which worker or how many."""
+    max_held_versions: int = 2
+    """Deterministic (fixed-lag) runs on the local backend: the most published weight versions a
+    worker holds unused before it samples the batch of the oldest out of turn, so those weights
+    can go. Bounds the weight copies at any lag (at lag L, in order, a worker still on its
+    version-0 batches would hold up to L); batch contents do not depend on the order. 0: no
+    bound, strictly in order."""
     heartbeat_timeout_s: float = 300.0
     """A rollout worker that shows no sign of life (it beats at every engine step and every
     wait for weights) for this long is taken for hung, killed and restarted (0 = never)."""
@@ -98,6 +104,8 @@ class RolloutSection:
         for name in ("prompts_per_step", "group_size", "max_tokens", "max_num_seqs", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1")
+        if self.max_held_versions < 0:
+            raise ConfigError("rollout.max_held_versions must be >= 0")
         if not self.temperature > 0:
             raise ConfigError("rollout.temperature must be > 0")
         if isinstance(self.kv_cache_memory, bool) or not 0 < self.kv_cache_memory < float("inf"):

@@ -172,8 +172,7 @@ class Controller:
         """Take in the batches the workers have finished; let the learner drop the versions no
         restarted worker could need. Returns how many versions it keeps."""
         self.rollout.collect()
-        oldest = self.rollout.oldest_needed()
-        self.learner.retain(self.learner.version if oldest is None else oldest)
+        self.learner.retain(self.rollout.needed_versions() or ())
         return len(self.learner.history)
 
     def save_checkpoint(self, step: int) -> Path:

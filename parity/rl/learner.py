@@ -16,6 +16,7 @@ import copy
 import logging
 import math
 import time
+from collections.abc import Container
 from pathlib import Path
 
 import torch
@@ -252,13 +253,14 @@ class Learner:
         self.version += 1
         self.steps += 1
         self.history[self.version] = self._snapshot()
-        self.retain(self.version - self.config.max_policy_lag)
+        for v in [v for v in self.history if v < self.version - self.config.max_policy_lag]:
+            del self.history[v]
 
-    def retain(self, oldest: int) -> None:
-        """Drop the kept versions older than `oldest` (never the current one). The controller
-        calls it with the oldest version a restarted rollout worker could still need, so the kept
-        copies are bounded by how far the rollout side is behind, not by the lag."""
-        for v in [v for v in self.history if v < min(oldest, self.version)]:
+    def retain(self, keep: Container[int]) -> None:
+        """Drop every kept version not in `keep` but the current one. The controller passes the
+        versions a restarted rollout worker could still need, so the copies kept are a handful at
+        any lag, not lag-many."""
+        for v in [v for v in self.history if v != self.version and v not in keep]:
             del self.history[v]
 
     def _dump(self, batch: TrajectoryBatch) -> str | None:

@@ -10,11 +10,13 @@ sampled again, nothing received is repeated, nothing pending is lost. A worker t
 last batch stays alive until told to stop, so its queued messages are always delivered.
 
 Batches that arrive ahead of the step that consumes them are taken in after every step
-(`collect`) and held as ready; `oldest_needed` is then the oldest version a restarted worker could
-still ask for, so the learner keeps only those versions (not lag-many), and a checkpoint stores
-the ready batches (`ready_batches`) rather than the weights that sampled them.
+(`collect`) and held as ready; `needed_versions` are then the versions a restarted worker could
+still ask for, so the learner keeps only those (not lag-many), and a checkpoint stores the ready
+batches (`ready_batches`) rather than the weights that sampled them. In deterministic mode a worker
+holding more than `rollout.max_held_versions` unused versions samples the batch of the oldest out
+of turn (batches are received in any order), so the versions needed stay a handful at any lag.
 
-The controller sees `start`, `publish`, `next_batch`, `collect`, `oldest_needed`, `ready_batches`
+The controller sees `start`, `publish`, `next_batch`, `collect`, `needed_versions`, `ready_batches`
 and `close`; the Ray backend (`rl/ray_backend.py`) provides the same.
 """
 
@@ -28,7 +30,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,10 @@ from .trajectory import RolloutBatch
 
 log = logging.getLogger(__name__)
 
+STARTUP_GRACE_S = 120.0
+"""A starting worker (imports, model, engine) is taken for hung only after this long without its
+first beat, or heartbeat_timeout_s if longer."""
+
 _CORES = max(1, torch.get_num_threads())  # read once, before any split changes it
 
 
@@ -58,9 +64,10 @@ def split_threads(cfg: TrainConfig) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- the child process
-def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, version: int, first: int,
+def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, version: int, todo: list[int],
                  weights_q, traj_q, stop, heartbeat, threads: int, spool: str) -> None:
-    """Rollout worker process body: batches first, first + N, ... (N = rollout.workers)."""
+    """Rollout worker process body: the batches in `todo` (first, first + N, ... of N workers,
+    less those already received), in order unless held weights ask otherwise."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     traj_q.cancel_join_thread()  # once told to stop, never block this process's exit on the queue
     parent = mp.parent_process()
@@ -91,13 +98,16 @@ def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, vers
         def beat() -> None:
             heartbeat.value = time.monotonic()
 
-        worker = RolloutWorker(cfg, model, env, version, poll, beat)
-        for b in range(first, cfg.steps, cfg.rollout.workers):
+        worker = RolloutWorker(cfg, model, env, version, poll, beat, state=state)
+        worker.todo = todo = list(todo)
+        while todo:
+            b = worker.next_to_sample(todo)
             wait_s = worker.wait_for(b, orphaned)
             if wait_s is None:
                 return
             batch = worker.sample(b, wait_s)
             _send(traj_q, spool, batch, corrupt=worker_faults(b))
+            todo.remove(b)
     except ParityError as exc:  # a problem that a restart would only repeat
         traj_q.put(("error", str(exc)))
     while not orphaned():  # finished (or failed): stay until the controller has read everything
@@ -120,11 +130,12 @@ class _Slot:
 
     index: int
     process: Any = None
-    next_batch: int = 0  # the next batch this worker will deliver (all before it were received)
+    todo: list[int] = field(default_factory=list)  # its batches not received yet, in order
     weights_q: Any = None
     traj_q: Any = None
     stop: Any = None
-    heartbeat: Any = None  # shared double: the worker's last sign of life (time.monotonic)
+    heartbeat: Any = None  # shared double: the worker's last sign of life (time.monotonic; 0: none yet)
+    started: float = 0.0  # when the process was started (time.monotonic)
 
 
 class LocalRollout:
@@ -165,21 +176,24 @@ class LocalRollout:
         n = len(self.slots)
         for slot in self.slots:
             first = first_batch(slot.index, n, start_batch)
-            while first in self.ready:
-                first += n
-            self._start(slot, first)
+            self._start(slot, [b for b in range(first, self.cfg.steps, n) if b not in self.ready])
 
-    def _start(self, slot: _Slot, from_batch: int) -> None:
+    def _start(self, slot: _Slot, todo: list[int]) -> None:
+        """(Re)start `slot`'s worker on the batches `todo`."""
+        slot.todo = list(todo)
+        if not todo:
+            slot.process = None
+            return
         self._close_queues(slot)
         slot.weights_q, slot.traj_q, slot.stop = self.ctx.Queue(), self.ctx.Queue(), self.ctx.Event()
-        slot.heartbeat = self.ctx.Value("d", time.monotonic(), lock=False)
+        slot.heartbeat = self.ctx.Value("d", 0.0, lock=False)
+        slot.started = time.monotonic()
         history = self.versions()
-        first = slot.next_batch = first_batch(slot.index, len(self.slots), from_batch)
-        version = start_version(self.cfg, history, first)
+        version = start_version(self.cfg, history, todo[0])
         rollout_threads, learner_threads = split_threads(self.cfg)
         torch.set_num_threads(learner_threads)
         slot.process = self.ctx.Process(target=_worker_main, daemon=True, args=(
-            self.cfg, self.model_config, history[version], version, first, slot.weights_q, slot.traj_q,
+            self.cfg, self.model_config, history[version], version, slot.todo, slot.weights_q, slot.traj_q,
             slot.stop, slot.heartbeat, rollout_threads, self.spool))
         slot.process.start()
         for v in sorted(history):
@@ -189,14 +203,15 @@ class LocalRollout:
     def publish(self, version: int, state: State) -> None:
         """A new version for every worker (each loads it when admission or an in-flight update asks)."""
         for slot in self.slots:
-            slot.weights_q.put((version, state))
+            if slot.todo:
+                slot.weights_q.put((version, state))
 
     def next_batch(self, step: int) -> RolloutBatch:
         """Batch `step`, from the worker that owns it; a dead worker is restarted from the first
         batch of its not received."""
         slot = self.slots[step % len(self.slots)]
         while step not in self.ready:
-            if slot.next_batch > step or not self._receive(slot, block=True):
+            if step not in slot.todo or not self._receive(slot, block=True):
                 raise ParityError(f"batch {step} was asked for twice or past the run's end")
         return self.ready.pop(step)
 
@@ -206,12 +221,12 @@ class LocalRollout:
             while self._receive(slot, block=False):
                 pass
 
-    def oldest_needed(self) -> int | None:
-        """The oldest weight version a worker restarted now could need (None: only the newest)."""
-        first = min(s.next_batch for s in self.slots)
-        if not self.cfg.deterministic or first >= self.cfg.steps:
-            return None  # a restarted worker starts from the newest version (or has nothing left)
-        return max(0, first - self.cfg.max_policy_lag)
+    def needed_versions(self) -> set[int] | None:
+        """The weight versions a worker restarted now could need (None: only the newest)."""
+        if not self.cfg.deterministic:
+            return None  # a restarted worker starts from the newest version
+        lag = self.cfg.max_policy_lag
+        return {max(0, b - lag) for slot in self.slots for b in slot.todo}
 
     def ready_batches(self) -> list[RolloutBatch]:
         """The batches received and not consumed yet, in order (what a checkpoint keeps)."""
@@ -220,7 +235,7 @@ class LocalRollout:
     def _receive(self, slot: _Slot, block: bool) -> bool:
         """Take one message from `slot` into `ready` (restarting a dead or hung worker); False when
         nothing was there (block=False) or the worker has no batch left to send."""
-        if slot.next_batch >= self.cfg.steps:
+        if not slot.todo:
             return False
         timeout = self.cfg.rollout.heartbeat_timeout_s
         while True:
@@ -229,8 +244,10 @@ class LocalRollout:
             except queue_mod.Empty:
                 if not block:
                     return False
-                silent = time.monotonic() - slot.heartbeat.value
-                if slot.process.is_alive() and not (timeout and silent > timeout):
+                beat = slot.heartbeat.value
+                silent = time.monotonic() - (beat or slot.started)
+                limit = timeout if beat else max(timeout, STARTUP_GRACE_S)  # starting: imports, model
+                if slot.process.is_alive() and not (timeout and silent > limit):
                     continue
                 if slot.process.is_alive():  # alive but silent: hung
                     why = f"showed no sign of life for {silent:.0f} s"
@@ -242,16 +259,16 @@ class LocalRollout:
                 continue
             if kind == "error":
                 raise ParityError(f"rollout worker: {value}")
-            batch = self._read(Path(value), slot.next_batch)
+            batch = self._read(Path(value), slot.todo)
             if batch is None:  # unreadable: sample it again
                 self._restart(slot, f"sent a corrupt batch file ({value})")
                 continue
             self.ready[batch.index] = batch
-            slot.next_batch += len(self.slots)
+            slot.todo.remove(batch.index)
             return True
 
     def _restart(self, slot: _Slot, why: str) -> None:
-        step = slot.next_batch
+        step = slot.todo[0]
         if self.restarts >= self.max_restarts:
             raise ParityError(f"rollout worker {slot.index} {why} after {self.restarts} restarts; "
                               f"giving up at batch {step}")
@@ -260,17 +277,17 @@ class LocalRollout:
         if slot.process.is_alive():
             slot.process.kill()
             slot.process.join(10)
-        self._start(slot, step)
+        self._start(slot, slot.todo)
 
     @staticmethod
-    def _read(path: Path, step: int) -> RolloutBatch | None:
-        """The batch in `path`, or None when the file is not a whole batch `step`."""
+    def _read(path: Path, expected: list[int]) -> RolloutBatch | None:
+        """The batch in `path`, or None when the file is not a whole batch of `expected`."""
         try:
             batch = pickle.loads(path.read_bytes())
         except Exception:  # noqa: BLE001 - any unpickling failure means a torn or corrupt file
             batch = None
         path.unlink(missing_ok=True)
-        ok = isinstance(batch, RolloutBatch) and batch.index == step
+        ok = isinstance(batch, RolloutBatch) and batch.index in expected
         return batch if ok else None
 
     @staticmethod

@@ -249,20 +249,20 @@ class RayRollout:
         ref = self._ref(version, state)
         for actor in self.actors:
             actor.receive.options(concurrency_group="weights").remote(version, ref)
-        oldest = self.oldest_needed()  # what a restarted actor may still need
-        keep = version if oldest is None else min(oldest, version)
-        for v in [v for v in self.refs if v < keep]:
+        needed = self.needed_versions()  # what a restarted actor may still need
+        for v in [v for v in self.refs if v != version and (needed is None or v not in needed)]:
             del self.refs[v]
 
     def collect(self) -> None:
         """Finished batches stay in Ray's object store until asked for: nothing to do."""
 
-    def oldest_needed(self) -> int | None:
-        """The oldest weight version a restarted actor could need (None: only the newest)."""
+    def needed_versions(self) -> range | None:
+        """The weight versions a restarted actor could need (None: only the newest). Actors take
+        their batches in order, so that is every version from the oldest pending batch's on."""
         first = min(self.pending, default=min(self.next_submit))
         if not self.cfg.deterministic or first >= self.cfg.steps:
             return None
-        return max(0, first - self.cfg.max_policy_lag)
+        return range(max(0, first - self.cfg.max_policy_lag), sys.maxsize)
 
     def ready_batches(self) -> list[RolloutBatch]:
         """Batches in hand and not consumed (the restored ones; Ray keeps the others)."""

@@ -177,16 +177,21 @@ class RolloutWorker:
     on it and the run's environment."""
 
     def __init__(self, cfg: TrainConfig, model, env: Env, version: int = 0, poll: Poll | None = None,
-                 beat: Callable[[], None] | None = None):
+                 beat: Callable[[], None] | None = None, state: State | None = None):
         """`poll` fetches newly published weights; `beat`, if given, is called at every engine step
-        and every wait for weights (the host's sign of life for a hung-worker detector)."""
+        and every wait for weights (the host's sign of life for a hung-worker detector); `state`:
+        the weights `model` was loaded with (kept when a later batch needs them again)."""
         self.cfg = cfg
         self._beat = beat
         self.env = env
         self.engine = Engine(model, max_num_seqs=cfg.rollout.max_num_seqs, tokenizer=env.tokenizer,
                              kv_cache_memory=cfg.rollout.kv_cache_memory)
         self.engine.policy_version = version
-        self.held: dict[int, State] = {}  # versions received, not loaded yet
+        self.held: dict[int, State] = {}  # versions received and needed, not loaded now
+        self.loaded: State | None = state  # the tensors of the loaded version, when known
+        self.todo: list[int] | None = None
+        """This worker's batches not sampled yet, when its host plans them (then, in deterministic
+        mode, only versions one of them needs are held and batches may be sampled out of turn)."""
         self._poll = poll
         self._load_s = 0.0  # seconds spent loading weights for the batch being sampled
 
@@ -196,9 +201,18 @@ class RolloutWorker:
         return self.engine.policy_version
 
     # ------------------------------------------------------------------ weights
+    def _planned(self) -> bool:
+        return self.todo is not None and self.cfg.deterministic
+
+    def needed(self, version: int) -> bool:
+        """Whether a batch still to sample needs `version` (without a plan: any newer version)."""
+        if self._planned():
+            return any(self.required_version(b) == version for b in self.todo)
+        return version > self.version
+
     def receive(self, version: int, state: State) -> None:
         """A newly published version (kept until admission or an in-flight update loads it)."""
-        if version > self.version:
+        if version != self.version and self.needed(version):
             self.held[version] = state
 
     def poll(self, block: bool = False) -> None:
@@ -215,10 +229,28 @@ class RolloutWorker:
     def _load(self, version: int, mode: str) -> None:
         if version != self.version:
             t0 = time.perf_counter()
-            self.engine.update_weights(self.held[version], version, mode=mode)
+            state = self.held.pop(version)
+            if self._planned() and self.loaded is not None and self.needed(self.version):
+                self.held[self.version] = self.loaded  # a later batch needs these weights again
+            self.engine.update_weights(state, version, mode=mode)
+            self.loaded = state
             self._load_s += time.perf_counter() - t0
-        for v in [v for v in self.held if v <= version]:
+        for v in [v for v in self.held if not self.needed(v)]:
             del self.held[v]
+
+    def next_to_sample(self, todo: list[int]) -> int:
+        """The batch of `todo` (in order) to sample next: the first, except in deterministic mode
+        with more than rollout.max_held_versions versions held: then the batch of the newest held
+        version, sampled out of turn so its weights can be dropped (contents do not depend on
+        order; the older held versions' batches are the ones the learner needs sooner)."""
+        self.poll(block=False)
+        limit = self.cfg.rollout.max_held_versions
+        if self.cfg.deterministic and limit and len(self.held) > limit:
+            newest = max(self.held)
+            for b in todo:
+                if self.required_version(b) == newest:
+                    return b
+        return todo[0]
 
     # ------------------------------------------------------------------ admission
     def required_version(self, batch_index: int) -> int:

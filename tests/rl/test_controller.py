@@ -222,3 +222,34 @@ def test_checkpoint_keeps_batches_sampled_ahead(tmp_path):
     assert step == 2 and len(back) == 1 and back[0].index == 3
     assert back[0].trajectories[0].token_ids == [1, 2, 3]
     assert back[0].trajectories[0].sampled_learner_logprobs[1:] == [-0.5, -0.25]
+
+
+def test_fixed_lag_batches_out_of_turn_give_the_same_run(tmp_path):
+    """Deterministic mode: a worker holding more than rollout.max_held_versions versions samples
+    the newest one's batch out of turn; the run is the same, bit for bit, as strictly in order."""
+    args = ("steps=14", "max_policy_lag=6", "deterministic=true", "eval_every=0")
+    bounded = Controller(config(tmp_path / "a", *args, "rollout.max_held_versions=1")).run()
+    in_order = Controller(config(tmp_path / "b", *args, "rollout.max_held_versions=0")).run()
+    assert timeless(bounded) == timeless(in_order)
+    assert max(m["lag/max"] for m in bounded) == 6
+
+
+def test_worker_holds_only_versions_its_batches_need_and_evicts_the_newest(tmp_path):
+    from parity.rl.build import build_env, build_model
+    from parity.rl.rollout_worker import RolloutWorker
+
+    cfg = config(tmp_path, "steps=12", "max_policy_lag=4", "deterministic=true",
+                 "rollout.max_held_versions=2")
+    model = build_model(cfg)
+    worker = RolloutWorker(cfg, model, build_env(cfg, model.config.vocab_size), version=0,
+                           state=model.state_dict())
+    worker.todo = todo = list(range(0, 12, 2))  # worker 0 of 2: batches 0, 2, ..., 10
+    for v in range(1, 9):
+        worker.receive(v, model.state_dict())
+    assert sorted(worker.held) == [2, 4, 6]  # batches 6, 8, 10; odd versions are the other worker's
+    assert worker.next_to_sample(todo) == 10  # three held > 2: the newest version's batch first
+    worker.sample(10)
+    todo.remove(10)
+    assert worker.version == 6
+    assert sorted(worker.held) == [0, 2, 4]  # version 0 kept: batches 0 and 2 still need it
+    assert worker.next_to_sample(todo) == 8
