@@ -1,4 +1,5 @@
-"""The `parity` command: demo, study, sft, eval, train, check, generate, bench kernels|rollout|async.
+"""The `parity` command: demo, study, sft, eval, train, check, generate,
+bench kernels|rollout|learner|memory|async.
 
 This module is the parser and the dispatch; each command's body is `main(args)` in its module
 under `parity/apps/` (imported only when that command runs). Every user-facing failure (bad
@@ -170,6 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--length", type=int, default=128, help="tokens per sequence")
     n.add_argument("--reps", type=int, default=5)
     n.add_argument("--json", action="store_true")
+    mem = _command(bsub, "memory", "bench_memory", "peak memory and weight copies kept against the lag")
+    mem.add_argument("--preset", default="small")
+    mem.add_argument("--dtype", default="float32")
+    mem.add_argument("--lags", type=_csv(int), default=[1, 8, 64])
+    mem.add_argument("--after", type=int, default=16, help="steps after the first `lag` (the lag binds)")
+    mem.add_argument("--max-held-versions", type=int, default=2,
+                     help="rollout.max_held_versions (0: batches strictly in order)")
+    mem.add_argument("--max-tokens", type=int, default=8, help="response length (1 prompt x 2 per step)")
+    mem.add_argument("--json", action="store_true")
     a = _command(bsub, "async", "bench_async", "learner steps/hour: synchronous vs asynchronous training")
     a.add_argument("--preset", default="small")
     a.add_argument("--dtype", default="float32")

@@ -110,3 +110,15 @@ def test_bench_async_json():
     assert out["rows"][0]["observed_lag_max"] == 0 and all(r["observed_lag_max"] <= 2 for r in out["rows"])
     assert out["ratios"]["local_x1_lag2_over_sync"] > 0 and out["ratios"]["local_x2_lag2_over_sync"] > 0
     assert out["rows"][2]["bytes_moved"] == 2 * out["rows"][1]["bytes_moved"] > 0
+
+
+def test_bench_memory_json():
+    """Each lag's run in its own process: steps = lag + after, the copies kept stay below lag + 1."""
+    proc = run("bench", "memory", "--json", "--preset", "tiny", "--lags", "1,6", "--after", "2")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    rows = out["rows"]
+    assert [(r["lag"], r["steps"]) for r in rows] == [(1, 3), (6, 8)]
+    assert all(r["learner_peak_gib"] > 0 and r["worker_peak_gib"] > 0 and r["version_mib"] > 0 for r in rows)
+    assert all(1 <= r["versions_kept_max"] <= r["copies_if_kept_per_lag"] for r in rows)
+    assert out["machine"]["cores"] >= 1 and "bf16" in out["machine"]

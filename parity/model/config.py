@@ -42,6 +42,10 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(_TINY, model_type="llama", rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}),
+    # a real size: Qwen3-0.6B's shape (596M parameters, random weights; benchmarks and memory checks)
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rope_theta=1000000.0),
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
