@@ -52,6 +52,22 @@ def line(info: dict | None = None) -> str:
             f"{info['threads']} threads{gpu}")
 
 
+def gemm_rate(dtype: torch.dtype = torch.float32, size: int = 2048, reps: int = 5) -> float:
+    """This machine's matrix-multiply rate in GFLOP/s for `dtype` at the current thread count:
+    the median of `reps` size x size x size products after a warm-up (~2 s in float32 on 2
+    cores). Benchmarks divide their achieved GFLOP/s by it: the fraction of the machine's limit."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(dtype)
+    b = torch.randn(size, size, generator=gen).to(dtype)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * size ** 3 / statistics.median(times) / 1e9
+
+
 def bf16_cost(size: int = 384, reps: int = 3) -> float:
     """How many times slower a bfloat16 GEMM forward+backward runs than float32 on this machine
     (median of `reps` interleaved timings of a size x size layer on size rows; ~0.1 s)."""

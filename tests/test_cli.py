@@ -58,6 +58,26 @@ def test_bench_kernels_json_reports_ratios():
     rows = json.loads(proc.stdout)["rows"]
     assert {r["phase"] for r in rows} == {"prefill", "decode"}
     assert all(r["aligned_tok_s"] > 0 and r["ratio"] > 0 for r in rows)
+    assert all(r["gemm_gflops"] > 0 and 0 < r["gemm_fraction"] == r["aligned_gflops"] / r["gemm_gflops"]
+               for r in rows)
+
+
+def test_bench_learner_json_reports_the_gemm_fraction():
+    proc = run("bench", "learner", "--json", "--presets", "tiny", "--dtypes", "float32", "--batch", "2",
+               "--length", "16", "--reps", "1")
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(proc.stdout)["rows"]
+    assert row["aligned_tok_s"] > 0 and row["gemm_gflops"] > 0 and 0 < row["gemm_fraction"] < 1
+
+
+def test_flops_per_token_counts_the_parameters_and_attention():
+    from parity.model import ModelConfig
+
+    cfg = ModelConfig.preset("qwen3-0.6b")
+    params = 596_049_920 - cfg.num_hidden_layers * (2 * cfg.hidden_size + 2 * cfg.head_dim) - cfg.hidden_size
+    assert cfg.forward_flops_per_token(0) == 2 * params  # every matrix once (tied head), norms aside
+    attention = cfg.num_hidden_layers * 4 * cfg.num_attention_heads * cfg.head_dim * 100
+    assert cfg.forward_flops_per_token(100) == 2 * params + attention
 
 
 def test_generate_json_records_logprobs_and_versions(tmp_path):

@@ -4,7 +4,9 @@ Both backends run on the same weights in one process, repetitions interleaved (A
 the medians are compared, so machine drift hits both sides alike. Prefill: a batch of sequences
 scored by one dense forward (`sequence_logprobs`-style, tokens/s counts every input token).
 Decode: the batch prefilled into a paged KV cache, then one-token steps for every sequence
-(tokens/s counts generated tokens).
+(tokens/s counts generated tokens). Each row also gives the aligned side's achieved GFLOP/s
+(`ModelConfig.forward_flops_per_token`) and its fraction of this machine's GEMM rate for the
+dtype, measured in the same run (`hardware.gemm_rate`).
 """
 
 from __future__ import annotations
@@ -34,13 +36,25 @@ class BenchRow:
     batch: int
     aligned_tok_s: float
     standard_tok_s: float
+    flops_per_token: float = 0.0
+    gemm_gflops: float = 0.0
+    """This machine's GEMM rate for the dtype, measured in the same run."""
 
     @property
     def ratio(self) -> float:
         return self.aligned_tok_s / self.standard_tok_s
 
+    @property
+    def aligned_gflops(self) -> float:
+        return self.aligned_tok_s * self.flops_per_token / 1e9
+
+    @property
+    def gemm_fraction(self) -> float:
+        return self.aligned_gflops / self.gemm_gflops if self.gemm_gflops else 0.0
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "ratio": self.ratio}
+        return {**asdict(self), "ratio": self.ratio, "aligned_gflops": self.aligned_gflops,
+                "gemm_fraction": self.gemm_fraction}
 
 
 def _prefill_fn(model: Model, batch: int, length: int, vocab: int) -> tuple[Callable[[], None], int]:
@@ -98,6 +112,11 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
         for dtype_name in dtypes:
             dtype = dtype_from_name(dtype_name)
             models = {k: Model(cfg, kernels=k, dtype=dtype, seed=0) for k in BACKENDS}
+            if progress:
+                progress(f"{dtype_name} GEMM rate")
+            gemm = hardware.gemm_rate(dtype)
+            prefill_flops = cfg.forward_flops_per_token((prefill_len - 1) / 2)
+            decode_flops = cfg.forward_flops_per_token(decode_prompt + decode_steps / 2)
             for batch in batches:
                 if progress:
                     progress(f"{preset} {dtype_name} batch {batch}")
@@ -106,12 +125,12 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
                     fns[k], ntok = _prefill_fn(m, batch, prefill_len, cfg.vocab_size)
                 med = _interleaved(fns, reps, timed_inside=False)
                 rows.append(BenchRow(preset, dtype_name, "prefill", batch,
-                                     ntok / med["aligned"], ntok / med["standard"]))
+                                     ntok / med["aligned"], ntok / med["standard"], prefill_flops, gemm))
                 for k, m in models.items():
                     fns[k], ntok = _decode_fn(m, batch, decode_prompt, decode_steps, cfg.vocab_size)
                 med = _interleaved(fns, reps, timed_inside=True)
                 rows.append(BenchRow(preset, dtype_name, "decode", batch,
-                                     ntok / med["aligned"], ntok / med["standard"]))
+                                     ntok / med["aligned"], ntok / med["standard"], decode_flops, gemm))
     return rows
 
 
@@ -139,7 +158,11 @@ def main(args) -> int:
           f"{torch.get_num_threads()} threads; prefill {args.prefill_len} tokens/seq, "
           f"decode {args.decode_steps} steps")
     print(f"machine: {hardware.line()}")
-    print(table(["preset", "dtype", "phase", "batch", "aligned tok/s", "standard tok/s", "aligned/standard"],
+    print(table(["preset", "dtype", "phase", "batch", "aligned tok/s", "standard tok/s", "aligned/standard",
+                 "aligned GFLOP/s", "of GEMM rate"],
                 [[r.preset, r.dtype, r.phase, str(r.batch), f"{r.aligned_tok_s:,.0f}",
-                  f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}"] for r in rows]))
+                  f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}", f"{r.aligned_gflops:,.1f}",
+                  f"{r.gemm_fraction:.0%}"] for r in rows]))
+    gemm = {r.dtype: r.gemm_gflops for r in rows}
+    print("GEMM rate (2048^3, same run): " + ", ".join(f"{d} {g:,.0f} GFLOP/s" for d, g in gemm.items()))
     return 0

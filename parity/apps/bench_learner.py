@@ -3,6 +3,9 @@
 Both backends train on the same weights and the same batch (`sequence_logprobs` of B sequences
 of L tokens, the mean log-prob's gradient), repetitions interleaved (A B A B ...), medians
 compared, per preset and dtype (bfloat16 with float32 master weights, as the learner runs it).
+Each row also gives the aligned side's achieved GFLOP/s (3x the forward FLOPs of
+`ModelConfig.forward_flops_per_token`) and its fraction of this machine's GEMM rate for the dtype,
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -32,10 +35,21 @@ class LearnerRow:
     length: int
     aligned_tok_s: float
     standard_tok_s: float
+    flops_per_token: float = 0.0
+    gemm_gflops: float = 0.0
+    """This machine's GEMM rate for the dtype, measured in the same run."""
 
     @property
     def ratio(self) -> float:
         return self.aligned_tok_s / self.standard_tok_s
+
+    @property
+    def aligned_gflops(self) -> float:
+        return self.aligned_tok_s * self.flops_per_token / 1e9
+
+    @property
+    def gemm_fraction(self) -> float:
+        return self.aligned_gflops / self.gemm_gflops if self.gemm_gflops else 0.0
 
 
 def _step_fn(model: Model, seqs: list[torch.Tensor]) -> Callable[[], None]:
@@ -68,9 +82,14 @@ def bench_learner(presets: Sequence[str] = ("small",), dtypes: Sequence[str] = (
                     if r:
                         times[k].append(time.perf_counter() - t0)
             tokens = batch * length
+            if progress:
+                progress(f"learner {dtype_name} GEMM rate")
+            gemm = hardware.gemm_rate(dtype_from_name(dtype_name))
             rows.append(LearnerRow(preset, dtype_name, batch, length,
                                    tokens / statistics.median(times["aligned"]),
-                                   tokens / statistics.median(times["standard"])))
+                                   tokens / statistics.median(times["standard"]),
+                                   3 * cfg.forward_flops_per_token((length - 1) / 2), gemm))
+            del models, fns
     return rows
 
 
@@ -87,12 +106,16 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"machine": hardware.describe(),
                           "threads": torch.get_num_threads(),
-                          "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, indent=2))
+                          "rows": [{**asdict(r), "ratio": r.ratio, "aligned_gflops": r.aligned_gflops,
+                                    "gemm_fraction": r.gemm_fraction} for r in rows]}, indent=2))
         return 0
     print(f"parity bench learner: forward+backward of {args.batch} x {args.length} tokens, medians of "
           f"{args.reps} interleaved repetitions, {torch.get_num_threads()} threads")
     print(f"machine: {hardware.line()}")
-    print(table(["preset", "dtype", "aligned tok/s", "standard tok/s", "aligned/standard"],
-                [[r.preset, r.dtype, f"{r.aligned_tok_s:,.0f}", f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}"]
-                 for r in rows]))
+    print(table(["preset", "dtype", "aligned tok/s", "standard tok/s", "aligned/standard",
+                 "aligned GFLOP/s", "of GEMM rate"],
+                [[r.preset, r.dtype, f"{r.aligned_tok_s:,.0f}", f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}",
+                  f"{r.aligned_gflops:,.1f}", f"{r.gemm_fraction:.0%}"] for r in rows]))
+    gemm = {r.dtype: r.gemm_gflops for r in rows}
+    print("GEMM rate (2048^3, same run): " + ", ".join(f"{d} {g:,.0f} GFLOP/s" for d, g in gemm.items()))
     return 0

@@ -209,6 +209,21 @@ class ModelConfig:
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
+    def forward_flops_per_token(self, context: float = 0.0) -> float:
+        """Forward FLOPs (2 per multiply-add) one token costs: the attention projections, the
+        MLP (for MoE the router and the k active experts), the LM head, and attention scores
+        and values over `context` positions. A learner step (forward + backward) costs 3x."""
+        h, q = self.hidden_size, self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        macs = float(self.vocab_size * h)  # LM head
+        for layer in range(self.num_hidden_layers):
+            macs += 2 * h * q + 2 * h * kv + 2 * q * context  # q, o; k, v; QK^T and AV
+            if self.is_moe_layer(layer):
+                macs += h * self.num_experts + self.num_experts_per_tok * 3 * h * self.moe_intermediate_size
+            else:
+                macs += 3 * h * self.intermediate_size
+        return 2 * macs
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
