@@ -52,6 +52,13 @@ def line(info: dict | None = None) -> str:
             f"{info['threads']} threads{gpu}")
 
 
+def preferred_dtype(info: dict | None = None) -> str:
+    """The compute dtype that runs faster here: 'bfloat16' with bf16 instructions (AVX-512 BF16,
+    AMX) or a GPU, else 'float32' (PyTorch's bf16 without them is several times slower)."""
+    info = info or describe()
+    return "bfloat16" if info["bf16"] == "native" or info.get("gpu") else "float32"
+
+
 def gemm_rate(dtype: torch.dtype = torch.float32, size: int = 2048, reps: int = 5) -> float:
     """This machine's matrix-multiply rate in GFLOP/s for `dtype` at the current thread count:
     the median of `reps` size x size x size products after a warm-up (~2 s in float32 on 2

@@ -49,3 +49,13 @@ def test_commands_print_the_warning_on_stderr(slow_bf16, capsys):
     assert "parity: warning: this CPU has no bf16 instructions" in err and "--dtype = 'float32'" in err
     assert main(["generate", "--preset", "tiny", "--prompt-ids", "1,2", "--max-tokens", "2"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_auto_dtype_is_resolved_and_recorded(tmp_path):
+    from parity.config import load_config, to_toml
+
+    assert hardware.preferred_dtype({"bf16": "slow", "gpu": None}) == "float32"
+    assert hardware.preferred_dtype({"bf16": "native", "gpu": None}) == "bfloat16"
+    cfg = load_config(None, ['model.dtype="auto"'])
+    assert cfg.model.dtype == hardware.preferred_dtype() == cfg.learner.compute_dtype
+    assert f'dtype = "{cfg.model.dtype}"' in to_toml(cfg)  # the run's config.toml names the real dtype

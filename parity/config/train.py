@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .. import hardware
 from ..dtypes import DTYPE_NAMES
 from ..errors import ConfigError
 from ..model.config import PRESET_NAMES
@@ -47,12 +48,16 @@ class ModelSection:
     kernels: str = "aligned"
     """'aligned' (bitwise rollout = learner) or 'standard' (the baseline)."""
     dtype: str = "float32"
-    """Engine and learner compute dtype: 'float32' or 'bfloat16'."""
+    """Engine and learner compute dtype: 'float32', 'bfloat16', or 'auto': the faster one on this
+    machine (bfloat16 where the CPU has bf16 instructions or on a GPU, else float32), resolved on
+    construction so the run's config.toml records the dtype it ran in."""
     seed: int = 0
     """Seed of the random init."""
 
     def __post_init__(self) -> None:
         check_backend(self.kernels, "model.kernels")
+        if self.dtype == "auto":
+            self.dtype = hardware.preferred_dtype()
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"model.dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.preset not in PRESET_NAMES:
