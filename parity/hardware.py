@@ -75,9 +75,11 @@ def gemm_rate(dtype: torch.dtype = torch.float32, size: int = 2048, reps: int = 
     return 2 * size ** 3 / statistics.median(times) / 1e9
 
 
-def bf16_cost(size: int = 384, reps: int = 3) -> float:
+def bf16_cost(size: int = 384, reps: int = 3, linear=None) -> float:
     """How many times slower a bfloat16 GEMM forward+backward runs than float32 on this machine
-    (median of `reps` interleaved timings of a size x size layer on size rows; ~0.1 s)."""
+    (median of `reps` interleaved timings of a size x size layer on size rows; ~0.1 s). `linear`
+    (default `F.linear`): the layer function to time, e.g. the kernels' own `gemm_linear`."""
+    linear = linear or torch.nn.functional.linear
     times: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
     gen = torch.Generator().manual_seed(0)
     data = torch.randn(size, size, generator=gen)
@@ -86,18 +88,19 @@ def bf16_cost(size: int = 384, reps: int = 3) -> float:
             x = data.to(dtype)
             w = data.t().contiguous().to(dtype).requires_grad_()
             t0 = time.perf_counter()
-            (x @ w).sum().backward()
+            linear(x, w).sum().backward()
             times[dtype].append(time.perf_counter() - t0)
     return statistics.median(times[torch.bfloat16]) / statistics.median(times[torch.float32])
 
 
-def bf16_warning(dtype_name: str, what: str = "model.dtype", info: dict | None = None) -> str | None:
+def bf16_warning(dtype_name: str, what: str = "model.dtype", info: dict | None = None,
+                 linear=None) -> str | None:
     """A one-line warning when `dtype_name` is bfloat16 on a CPU without bf16 instructions, with
-    the cost measured now; None otherwise."""
+    the cost measured now (of `linear`, see `bf16_cost`); None otherwise."""
     info = info or describe()
     if dtype_name != "bfloat16" or info["bf16"] == "native" or info.get("gpu"):
         return None
-    cost = bf16_cost()
+    cost = bf16_cost(linear=linear)
     if cost <= 1.1:  # no bf16 instructions, yet not slower: nothing to warn about
         return None
     feats = " ".join(info["features"]) or "no AVX2"

@@ -59,3 +59,41 @@ def test_auto_dtype_is_resolved_and_recorded(tmp_path):
     cfg = load_config(None, ['model.dtype="auto"'])
     assert cfg.model.dtype == hardware.preferred_dtype() == cfg.learner.compute_dtype
     assert f'dtype = "{cfg.model.dtype}"' in to_toml(cfg)  # the run's config.toml names the real dtype
+
+
+def test_bf16_gemms_through_float32_keep_parity_and_are_bf16_gemms(monkeypatch):
+    """The path for CPUs without a bf16 GEMM (PARITY_BF16_GEMM=float32 forces it here): aligned
+    log-probs stay bitwise batch-invariant (the standard control still differs), and a layer's
+    output is a bf16 GEMM's result (float32 accumulation of exact bf16 products, rounded)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    import torch.nn.functional as F
+
+    from parity.ops import common
+
+    env = {**os.environ, "PARITY_BF16_GEMM": "float32"}
+    cmd = [sys.executable, "-m", "parity.cli", "check", "--dtype", "bfloat16", "--rounds", "2",
+           "--cases", "batch,decode,engine", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)["results"]
+    assert all(r["mismatches"] == 0 for r in results if r["kernels"] == "aligned")
+    assert sum(r["mismatches"] for r in results if r["kernels"] == "standard") > 0
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 256, generator=gen).bfloat16(), torch.randn(32, 256, generator=gen).bfloat16()
+    monkeypatch.setenv("PARITY_BF16_GEMM", "float32")
+    common.bf16_gemm_native.cache_clear()
+    try:
+        via_float32 = common.gemm_linear(x, w)
+    finally:
+        common.bf16_gemm_native.cache_clear()
+    assert via_float32.dtype == torch.bfloat16
+    exact = x.double() @ w.double().t()  # every product and sum exact in float64 at this size
+    ulp = exact.abs().float() * 2**-7  # one bf16 step
+    assert ((via_float32.float() - exact.float()).abs() <= ulp).all()
+    assert ((F.linear(x, w).float() - exact.float()).abs() <= ulp).all()  # as the native bf16 GEMM

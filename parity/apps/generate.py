@@ -17,6 +17,7 @@ from ..engine import Engine, SamplingParams
 from ..errors import ParityError
 from ..model import Model, ModelConfig, load_model
 from ..model.tokenizer import load_tokenizer
+from ..ops.common import gemm_linear
 
 
 def _text_prompt(args, tokenizer, text: str) -> list[int]:
@@ -71,7 +72,7 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
 def main(args) -> int:
     """`parity generate`."""
     dtype = dtype_from_name(args.dtype, "--dtype")
-    warning = hardware.bf16_warning(args.dtype, "--dtype")
+    warning = hardware.bf16_warning(args.dtype, "--dtype", linear=gemm_linear)
     if warning:
         print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
     if args.model:

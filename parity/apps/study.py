@@ -40,6 +40,7 @@ from ..metrics.report import write_study_report
 from ..metrics.sinks import read_metrics
 from ..metrics.summary import aggregate, row_figures, step_line, study_table_markdown
 from ..ops import check_backend
+from ..ops.common import gemm_linear
 from ..rl.controller import Controller
 from .sft import SFTConfig, is_built, resolve_base, train_sft
 from .ui import Progress
@@ -278,7 +279,7 @@ def main(args) -> int:
           f"-> {study.out_dir}", flush=True)
     dtypes = {run.dtype or study.train.get("model.dtype", "float32") for run in study.runs}
     warning = None if args.report_only or "bfloat16" not in dtypes else hardware.bf16_warning(
-        "bfloat16", "the study's model.dtype")
+        "bfloat16", "the study's model.dtype", linear=gemm_linear)
     if warning:
         print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
     results = run_study(study, train=not args.report_only)

@@ -10,6 +10,7 @@ from .. import hardware
 from ..config import load_config
 from ..errors import ParityError
 from ..metrics.summary import run_rows, step_line
+from ..ops.common import gemm_linear
 from ..rl.controller import Controller, Interrupted
 from .sft import resolve_base
 from .ui import Progress, table
@@ -24,7 +25,7 @@ def main(args) -> int:
     else:
         cfg = resolve_base(load_config(args.config, args.set or []))
         controller = Controller(cfg)
-    warning = hardware.bf16_warning(cfg.model.dtype)
+    warning = hardware.bf16_warning(cfg.model.dtype, linear=gemm_linear)
     if warning:
         print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
     print(f"parity: {controller.task_description}", flush=True)

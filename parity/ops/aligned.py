@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .common import compute_dtype, gather_blocks, rope
+from .common import compute_dtype, gather_blocks, gemm_linear, rope
 
 MIN_GEMM_ROWS = 16
 """Smallest row count handed to a GEMM (fewer than 12 rows can change a row's reduction order)."""
@@ -95,7 +95,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x2.shape[0]
     if rows < MIN_GEMM_ROWS:
         x2 = torch.cat([x2, x2.new_zeros(MIN_GEMM_ROWS - rows, x2.shape[1])])
-    y = F.linear(x2, weight, bias)
+    y = gemm_linear(x2, weight, bias)
     if rows < MIN_GEMM_ROWS:
         y = y[:rows]
     return y.view(*lead, weight.shape[0])

@@ -3,7 +3,36 @@ whose order could differ (so sharing them cannot leak one backend's numerics int
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def bf16_gemm_native() -> bool:
+    """Whether this CPU's GEMM library (oneDNN) has a bf16 path. Without one (AVX2-only CPUs),
+    PyTorch multiplies bf16 matrices ~50x slower than float32. PARITY_BF16_GEMM=native|float32
+    overrides the answer (tests)."""
+    forced = os.environ.get("PARITY_BF16_GEMM")
+    if forced in ("native", "float32"):
+        return forced == "native"
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
+
+
+def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, except bfloat16 on a CPU without a bf16 GEMM path: there the product runs in
+    float32 and is rounded to bfloat16. Products of bf16 values are exact in float32 and a bf16
+    GEMM accumulates in float32 too, so this is the same computation by another GEMM (both
+    backends use it; the gradients flow through the casts, so the backward GEMMs are float32 too)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not bf16_gemm_native():
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

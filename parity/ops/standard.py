@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import compute_dtype, gather_blocks, rope
+from .common import compute_dtype, gather_blocks, gemm_linear, rope
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+    return gemm_linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
