@@ -54,9 +54,10 @@ def line(info: dict | None = None) -> str:
 
 def preferred_dtype(info: dict | None = None) -> str:
     """The compute dtype that runs faster here: 'bfloat16' with bf16 instructions (AVX-512 BF16,
-    AMX) or a GPU, else 'float32' (PyTorch's bf16 without them is several times slower)."""
+    AMX), else 'float32' (PyTorch's bf16 without them is several times slower). parity computes
+    on the CPU, so a GPU in the machine does not change the answer."""
     info = info or describe()
-    return "bfloat16" if info["bf16"] == "native" or info.get("gpu") else "float32"
+    return "bfloat16" if info["bf16"] == "native" else "float32"
 
 
 def gemm_rate(dtype: torch.dtype = torch.float32, size: int = 2048, reps: int = 5) -> float:
@@ -98,7 +99,7 @@ def bf16_warning(dtype_name: str, what: str = "model.dtype", info: dict | None =
     """A one-line warning when `dtype_name` is bfloat16 on a CPU without bf16 instructions, with
     the cost measured now (of `linear`, see `bf16_cost`); None otherwise."""
     info = info or describe()
-    if dtype_name != "bfloat16" or info["bf16"] == "native" or info.get("gpu"):
+    if dtype_name != "bfloat16" or info["bf16"] == "native":
         return None
     cost = bf16_cost(linear=linear)
     if cost <= 1.1:  # no bf16 instructions, yet not slower: nothing to warn about

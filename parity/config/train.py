@@ -95,7 +95,7 @@ class RolloutSection:
     content does not depend on which worker or how many."""
     max_held_versions: int = 2
     """Deterministic (fixed-lag) runs on the local backend: the most published weight versions a
-    worker holds unused before it samples the batch of the oldest out of turn, so those weights
+    worker holds unused before it samples the batch of the newest out of turn, so those weights
     can go. Bounds the weight copies at any lag (at lag L, in order, a worker still on its
     version-0 batches would hold up to L); batch contents do not depend on the order. 0: no
     bound, strictly in order."""

@@ -94,6 +94,7 @@ class Controller:
         previous_handler = self._catch_ctrl_c()
         try:
             self.rollout.start(self.start_step, ready=self.ready)
+            self.ready = []  # the backend holds them now
             t_start, tokens = time.perf_counter(), 0
             for step in range(self.start_step, cfg.steps):
                 evaluation = self.evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
@@ -170,9 +171,14 @@ class Controller:
 
     def _retain(self) -> int:
         """Take in the batches the workers have finished; let the learner drop the versions no
-        restarted worker could need. Returns how many versions it keeps."""
+        restarted worker could need. Returns how many versions it keeps. MoE models and
+        in-flight updates keep the lag window: there the worker does not score every sampled
+        token (MoE: the learner also compares expert choices; in-flight: a response's earlier
+        tokens came from a version since replaced), so the decomposition still needs the weights."""
         self.rollout.collect()
-        self.learner.retain(self.rollout.needed_versions() or ())
+        scored = not self.model.config.is_moe and self.cfg.rollout.weight_update != "inflight"
+        if scored:
+            self.learner.retain(self.rollout.needed_versions() or ())
         return len(self.learner.history)
 
     def save_checkpoint(self, step: int) -> Path:

@@ -13,7 +13,7 @@ Batches that arrive ahead of the step that consumes them are taken in after ever
 (`collect`) and held as ready; `needed_versions` are then the versions a restarted worker could
 still ask for, so the learner keeps only those (not lag-many), and a checkpoint stores the ready
 batches (`ready_batches`) rather than the weights that sampled them. In deterministic mode a worker
-holding more than `rollout.max_held_versions` unused versions samples the batch of the oldest out
+holding more than `rollout.max_held_versions` unused versions samples the batch of the newest out
 of turn (batches are received in any order), so the versions needed stay a handful at any lag.
 
 The controller sees `start`, `publish`, `next_batch`, `collect`, `needed_versions`, `ready_batches`
@@ -42,7 +42,7 @@ from ..errors import ParityError
 from ..model import ModelConfig
 from .build import build_env, model_skeleton
 from .faults import worker_faults
-from .rollout_worker import RolloutWorker, State, first_batch, start_version
+from .rollout_worker import RolloutWorker, State, first_batch, resume_floor, start_version
 from .trajectory import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def split_threads(cfg: TrainConfig) -> tuple[int, int]:
 
 # --------------------------------------------------------------------------- the child process
 def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, version: int, todo: list[int],
-                 weights_q, traj_q, stop, heartbeat, threads: int, spool: str) -> None:
+                 floor: int, weights_q, traj_q, stop, heartbeat, threads: int, spool: str) -> None:
     """Rollout worker process body: the batches in `todo` (first, first + N, ... of N workers,
     less those already received), in order unless held weights ask otherwise."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
@@ -98,8 +98,10 @@ def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, vers
         def beat() -> None:
             heartbeat.value = time.monotonic()
 
-        worker = RolloutWorker(cfg, model, env, version, poll, beat, state=state)
+        kept = state if cfg.deterministic else None  # kept while a later batch may need it again
+        worker = RolloutWorker(cfg, model, env, version, poll, beat, state=kept)
         worker.todo = todo = list(todo)
+        worker.floor = floor
         while todo:
             b = worker.next_to_sample(todo)
             wait_s = worker.wait_for(b, orphaned)
@@ -156,6 +158,7 @@ class LocalRollout:
         self.slots = [_Slot(i) for i in range(cfg.rollout.workers)]
         self.spool: str | None = None
         self.ready: dict[int, RolloutBatch] = {}  # received ahead of the step that consumes them
+        self.floor = 0  # the oldest version batches may ask for (see RolloutWorker.floor)
 
     @property
     def pids(self) -> list[int | None]:
@@ -173,6 +176,7 @@ class LocalRollout:
             shm = Path("/dev/shm")
             self.spool = tempfile.mkdtemp(prefix="parity-batches-", dir=shm if shm.is_dir() else None)
         self.ready = {b.index: b for b in ready or [] if b.index >= start_batch}
+        self.floor = resume_floor(self.cfg, self.versions(), start_batch)
         n = len(self.slots)
         for slot in self.slots:
             first = first_batch(slot.index, n, start_batch)
@@ -190,11 +194,14 @@ class LocalRollout:
         slot.started = time.monotonic()
         history = self.versions()
         version = start_version(self.cfg, history, todo[0])
+        if version not in history:
+            raise ParityError(f"batch {todo[0]} needs weight version {version}, which is not kept (a "
+                              "checkpoint resumed with another max_policy_lag?); resume with the run's lag")
         rollout_threads, learner_threads = split_threads(self.cfg)
         torch.set_num_threads(learner_threads)
         slot.process = self.ctx.Process(target=_worker_main, daemon=True, args=(
-            self.cfg, self.model_config, history[version], version, slot.todo, slot.weights_q, slot.traj_q,
-            slot.stop, slot.heartbeat, rollout_threads, self.spool))
+            self.cfg, self.model_config, history[version], version, slot.todo, self.floor, slot.weights_q,
+            slot.traj_q, slot.stop, slot.heartbeat, rollout_threads, self.spool))
         slot.process.start()
         for v in sorted(history):
             if v > version:
@@ -226,7 +233,7 @@ class LocalRollout:
         if not self.cfg.deterministic:
             return None  # a restarted worker starts from the newest version
         lag = self.cfg.max_policy_lag
-        return {max(0, b - lag) for slot in self.slots for b in slot.todo}
+        return {max(self.floor, b - lag) for slot in self.slots for b in slot.todo}
 
     def ready_batches(self) -> list[RolloutBatch]:
         """The batches received and not consumed yet, in order (what a checkpoint keeps)."""

@@ -41,7 +41,7 @@ from ..model import ModelConfig
 from .build import build_env, model_skeleton
 from .faults import worker_faults
 from .local import split_threads
-from .rollout_worker import RolloutWorker, State, first_batch, start_version
+from .rollout_worker import RolloutWorker, State, first_batch, resume_floor, start_version
 from .trajectory import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class RolloutActor:
     """The body of a rollout-worker actor (made a Ray actor class by `RayRollout`)."""
 
     def __init__(self, cfg: TrainConfig, model_config: ModelConfig, state: State, version: int,
-                 threads: int):
+                 threads: int, floor: int = 0):
         torch.set_num_threads(threads)
         model = model_skeleton(cfg, model_config)
         model.load_state_dict(state)
@@ -107,6 +107,7 @@ class RolloutActor:
         self._last_beat = time.monotonic()
         self.worker = RolloutWorker(cfg, model, build_env(cfg, model_config.vocab_size), version, self._poll,
                                     self._beat)
+        self.worker.floor = floor
 
     def _beat(self) -> None:
         self._last_beat = time.monotonic()
@@ -168,6 +169,7 @@ class RayRollout:
         self.next_submit = [0] * self.n  # per worker: the next batch to submit
         self.pending: dict[int, object] = {}  # batch index -> ObjectRef of its RolloutBatch
         self.ready: dict[int, RolloutBatch] = {}  # batches restored from a checkpoint
+        self.floor = 0  # the oldest version batches may ask for (see RolloutWorker.floor)
         self.refs: dict[int, object] = {}  # version -> ObjectRef of its weights
         self.restarts = 0
         self._head: subprocess.Popen | None = None  # the Ray head this run started, if any
@@ -212,6 +214,7 @@ class RayRollout:
         """Start the actors on batches start_batch, ...; `ready` batches (from a checkpoint) are
         served as they are."""
         self.ready = {b.index: b for b in ready or [] if b.index >= start_batch}
+        self.floor = resume_floor(self.cfg, self.versions(), start_batch)
         self._connect()
         torch.set_num_threads(split_threads(self.cfg)[1])
         for i in range(self.n):
@@ -224,10 +227,15 @@ class RayRollout:
     def _start_actor(self, i: int, from_batch: int) -> None:
         history = self.versions()
         first = first_batch(i, self.n, from_batch)
+        while first in self.ready:  # restored from a checkpoint: not sampled again
+            first += self.n
         version = start_version(self.cfg, history, first)
+        if version not in history:
+            raise ParityError(f"batch {first} needs weight version {version}, which is not kept (a "
+                              "checkpoint resumed with another max_policy_lag?); resume with the run's lag")
         threads = max(1, int(self.cfg.ray.cpus_per_worker))
         actor = self._actor_class.remote(self.cfg, self.model_config, self._ref(version, history[version]),
-                                         version, threads)
+                                         version, threads, self.floor)
         for v in sorted(history):
             if v > version:
                 actor.receive.options(concurrency_group="weights").remote(v, self._ref(v, history[v]))
@@ -262,16 +270,16 @@ class RayRollout:
         first = min(self.pending, default=min(self.next_submit))
         if not self.cfg.deterministic or first >= self.cfg.steps:
             return None
-        return range(max(0, first - self.cfg.max_policy_lag), sys.maxsize)
+        return range(max(self.floor, first - self.cfg.max_policy_lag), sys.maxsize)
 
     def ready_batches(self) -> list[RolloutBatch]:
         """Batches in hand and not consumed (the restored ones; Ray keeps the others)."""
         return [self.ready[b] for b in sorted(self.ready)]
 
     def next_batch(self, step: int) -> RolloutBatch:
+        self._submit(step)  # keep the actors busy while restored batches are consumed
         if step in self.ready:
             return self.ready.pop(step)
-        self._submit(step)
         timeout = self.cfg.rollout.heartbeat_timeout_s
         while True:
             try:

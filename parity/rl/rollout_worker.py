@@ -21,6 +21,7 @@ A batch's content depends only on (seed, batch index, the version that sampled i
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from ..errors import InputError
 from ..model import sequence_logprobs
 from .learner import micro_batches
 from .trajectory import RolloutBatch, Trajectory
+
+log = logging.getLogger(__name__)
 
 State = dict[str, torch.Tensor]
 Poll = Callable[[bool], list[tuple[int, State]]]
@@ -166,10 +169,24 @@ def first_batch(worker: int, workers: int, from_batch: int) -> int:
 
 def start_version(cfg: TrainConfig, versions: dict, first: int) -> int:
     """The version a worker starts from: the newest one, or in deterministic mode the one its
-    first batch must be sampled with (or the newest, when that one is not published yet)."""
+    first batch must be sampled with (or the newest, when that one is not published yet; or the
+    oldest kept, when a run resumed past its planned end no longer keeps it)."""
     if cfg.deterministic:
-        return min(max(0, first - cfg.max_policy_lag), max(versions))
+        return min(max(min(versions), first - cfg.max_policy_lag), max(versions))
     return max(versions)
+
+
+def resume_floor(cfg: TrainConfig, versions: dict, start_batch: int) -> int:
+    """The oldest version batches from `start_batch` on may ask for: 0 in a fresh or exactly
+    resumed run; in a deterministic run resumed past its planned end, the oldest version kept
+    (the fixed-lag versions of the next batches are gone: those batches are sampled by it)."""
+    oldest = min(versions)
+    if cfg.deterministic and start_batch - cfg.max_policy_lag < oldest:
+        log.warning("batches %d..%d are sampled by version %d: their fixed-lag versions were not kept "
+                    "(resumed past the run's planned end, or with another max_policy_lag)", start_batch,
+                    oldest + cfg.max_policy_lag - 1, oldest)
+        return oldest
+    return 0
 
 
 class RolloutWorker:
@@ -189,6 +206,9 @@ class RolloutWorker:
         self.engine.policy_version = version
         self.held: dict[int, State] = {}  # versions received and needed, not loaded now
         self.loaded: State | None = state  # the tensors of the loaded version, when known
+        self.floor = 0
+        """The oldest version the run keeps: 0, or after resuming past a run's planned end the
+        version it resumed at (batches whose fixed-lag version is gone are sampled by it)."""
         self.todo: list[int] | None = None
         """This worker's batches not sampled yet, when its host plans them (then, in deterministic
         mode, only versions one of them needs are held and batches may be sampled out of turn)."""
@@ -233,7 +253,7 @@ class RolloutWorker:
             if self._planned() and self.loaded is not None and self.needed(self.version):
                 self.held[self.version] = self.loaded  # a later batch needs these weights again
             self.engine.update_weights(state, version, mode=mode)
-            self.loaded = state
+            self.loaded = state if self._planned() else None  # kept only where a batch may need it again
             self._load_s += time.perf_counter() - t0
         for v in [v for v in self.held if not self.needed(v)]:
             del self.held[v]
@@ -254,8 +274,8 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ admission
     def required_version(self, batch_index: int) -> int:
-        """The oldest version batch `batch_index` may be sampled with."""
-        return max(0, batch_index - self.cfg.max_policy_lag)
+        """The oldest version batch `batch_index` may be sampled with (never below `floor`)."""
+        return max(self.floor, batch_index - self.cfg.max_policy_lag)
 
     def admissible(self, batch_index: int) -> bool:
         need = self.required_version(batch_index)
@@ -313,6 +333,8 @@ class RolloutWorker:
         with torch.no_grad():
             for idx in micro_batches([len(x) for x in seqs], lc.micro_batch_size, lc.micro_batch_tokens):
                 out += sequence_logprobs(model, [seqs[j] for j in idx], lc.temperature)
+                if self._beat is not None:
+                    self._beat()
         nan = float("nan")
         for t, lp in zip(trajectories, out):
             values = [nan] + lp.tolist()

@@ -253,3 +253,13 @@ def test_worker_holds_only_versions_its_batches_need_and_evicts_the_newest(tmp_p
     assert worker.version == 6
     assert sorted(worker.held) == [0, 2, 4]  # version 0 kept: batches 0 and 2 still need it
     assert worker.next_to_sample(todo) == 8
+
+
+def test_a_fixed_lag_run_resumed_past_its_end_trains_on(tmp_path):
+    """A finished deterministic run keeps only its last weights; resumed with more steps, the
+    batches whose fixed-lag versions are gone are sampled by the oldest kept version."""
+    args = ("max_policy_lag=2", "deterministic=true", "eval_every=0")
+    Controller(config(tmp_path, *args, "steps=3")).run()
+    more = Controller(config(tmp_path, *args, "steps=6"), resume=True).run()
+    assert [m["step"] for m in more[-3:]] == [3, 4, 5]
+    assert [m["lag/max"] for m in more[-3:]] == [0, 1, 2]  # versions 3, 3, 3: back to the lag
