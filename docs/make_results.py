@@ -311,7 +311,9 @@ def main() -> None:
     total_wall = sum(v for run in r["runs"].values() for v in run["figures"]["wall_s"]["values"])
     lag_lines, lag_ok = lag_check(r)
     bf16 = ("natively (the CPU has bf16 dot-product instructions)" if machine["bf16"] == "native" else
-            "with PyTorch's bf16 kernels on a CPU without bf16 instructions (slow, same numerics)")
+            "on a CPU without bf16 instructions: every GEMM multiplies the bf16 values in float32 and "
+            "rounds to bf16, as a bf16 GEMM does (parity's fallback; PyTorch's own bf16 GEMM is ~50x slower "
+            "there), element-wise ops in bf16")
     lines = [
         "# Results on this machine kind",
         "",
