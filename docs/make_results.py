@@ -310,10 +310,14 @@ def main() -> None:
     dtype = train.get("model.dtype", "float32")
     total_wall = sum(v for run in r["runs"].values() for v in run["figures"]["wall_s"]["values"])
     lag_lines, lag_ok = lag_check(r)
-    bf16 = ("natively (the CPU has bf16 dot-product instructions)" if machine["bf16"] == "native" else
-            "on a CPU without bf16 instructions: every GEMM multiplies the bf16 values in float32 and "
-            "rounds to bf16, as a bf16 GEMM does (parity's fallback; PyTorch's own bf16 GEMM is ~50x slower "
-            "there), element-wise ops in bf16")
+    if machine["bf16"] == "native":
+        bf16 = "natively (the CPU has bf16 dot-product instructions)"
+    elif machine.get("bf16_gemm") == "float32":
+        bf16 = ("on a CPU without a bf16 GEMM: every GEMM multiplies the bf16 values in float32 and "
+                "rounds to bf16, as a bf16 GEMM does (parity's fallback; PyTorch's own bf16 GEMM is ~50x "
+                "slower there), element-wise ops in bf16")
+    else:
+        bf16 = "with oneDNN's bf16 GEMMs on a CPU without bf16 dot-product instructions (same numerics)"
     lines = [
         "# Results on this machine kind",
         "",

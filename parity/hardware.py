@@ -8,6 +8,7 @@ name the features beside their numbers.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -38,6 +39,7 @@ def describe() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": model, "cores": os.cpu_count() or 1, "features": features,
             "bf16": "native" if {"avx512_bf16", "amx_bf16"} & flags else "slow",
+            "bf16_gemm": "onednn" if bf16_gemm_native() else "float32",
             "torch": torch.__version__, "threads": torch.get_num_threads(), "gpu": gpu}
 
 
@@ -50,6 +52,21 @@ def line(info: dict | None = None) -> str:
     gpu = f", GPU {info['gpu']}" if info.get("gpu") else ""
     return (f"{info['cpu']}, {info['cores']} cores, {feats}{amx}, torch {info['torch']}, "
             f"{info['threads']} threads{gpu}")
+
+
+@functools.cache
+def bf16_gemm_native() -> bool:
+    """Whether this CPU's GEMM library (oneDNN) has a bf16 path. Without one (AVX2-only CPUs),
+    PyTorch multiplies bf16 matrices ~50x slower than float32, and parity's kernels multiply bf16
+    values in float32 instead (`ops.common.gemm_linear`). PARITY_BF16_GEMM=native|float32
+    overrides the answer (tests)."""
+    forced = os.environ.get("PARITY_BF16_GEMM")
+    if forced in ("native", "float32"):
+        return forced == "native"
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def preferred_dtype(info: dict | None = None) -> str:

@@ -87,11 +87,11 @@ def test_bf16_gemms_through_float32_keep_parity_and_are_bf16_gemms(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(16, 256, generator=gen).bfloat16(), torch.randn(32, 256, generator=gen).bfloat16()
     monkeypatch.setenv("PARITY_BF16_GEMM", "float32")
-    common.bf16_gemm_native.cache_clear()
+    hardware.bf16_gemm_native.cache_clear()
     try:
         via_float32 = common.gemm_linear(x, w)
     finally:
-        common.bf16_gemm_native.cache_clear()
+        hardware.bf16_gemm_native.cache_clear()
     assert via_float32.dtype == torch.bfloat16
     exact = x.double() @ w.double().t()  # every product and sum exact in float64 at this size
     ulp = exact.abs().float() * 2**-7  # one bf16 step

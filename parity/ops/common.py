@@ -3,25 +3,10 @@ whose order could differ (so sharing them cannot leak one backend's numerics int
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 
-
-@functools.cache
-def bf16_gemm_native() -> bool:
-    """Whether this CPU's GEMM library (oneDNN) has a bf16 path. Without one (AVX2-only CPUs),
-    PyTorch multiplies bf16 matrices ~50x slower than float32. PARITY_BF16_GEMM=native|float32
-    overrides the answer (tests)."""
-    forced = os.environ.get("PARITY_BF16_GEMM")
-    if forced in ("native", "float32"):
-        return forced == "native"
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return True
+from ..hardware import bf16_gemm_native
 
 
 def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
