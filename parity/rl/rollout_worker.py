@@ -181,7 +181,7 @@ def resume_floor(cfg: TrainConfig, versions: dict, start_batch: int) -> int:
     resumed run; in a deterministic run resumed past its planned end, the oldest version kept
     (the fixed-lag versions of the next batches are gone: those batches are sampled by it)."""
     oldest = min(versions)
-    if cfg.deterministic and start_batch - cfg.max_policy_lag < oldest:
+    if cfg.deterministic and max(0, start_batch - cfg.max_policy_lag) < oldest:
         log.warning("batches %d..%d are sampled by version %d: their fixed-lag versions were not kept "
                     "(resumed past the run's planned end, or with another max_policy_lag)", start_batch,
                     oldest + cfg.max_policy_lag - 1, oldest)

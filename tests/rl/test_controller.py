@@ -255,11 +255,17 @@ def test_worker_holds_only_versions_its_batches_need_and_evicts_the_newest(tmp_p
     assert worker.next_to_sample(todo) == 8
 
 
-def test_a_fixed_lag_run_resumed_past_its_end_trains_on(tmp_path):
+def test_a_fixed_lag_run_resumed_past_its_end_trains_on(tmp_path, caplog):
     """A finished deterministic run keeps only its last weights; resumed with more steps, the
     batches whose fixed-lag versions are gone are sampled by the oldest kept version."""
+    import logging
+
     args = ("max_policy_lag=2", "deterministic=true", "eval_every=0")
-    Controller(config(tmp_path, *args, "steps=3")).run()
-    more = Controller(config(tmp_path, *args, "steps=6"), resume=True).run()
+    with caplog.at_level(logging.WARNING, logger="parity"):
+        Controller(config(tmp_path, *args, "steps=3")).run()
+    assert "fixed-lag versions were not kept" not in caplog.text  # a fresh run has them all
+    with caplog.at_level(logging.WARNING, logger="parity"):
+        more = Controller(config(tmp_path, *args, "steps=6"), resume=True).run()
+    assert "batches 3..4 are sampled by version 3" in caplog.text
     assert [m["step"] for m in more[-3:]] == [3, 4, 5]
     assert [m["lag/max"] for m in more[-3:]] == [0, 1, 2]  # versions 3, 3, 3: back to the lag
