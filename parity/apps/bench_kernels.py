@@ -25,11 +25,11 @@ from ..engine import Decoder
 from ..errors import ParityError
 from ..model import ForwardBatch, Model, ModelConfig
 from ..ops import BACKENDS
-from .ui import status, table
+from .ui import RateRow, gemm_line, status, table
 
 
 @dataclass
-class BenchRow:
+class BenchRow(RateRow):
     preset: str
     dtype: str
     phase: str  # "prefill" or "decode"
@@ -39,18 +39,6 @@ class BenchRow:
     flops_per_token: float = 0.0
     gemm_gflops: float = 0.0
     """This machine's GEMM rate for the dtype, measured in the same run."""
-
-    @property
-    def ratio(self) -> float:
-        return self.aligned_tok_s / self.standard_tok_s
-
-    @property
-    def aligned_gflops(self) -> float:
-        return self.aligned_tok_s * self.flops_per_token / 1e9
-
-    @property
-    def gemm_fraction(self) -> float:
-        return self.aligned_gflops / self.gemm_gflops if self.gemm_gflops else 0.0
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ratio": self.ratio, "aligned_gflops": self.aligned_gflops,
@@ -163,6 +151,5 @@ def main(args) -> int:
                 [[r.preset, r.dtype, r.phase, str(r.batch), f"{r.aligned_tok_s:,.0f}",
                   f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}", f"{r.aligned_gflops:,.1f}",
                   f"{r.gemm_fraction:.0%}"] for r in rows]))
-    gemm = {r.dtype: r.gemm_gflops for r in rows}
-    print("GEMM rate (2048^3, same run): " + ", ".join(f"{d} {g:,.0f} GFLOP/s" for d, g in gemm.items()))
+    print(gemm_line(rows))
     return 0

@@ -24,11 +24,11 @@ from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import Model, ModelConfig, sequence_logprobs
 from ..ops import BACKENDS
-from .ui import status, table
+from .ui import RateRow, gemm_line, status, table
 
 
 @dataclass
-class LearnerRow:
+class LearnerRow(RateRow):
     preset: str
     dtype: str
     batch: int
@@ -38,18 +38,6 @@ class LearnerRow:
     flops_per_token: float = 0.0
     gemm_gflops: float = 0.0
     """This machine's GEMM rate for the dtype, measured in the same run."""
-
-    @property
-    def ratio(self) -> float:
-        return self.aligned_tok_s / self.standard_tok_s
-
-    @property
-    def aligned_gflops(self) -> float:
-        return self.aligned_tok_s * self.flops_per_token / 1e9
-
-    @property
-    def gemm_fraction(self) -> float:
-        return self.aligned_gflops / self.gemm_gflops if self.gemm_gflops else 0.0
 
 
 def _step_fn(model: Model, seqs: list[torch.Tensor]) -> Callable[[], None]:
@@ -116,6 +104,5 @@ def main(args) -> int:
                  "aligned GFLOP/s", "of GEMM rate"],
                 [[r.preset, r.dtype, f"{r.aligned_tok_s:,.0f}", f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}",
                   f"{r.aligned_gflops:,.1f}", f"{r.gemm_fraction:.0%}"] for r in rows]))
-    gemm = {r.dtype: r.gemm_gflops for r in rows}
-    print("GEMM rate (2048^3, same run): " + ", ".join(f"{d} {g:,.0f} GFLOP/s" for d, g in gemm.items()))
+    print(gemm_line(rows))
     return 0

@@ -20,6 +20,29 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + [fmt.format(*r) for r in rows])
 
 
+class RateRow:
+    """Mixin for a benchmark row with `aligned_tok_s`, `standard_tok_s`, `flops_per_token` and
+    `gemm_gflops` (this machine's GEMM rate for the row's dtype, measured in the same run)."""
+
+    @property
+    def ratio(self) -> float:
+        return self.aligned_tok_s / self.standard_tok_s
+
+    @property
+    def aligned_gflops(self) -> float:
+        return self.aligned_tok_s * self.flops_per_token / 1e9
+
+    @property
+    def gemm_fraction(self) -> float:
+        return self.aligned_gflops / self.gemm_gflops if self.gemm_gflops else 0.0
+
+
+def gemm_line(rows) -> str:
+    """'GEMM rate (2048^3, same run): float32 N GFLOP/s, ...' for the dtypes of `rows`."""
+    gemm = {r.dtype: r.gemm_gflops for r in rows}
+    return "GEMM rate (2048^3, same run): " + ", ".join(f"{d} {g:,.0f} GFLOP/s" for d, g in gemm.items())
+
+
 def status(msg: str) -> None:
     """A one-line status that overwrites itself, on a terminal only (stderr)."""
     if sys.stderr.isatty():
