@@ -51,6 +51,7 @@ def _one(preset: str, dtype: str, lag: int, after: int, held: int, max_tokens: i
         "deterministic=true", "eval_every=0", "checkpoint_every=0", f'run_dir="{run_dir}"',
         "rollout.prompts_per_step=1", "rollout.group_size=2", f"rollout.max_tokens={max_tokens}",
         "learner.micro_batch_size=2", f"rollout.max_held_versions={held}", "task.targets=[7, 8]",
+        "rollout.max_num_seqs=2", f"rollout.kv_cache_memory={64 << 20}",  # two short sequences
     ])
     t0 = time.perf_counter()
     metrics = Controller(cfg).run()
