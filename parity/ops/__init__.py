@@ -10,6 +10,7 @@ different model instances in one process.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -129,9 +130,27 @@ def check_backend(name: str, what: str = "kernels") -> str:
     return name
 
 
-def get_kernels(name: str) -> Kernels:
-    """Return the kernel bundle called `name` (one of `BACKENDS`)."""
-    return _BUNDLES[check_backend(name)]
+def aligned_impl(device: torch.device | str | None = None) -> str:
+    """Which implementation of the aligned backend serves tensors on `device`: 'triton' on CUDA,
+    'cpu' (the native C kernels or their pure-PyTorch form) elsewhere. PARITY_ALIGNED_IMPL=triton
+    runs the Triton kernels on CPU tensors too, through Triton's interpreter (tests, no GPU)."""
+    forced = os.environ.get("PARITY_ALIGNED_IMPL", "auto")
+    if forced not in ("auto", "cpu", "triton"):
+        raise ConfigError(f"PARITY_ALIGNED_IMPL must be 'auto', 'cpu' or 'triton', got {forced!r}")
+    if forced != "auto":
+        return forced
+    return "triton" if torch.device(device or "cpu").type == "cuda" else "cpu"
 
 
-__all__ = ["BACKENDS", "Kernels", "check_backend", "get_kernels"]
+def get_kernels(name: str, device: torch.device | str | None = None) -> Kernels:
+    """Return the kernel bundle called `name` (one of `BACKENDS`) for tensors on `device`
+    (default CPU). `standard` is the same plain PyTorch code everywhere (cuBLAS and SDPA on
+    CUDA); `aligned` is the Triton kernels on CUDA and the CPU kernels elsewhere."""
+    check_backend(name)
+    if name == "aligned" and aligned_impl(device) == "triton":
+        from .triton_bundle import TRITON_ALIGNED
+        return TRITON_ALIGNED
+    return _BUNDLES[name]
+
+
+__all__ = ["BACKENDS", "Kernels", "aligned_impl", "check_backend", "get_kernels"]
