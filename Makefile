@@ -24,4 +24,4 @@ install:
 		|| { echo "installing parity and its dependencies"; $(PIP) -e .; }
 
 install-dev: install
-	@$(HAVE) pytest hypothesis ruff transformers ray || { echo "installing the test extras"; $(PIP) -e ".[dev]"; }
+	@$(HAVE) pytest hypothesis ruff transformers ray triton || { echo "installing the test extras"; $(PIP) -e ".[dev]"; }

@@ -48,6 +48,9 @@ class Kernels:
     """`moe_route(router_logits, k, normalize) -> (weights, expert ids)`: top-k routing."""
     moe_combine: Callable
     """`moe_combine(parts [T, k, H]) -> [T, H]`: a token's weighted expert outputs summed."""
+    impl: str = "cpu"
+    """Which implementation serves the backend: 'cpu' (C kernels or pure PyTorch; `standard`
+    everywhere) or 'triton' (the aligned backend on CUDA, or on CPU through the interpreter)."""
 
 
 def _needs_grad(*tensors) -> bool:

@@ -1,0 +1,166 @@
+"""The aligned backend on CUDA: `triton_kernels.py` behind the same `Kernels` fields as the CPU form.
+
+`get_kernels("aligned", device)` returns this bundle for CUDA tensors (and for CPU tensors under
+PARITY_ALIGNED_IMPL=triton, through Triton's interpreter). The learner's forward is these same
+kernels under autograd: each op with a gradient is a custom autograd function whose forward is
+the Triton kernel and whose backward is ordinary PyTorch math (gradients must be right, not
+bitwise-aligned). Element-wise PyTorch ops on a GPU do not depend on an element's position, so
+`pointwise` is plain application there; on CPU tensors it keeps the CPU backend's padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import Kernels, aligned
+from . import triton_kernels as tk
+from .common import compute_dtype, rope
+from .functions import AttentionFn, RMSNormFn, SiluMulFn
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` on a GPU; on CPU tensors (interpreter runs) the CPU backend's tail-free padding."""
+    return fn(x) if x.is_cuda else aligned.pointwise(fn, x)
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return tk.matmul(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        gx = grad @ weight if ctx.needs_input_grad[0] else None
+        gw = grad.t() @ x if ctx.needs_input_grad[1] else None
+        gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` by the fixed-tile Triton GEMM. [..., K] -> [..., N]"""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if _needs_grad(x, weight, bias):
+        y = _LinearFn.apply(x2, weight, bias)
+    else:
+        y = tk.matmul(x2, weight, bias)
+    return y.view(*lead, weight.shape[0])
+
+
+class _RMSNormFn(RMSNormFn):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return tk.rms_norm(x, weight, eps)
+
+
+class _SiluMulFn(SiluMulFn):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return tk.silu_mul(gate, up)
+
+
+class _AttentionFn(AttentionFn):
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, block_size):
+        ctx.save_for_backward(q, k, v, q_pos)
+        return tk.attention(q, k, v, q_pos, block_size)
+
+
+def rms_norm(x, weight, eps):
+    return _RMSNormFn.apply(x, weight, eps) if _needs_grad(x, weight) else tk.rms_norm(x, weight, eps)
+
+
+def rms_norm_rope(x, weight, eps, cos, sin):
+    return rope(rms_norm(x, weight, eps), cos, sin)
+
+
+def silu_mul(gate, up):
+    return _SiluMulFn.apply(gate, up) if _needs_grad(gate, up) else tk.silu_mul(gate, up)
+
+
+def attention(q, k, v, q_pos, block_size):
+    if _needs_grad(q, k, v):
+        return _AttentionFn.apply(q, k, v, q_pos, block_size)
+    return tk.attention(q, k, v, q_pos, block_size)
+
+
+class _RowLSEFn(torch.autograd.Function):
+    """logsumexp(logits * inv_t) per row by the fixed-chunk kernel; gradient softmax * inv_t."""
+
+    @staticmethod
+    def forward(ctx, logits, inv_t: float):
+        lse = tk.row_lse(logits, inv_t)
+        ctx.save_for_backward(logits, lse)
+        ctx.inv_t = inv_t
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse = ctx.saved_tensors
+        probs = torch.exp(logits.float() * ctx.inv_t - lse.unsqueeze(-1))
+        return (grad.unsqueeze(-1) * probs * ctx.inv_t).to(logits.dtype), None
+
+
+def _log_norm(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    z = logits.to(compute_dtype(logits.dtype))
+    inv_t = torch.tensor(1.0 / temperature, dtype=z.dtype)
+    inv = float(inv_t)  # 1/T rounded to float32 once, the same value inside the kernel
+    z = z * inv_t.to(z.device)
+    lse = _RowLSEFn.apply(logits, inv) if _needs_grad(logits) else tk.row_lse(logits, inv)
+    return z, lse
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`log_softmax(logits / T)[token]` in float32. logits [N, V], tokens [N] -> [N]"""
+    z, lse = _log_norm(logits, temperature)
+    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+
+
+def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Full `log_softmax(logits / T)` rows in float32, same bits as `token_logprobs`. [N, V]"""
+    z, lse = _log_norm(logits, temperature)
+    return z - lse.unsqueeze(-1)
+
+
+def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing as `aligned.moe_route`: softmax by the fixed-chunk log-sum-exp, a stable sort,
+    the top k renormalised by a sum in rank order. Every step is per row."""
+    probs = pointwise(torch.exp, log_softmax(logits, 1.0))
+    top, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top, idx = top[:, :k], idx[:, :k]
+    if normalize:
+        total = top[:, 0]
+        for j in range(1, k):
+            total = total + top[:, j]
+        top = top / total.unsqueeze(-1)
+    return top.to(logits.dtype), idx
+
+
+TRITON_ALIGNED = Kernels(
+    name="aligned",
+    min_rows=1,
+    pointwise=pointwise,
+    linear=linear,
+    rms_norm=rms_norm,
+    rms_norm_rope=rms_norm_rope,
+    silu_mul=silu_mul,
+    attention=attention,
+    paged_attention=tk.paged_attention,
+    token_logprobs=token_logprobs,
+    log_softmax=log_softmax,
+    rope=rope,
+    moe_route=moe_route,
+    moe_combine=aligned.moe_combine,
+    impl="triton",
+)
+"""The aligned bundle on CUDA (min_rows 1: the Triton GEMM's row bits never depend on M)."""

@@ -1,0 +1,316 @@
+"""Aligned kernels in Triton: the GPU form of `aligned.py`, one reduction order per output element.
+
+Each kernel fixes how an output element is reduced from the shapes that describe the *element*
+alone (K for a GEMM, the hidden size for a norm, the key position for attention, the vocabulary
+for a log-sum-exp), never from how many rows, queries or sequences share the launch:
+
+- `matmul`: one tile configuration per (device kind, dtype) with a fixed K step, no split-K and
+  no autotuning by M; a row of `x @ W.T` is reduced by the same sequence of tile products
+  whatever M is and whichever tile the row lands in.
+- `rms_norm`: one program per row, the row's sum of squares in one block of next_pow2(H).
+- `silu_mul`: element-wise.
+- `attention`: queries of one KV head in tiles of `BLOCK_M` rows; keys in blocks of the cache's
+  page size, visited in order 0, 1, 2, ... with an online softmax (a block wholly beyond a row's
+  position changes nothing: its max is -inf, its rescale factor exactly 1, its sum exactly 0), so
+  a query's result depends on its position alone: prefill, chunked prefill and decode, dense
+  (learner) or paged (engine), give the same bits.
+- `row_lse`: log-sum-exp per row over fixed `BLOCK_V` chunks in order (online max and sum).
+
+Without a CUDA device the kernels run on CPU tensors through Triton's interpreter
+(`TRITON_INTERPRET=1`, set here before Triton is imported when no GPU is visible). That proves the
+blocking design in CI; it does not prove GPU bits or speed. There `_dot` replaces `tl.dot` by an
+explicit float32 product-sum over K: the interpreter's `tl.dot` calls numpy's BLAS, which rounds
+a row differently by where it sits in the tile (and mishandles bfloat16 operands). Products of
+bf16 values are exact in float32, the values a bf16 tensor-core product accumulates.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ..errors import ConfigError
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ConfigError("the Triton kernels need Triton's interpreter on a machine without CUDA, "
+                          "but triton was imported before it could be turned on: set "
+                          "TRITON_INTERPRET=1 before starting Python")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as err:  # pragma: no cover - depends on the install
+    raise ConfigError("the aligned kernels on CUDA are written in Triton, which is not installed "
+                      "(pip install triton)") from err
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+"""True when the kernels run through Triton's CPU interpreter (no GPU)."""
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _gemm_tiles(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): a function of the device kind and the
+    dtype only. Never of M: that is the whole invariance argument for the GEMM."""
+    if INTERPRET:
+        return 64, 128, 64, 4, 1  # big tiles: the interpreter's cost is per program, not per flop
+    if dtype == torch.float32:
+        return 64, 64, 32, 4, 3
+    return 64, 128, 64, 4, 3
+
+
+_ROWS = 64 if INTERPRET else 4
+"""Rows per program of the row-wise kernels (norm, SwiGLU, log-sum-exp): a constant, so a row's
+reduction (over its own columns) is laid out the same whatever the row count."""
+
+
+@triton.jit
+def _dot(a, b, acc, INTERP: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b. On a GPU `tl.dot` (tensor cores; ieee for float32). In the interpreter an
+    explicit float32 product-sum over K (numpy's BLAS, which `tl.dot` calls there, rounds a row
+    differently by where it sits in the tile; a GPU's MMA units do not)."""
+    if INTERP:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    elif IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+# ----------------------------------------------------------------------------- GEMM
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
+                   sxm, sxk, swn, swk, som, son,
+                   HAS_BIAS: tl.constexpr, INTERP: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # one K order, from 0 up in fixed steps: no split-K
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        acc = _dot(a, b, acc, INTERP, IEEE)
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` for 2-D x [M, K], weight [N, K]; float32 accumulation, output in
+    x's dtype. A row's bits do not depend on M or on the other rows."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    bm, bn, bk, warps, stages = _gemm_tiles(x.dtype)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _matmul_kernel[grid](
+        x, weight, bias if bias is not None else x, out, m, n, k,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, INTERP=INTERPRET,
+        IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, H, sx, so, eps,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows[:, None] < R) & (cols[None, :] < H)
+    x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=1) / H
+    inv = 1.0 / tl.sqrt(mean_sq + eps)
+    normed = (x * inv[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # Qwen3: cast, scale
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * so + cols[None, :],
+             (w[None, :] * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, statistics in float32, result in x's dtype."""
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _rms_norm_kernel[(triton.cdiv(x2.shape[0], _ROWS),)](
+            x2, weight, out, x2.shape[0], h, x2.stride(0), out.stride(0), eps,
+            ROWS=_ROWS, BLOCK=triton.next_power_of_2(h))
+    return out.view(x.shape)
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, R, n_cols, sg, su, so,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < R) & (cols[None, :] < n_cols)
+    g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    silu = g / (1.0 + tl.exp(-g))
+    tl.store(out_ptr + rows[:, None] * so + cols[None, :], (silu * u).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` in float32, returned in gate's dtype. Rows may be strided views."""
+    n = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    if u2.stride(-1) != 1:
+        u2 = u2.contiguous()
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    block = 1024 if INTERPRET else 256
+    if g2.shape[0]:
+        _silu_mul_kernel[(triton.cdiv(g2.shape[0], _ROWS), triton.cdiv(n, block))](
+            g2, u2, out, g2.shape[0], n, g2.stride(0), u2.stride(0), out.stride(0),
+            ROWS=_ROWS, BLOCK=block)
+    return out.view(gate.shape)
+
+
+# ----------------------------------------------------------------------------- attention
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr,
+                      M, REP, n_tab, scale,
+                      sqb, sqm, sqh, sob, som, soh,
+                      skb, skh, skd, skp, svb, svh, svp, svd, stb, spb,
+                      D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      INTERP: tl.constexpr, IEEE: tl.constexpr):
+    """One program: sequence `b`, KV head `h`, BLOCK_M query rows (row r = token r // REP, query
+    head h * REP + r % REP). Keys are read block by block through the sequence's table."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    tile = tl.program_id(2)
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = r < M * REP
+    tok = r // REP
+    head = h * REP + r % REP
+    d = tl.arange(0, D)
+    pos = tl.load(pos_ptr + b * spb + tok, mask=live, other=0)
+    pos = tl.maximum(pos, 0)  # padding rows attend to key 0 (finite, then dropped)
+    q = tl.load(q_ptr + b * sqb + tok[:, None] * sqm + head[:, None] * sqh + d[None, :],
+                mask=live[:, None], other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    keys = tl.arange(0, BS)
+    last = tl.minimum(tl.max(pos, axis=0) // BS + 1, n_tab)
+    for j in range(0, last):  # key blocks in order; blocks past a row's position are exact no-ops
+        blk = tl.load(tab_ptr + b * stb + j).to(tl.int64)
+        kt = tl.load(k_ptr + blk * skb + h * skh + d[:, None] * skd + keys[None, :] * skp)  # [D, BS]
+        s = _dot(q, kt, tl.zeros((BLOCK_M, BS), dtype=tl.float32), INTERP, IEEE) * scale  # log2 units
+        visible = (j * BS + keys)[None, :] <= pos[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + blk * svb + h * svh + keys[:, None] * svp + d[None, :] * svd)  # [BS, D]
+        acc = acc * alpha[:, None]
+        if IEEE or INTERP:
+            acc = _dot(p, v, acc, INTERP, IEEE)
+        else:
+            acc = _dot(p.to(v.dtype), v, acc, INTERP, IEEE)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + b * sob + tok[:, None] * som + head[:, None] * soh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def _block_m() -> int:
+    return 64
+
+
+def _launch_attention(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_size):
+    bsz, m, hq, d = q.shape
+    hkv = k_strides[4]
+    rep = hq // hkv
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if bsz == 0 or m == 0:
+        return out
+    q_pos = q_pos.to(torch.int32).contiguous()
+    tables = tables.to(torch.int32).contiguous()
+    bm = _block_m()
+    grid = (bsz, hkv, triton.cdiv(m * rep, bm))
+    scale = 1.4426950408889634 / d ** 0.5
+    _attention_kernel[grid](
+        q, k_blocks, v_blocks, tables, q_pos, out, m, rep, tables.shape[1], scale,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        *k_strides[:4], *v_strides, tables.stride(0), q_pos.stride(0),
+        D=d, BS=block_size, BLOCK_M=bm,
+        INTERP=INTERPRET, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2)
+    return out
+
+
+def paged_attention(q, k_cache, v_cache, tables, q_pos) -> torch.Tensor:
+    """Attention through block tables: q [B, M, Hq, D] (last dim contiguous), key blocks
+    [NB, Hkv, D, bs], value blocks [NB, Hkv, bs, D], tables [B, nblk], q_pos [B, M]."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    k_str = (*k_cache.stride(), k_cache.shape[1])  # block, head, d, pos, Hkv
+    v_str = v_cache.stride()  # block, head, pos, d
+    return _launch_attention(q, k_cache, v_cache, k_str, v_str, tables, q_pos, k_cache.shape[-1])
+
+
+def attention(q, k, v, q_pos, block_size: int) -> torch.Tensor:
+    """Dense attention (the learner's): k, v [B, L, Hkv, D] with L a multiple of `block_size`,
+    read as pages of `block_size` keys in order, by the same kernel as `paged_attention`."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    k, v = k.contiguous(), v.contiguous()
+    bsz, length, hkv, d = k.shape
+    nblk = length // block_size
+    tables = torch.arange(bsz * nblk, device=q.device, dtype=torch.int32).view(bsz, nblk)
+    # page (b, j) starts at row b * L + j * bs of the [B * L, Hkv, D] key matrix
+    k_str = (block_size * hkv * d, d, 1, hkv * d, hkv)
+    v_str = (block_size * hkv * d, d, hkv * d, 1)
+    return _launch_attention(q, k, v, k_str, v_str, tables, q_pos, block_size)
+
+
+# ----------------------------------------------------------------------------- log-sum-exp
+@triton.jit
+def _row_lse_kernel(x_ptr, out_ptr, R, V, sx, inv_t, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < R
+    cols = tl.arange(0, BLOCK_V)
+    m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    s_i = tl.zeros((ROWS,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):  # fixed chunks, in order: the order depends on V alone
+        c = v0 + cols
+        z = tl.load(x_ptr + rows[:, None] * sx + c[None, :], mask=live[:, None] & (c[None, :] < V),
+                    other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m_i, tl.max(z, axis=1))
+        m_new = tl.where(live, m_new, 0.0)  # dead rows stay finite
+        s_i = s_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+        m_i = m_new
+    tl.store(out_ptr + rows, m_i + tl.log(tl.where(live, s_i, 1.0)), mask=live)
+
+
+def row_lse(logits: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """logsumexp(logits * inv_t) per row of a 2-D tensor, float32."""
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _row_lse_kernel[(triton.cdiv(x.shape[0], _ROWS),)](
+            x, out, x.shape[0], x.shape[1], x.stride(0), inv_t,
+            ROWS=_ROWS, BLOCK_V=1024 if INTERPRET else 512)
+    return out
