@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The GPU checks of parity in one command (< 8 minutes on one GPU), for the first machine with CUDA:
+#   scripts/gpu_check.sh [OUT_DIR]        (default: $OUT if set, else runs/gpu_check)
+#   DEVICE=cpu SMOKE=1 scripts/gpu_check.sh /tmp/x   (a dry run of the same steps on the CPU, at tiny
+#                                                    sizes: checks the script itself, not a GPU)
+# 1. the bitwise suite on CUDA (tests/parity with PARITY_TEST_DEVICE=cuda: >= 1,000 generated
+#    cases on the aligned Triton kernels, the standard controls required to fail)
+# 2. parity check --device cuda (small preset, bf16 and fp32)
+# 3. parity bench kernels / rollout / learner on CUDA, bf16, the Qwen3-0.6B shape and `small`
+# 4. a short asynchronous training run per backend (toy task, bf16): the learner's kernel-mismatch
+#    figure is exactly 0 on aligned kernels and > 0 on standard ones
+# Each step runs under its own time limit and the script goes on after a failure; the summary
+# (gpu_summary.json: per step rc, seconds, parsed results) is written whatever happens.
+# Nothing is installed: it runs on the machine's torch and triton with the repo on PYTHONPATH.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${1:-${OUT:-runs/gpu_check}}"
+mkdir -p "$OUT_DIR"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+DEVICE="${DEVICE:-cuda}"
+if [ -n "${SMOKE:-}" ]; then  # tiny sizes for a dry run of the script on a CPU
+    BIG=tiny; SMALL=tiny; BATCHES=1,8; PREFILL=16; NSEQ=16; LEN=32; REPS=1; STEPS=2; TESTS=tests/parity/test_bitwise.py::test_a_thousand_generated_cases
+else
+    BIG=qwen3-0.6b; SMALL=small; BATCHES=1,64,256; PREFILL=128; NSEQ=256; LEN=256; REPS=5; STEPS=12; TESTS=tests/parity
+fi
+STEPS_FILE="$OUT_DIR/steps.tsv"
+: > "$STEPS_FILE"
+
+step() {  # step NAME LIMIT_S COMMAND...: run, log to NAME.log, record rc and seconds
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    echo "=== $name (limit ${limit}s): $*"
+    timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+    local rc=$?
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$STEPS_FILE"
+    tail -n 4 "$OUT_DIR/$name.log"
+    echo "--- $name: rc=$rc, $((SECONDS - t0)) s"
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi"; } \
+    > "$OUT_DIR/gpu.txt" 2>&1
+"$PY" -c "import torch, triton; print(torch.__version__, triton.__version__,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')" \
+    >> "$OUT_DIR/gpu.txt" 2>&1
+cat "$OUT_DIR/gpu.txt"
+
+step bitwise 200 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider $TESTS \
+    --junitxml="$OUT_DIR/bitwise.xml"
+step check 90 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
+    --rounds 4 --json --cases batch,padding,offset,decode,engine,autograd
+step bench_kernels 120 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG,$SMALL \
+    --dtypes bfloat16 --batches $BATCHES --prefill-len $PREFILL --reps $REPS --json
+step bench_rollout 90 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $SMALL --dtypes bfloat16 \
+    --num-seqs $NSEQ --max-num-seqs $NSEQ --reps 2 --json
+step bench_learner 60 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \
+    --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
+for k in aligned standard; do
+    step "train_$k" 60 "$PY" -m parity.cli train configs/toy_async.toml --set steps=$STEPS \
+        --set model.device="$DEVICE" --set model.preset=$SMALL --set model.dtype=bfloat16 \
+        --set model.kernels=$k --set run_dir="$OUT_DIR/train_$k"
+done
+
+"$PY" - "$OUT_DIR" <<'EOF'
+"""Gather the steps' results into gpu_summary.json (JSON outputs parsed where a step printed one)."""
+import datetime
+import json
+import pathlib
+import sys
+import xml.etree.ElementTree as ET
+
+out = pathlib.Path(sys.argv[1])
+summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": (out / "gpu.txt").read_text().strip(), "steps": {}}
+for line in (out / "steps.tsv").read_text().splitlines():
+    name, rc, seconds = line.split("\t")
+    entry = {"rc": int(rc), "seconds": int(seconds)}
+    text = (out / f"{name}.log").read_text(errors="replace")
+    start = min((i for i in (text.find("{"), text.find("[")) if i >= 0), default=-1)
+    if start >= 0:
+        try:
+            entry["result"] = json.loads(text[start:])
+        except ValueError:
+            pass
+    if name == "bitwise" and (out / "bitwise.xml").exists():
+        suite = ET.parse(out / "bitwise.xml").getroot().find("testsuite")
+        entry["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    if name.startswith("train_"):
+        metrics = out / name / "metrics.jsonl"
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+        kernel = [r["mismatch/kernel_max_abs"] for r in rows if "mismatch/kernel_max_abs" in r]
+        entry["learner_steps"] = len(rows)
+        entry["kernel_max_abs_max"] = max(kernel) if kernel else None
+    if entry["rc"] != 0:
+        entry["tail"] = text.strip().splitlines()[-6:]
+    summary["steps"][name] = entry
+(out / "gpu_summary.json").write_text(json.dumps(summary, indent=1))
+print(json.dumps({k: {x: v[x] for x in ("rc", "seconds")} for k, v in summary["steps"].items()}))
+EOF
