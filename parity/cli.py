@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=96, help="longest random sequence")
     p.add_argument("--cases", type=_csv(str), default=None, help="subset of cases to run")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
 
     g = _command(sub, "generate", "generate", "sample completions with the rollout engine")
     gsrc = g.add_mutually_exclusive_group()
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory", type=_memory, default=0.25,
                    help="KV cache budget: a fraction of available memory (0.25) or a size (512MiB, 4GiB)")
     g.add_argument("--json", action="store_true", help="token ids, log-probs and versions as JSON")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
 
     b = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -154,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--decode-steps", type=int, default=16)
     k.add_argument("--reps", type=int, default=5)
     k.add_argument("--json", action="store_true")
+    k.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     r = _command(bsub, "rollout", "bench_rollout", "engine output tokens/s on a long-tail workload")
     r.add_argument("--preset", default="small")
     r.add_argument("--dtypes", type=_csv(str), default=all_dtypes)
@@ -164,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reps", type=int, default=3)
     r.add_argument("--vs-transformers", action="store_true", help="also time HF generate()")
     r.add_argument("--json", action="store_true")
+    r.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     n = _command(bsub, "learner", "bench_learner", "learner forward+backward tokens/s, aligned vs standard")
     n.add_argument("--presets", type=_csv(str), default=["small", "small-moe"])
     n.add_argument("--dtypes", type=_csv(str), default=all_dtypes)
@@ -171,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--length", type=int, default=128, help="tokens per sequence")
     n.add_argument("--reps", type=int, default=5)
     n.add_argument("--json", action="store_true")
+    n.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     mem = _command(bsub, "memory", "bench_memory", "peak memory and weight copies kept against the lag")
     mem.add_argument("--preset", default="small")
     mem.add_argument("--dtype", default="float32")

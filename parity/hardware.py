@@ -43,6 +43,32 @@ def describe() -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "gpu": gpu}
 
 
+def check_device(device: torch.device | str | None, what: str = "device") -> torch.device:
+    """`device` as a torch.device ('cpu', 'cuda', 'cuda:N'; None is the CPU), or a one-line
+    ConfigError naming `what` when it is malformed or names a GPU this torch build cannot see."""
+    from .errors import ConfigError
+    try:
+        dev = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{what} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{what} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{what}={str(device)!r} but this torch build sees no CUDA device "
+                              f"(torch {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"{what}={str(device)!r} but only {torch.cuda.device_count()} CUDA "
+                              f"device(s) are visible")
+    return dev
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    """Wait for queued GPU work before reading a clock (no-op on the CPU)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def line(info: dict | None = None) -> str:
     """One line for a table header: 'AMD EPYC 9R14, 2 cores, AVX2 AVX-512F AVX-512 BF16 (no AMX),
     torch 2.13.0+cpu, 2 threads'."""
@@ -77,18 +103,29 @@ def preferred_dtype(info: dict | None = None) -> str:
     return "bfloat16" if info["bf16"] == "native" else "float32"
 
 
-def gemm_rate(dtype: torch.dtype = torch.float32, size: int = 2048, reps: int = 5) -> float:
-    """This machine's matrix-multiply rate in GFLOP/s for `dtype` at the current thread count:
-    the median of `reps` size x size x size products after a warm-up (~2 s in float32 on 2
-    cores). Benchmarks divide their achieved GFLOP/s by it: the fraction of the machine's limit."""
+def gemm_rate(dtype: torch.dtype = torch.float32, size: int = 2048, reps: int = 5,
+              device: torch.device | str | None = None) -> float:
+    """This machine's matrix-multiply rate in GFLOP/s for `dtype` at the current thread count (or
+    on `device`'s GPU): the median of `reps` size x size x size products after a warm-up (~2 s in
+    float32 on 2 cores). Benchmarks divide their achieved GFLOP/s by it: the fraction of the
+    machine's limit. bfloat16 on a CPU without a bf16 GEMM is the rate of the path parity runs
+    there (float32 products of the bf16 values, `ops.common.gemm_linear`), not PyTorch's slow
+    bf16 loop."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        size = max(size, 8192)  # a GPU needs a large product to reach its rate
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=gen).to(dtype)
-    b = torch.randn(size, size, generator=gen).to(dtype)
+    a = torch.randn(size, size, generator=gen).to(dtype).to(device)
+    b = torch.randn(size, size, generator=gen).to(dtype).to(device)
+    if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_gemm_native():
+        a, b = a.float(), b.float()
     a @ b
     times = []
     for _ in range(reps):
+        sync(device)
         t0 = time.perf_counter()
         a @ b
+        sync(device)
         times.append(time.perf_counter() - t0)
     return 2 * size ** 3 / statistics.median(times) / 1e9
 

@@ -45,6 +45,7 @@ def compare(pairs: Pairs) -> tuple[int, int, float]:
     """(comparisons, mismatches, max |Δ|) over (reference, candidate) pairs."""
     mismatches, worst = 0, 0.0
     for ref, got in pairs:
+        ref, got = ref.cpu(), got.cpu()  # the engine reports Python floats, the model's device may be a GPU
         if not torch.equal(ref, got):
             mismatches += 1
             worst = max(worst, float((ref - got).abs().max()) if ref.shape == got.shape else float("inf"))
@@ -102,7 +103,7 @@ def run_schedule(model, seqs, chunks: Sequence[Sequence[int]], temperature=1.0) 
         logits = dec.extend(feed, all_logits=True)
         for i, toks in feed.items():
             start, n = fed[i], toks.numel()
-            targets = seqs[i][start + 1:start + n + 1]
+            targets = seqs[i][start + 1:start + n + 1].to(logits[i].device)
             rows = logits[i][:targets.numel()]
             if targets.numel():
                 got[i].append(model.kernels.token_logprobs(rows, targets, temperature))
@@ -146,7 +147,10 @@ def case_autograd(model, seqs, refs, temperature=1.0) -> Pairs:
 
 
 def case_threads(model, seqs, refs, temperature=1.0) -> Pairs:
-    """The same batch on 1 thread and on 2 threads, each against the reference."""
+    """The same batch on 1 thread and on 2 threads, each against the reference (CPU threads:
+    nothing to compare for a model on a GPU)."""
+    if model.device.type != "cpu":
+        return []
     before = torch.get_num_threads()
     pairs: Pairs = []
     try:
@@ -163,11 +167,12 @@ def case_threads(model, seqs, refs, temperature=1.0) -> Pairs:
 _CHILD = """
 import sys, json, torch, parity
 spec = json.load(open(sys.argv[1]))
-model = parity.load_model(spec["path"], kernels=spec["kernels"], block_size=spec["block_size"])
+model = parity.load_model(spec["path"], kernels=spec["kernels"], block_size=spec["block_size"],
+                          device=spec["device"])
 seqs = [torch.tensor(s) for s in spec["seqs"]]
 with torch.no_grad():
     out = parity.sequence_logprobs(model, seqs, spec["temperature"])
-torch.save(out, spec["out"])
+torch.save([o.cpu() for o in out], spec["out"])
 """
 
 
@@ -176,7 +181,8 @@ def case_process(model, seqs, refs, temperature=1.0) -> Pairs:
     with tempfile.TemporaryDirectory(prefix="parity-check-") as tmp:
         model.save_pretrained(Path(tmp) / "ckpt")
         spec = {"path": str(Path(tmp) / "ckpt"), "kernels": model.kernels.name,
-                "block_size": model.block_size, "seqs": [s.tolist() for s in seqs],
+                "block_size": model.block_size, "device": str(model.device),
+                "seqs": [s.tolist() for s in seqs],
                 "temperature": temperature, "out": str(Path(tmp) / "out.pt")}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         proc = subprocess.run([sys.executable, "-c", _CHILD, str(Path(tmp) / "spec.json")],

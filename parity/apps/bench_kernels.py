@@ -48,14 +48,16 @@ class BenchRow(RateRow):
 def _prefill_fn(model: Model, batch: int, length: int, vocab: int) -> tuple[Callable[[], None], int]:
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, vocab, (length,), generator=gen) for _ in range(batch)]
-    fb = ForwardBatch.build(seqs, [0] * batch, model.block_size)
-    targets = torch.cat([s[1:] for s in seqs])
-    rows = torch.cat([torch.arange(length - 1) + b * length for b in range(batch)])
+    dev = model.device
+    fb = ForwardBatch.build(seqs, [0] * batch, model.block_size).to(dev)
+    targets = torch.cat([s[1:] for s in seqs]).to(dev)
+    rows = torch.cat([torch.arange(length - 1) + b * length for b in range(batch)]).to(dev)
 
     def run() -> None:
         with torch.no_grad():
             hidden = model(fb)
             model.token_logprobs(hidden[rows], targets)
+        hardware.sync(dev)
 
     return run, batch * length
 
@@ -64,14 +66,17 @@ def _decode_fn(model: Model, batch: int, prompt: int, steps: int, vocab: int):
     gen = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(0, vocab, (prompt,), generator=gen) for b in range(batch)}
     nxt = torch.randint(0, vocab, (steps, batch), generator=gen)
+    nxt_dev = nxt.to(model.device)
 
     def run() -> float:
         dec = Decoder(model, max_tokens=batch * (prompt + steps + 2 * model.block_size))
         dec.extend(prompts)
+        hardware.sync(model.device)
         start = time.perf_counter()
         for s in range(steps):
             logits = dec.extend({b: nxt[s, b:b + 1] for b in range(batch)})
-            model.kernels.token_logprobs(torch.stack(list(logits.values())), nxt[s], 1.0)
+            model.kernels.token_logprobs(torch.stack(list(logits.values())), nxt_dev[s], 1.0)
+        hardware.sync(model.device)
         return time.perf_counter() - start
 
     return run, batch * steps
@@ -93,16 +98,16 @@ def _interleaved(fns: dict[str, Callable], reps: int, timed_inside: bool) -> dic
 def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[str] = ("float32", "bfloat16"),
                   batches: Sequence[int] = (1, 8, 64, 256), prefill_len: int = 64, decode_prompt: int = 32,
                   decode_steps: int = 16, reps: int = 5,
-                  progress: Callable[[str], None] | None = None) -> list[BenchRow]:
+                  progress: Callable[[str], None] | None = None, device: str = "cpu") -> list[BenchRow]:
     rows: list[BenchRow] = []
     for preset in presets:
         cfg = ModelConfig.preset(preset)
         for dtype_name in dtypes:
             dtype = dtype_from_name(dtype_name)
-            models = {k: Model(cfg, kernels=k, dtype=dtype, seed=0) for k in BACKENDS}
+            models = {k: Model(cfg, kernels=k, dtype=dtype, seed=0, device=device) for k in BACKENDS}
             if progress:
                 progress(f"{dtype_name} GEMM rate")
-            gemm = hardware.gemm_rate(dtype)
+            gemm = hardware.gemm_rate(dtype, device=device)
             prefill_flops = cfg.forward_flops_per_token((prefill_len - 1) / 2)
             decode_flops = cfg.forward_flops_per_token(decode_prompt + decode_steps / 2)
             for batch in batches:
@@ -135,7 +140,8 @@ def main(args) -> int:
         dtype_from_name(name, "--dtypes")
     rows = bench_kernels(presets=args.presets, dtypes=args.dtypes, batches=args.batches,
                          prefill_len=args.prefill_len, decode_steps=args.decode_steps, reps=args.reps,
-                         progress=lambda m: status(f"bench kernels: {m}"))
+                         progress=lambda m: status(f"bench kernels: {m}"),
+                         device=str(hardware.check_device(args.device, "--device")))
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(),

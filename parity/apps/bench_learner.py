@@ -45,12 +45,13 @@ def _step_fn(model: Model, seqs: list[torch.Tensor]) -> Callable[[], None]:
         lps = sequence_logprobs(model, seqs)
         (-torch.cat(lps).mean()).backward()
         model.zero_grad(set_to_none=True)
+        hardware.sync(model.device)
     return run
 
 
 def bench_learner(presets: Sequence[str] = ("small",), dtypes: Sequence[str] = ("float32", "bfloat16"),
                   batch: int = 8, length: int = 128, reps: int = 5,
-                  progress: Callable[[str], None] | None = None) -> list[LearnerRow]:
+                  progress: Callable[[str], None] | None = None, device: str = "cpu") -> list[LearnerRow]:
     rows = []
     for preset in presets:
         cfg = ModelConfig.preset(preset)
@@ -58,7 +59,8 @@ def bench_learner(presets: Sequence[str] = ("small",), dtypes: Sequence[str] = (
         seqs = [torch.randint(0, cfg.vocab_size, (length,), generator=gen) for _ in range(batch)]
         for dtype_name in dtypes:
             LearnerConfig(compute_dtype=dtype_name)  # validates the name
-            models = {k: Model(cfg, kernels=k, dtype=dtype_from_name(dtype_name), seed=0) for k in BACKENDS}
+            models = {k: Model(cfg, kernels=k, dtype=dtype_from_name(dtype_name), seed=0, device=device)
+                      for k in BACKENDS}
             fns = {k: _step_fn(m, seqs) for k, m in models.items()}
             times: dict[str, list[float]] = {k: [] for k in fns}
             for r in range(reps + 1):  # round 0 warms up
@@ -72,7 +74,7 @@ def bench_learner(presets: Sequence[str] = ("small",), dtypes: Sequence[str] = (
             tokens = batch * length
             if progress:
                 progress(f"learner {dtype_name} GEMM rate")
-            gemm = hardware.gemm_rate(dtype_from_name(dtype_name))
+            gemm = hardware.gemm_rate(dtype_from_name(dtype_name), device=device)
             rows.append(LearnerRow(preset, dtype_name, batch, length,
                                    tokens / statistics.median(times["aligned"]),
                                    tokens / statistics.median(times["standard"]),
@@ -88,8 +90,9 @@ def main(args) -> int:
     for p in args.presets:
         if args.length > ModelConfig.preset(p).max_position_embeddings:
             raise ParityError(f"--length {args.length} exceeds preset {p}'s max_position_embeddings")
+    device = str(hardware.check_device(args.device, "--device"))
     rows = bench_learner(args.presets, args.dtypes, args.batch, args.length, args.reps,
-                         progress=lambda m: status(f"bench {m}"))
+                         progress=lambda m: status(f"bench {m}"), device=device)
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(),

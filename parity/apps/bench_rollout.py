@@ -101,7 +101,8 @@ def _pct(values: list[float], q: float) -> float:
 def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bfloat16"), num_seqs: int = 256,
                   max_num_seqs: int = 64, mean_len: float = 48, max_len: int = 256, reps: int = 3,
                   vs_transformers: bool = False,
-                  progress: Callable[[str], None] | None = None) -> tuple[list[RolloutRow], dict]:
+                  progress: Callable[[str], None] | None = None,
+                  device: str = "cpu") -> tuple[list[RolloutRow], dict]:
     """Engine output tokens/s, aligned vs standard (interleaved), optionally vs HF generate()."""
     cfg = ModelConfig.preset(preset)
     work = RolloutWorkload.make(num_seqs, cfg.vocab_size, mean_len, max_len)
@@ -109,7 +110,7 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
     ratios: dict = {}
     for dtype_name in dtypes:
         dtype = dtype_from_name(dtype_name)
-        models = {k: Model(cfg, kernels=k, dtype=dtype, seed=0) for k in BACKENDS}
+        models = {k: Model(cfg, kernels=k, dtype=dtype, seed=0, device=device) for k in BACKENDS}
         systems = list(models)
         with tempfile.TemporaryDirectory() as tmp:
             hf = None
@@ -159,7 +160,8 @@ def main(args) -> int:
                               "(pip install transformers)") from None
     rows, ratios = bench_rollout(args.preset, args.dtypes, args.num_seqs, args.max_num_seqs, args.mean_len,
                                  args.max_len, args.reps, args.vs_transformers,
-                                 progress=lambda m: status(f"bench rollout: {m}"))
+                                 progress=lambda m: status(f"bench rollout: {m}"),
+                                 device=str(hardware.check_device(args.device, "--device")))
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(),

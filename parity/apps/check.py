@@ -18,7 +18,7 @@ from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..invariance import CASES, run_checks
 from ..model import Model, ModelConfig, load_model
-from ..ops import BACKENDS, native
+from ..ops import BACKENDS, describe_aligned
 from .ui import status, table
 
 
@@ -31,12 +31,14 @@ def main(args) -> int:
         raise ParityError("no dtype given: expected float32 and/or bfloat16")
     dtypes = {name: dtype_from_name(name, "--dtype") for name in args.dtype}
     results, label = [], args.model or f"preset {args.preset}"
+    device = hardware.check_device(args.device, "--device")
     for dtype_name, dtype in dtypes.items():
         for kernels in BACKENDS:
             if args.model:
-                model = load_model(args.model, kernels=kernels, dtype=dtype)
+                model = load_model(args.model, kernels=kernels, dtype=dtype, device=device)
             else:
-                model = Model(ModelConfig.preset(args.preset), kernels=kernels, dtype=dtype, seed=args.seed)
+                model = Model(ModelConfig.preset(args.preset), kernels=kernels, dtype=dtype, seed=args.seed,
+                              device=device)
             t0 = time.perf_counter()
             for r in run_checks(model, rounds=args.rounds, seed=args.seed, max_len=args.max_len, cases=cases,
                                 progress=lambda m, k=kernels, d=dtype_name: status(f"check {k} {d}: {m}")):
@@ -46,11 +48,12 @@ def main(args) -> int:
     aligned_bad = sum(r["mismatches"] for r in results if r["kernels"] == "aligned")
     if args.json:
         print(json.dumps({"model": label, "machine": hardware.describe(), "threads": torch.get_num_threads(),
-                          "aligned_implementation": native.describe(), "torch": torch.__version__,
+                          "aligned_implementation": describe_aligned(device), "device": str(device),
+                          "torch": torch.__version__,
                           "passed": aligned_bad == 0, "results": results}, indent=2))
         return 0 if aligned_bad == 0 else 1
     print(f"parity check: {label}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.rounds} rounds per case; aligned kernels: {native.describe()}")
+          f"{args.rounds} rounds per case, device {device}; aligned kernels: {describe_aligned(device)}")
     print(f"machine: {hardware.line()}")
     print(table(["case", "kernels", "dtype", "comparisons", "mismatches", "max |Δ|"],
                 [[r["case"], r["kernels"], r["dtype"], str(r["comparisons"]), str(r["mismatches"]),

@@ -76,9 +76,10 @@ def main(args) -> int:
     if warning:
         print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
     if args.model:
-        model = load_model(args.model, kernels=args.kernels, dtype=dtype)
+        model = load_model(args.model, kernels=args.kernels, dtype=dtype, device=args.device)
     else:
-        model = Model(ModelConfig.preset(args.preset), kernels=args.kernels, dtype=dtype, seed=args.seed)
+        model = Model(ModelConfig.preset(args.preset), kernels=args.kernels, dtype=dtype, seed=args.seed,
+                      device=args.device)
     tokenizer = load_tokenizer(args.model, model.config.vocab_size)
     prompts = _read_prompts(args, tokenizer)
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=args.top_k,

@@ -53,9 +53,13 @@ class ModelSection:
     construction so the run's config.toml records the dtype it ran in."""
     seed: int = 0
     """Seed of the random init."""
+    device: str = "cpu"
+    """Where the engine and the learner compute: 'cpu', 'cuda' or 'cuda:N'. On CUDA the aligned
+    kernels are the Triton ones; versions, batches and checkpoints stay on the CPU either way."""
 
     def __post_init__(self) -> None:
         check_backend(self.kernels, "model.kernels")
+        hardware.check_device(self.device, "model.device")
         if self.dtype == "auto":
             self.dtype = hardware.preferred_dtype()
         if self.dtype not in DTYPE_NAMES:

@@ -65,7 +65,7 @@ class Decoder:
         counts = [t.numel() for t in toks]
         if all_logits:
             return dict(zip(ids, self.model.logits(hidden).split(counts)))
-        last = torch.tensor(counts).cumsum(0) - 1
+        last = torch.tensor(counts, device=hidden.device).cumsum(0) - 1
         return dict(zip(ids, self.model.logits(hidden[last])))
 
     def release(self, seq_id: int) -> None:

@@ -19,7 +19,7 @@ from .sequence import Sequence as Request
 class ModelRunner:
     def __init__(self, model, num_blocks: int):
         self.model = model
-        self.cache = KVCache(model.config, num_blocks, model.block_size, model.dtype)
+        self.cache = KVCache(model.config, num_blocks, model.block_size, model.dtype, model.device)
 
     @torch.no_grad()
     def forward(self, new_tokens: Sequence[torch.Tensor], starts: Sequence[int],
@@ -48,6 +48,6 @@ class ModelRunner:
                 rows.append(int(ends[i]))
         if not ready:
             return [], hidden.new_zeros(0, self.model.config.vocab_size), None
-        index = torch.tensor(rows)
+        index = torch.tensor(rows, device=hidden.device)
         routing = self.model.last_routing
-        return ready, self.model.logits(hidden[index]), None if routing is None else routing[index]
+        return ready, self.model.logits(hidden[index]), None if routing is None else routing[index].cpu()

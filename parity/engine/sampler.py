@@ -49,9 +49,11 @@ class Sampler:
         temps = [1.0 if s.params.greedy else float(s.params.temperature) for s in seqs]
         for t in sorted(set(temps)):
             idx = [i for i, x in enumerate(temps) if x == t]
-            logp = kernels.log_softmax(logits[idx], t)  # [n_t, V] float32, rows independent
+            # [n_t, V] float32, rows independent; the draws happen on the CPU (per-request CPU
+            # generators: the same tokens for the same seeds on any device)
+            logp = kernels.log_softmax(logits[idx], t).cpu()
             noisy = [j for j, i in enumerate(idx) if not seqs[i].params.greedy]
-            chosen = torch.argmax(logits[idx].float(), dim=-1)
+            chosen = torch.argmax(logits[idx].float(), dim=-1).cpu()
             truncated: dict[int, float] = {}
             if noisy:
                 sub = logp[noisy].double()

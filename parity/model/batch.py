@@ -31,6 +31,14 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
+    def to(self, device: torch.device) -> ForwardBatch:
+        """This batch with its index tensors on `device` (built on the CPU, moved once)."""
+        if self.input_ids.device == device:
+            return self
+        move = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                for k, v in vars(self).items()}
+        return ForwardBatch(**move)
+
     @staticmethod
     def build(
         new_tokens: Sequence[Sequence[int] | torch.Tensor],

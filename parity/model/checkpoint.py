@@ -25,7 +25,7 @@ def save_pretrained(model, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     cfg = config_to_hf(model.config)
     cfg["torch_dtype"] = str(model.dtype).removeprefix("torch.")
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     tensors = tensors_to_files(model.config, state)
     tmp = path / "model.safetensors.tmp"
     try:

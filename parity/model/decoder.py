@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, InputError
-from ..ops import get_kernels
+from ..hardware import check_device
+from ..ops import Kernels, check_backend, get_kernels
 from .batch import ForwardBatch
 from .checkpoint import save_pretrained
 from .config import ModelConfig
@@ -79,13 +80,14 @@ class Model(nn.Module):
 
     def __init__(self, config: ModelConfig, kernels: str = "aligned",
                  dtype: torch.dtype = torch.float32, seed: int | None = 0,
-                 block_size: int = DEFAULT_BLOCK_SIZE):
+                 block_size: int = DEFAULT_BLOCK_SIZE, device: torch.device | str | None = None):
         super().__init__()
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
                 or block_size % 16:
             raise ConfigError(f"block_size must be a positive multiple of 16, got {block_size!r}")
+        device = check_device(device)
         self.config = config
-        self.kernels = get_kernels(kernels)
+        self._backend = check_backend(kernels)
         self.block_size = block_size
         self._fused_cache: dict = {}
         self.model = Backbone(config)
@@ -98,11 +100,23 @@ class Model(nn.Module):
         if seed is not None:
             self.reset_parameters(seed)
         self.to(dtype)
+        if device.type != "cpu":
+            self.to(device)
 
     # ------------------------------------------------------------------ parameters
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def kernels(self) -> Kernels:
+        """The kernel bundle of this instance's backend for the device its weights are on (the
+        aligned backend is Triton kernels on CUDA, the CPU kernels elsewhere)."""
+        return get_kernels(self._backend, self.device)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -122,7 +136,7 @@ class Model(nn.Module):
 
     def set_kernels(self, kernels: str) -> Model:
         """Switch this instance to another kernel backend (weights unchanged)."""
-        self.kernels = get_kernels(kernels)
+        self._backend = check_backend(kernels)
         return self
 
     # ------------------------------------------------------------------ forward
@@ -157,6 +171,10 @@ class Model(nn.Module):
     def forward(self, batch: ForwardBatch, cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states of the batch's new tokens: [T, hidden]."""
         cfg, K = self.config, self.kernels
+        device = self.model.embed_tokens.weight.device
+        batch = batch.to(device)
+        if self.rope_cos.device != device:  # plain attributes: `.to(device)` does not move them
+            self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
         if cache is None and batch.k_index is None:
             raise ValueError("a forward with block tables needs a KV cache")
         t = batch.num_tokens

@@ -17,10 +17,11 @@ class KVCache:
     inside a block, so attention reads 16 keys' entries side by side) and v[layer] is
     [num_blocks + 1, Hkv, block, D]."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         layers, hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        self.k = torch.zeros(layers, num_blocks + 1, hkv, d, block_size, dtype=dtype)
-        self.v = torch.zeros(layers, num_blocks + 1, hkv, block_size, d, dtype=dtype)
+        self.k = torch.zeros(layers, num_blocks + 1, hkv, d, block_size, dtype=dtype, device=device)
+        self.v = torch.zeros(layers, num_blocks + 1, hkv, block_size, d, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
 
@@ -39,6 +40,6 @@ class KVCache:
     def zero_blocks(self, blocks: list[int]) -> None:
         """Clear freed blocks, so no stale (possibly non-finite) value outlives its sequence."""
         if blocks:
-            idx = torch.tensor(blocks)
+            idx = torch.tensor(blocks, device=self.k.device)
             self.k[:, idx] = 0
             self.v[:, idx] = 0

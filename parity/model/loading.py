@@ -12,14 +12,16 @@ import torch
 
 from ..dtypes import checkpoint_dtype
 from ..errors import CheckpointError, ConfigError
+from ..hardware import check_device
 from .checkpoint import read_tensors
 from .decoder import DEFAULT_BLOCK_SIZE, Model
 from .families import config_from_hf, read_json, tensors_from_files
 
 
 def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | None = None,
-               block_size: int | None = None):
-    """Load a `parity` or Hugging Face checkpoint directory of a supported family."""
+               block_size: int | None = None, device: torch.device | str | None = None):
+    """Load a `parity` or Hugging Face checkpoint directory of a supported family onto `device`
+    (default the CPU; the weights are checked on the CPU, then moved)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
@@ -55,4 +57,4 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
         if not torch.isfinite(got.float()).all():
             raise CheckpointError(f"{weights_file}: tensor {name} contains NaN or inf")
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
-    return model
+    return model.to(check_device(device))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from . import aligned, standard
+from . import aligned, native, standard
 from .functions import AttentionFn, RMSNormFn, SiluMulFn
 
 BACKENDS: tuple[str, ...] = ("aligned", "standard")
@@ -145,6 +145,15 @@ def aligned_impl(device: torch.device | str | None = None) -> str:
     return "triton" if torch.device(device or "cpu").type == "cuda" else "cpu"
 
 
+def describe_aligned(device: torch.device | str | None = None) -> str:
+    """Which aligned implementation runs for `device`, in words (`parity check` prints it)."""
+    if aligned_impl(device) == "triton":
+        from . import triton_kernels
+        where = "through Triton's interpreter on CPU tensors" if triton_kernels.INTERPRET else "on CUDA"
+        return f"Triton kernels {where}"
+    return native.describe()
+
+
 def get_kernels(name: str, device: torch.device | str | None = None) -> Kernels:
     """Return the kernel bundle called `name` (one of `BACKENDS`) for tensors on `device`
     (default CPU). `standard` is the same plain PyTorch code everywhere (cuBLAS and SDPA on
@@ -156,4 +165,4 @@ def get_kernels(name: str, device: torch.device | str | None = None) -> Kernels:
     return _BUNDLES[name]
 
 
-__all__ = ["BACKENDS", "Kernels", "aligned_impl", "check_backend", "get_kernels"]
+__all__ = ["BACKENDS", "Kernels", "aligned_impl", "check_backend", "describe_aligned", "get_kernels"]

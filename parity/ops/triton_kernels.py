@@ -89,8 +89,8 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: logits reach 2^31 elements
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # one K order, from 0 up in fixed steps: no split-K
@@ -129,7 +129,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, H, sx, so, eps,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = (rows[:, None] < R) & (cols[None, :] < H)
     x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -159,7 +159,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, R, n_cols, sg, su, so,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < R) & (cols[None, :] < n_cols)
     g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -196,8 +196,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr,
                       INTERP: tl.constexpr, IEEE: tl.constexpr):
     """One program: sequence `b`, KV head `h`, BLOCK_M query rows (row r = token r // REP, query
     head h * REP + r % REP). Keys are read block by block through the sequence's table."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2)
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     live = r < M * REP
@@ -289,7 +289,7 @@ def attention(q, k, v, q_pos, block_size: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- log-sum-exp
 @triton.jit
 def _row_lse_kernel(x_ptr, out_ptr, R, V, sx, inv_t, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     live = rows < R
     cols = tl.arange(0, BLOCK_V)
     m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
@@ -310,7 +310,8 @@ def row_lse(logits: torch.Tensor, inv_t: float) -> torch.Tensor:
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        _row_lse_kernel[(triton.cdiv(x.shape[0], _ROWS),)](
+        rows = _ROWS if INTERPRET else 1  # a GPU: one row per program, the vocabulary is long
+        _row_lse_kernel[(triton.cdiv(x.shape[0], rows),)](
             x, out, x.shape[0], x.shape[1], x.stride(0), inv_t,
-            ROWS=_ROWS, BLOCK_V=1024 if INTERPRET else 512)
+            ROWS=rows, BLOCK_V=1024 if INTERPRET else 2048)
     return out

@@ -30,14 +30,15 @@ def build_model(cfg: TrainConfig) -> Model:
     dtype = dtype_from_name(cfg.model.dtype, "model.dtype")
     path = checkpoint_dir(cfg)
     if path:
-        return load_model(path, kernels=cfg.model.kernels, dtype=dtype)
+        return load_model(path, kernels=cfg.model.kernels, dtype=dtype, device=cfg.model.device)
     return Model(ModelConfig.preset(cfg.model.preset), kernels=cfg.model.kernels, dtype=dtype,
-                 seed=cfg.model.seed)
+                 seed=cfg.model.seed, device=cfg.model.device)
 
 
 def model_skeleton(cfg: TrainConfig, config: ModelConfig) -> Model:
     """The run's architecture with uninitialised weights, for a worker that receives weights."""
-    return Model(config, kernels=cfg.model.kernels, dtype=dtype_from_name(cfg.model.dtype), seed=None)
+    return Model(config, kernels=cfg.model.kernels, dtype=dtype_from_name(cfg.model.dtype), seed=None,
+                 device=cfg.model.device)
 
 
 def tokenizer_path(cfg: TrainConfig) -> Path | None:

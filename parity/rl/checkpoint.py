@@ -103,7 +103,8 @@ def load(path: Path, cfg):
     from ..model import load_model
 
     verify(path)
-    model = load_model(path, kernels=cfg.model.kernels, dtype=dtype_from_name(cfg.learner.compute_dtype))
+    model = load_model(path, kernels=cfg.model.kernels, dtype=dtype_from_name(cfg.learner.compute_dtype),
+                       device=cfg.model.device)
     where = path / "trainer_state.pt"
     try:
         state = torch.load(where, weights_only=True)

@@ -81,7 +81,8 @@ class Learner:
         return 1.0
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        # kept on the CPU whatever the model's device: versions are shipped and checkpointed from here
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def publish(self) -> tuple[dict[str, torch.Tensor], int]:
         """The current weights (in the compute dtype the engine runs) and their version."""
