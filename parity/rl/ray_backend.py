@@ -26,12 +26,14 @@ import math
 import os
 import queue
 import re
+import secrets
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -92,6 +94,20 @@ def start_local_head(num_cpus: int, timeout: float = 60.0) -> tuple[subprocess.P
     tail = [ln for ln in open(log_file.name, errors="replace").read().splitlines() if ln.strip()][-1:]
     raise ParityError(f"could not start a Ray head on this machine ({tail[0] if tail else 'no output'}; "
                       f"log: {log_file.name})")
+
+
+def _private_head_auth() -> None:
+    """Token authentication for the run-private head, as Ray's own local clusters have it (Ray reads
+    the mode once, on import). `ray start` refuses token mode without a token and, unlike
+    `ray.init()`, makes none: with no token at hand (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH,
+    ~/.ray/auth_token) the run makes its own, in its environment only (the head, the actors and
+    this driver inherit it; nothing is written to the home directory)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"].lower() != "token":
+        return
+    have = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if not have and not (Path.home() / ".ray" / "auth_token").exists():
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
 class RolloutActor:
@@ -161,7 +177,7 @@ class RayRollout:
     def __init__(self, cfg: TrainConfig, model_config: ModelConfig,
                  versions: Callable[[], dict[int, State]]):
         if cfg.ray.address is None and "ray" not in sys.modules:
-            os.environ.setdefault("RAY_AUTH_MODE", "token")  # as Ray's own local clusters (read on import)
+            _private_head_auth()
         self.ray = require_ray()
         self.cfg, self.model_config, self.versions = cfg, model_config, versions
         self.n = cfg.rollout.workers

@@ -190,3 +190,25 @@ def test_a_killed_learner_leaves_its_checkpoint_and_no_ray_process(tmp_path):
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out[-2000:]
     assert len(read_metrics(run_dir)) == step + 2
+
+
+def test_a_private_head_gets_a_token_of_its_own_when_none_is_at_hand(tmp_path, monkeypatch):
+    """`ray start` refuses token mode without a token (it makes none): the run makes its own, in its
+    environment only; a token the user has is left alone, and so is a mode the user chose."""
+    from parity.rl.ray_backend import _private_head_auth
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    _private_head_auth()
+    assert os.environ["RAY_AUTH_MODE"] == "token" and len(os.environ["RAY_AUTH_TOKEN"]) == 64
+    assert not (tmp_path / ".ray").exists()
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("users-own")
+    _private_head_auth()
+    assert "RAY_AUTH_TOKEN" not in os.environ
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    (tmp_path / ".ray" / "auth_token").unlink()
+    _private_head_auth()
+    assert "RAY_AUTH_TOKEN" not in os.environ
