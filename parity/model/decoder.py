@@ -228,7 +228,7 @@ class Model(nn.Module):
                 x = x + (torch.cat([out, out.new_zeros(rows - t, out.shape[1])]) if rows > t else out)
                 continue
             gate_up = K.linear(h, self._fused(i, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]))
-            act = K.silu_mul(gate_up[:, :cfg.intermediate_size], gate_up[:, cfg.intermediate_size:])
+            act = K.silu_mul(gate_up)
             x = x + K.linear(act, mlp.down_proj.weight)
         # which experts each token went to, per MoE layer: [T, layers, k] (None for dense models)
         self.last_routing = torch.stack(routing, 1).to(torch.int16) if routing else None

@@ -55,7 +55,7 @@ class SparseMoE(nn.Module):
         for e in flat.unique().tolist():
             slots = (flat == e).nonzero().flatten()
             gate_up = kernels.linear(h[slots // k], gate_up_w[e])
-            act = kernels.silu_mul(gate_up[:, :self.inter], gate_up[:, self.inter:])
+            act = kernels.silu_mul(gate_up)
             outs.append(kernels.linear(act, down_w[e]))
             where.append(slots)
         parts = h.new_zeros(t * k, h.shape[1]).index_copy(0, torch.cat(where), torch.cat(outs))

@@ -38,6 +38,7 @@ class Kernels:
     rms_norm: Callable
     rms_norm_rope: Callable
     silu_mul: Callable
+    """`silu_mul(gate_up [T, 2I]) -> [T, I]`: SwiGLU, silu of the first half times the second."""
     attention: Callable
     paged_attention: Callable
     token_logprobs: Callable
@@ -71,10 +72,10 @@ def _aligned_rms_norm_rope(x, weight, eps, cos, sin):
     return aligned.rms_norm_rope(x, weight, eps, cos, sin)
 
 
-def _aligned_silu_mul(gate, up):
-    if _needs_grad(gate, up):
-        return SiluMulFn.apply(gate, up)
-    return aligned.silu_mul(gate, up)
+def _aligned_silu_mul(gate_up):
+    if _needs_grad(gate_up):
+        return SiluMulFn.apply(gate_up)
+    return aligned.silu_mul(gate_up)
 
 
 def _aligned_attention(q, k, v, q_pos, block_size):

@@ -123,9 +123,12 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     return rope(rms_norm(x, weight, eps), cos, sin)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation `silu(gate) * up` computed in float32, returned in the input dtype."""
-    if _use_native(gate, up) and gate.dim() == 2:
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation `silu(gate) * up` of a fused [T, 2I] gate/up tensor (gate first),
+    computed in float32, returned in the input dtype. [T, 2I] -> [T, I]"""
+    half = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :half], gate_up[..., half:]
+    if _use_native(gate_up) and gate_up.dim() == 2:
         return native.silu_mul(gate, up)
     acc = compute_dtype(gate.dtype)
     return (pointwise(F.silu, gate.to(acc)) * up.to(acc)).to(gate.dtype)
@@ -152,6 +155,15 @@ def attention(
     if _use_native(q) and q.shape[-1] % 16 == 0 and block_size % 16 == 0:
         return native.attention(q, k, v, q_pos, block_size).to(q.dtype)
     return attention_torch(q, k, v, q_pos, block_size)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                       block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`attention` (in float32 where the native kernel runs) and, from the native kernel, each
+    row's log-sum-exp [B, M, Hq] for the learner's backward; None elsewhere. Same output bits."""
+    if _use_native(q) and q.shape[-1] % 16 == 0 and block_size % 16 == 0:
+        return native.attention(q, k, v, q_pos, block_size, with_lse=True)
+    return attention_torch(q, k, v, q_pos, block_size), None
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

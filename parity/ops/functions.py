@@ -1,8 +1,10 @@
-"""Custom autograd functions for the learner: aligned forward, ordinary PyTorch math backward.
+"""Custom autograd functions for the learner: aligned forward, ordinary math backward.
 
 Only forward values must match the engine bit for bit; gradients just need to be correct. Each
 function's forward calls the aligned kernel unchanged (so a learner forward under autograd gives
-the same bits as an inference forward) and saves only its inputs; backward is plain math.
+the same bits as an inference forward). Backward is plain math: one-pass C kernels for RMSNorm
+and SwiGLU on CPU float32/bfloat16 (`native.py`), PyTorch's fused attention backward fed with the
+aligned forward's output and log-sum-exp, and PyTorch ops elsewhere (float64, CUDA, no compiler).
 """
 
 from __future__ import annotations
@@ -11,8 +13,14 @@ import math
 
 import torch
 
-from . import aligned, standard
+from . import aligned, native, standard
 from .common import compute_dtype
+
+
+def _native_backward(*tensors: torch.Tensor) -> bool:
+    """Whether the one-pass C backward kernels serve these tensors (CPU, float32 or bfloat16)."""
+    return (native.library() is not None and native.supports(*tensors)
+            and all(t.device.type == "cpu" for t in tensors))
 
 
 class RMSNormFn(torch.autograd.Function):
@@ -25,6 +33,9 @@ class RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
+        if _native_backward(x, weight, grad) and weight.dtype == x.dtype:
+            grad_x, grad_w = native.rms_norm_backward(x, weight, grad, ctx.eps)
+            return grad_x, grad_w.to(weight.dtype), None
         acc = compute_dtype(x.dtype)
         xf = x.to(acc)
         inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
@@ -37,34 +48,53 @@ class RMSNormFn(torch.autograd.Function):
 
 
 class SiluMulFn(torch.autograd.Function):
+    """SwiGLU on a fused gate/up tensor [T, 2I] -> [T, I]: its gradient is one [T, 2I] tensor
+    written once (slicing gate and up first would make autograd zero-fill and add two)."""
+
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return aligned.silu_mul(gate, up)
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        return aligned.silu_mul(gate_up)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        acc = compute_dtype(gate.dtype)
-        gf, uf, g = gate.to(acc), up.to(acc), grad.to(acc)
-        sig = torch.sigmoid(gf)
-        silu = gf * sig
-        grad_gate = g * uf * (sig + silu * (1 - sig))
-        grad_up = g * silu
-        return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
+        (gate_up,) = ctx.saved_tensors
+        return swiglu_backward(gate_up, grad)
+
+
+def swiglu_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Gradient of `silu(gate) * up` w.r.t. the fused [T, 2I] input, for the output gradient [T, I]."""
+    half = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :half], gate_up[..., half:]
+    if _native_backward(gate_up, grad) and gate_up.dim() == 2 and gate_up.is_contiguous():
+        return native.swiglu_backward(gate, up, grad)
+    acc = compute_dtype(gate_up.dtype)
+    gf, uf, g = gate.to(acc), up.to(acc), grad.to(acc)
+    sig = torch.sigmoid(gf)
+    silu = gf * sig
+    grad_gate = g * uf * (sig + silu * (1 - sig))
+    return torch.cat([grad_gate, g * silu], dim=-1).to(gate_up.dtype)
 
 
 class AttentionFn(torch.autograd.Function):
-    """Backward recomputes attention with PyTorch's fused scaled-dot-product attention under
-    autograd (saves only q, k, v): gradients need to be right, not bitwise-aligned."""
+    """Backward is PyTorch's fused attention backward (gradients need to be right, not aligned).
+    Where the native kernel ran the forward it also gave each row's log-sum-exp, so the backward
+    starts from the aligned output and log-sum-exp (no second forward); elsewhere it recomputes
+    attention with PyTorch's scaled-dot-product attention under autograd."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, block_size: int):
-        ctx.save_for_backward(q, k, v, q_pos)
-        return aligned.attention(q, k, v, q_pos, block_size)
+        out, lse = aligned.attention_with_lse(q, k, v, q_pos, block_size)
+        if lse is None:
+            ctx.save_for_backward(q, k, v, q_pos)
+        else:
+            ctx.save_for_backward(q, k, v, q_pos, out, lse)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if len(ctx.saved_tensors) == 6:
+            return (*_flash_backward(grad, *ctx.saved_tensors), None, None)
         q, k, v, q_pos = ctx.saved_tensors
         with torch.enable_grad():
             acc = compute_dtype(q.dtype)
@@ -74,6 +104,22 @@ class AttentionFn(torch.autograd.Function):
             out = standard.attention(qf, kf, vf, q_pos, 0)
             gq, gk, gv = torch.autograd.grad(out, (qf, kf, vf), grad.to(acc))
         return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None
+
+
+def _flash_backward(grad, q, k, v, q_pos, out, lse):
+    """PyTorch's CPU flash-attention backward from a forward's output and log-sum-exp.
+    q/grad/out [B, M, Hq, D], k/v [B, L, Hkv, D], lse [B, M, Hq] float32 (+inf on padding rows,
+    whose probabilities are then exactly 0)."""
+    acc = compute_dtype(q.dtype)
+    d, length = q.shape[-1], k.shape[1]
+    keys = torch.arange(length)
+    visible = (keys.view(1, 1, length) <= q_pos.clamp(min=0).unsqueeze(-1)).unsqueeze(1)  # [B,1,M,L]
+    mask = torch.zeros(visible.shape, dtype=acc).masked_fill_(~visible, float("-inf"))
+    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.to(acc).transpose(1, 2), q.to(acc).transpose(1, 2), k.to(acc).transpose(1, 2),
+        v.to(acc).transpose(1, 2), out.to(acc).transpose(1, 2), lse.transpose(1, 2).contiguous(),
+        0.0, False, attn_mask=mask, scale=1.0 / math.sqrt(d))
+    return gq.transpose(1, 2).to(q.dtype), gk.transpose(1, 2).to(k.dtype), gv.transpose(1, 2).to(v.dtype)
 
 
 def reference_attention(q, k, v, q_pos):

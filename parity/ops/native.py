@@ -63,12 +63,16 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     f, i64, p = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
     for name in ("parity_attention_f32", "parity_attention_bf16"):
-        getattr(lib, name).argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f, ctypes.c_int]
+        getattr(lib, name).argtypes = [p] * 7 + [i64] * 7 + [f, ctypes.c_int]
     lib.parity_row_lse.argtypes = [p, p, i64, i64, f, ctypes.c_int]
     for name in ("parity_rms_norm_f32", "parity_rms_norm_bf16"):
         getattr(lib, name).argtypes = [p, p, p, i64, i64, i64, i64, i64, f, p, p, ctypes.c_int]
     for name in ("parity_silu_mul_f32", "parity_silu_mul_bf16"):
         getattr(lib, name).argtypes = [p, p, p, i64, i64, i64, ctypes.c_int]
+    for name in ("parity_swiglu_backward_f32", "parity_swiglu_backward_bf16"):
+        getattr(lib, name).argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
+    for name in ("parity_rms_norm_backward_f32", "parity_rms_norm_backward_bf16"):
+        getattr(lib, name).argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, f, ctypes.c_int]
     return lib
 
 
@@ -109,12 +113,13 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def paged_attention(q, k_blocks, v_blocks, tables, q_pos) -> torch.Tensor:
+def paged_attention(q, k_blocks, v_blocks, tables, q_pos, with_lse: bool = False):
     """Causal GQA attention reading keys/values in place through block tables.
 
     q [B, M, Hq, D]; key blocks [NB, Hkv, D, bs] and value blocks [NB, Hkv, bs, D] (float32 or
-    bfloat16); tables [B, nblk] block ids; q_pos [B, M] (negative = padding row, left unwritten).
-    Returns float32 [B, M, Hq, D].
+    bfloat16); tables [B, nblk] block ids; q_pos [B, M] (negative = padding row, left zero).
+    Returns float32 [B, M, Hq, D]; with `with_lse` also each row's natural log-sum-exp of the
+    scaled scores, float32 [B, M, Hq] (+inf on padding rows), which the learner's backward uses.
     """
     kv_dtype = k_blocks.dtype if k_blocks.dtype in _SUFFIX else torch.float32
     q = q.float().contiguous()
@@ -123,11 +128,12 @@ def paged_attention(q, k_blocks, v_blocks, tables, q_pos) -> torch.Tensor:
     pos = q_pos.to(torch.int64).contiguous()
     b, m, hq, d = q.shape
     out = torch.zeros_like(q)  # padding rows (q_pos < 0) stay zero
+    lse = torch.empty(b, m, hq, dtype=torch.float32) if with_lse else None
     getattr(library(), f"parity_attention_{_SUFFIX[kv_dtype]}")(
-        _ptr(q), _ptr(k_blocks), _ptr(v_blocks), _ptr(tables), _ptr(pos), _ptr(out), b, m, hq,
-        k_blocks.shape[1], d, tables.shape[1], k_blocks.shape[3], 1.0 / float(d) ** 0.5,
-        torch.get_num_threads())
-    return out
+        _ptr(q), _ptr(k_blocks), _ptr(v_blocks), _ptr(tables), _ptr(pos), _ptr(out),
+        None if lse is None else _ptr(lse), b, m, hq, k_blocks.shape[1], d, tables.shape[1],
+        k_blocks.shape[3], 1.0 / float(d) ** 0.5, torch.get_num_threads())
+    return (out, lse) if with_lse else out
 
 
 def to_blocks(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,11 +145,56 @@ def to_blocks(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.
     return kb, vb
 
 
-def attention(q, k, v, q_pos, block_size: int) -> torch.Tensor:
+def attention(q, k, v, q_pos, block_size: int, with_lse: bool = False):
     """Dense form: k/v [B, L, Hkv, D] (L a multiple of block_size), laid out as blocks in order."""
     bsz, nblk = k.shape[0], k.shape[1] // block_size
     tables = torch.arange(bsz * nblk).view(bsz, nblk)
-    return paged_attention(q, *to_blocks(k, v, block_size), tables, q_pos)
+    return paged_attention(q, *to_blocks(k, v, block_size), tables, q_pos, with_lse)
+
+
+def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
+    """(x, outer, inner, outer stride, inner stride) of RMSNorm rows: [T, heads, n] may be strided
+    (heads read out of a fused QKV output), anything else is made contiguous rows."""
+    n = x.shape[-1]
+    if x.dim() == 3:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return x, x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+    x = x.contiguous()
+    return x, x.numel() // n, 1, n, 0
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of `rms_norm(x, weight, eps)` for the output gradient `grad` (same shape as x):
+    (grad_x in x's dtype and shape, grad_weight float32 [n]). One pass per row."""
+    x, outer, inner, so, si = _row_layout(x)
+    n = x.shape[-1]
+    threads = torch.get_num_threads()
+    w = weight.to(x.dtype).contiguous()
+    grad = grad.to(x.dtype).contiguous()
+    grad_x = torch.empty(x.shape, dtype=x.dtype)
+    parts = torch.zeros(threads, n, dtype=torch.float32)  # one partial sum of grad_w per thread
+    getattr(library(), f"parity_rms_norm_backward_{_SUFFIX[x.dtype]}")(
+        _ptr(x), _ptr(w), _ptr(grad), _ptr(grad_x), _ptr(parts), outer, inner, n, so, si, eps, threads)
+    return grad_x, parts.sum(0)
+
+
+def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Gradient of `silu_mul(gate, up)` where gate and up are the two halves of one [rows, 2 * cols]
+    tensor: returns the gradient of that whole tensor, [rows, 2 * cols] in its dtype."""
+    rows, cols = gate.shape
+    grad = grad.to(gate.dtype).contiguous()
+    out = torch.empty(rows, 2 * cols, dtype=gate.dtype)
+    getattr(library(), f"parity_swiglu_backward_{_SUFFIX[gate.dtype]}")(
+        _ptr(gate), _ptr(up), _ptr(grad), _ptr(out), rows, cols, gate.stride(0), torch.get_num_threads())
+    return out
+
+
+def fused_halves(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether gate and up are the two halves of one row-major [rows, 2 * cols] tensor."""
+    return (gate.dim() == 2 and up.shape == gate.shape and up.dtype == gate.dtype
+            and gate.stride() == up.stride() == (2 * gate.shape[1], 1)
+            and up.data_ptr() == gate.data_ptr() + gate.shape[1] * gate.element_size())
 
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -160,14 +211,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     With `rope` = (cos, sin), float32 [T, n] for x [T, heads, n], the result is also rotated."""
     n = x.shape[-1]
-    if x.dim() == 3:  # [T, heads, n], e.g. q/k heads viewed inside a fused QKV output
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        outer, inner, so, si = x.shape[0], x.shape[1], x.stride(0), x.stride(1)
-    else:
-        if rope is not None:
-            raise ValueError("rms_norm with rope needs x of shape [T, heads, n]")
-        x = x.contiguous()
-        outer, inner, so, si = x.numel() // n, 1, n, 0
+    if rope is not None and x.dim() != 3:
+        raise ValueError("rms_norm with rope needs x of shape [T, heads, n]")
+    x, outer, inner, so, si = _row_layout(x)  # [T, heads, n] may be q/k heads inside a fused QKV
     w = weight.to(x.dtype).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     cos_p = sin_p = None

@@ -28,8 +28,9 @@ def rms_norm_rope(x, weight, eps, cos, sin) -> torch.Tensor:
     return rope(rms_norm(x, weight, eps), cos, sin)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    half = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :half]) * gate_up[..., half:]
 
 
 def attention(

@@ -62,11 +62,16 @@ class _RMSNormFn(RMSNormFn):
         return tk.rms_norm(x, weight, eps)
 
 
+def _silu_mul(gate_up):
+    half = gate_up.shape[-1] // 2
+    return tk.silu_mul(gate_up[..., :half], gate_up[..., half:])
+
+
 class _SiluMulFn(SiluMulFn):
     @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return tk.silu_mul(gate, up)
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        return _silu_mul(gate_up)
 
 
 class _AttentionFn(AttentionFn):
@@ -84,8 +89,8 @@ def rms_norm_rope(x, weight, eps, cos, sin):
     return rope(rms_norm(x, weight, eps), cos, sin)
 
 
-def silu_mul(gate, up):
-    return _SiluMulFn.apply(gate, up) if _needs_grad(gate, up) else tk.silu_mul(gate, up)
+def silu_mul(gate_up):
+    return _SiluMulFn.apply(gate_up) if _needs_grad(gate_up) else _silu_mul(gate_up)
 
 
 def attention(q, k, v, q_pos, block_size):

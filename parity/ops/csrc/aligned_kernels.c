@@ -7,6 +7,7 @@
  * work by whole rows only, so the thread count never changes a value.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,7 +69,9 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
 /* Causal GQA attention over a paged KV store, read in place. q [B, M, Hq, D] float32;
  * key blocks [NB, Hkv, D, bs] (transposed inside a block) and value blocks [NB, Hkv, bs, D],
  * float32 or bfloat16; tables [B, nblk] block ids; q_pos [B, M]; out [B, M, Hq, D] float32
- * (rows with q_pos < 0 are padding and left untouched); D and bs multiples of 16.
+ * (rows with q_pos < 0 are padding and left untouched); D and bs multiples of 16. When lse is
+ * not NULL it receives each row's natural log-sum-exp of the scaled scores, [B, M, Hq] (+inf on
+ * padding rows), for the learner's backward pass.
  * Query (b, m, h) attends to keys 0..q_pos of KV head h / (Hq / Hkv): its n = q_pos + 1 keys
  * are a property of the query alone, so every reduction (each score summed over d in order;
  * the exact max; the denominator and the value sum accumulated key by key) is the same
@@ -104,6 +107,7 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
             }                                                                                  \
             for (int l = 0; l < LANES; l++) o[d0 + l] = acc[l] / denom;                        \
         }                                                                                      \
+        if (lse) lse[(bm * Hq + h)] = peak + logf(denom);                                      \
     }
 
 #define ATTENTION_BODY(KV_T, LOAD)                                                             \
@@ -117,7 +121,11 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
             const int64_t kh = row % Hkv, bm = row / Hkv, b = bm / M;                          \
             int64_t n = q_pos[bm] + 1;                                                         \
             if (n > L) n = L;                                                                  \
-            if (n < 1) continue; /* a padding row: its output is never read */                 \
+            if (n < 1) { /* a padding row: its output is never read; exp(s - inf) = 0 */      \
+                if (lse)                                                                       \
+                    for (int64_t r = 0; r < rep; r++) lse[bm * Hq + kh * rep + r] = INFINITY;  \
+                continue;                                                                      \
+            }                                                                                  \
             const int64_t *tab = tables + b * nblk;                                            \
             for (int64_t r = 0; r < rep; r++) {                                                \
                 const int64_t h = kh * rep + r;                                                \
@@ -148,8 +156,8 @@ static float *scratch(size_t n) {
 
 #define ATTENTION_ARGS(KV_T)                                                                   \
     const float *q, const KV_T *k, const KV_T *v, const int64_t *tables, const int64_t *q_pos, \
-        float *out, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, int64_t nblk,    \
-        int64_t bs, float scale, int threads
+        float *out, float *lse, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,      \
+        int64_t nblk, int64_t bs, float scale, int threads
 
 void parity_attention_f32(ATTENTION_ARGS(float)) { ATTENTION_BODY(float, F32_ID) }
 
@@ -250,4 +258,78 @@ void parity_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, i
             const float x = bf16_to_f32(g[r * ld + c]);
             out[r * cols + c] = f32_to_bf16(x / (1.0f + fixed_exp(-x)) * bf16_to_f32(u[r * ld + c]));
         }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Backward passes for the learner. Gradients only need to be correct, not batch-invariant, but
+ * one pass over the data instead of autograd's many is most of the aligned learner's speed.
+ * Threads still split by whole rows (static schedule), so a run repeats bit for bit. */
+
+/* SwiGLU backward: for act = silu(g) * u with g, u the halves of one [rows, 2 * cols] tensor
+ * (row stride ld), grad [rows, cols] contiguous -> grad_gu [rows, 2 * cols] contiguous:
+ * d g = grad * u * s * (1 + g * (1 - s)), d u = grad * g * s, s = sigmoid(g), in float32. */
+#define SWIGLU_BACKWARD_BODY(LOAD, STORE)                                                     \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
+    for (int64_t r = 0; r < rows; r++)                                                      \
+        for (int64_t c = 0; c < cols; c++) {                                                \
+            const float x = LOAD(g[r * ld + c]), up = LOAD(u[r * ld + c]);                  \
+            const float dy = LOAD(grad[r * cols + c]);                                      \
+            const float s = 1.0f / (1.0f + fixed_exp(-x));                                  \
+            out[r * 2 * cols + c] = STORE(dy * up * (s * (1.0f + x * (1.0f - s))));         \
+            out[r * 2 * cols + cols + c] = STORE(dy * (x * s));                             \
+        }
+
+void parity_swiglu_backward_f32(const float *g, const float *u, const float *grad, float *out,
+                                int64_t rows, int64_t cols, int64_t ld, int threads) {
+    SWIGLU_BACKWARD_BODY(F32_ID, F32_ID)
+}
+
+void parity_swiglu_backward_bf16(const uint16_t *g, const uint16_t *u, const uint16_t *grad,
+                                 uint16_t *out, int64_t rows, int64_t cols, int64_t ld,
+                                 int threads) {
+    SWIGLU_BACKWARD_BODY(bf16_to_f32, f32_to_bf16)
+}
+
+/* RMSNorm backward for y = w * cast(x * inv), rows laid out as in the forward (row (o, i) at
+ * x + o*so + i*si, length n); grad [outer * inner, n] contiguous -> grad_x contiguous like grad,
+ * and grad_w_parts [threads, n] float32 (one partial sum per thread, summed by the caller):
+ * d x = inv * (gw - xhat * mean(gw * xhat)), gw = grad * w, xhat = x * inv; d w = sum grad * xhat. */
+#define RMS_BACKWARD_BODY(LOAD, STORE)                                                        \
+    _Pragma("omp parallel num_threads(threads)")                                            \
+    {                                                                                         \
+        float *gw_acc = grad_w_parts + (int64_t)omp_get_thread_num() * n;                     \
+        _Pragma("omp for schedule(static)")                                                 \
+        for (int64_t row = 0; row < outer * inner; row++) {                                 \
+            const int64_t o = row / inner, i = row % inner;                                 \
+            const int64_t base = o * so + i * si;                                           \
+            float sq = 0.0f, dot = 0.0f;                                                    \
+            for (int64_t c = 0; c < n; c++) {                                               \
+                const float xv = LOAD(x[base + c]);                                         \
+                sq = sq + xv * xv;                                                          \
+            }                                                                               \
+            const float inv = 1.0f / sqrtf(sq / (float)n + eps);                            \
+            for (int64_t c = 0; c < n; c++) {                                               \
+                const float xh = LOAD(x[base + c]) * inv, dy = LOAD(grad[row * n + c]);     \
+                dot = dot + dy * LOAD(w[c]) * xh;                                           \
+                gw_acc[c] = gw_acc[c] + dy * xh;                                            \
+            }                                                                               \
+            const float mean = dot / (float)n;                                              \
+            for (int64_t c = 0; c < n; c++) {                                               \
+                const float xh = LOAD(x[base + c]) * inv, dy = LOAD(grad[row * n + c]);     \
+                grad_x[row * n + c] = STORE(inv * (dy * LOAD(w[c]) - xh * mean));           \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+void parity_rms_norm_backward_f32(const float *x, const float *w, const float *grad, float *grad_x,
+                                  float *grad_w_parts, int64_t outer, int64_t inner, int64_t n,
+                                  int64_t so, int64_t si, float eps, int threads) {
+    RMS_BACKWARD_BODY(F32_ID, F32_ID)
+}
+
+void parity_rms_norm_backward_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *grad,
+                                   uint16_t *grad_x, float *grad_w_parts, int64_t outer,
+                                   int64_t inner, int64_t n, int64_t so, int64_t si, float eps,
+                                   int threads) {
+    RMS_BACKWARD_BODY(bf16_to_f32, f32_to_bf16)
 }
