@@ -4,6 +4,7 @@ Public API (see README):
     ModelConfig, Model, load_model, sequence_logprobs, Decoder, Engine, SamplingParams, get_kernels
 """
 
+from . import _startup  # noqa: F401  (before torch: see the module)
 from .engine import Decoder, Engine, RequestOutput, SamplingParams
 from .errors import CheckpointError, ConfigError, InputError, ParityError
 from .model import (

@@ -94,9 +94,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_one_pass_backward_kernels_match_float64_autograd(dtype, tol):
     """The learner's C backward kernels (RMSNorm on plain and strided head rows, SwiGLU on a fused
-    gate/up tensor) and the fused attention backward fed with the aligned forward's log-sum-exp
-    (GQA, padding rows, several key blocks) give float64 autograd's gradients; the forward bits
-    are those of the inference path."""
+    gate/up tensor, token log-probs over the vocabulary) and the fused attention backward fed
+    with the aligned forward's log-sum-exp (GQA, padding rows, several key blocks) give float64
+    autograd's gradients; the forward bits are those of the inference path."""
     from parity.ops import aligned, native
 
     if native.library() is None:
@@ -131,6 +131,38 @@ def test_one_pass_backward_kernels_match_float64_autograd(dtype, tol):
     keep = (pos >= 0).view(3, 20, 1, 1)  # a padding row's output is unspecified: not compared
     check(lambda a, b, c: functions.AttentionFn.apply(a, b, c, pos, 16) * keep,
           lambda a, b, c: functions.reference_attention(a, b, c, pos) * keep, q, k, v)
+    logits, toks = 3 * torch.randn(29, 300, generator=g), torch.randint(0, 300, (29,), generator=g)
+    check(lambda z: aligned.token_logprobs(z, toks, 0.7),
+          lambda z: torch.log_softmax(z / 0.7, -1).gather(-1, toks.unsqueeze(-1)).squeeze(-1), logits)
     qd, kd, vd = (t.to(dtype) for t in (q, k, v))
     out, lse = aligned.attention_with_lse(qd, kd, vd, pos, 16)
     assert lse is not None and torch.equal(out.to(dtype), aligned.attention(qd, kd, vd, pos, 16))
+
+
+def test_tied_embedding_gradient_is_autograds_own(monkeypatch):
+    """Tied embeddings: the head hands its dense gradient to the lookup, which adds its rows in
+    place (`model/tied.py`); the result equals plain autograd's (two gradients summed), also
+    accumulated over two micro-batches, and the head's forward keeps the kernels' bits."""
+    from parity.model.decoder import Model
+
+    cfg = parity.ModelConfig.preset("tiny")
+    assert cfg.tie_word_embeddings
+    seqs = [[torch.arange(n) * 5 % 128 for n in (7, 19)], [torch.arange(11) * 3 % 128]]
+
+    def grads(kernels: str, tied_path: bool):
+        model = parity.Model(cfg, kernels=kernels, dtype=torch.float64, seed=4)
+        if not tied_path:
+            monkeypatch.setattr(Model, "_tied_autograd", lambda self: False)
+        lps = []
+        for batch in seqs:
+            out = parity.sequence_logprobs(model, batch)
+            sum((lp * torch.linspace(-1, 2, lp.numel(), dtype=lp.dtype)).sum() for lp in out).backward()
+            lps += out
+        monkeypatch.undo()
+        return model.model.embed_tokens.weight.grad.clone(), [lp.detach() for lp in lps]
+
+    for kernels in ("aligned", "standard"):
+        got, lp_got = grads(kernels, True)
+        want, lp_want = grads(kernels, False)
+        assert all(torch.equal(a, b) for a, b in zip(lp_got, lp_want))
+        assert torch.allclose(got, want, atol=1e-12, rtol=1e-10) and got.abs().sum() > 0

@@ -12,6 +12,7 @@ for the engine to record and the learner to compare.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, InputError
@@ -23,6 +24,7 @@ from .config import ModelConfig
 from .kv_cache import KVCache
 from .moe import SparseMoE
 from .rope import rope_tables
+from .tied import TiedGradient, TiedHead, TiedLookup
 
 DEFAULT_BLOCK_SIZE = 32
 """Attention key-block size = KV-cache page size (the aligned kernel reduces keys in these)."""
@@ -96,6 +98,7 @@ class Model(nn.Module):
         # RoPE tables in float32 (plain attributes, so `.to(dtype)` leaves them alone)
         self.rope_cos, self.rope_sin = rope_tables(config)
         self.last_routing: torch.Tensor | None = None
+        self._tied: TiedGradient | None = None  # the last grad-enabled forward's (tied weights)
         self.last_router_logits: list[torch.Tensor] = []
         if seed is not None:
             self.reset_parameters(seed)
@@ -168,6 +171,18 @@ class Model(nn.Module):
         """Drop cached concatenated weights (after writing parameters behind autograd's back)."""
         self._fused_cache.clear()
 
+    def _tied_autograd(self) -> bool:
+        weight = self.model.embed_tokens.weight
+        return self.config.tie_word_embeddings and torch.is_grad_enabled() and weight.requires_grad
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of `ids` [T] -> [T, hidden] (tied weights under autograd: `tied.py`)."""
+        weight = self.model.embed_tokens.weight
+        if self._tied_autograd():
+            self._tied = TiedGradient()
+            return TiedLookup.apply(ids, weight, self._tied)
+        return F.embedding(ids, weight)
+
     def forward(self, batch: ForwardBatch, cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states of the batch's new tokens: [T, hidden]."""
         cfg, K = self.config, self.kernels
@@ -182,7 +197,7 @@ class Model(nn.Module):
         bsz, m = batch.q_index.shape
         # token-wise work runs on at least `min_rows` rows (extra rows are dropped at the end)
         rows = max(t, K.min_rows)
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self._embed(batch.input_ids)
         if rows > t:
             x = torch.cat([x, x.new_zeros(rows - t, x.shape[1])])
         positions = batch.positions
@@ -237,6 +252,8 @@ class Model(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [N, vocab] in the model dtype."""
+        if self._tied_autograd() and self._tied is not None:
+            return TiedHead.apply(hidden, self.lm_head_weight, self.kernels.linear, self._tied)
         return self.kernels.linear(hidden, self.lm_head_weight)
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,

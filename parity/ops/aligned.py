@@ -240,7 +240,7 @@ class _NativeRowLSE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, inv_t: float) -> torch.Tensor:
-        lse = native.row_lse(logits.float(), inv_t)
+        lse = native.row_lse(logits, inv_t)
         ctx.save_for_backward(logits, lse)
         ctx.inv_t = inv_t
         return lse
@@ -252,26 +252,55 @@ class _NativeRowLSE(torch.autograd.Function):
         return (grad.unsqueeze(-1) * probs * ctx.inv_t).to(logits.dtype), None
 
 
-def _log_norm(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits / T, logsumexp(logits / T) per row), both in the compute dtype."""
-    z, inv_t = _scaled(logits, temperature)
+class _NativeTokenLogprobs(torch.autograd.Function):
+    """`token_logprobs` on the native path: forward as `_scaled` and `_NativeRowLSE` compute it
+    (same bits); backward in one pass over the logits (`native.token_logprobs_backward`), where
+    autograd would take several (exp, products, and a zero-filled scatter for the picked logit)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, inv_t: float) -> torch.Tensor:
+        lse = native.row_lse(logits, inv_t)
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.inv_t = inv_t
+        picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float()
+        return picked * torch.tensor(inv_t, dtype=torch.float32) - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, tokens, lse = ctx.saved_tensors
+        return native.token_logprobs_backward(logits, tokens, lse, grad, ctx.inv_t), None, None
+
+
+def _inv_temperature(temperature: float) -> float:
+    """1/T rounded to float32 once, as `_scaled` rounds it (the native kernels take this value)."""
+    return float(torch.tensor(1.0 / temperature, dtype=torch.float32))
+
+
+def _row_lse(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logsumexp(logits / T) per row, in the compute dtype (differentiable). [N, V] -> [N]"""
     if _use_native(logits):
-        return z, _NativeRowLSE.apply(logits, float(inv_t))
+        return _NativeRowLSE.apply(logits, _inv_temperature(temperature))
+    z, _ = _scaled(logits, temperature)
     peak = z.amax(-1, keepdim=True)
     total = row_sum(pointwise(torch.exp, z - peak))
-    return z, peak.squeeze(-1) + pointwise(torch.log, total)
+    return peak.squeeze(-1) + pointwise(torch.log, total)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """`log_softmax(logits / T)[token]` in float32. logits [N, V], tokens [N] -> [N]"""
-    z, lse = _log_norm(logits, temperature)
-    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    """`log_softmax(logits / T)[token]` in float32. logits [N, V], tokens [N] -> [N]
+
+    The sampled logit is picked before it is scaled (an exact per-element product, so the same
+    bits as scaling the whole row first) and the row is never copied to float32."""
+    if _use_native(logits) and logits.dim() == 2:
+        return _NativeTokenLogprobs.apply(logits, tokens, _inv_temperature(temperature))
+    picked, _ = _scaled(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), temperature)
+    return picked - _row_lse(logits, temperature)
 
 
 def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Full `log_softmax(logits / T)` rows in float32, same bits as `token_logprobs`. [N, V]"""
-    z, lse = _log_norm(logits, temperature)
-    return z - lse.unsqueeze(-1)
+    z, _ = _scaled(logits, temperature)
+    return z - _row_lse(logits, temperature).unsqueeze(-1)
 
 
 def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

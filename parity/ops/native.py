@@ -64,7 +64,9 @@ def _build() -> ctypes.CDLL:
     f, i64, p = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
     for name in ("parity_attention_f32", "parity_attention_bf16"):
         getattr(lib, name).argtypes = [p] * 7 + [i64] * 7 + [f, ctypes.c_int]
-    lib.parity_row_lse.argtypes = [p, p, i64, i64, f, ctypes.c_int]
+    lib.parity_row_lse.argtypes = lib.parity_row_lse_bf16.argtypes = [p, p, i64, i64, f, ctypes.c_int]
+    for name in ("parity_token_lp_backward_f32", "parity_token_lp_backward_bf16"):
+        getattr(lib, name).argtypes = [p, p, p, p, p, i64, i64, f, ctypes.c_int]
     for name in ("parity_rms_norm_f32", "parity_rms_norm_bf16"):
         getattr(lib, name).argtypes = [p, p, p, i64, i64, i64, i64, i64, f, p, p, ctypes.c_int]
     for name in ("parity_silu_mul_f32", "parity_silu_mul_bf16"):
@@ -228,12 +230,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def row_lse(z: torch.Tensor, inv_temperature: float) -> torch.Tensor:
-    """logsumexp(z * inv_temperature) per row of float32 z [N, V] -> [N]."""
-    z = z.float().contiguous()
+    """logsumexp(z * inv_temperature) per row of float32 or bfloat16 z [N, V] -> float32 [N]
+    (a bfloat16 row is read as it is: each value widened exactly, never copied)."""
+    z = z.contiguous() if z.dtype in _SUFFIX else z.float().contiguous()
     lse = torch.empty(z.shape[:-1], dtype=torch.float32)
-    library().parity_row_lse(_ptr(z), _ptr(lse), z.numel() // z.shape[-1], z.shape[-1],
-                             inv_temperature, torch.get_num_threads())
+    fn = library().parity_row_lse if z.dtype == torch.float32 else library().parity_row_lse_bf16
+    fn(_ptr(z), _ptr(lse), z.numel() // z.shape[-1], z.shape[-1], inv_temperature, torch.get_num_threads())
     return lse
+
+
+def token_logprobs_backward(z: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor,
+                            grad: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    """Gradient w.r.t. z [N, V] of `z[r, tokens[r]] * inv_t - lse[r]` for the output gradient
+    grad [N]: inv_t * grad[r] * (onehot - softmax(z * inv_t)), one pass, in z's dtype."""
+    z = z.contiguous()
+    tokens = tokens.to(torch.int64).contiguous()
+    grad = grad.float().contiguous()
+    out = torch.empty(z.shape, dtype=z.dtype)
+    getattr(library(), f"parity_token_lp_backward_{_SUFFIX[z.dtype]}")(
+        _ptr(z), _ptr(tokens), _ptr(lse.contiguous()), _ptr(grad), _ptr(out), z.shape[0], z.shape[1],
+        inv_temperature, torch.get_num_threads())
+    return out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

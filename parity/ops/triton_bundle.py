@@ -116,25 +116,27 @@ class _RowLSEFn(torch.autograd.Function):
         return (grad.unsqueeze(-1) * probs * ctx.inv_t).to(logits.dtype), None
 
 
-def _log_norm(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    z = logits.to(compute_dtype(logits.dtype))
-    inv_t = torch.tensor(1.0 / temperature, dtype=z.dtype)
-    inv = float(inv_t)  # 1/T rounded to float32 once, the same value inside the kernel
-    z = z * inv_t.to(z.device)
-    lse = _RowLSEFn.apply(logits, inv) if _needs_grad(logits) else tk.row_lse(logits, inv)
-    return z, lse
+def _inv_temperature(temperature: float) -> float:
+    """1/T rounded to float32 once: the value the kernel and every product use."""
+    return float(torch.tensor(1.0 / temperature, dtype=torch.float32))
+
+
+def _row_lse(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    inv = _inv_temperature(temperature)
+    return _RowLSEFn.apply(logits, inv) if _needs_grad(logits) else tk.row_lse(logits, inv)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """`log_softmax(logits / T)[token]` in float32. logits [N, V], tokens [N] -> [N]"""
-    z, lse = _log_norm(logits, temperature)
-    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    """`log_softmax(logits / T)[token]` in float32. logits [N, V], tokens [N] -> [N]. The sampled
+    logit is picked, then scaled (an exact product: the same bits as scaling the row first)."""
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(compute_dtype(logits.dtype))
+    return picked * _inv_temperature(temperature) - _row_lse(logits, temperature)
 
 
 def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Full `log_softmax(logits / T)` rows in float32, same bits as `token_logprobs`. [N, V]"""
-    z, lse = _log_norm(logits, temperature)
-    return z - lse.unsqueeze(-1)
+    z = logits.to(compute_dtype(logits.dtype)) * _inv_temperature(temperature)
+    return z - _row_lse(logits, temperature).unsqueeze(-1)
 
 
 def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

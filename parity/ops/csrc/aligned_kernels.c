@@ -163,26 +163,34 @@ void parity_attention_f32(ATTENTION_ARGS(float)) { ATTENTION_BODY(float, F32_ID)
 
 void parity_attention_bf16(ATTENTION_ARGS(uint16_t)) { ATTENTION_BODY(uint16_t, bf16_to_f32) }
 
-/* Row log-sum-exp of z * inv_t for rows of length n, into lse[r]. */
-void parity_row_lse(const float *z, float *lse, int64_t rows, int64_t n, float inv_t, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *zr = z + r * n;
-        float peak = -INFINITY;
-        for (int64_t i = 0; i < n; i++) {
-            const float s = zr[i] * inv_t;
-            if (s > peak) peak = s;
-        }
-        float acc[LANES];
-        for (int l = 0; l < LANES; l++) acc[l] = 0.0f;
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] = acc[l] + fixed_exp(zr[i + l] * inv_t - peak);
-        for (int l = 0; i + l < n; l++) acc[l] = acc[l] + fixed_exp(zr[i + l] * inv_t - peak);
-        for (int w = LANES / 2; w > 0; w /= 2)
-            for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
-        lse[r] = peak + logf(acc[0]);
+/* Row log-sum-exp of z * inv_t for rows of length n, into lse[r] (z float32 or bfloat16). */
+#define ROW_LSE_BODY(LOAD)                                                                     \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
+    for (int64_t r = 0; r < rows; r++) {                                                     \
+        const __typeof__(z[0]) *zr = z + r * n;                                              \
+        float peak = -INFINITY;                                                              \
+        for (int64_t i = 0; i < n; i++) {                                                    \
+            const float s = LOAD(zr[i]) * inv_t;                                             \
+            if (s > peak) peak = s;                                                          \
+        }                                                                                    \
+        float acc[LANES];                                                                    \
+        for (int l = 0; l < LANES; l++) acc[l] = 0.0f;                                       \
+        int64_t i = 0;                                                                       \
+        for (; i + LANES <= n; i += LANES)                                                   \
+            for (int l = 0; l < LANES; l++) acc[l] = acc[l] + fixed_exp(LOAD(zr[i + l]) * inv_t - peak); \
+        for (int l = 0; i + l < n; l++) acc[l] = acc[l] + fixed_exp(LOAD(zr[i + l]) * inv_t - peak); \
+        for (int w = LANES / 2; w > 0; w /= 2)                                               \
+            for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];                        \
+        lse[r] = peak + logf(acc[0]);                                                        \
     }
+
+void parity_row_lse(const float *z, float *lse, int64_t rows, int64_t n, float inv_t, int threads) {
+    ROW_LSE_BODY(F32_ID)
+}
+
+void parity_row_lse_bf16(const uint16_t *z, float *lse, int64_t rows, int64_t n, float inv_t,
+                         int threads) {
+    ROW_LSE_BODY(bf16_to_f32)
 }
 
 /* Qwen3 RMSNorm over rows of length n: out = w * cast(x * inv), inv = 1/sqrt(mean(x^2)+eps),
@@ -332,4 +340,30 @@ void parity_rms_norm_backward_bf16(const uint16_t *x, const uint16_t *w, const u
                                    int64_t inner, int64_t n, int64_t so, int64_t si, float eps,
                                    int threads) {
     RMS_BACKWARD_BODY(bf16_to_f32, f32_to_bf16)
+}
+
+/* Backward of lp[r] = z[r, t_r] * inv_t - lse[r] (the learner's token log-probs): for the output
+ * gradient grad [rows] float32, d z[r, i] = grad[r] * inv_t * ([i == t_r] - exp(z[r, i] * inv_t -
+ * lse[r])), written once per element into out [rows, n] (z's dtype). */
+#define TOKEN_LP_BACKWARD_BODY(LOAD, STORE)                                                   \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
+    for (int64_t r = 0; r < rows; r++) {                                                    \
+        const float g = grad[r] * inv_t, m = lse[r];                                        \
+        const int64_t t = tokens[r];                                                        \
+        for (int64_t i = 0; i < n; i++) {                                                   \
+            const float p = fixed_exp(LOAD(z[r * n + i]) * inv_t - m);                      \
+            out[r * n + i] = STORE(((i == t) ? 1.0f - p : -p) * g);                         \
+        }                                                                                   \
+    }
+
+void parity_token_lp_backward_f32(const float *z, const int64_t *tokens, const float *lse,
+                                  const float *grad, float *out, int64_t rows, int64_t n,
+                                  float inv_t, int threads) {
+    TOKEN_LP_BACKWARD_BODY(F32_ID, F32_ID)
+}
+
+void parity_token_lp_backward_bf16(const uint16_t *z, const int64_t *tokens, const float *lse,
+                                   const float *grad, uint16_t *out, int64_t rows, int64_t n,
+                                   float inv_t, int threads) {
+    TOKEN_LP_BACKWARD_BODY(bf16_to_f32, f32_to_bf16)
 }
