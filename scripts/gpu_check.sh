@@ -9,12 +9,17 @@
 # 3. parity bench kernels / rollout / learner on CUDA, bf16, the Qwen3-0.6B shape and `small`
 # 4. a short asynchronous training run per backend (toy task, bf16): the learner's kernel-mismatch
 #    figure is exactly 0 on aligned kernels and > 0 on standard ones
-# Each step runs under its own time limit and the script goes on after a failure; the summary
-# (gpu_summary.json: per step rc, seconds, parsed results) is written whatever happens.
+# Each step runs under its own time limit (together 480 s, so one 10-minute device call holds the
+# whole run with room for Triton's first compiles) and the script goes on after a failure; the
+# summary (gpu_summary.json: per step rc, seconds, parsed results) is rewritten after every step,
+# so a run cut short still leaves one. Step logs keep stdout (NAME.log, where JSON is parsed) and
+# stderr (NAME.err) apart. Work files go to OUT_DIR; when $OUT is set (a device call's folder
+# that comes back) only gpu_summary.json and logs.tgz (every log, no weights) are copied there.
 # Nothing is installed: it runs on the machine's torch and triton with the repo on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR="${1:-${OUT:-runs/gpu_check}}"
+OUT_DIR="${1:-${OUT:+/tmp/gpu_check}}"
+OUT_DIR="${OUT_DIR:-runs/gpu_check}"
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
@@ -27,42 +32,21 @@ fi
 STEPS_FILE="$OUT_DIR/steps.tsv"
 : > "$STEPS_FILE"
 
-step() {  # step NAME LIMIT_S COMMAND...: run, log to NAME.log, record rc and seconds
+step() {  # step NAME LIMIT_S COMMAND...: run, log to NAME.log / NAME.err, record rc and seconds
     local name=$1 limit=$2
     shift 2
     local t0=$SECONDS
     echo "=== $name (limit ${limit}s): $*"
-    timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+    timeout -k 10 "$limit" "$@" > "$OUT_DIR/$name.log" 2> "$OUT_DIR/$name.err"
     local rc=$?
     printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$STEPS_FILE"
-    tail -n 4 "$OUT_DIR/$name.log"
+    tail -n 3 "$OUT_DIR/$name.log" "$OUT_DIR/$name.err" 2>/dev/null | cut -c1-300
     echo "--- $name: rc=$rc, $((SECONDS - t0)) s"
+    summarize > /dev/null
 }
 
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi"; } \
-    > "$OUT_DIR/gpu.txt" 2>&1
-"$PY" -c "import torch, triton; print(torch.__version__, triton.__version__,
-      torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')" \
-    >> "$OUT_DIR/gpu.txt" 2>&1
-cat "$OUT_DIR/gpu.txt"
-
-step bitwise 200 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider $TESTS \
-    --junitxml="$OUT_DIR/bitwise.xml"
-step check 90 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
-    --rounds 4 --json --cases batch,padding,offset,decode,engine,autograd
-step bench_kernels 120 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG,$SMALL \
-    --dtypes bfloat16 --batches $BATCHES --prefill-len $PREFILL --reps $REPS --json
-step bench_rollout 90 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $SMALL --dtypes bfloat16 \
-    --num-seqs $NSEQ --max-num-seqs $NSEQ --reps 2 --json
-step bench_learner 60 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \
-    --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
-for k in aligned standard; do
-    step "train_$k" 60 "$PY" -m parity.cli train configs/toy_async.toml --set steps=$STEPS \
-        --set model.device="$DEVICE" --set model.preset=$SMALL --set model.dtype=bfloat16 \
-        --set model.kernels=$k --set run_dir="$OUT_DIR/train_$k"
-done
-
-"$PY" - "$OUT_DIR" <<'EOF'
+summarize() {  # gpu_summary.json from the steps so far (JSON outputs parsed where printed)
+    "$PY" - "$OUT_DIR" <<'EOF'
 """Gather the steps' results into gpu_summary.json (JSON outputs parsed where a step printed one)."""
 import datetime
 import json
@@ -77,12 +61,16 @@ for line in (out / "steps.tsv").read_text().splitlines():
     name, rc, seconds = line.split("\t")
     entry = {"rc": int(rc), "seconds": int(seconds)}
     text = (out / f"{name}.log").read_text(errors="replace")
-    start = min((i for i in (text.find("{"), text.find("[")) if i >= 0), default=-1)
-    if start >= 0:
-        try:
-            entry["result"] = json.loads(text[start:])
-        except ValueError:
-            pass
+    err = out / f"{name}.err"
+    errtext = err.read_text(errors="replace") if err.exists() else ""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):  # the JSON document: from the first line that opens one
+        if line.startswith(("{", "[")):
+            try:
+                entry["result"] = json.loads("\n".join(lines[i:]))
+                break
+            except ValueError:
+                continue
     if name == "bitwise" and (out / "bitwise.xml").exists():
         suite = ET.parse(out / "bitwise.xml").getroot().find("testsuite")
         entry["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
@@ -93,8 +81,39 @@ for line in (out / "steps.tsv").read_text().splitlines():
         entry["learner_steps"] = len(rows)
         entry["kernel_max_abs_max"] = max(kernel) if kernel else None
     if entry["rc"] != 0:
-        entry["tail"] = text.strip().splitlines()[-6:]
+        entry["tail"] = (text.strip().splitlines() + errtext.strip().splitlines())[-8:]
     summary["steps"][name] = entry
 (out / "gpu_summary.json").write_text(json.dumps(summary, indent=1))
 print(json.dumps({k: {x: v[x] for x in ("rc", "seconds")} for k, v in summary["steps"].items()}))
 EOF
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi"; } \
+    > "$OUT_DIR/gpu.txt" 2>&1
+"$PY" -c "import torch, triton; print(torch.__version__, triton.__version__,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')" \
+    >> "$OUT_DIR/gpu.txt" 2>&1
+cat "$OUT_DIR/gpu.txt"
+
+step bitwise 150 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider $TESTS \
+    --junitxml="$OUT_DIR/bitwise.xml"
+step check 60 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
+    --rounds 4 --json --cases batch,padding,offset,decode,engine,autograd
+step bench_kernels 100 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG,$SMALL \
+    --dtypes bfloat16 --batches $BATCHES --prefill-len $PREFILL --reps $REPS --json
+step bench_rollout 60 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $SMALL --dtypes bfloat16 \
+    --num-seqs $NSEQ --max-num-seqs $NSEQ --reps 2 --json
+step bench_learner 50 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \
+    --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
+for k in aligned standard; do
+    step "train_$k" 30 "$PY" -m parity.cli train configs/toy_async.toml --set steps=$STEPS \
+        --set model.device="$DEVICE" --set model.preset=$SMALL --set model.dtype=bfloat16 \
+        --set model.kernels=$k --set run_dir="$OUT_DIR/train_$k"
+done
+
+
+summarize
+if [ -n "${OUT:-}" ] && [ "$OUT_DIR" != "$OUT" ]; then  # what comes back from a device call
+    cp "$OUT_DIR/gpu_summary.json" "$OUT/"
+    tar -czf "$OUT/logs.tgz" -C "$OUT_DIR" --exclude='*.safetensors' --exclude='*.pt' .
+fi

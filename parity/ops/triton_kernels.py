@@ -26,6 +26,7 @@ bf16 values are exact in float32, the values a bf16 tensor-core product accumula
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -51,6 +52,20 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 """True when the kernels run through Triton's CPU interpreter (no GPU)."""
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _on(*tensors: torch.Tensor):
+    """The launch context for these tensors: their CUDA device made current (a kernel launches on
+    the current device, which need not be the tensors'), after checking what a compiled kernel
+    takes (the interpreter would accept more: a float64 dot, mixed operand dtypes)."""
+    first = tensors[0]
+    for t in tensors:
+        if t.dtype not in _TL_DTYPES:
+            raise ConfigError(f"the Triton kernels take float32, bfloat16 or float16 tensors, not {t.dtype}")
+        if t.dtype != first.dtype:
+            raise ConfigError(f"the Triton kernels need operands of one dtype, got {first.dtype} "
+                              f"and {t.dtype}")
+    return torch.cuda.device(first.device) if first.is_cuda else contextlib.nullcontext()
 
 
 def _gemm_tiles(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
@@ -116,12 +131,13 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out
     bm, bn, bk, warps, stages = _gemm_tiles(x.dtype)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _matmul_kernel[grid](
-        x, weight, bias if bias is not None else x, out, m, n, k,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, INTERP=INTERPRET,
-        IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages)
+    with _on(x, weight):
+        _matmul_kernel[grid](
+            x, weight, bias if bias is not None else x, out, m, n, k,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, INTERP=INTERPRET,
+            IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            num_warps=warps, num_stages=stages)
     return out
 
 
@@ -149,9 +165,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _rms_norm_kernel[(triton.cdiv(x2.shape[0], _ROWS),)](
-            x2, weight, out, x2.shape[0], h, x2.stride(0), out.stride(0), eps,
-            ROWS=_ROWS, BLOCK=triton.next_power_of_2(h))
+        with _on(x2):
+            _rms_norm_kernel[(triton.cdiv(x2.shape[0], _ROWS),)](
+                x2, weight, out, x2.shape[0], h, x2.stride(0), out.stride(0), eps,
+                ROWS=_ROWS, BLOCK=triton.next_power_of_2(h))
     return out.view(x.shape)
 
 
@@ -180,9 +197,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     block = 1024 if INTERPRET else 256
     if g2.shape[0]:
-        _silu_mul_kernel[(triton.cdiv(g2.shape[0], _ROWS), triton.cdiv(n, block))](
-            g2, u2, out, g2.shape[0], n, g2.stride(0), u2.stride(0), out.stride(0),
-            ROWS=_ROWS, BLOCK=block)
+        with _on(g2, u2):
+            _silu_mul_kernel[(triton.cdiv(g2.shape[0], _ROWS), triton.cdiv(n, block))](
+                g2, u2, out, g2.shape[0], n, g2.stride(0), u2.stride(0), out.stride(0),
+                ROWS=_ROWS, BLOCK=block)
     return out.view(gate.shape)
 
 
@@ -251,13 +269,14 @@ def _launch_attention(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos
     bm = _block_m()
     grid = (bsz, hkv, triton.cdiv(m * rep, bm))
     scale = 1.4426950408889634 / d ** 0.5
-    _attention_kernel[grid](
-        q, k_blocks, v_blocks, tables, q_pos, out, m, rep, tables.shape[1], scale,
-        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        *k_strides[:4], *v_strides, tables.stride(0), q_pos.stride(0),
-        D=d, BS=block_size, BLOCK_M=bm,
-        INTERP=INTERPRET, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2)
+    with _on(q, k_blocks, v_blocks):
+        _attention_kernel[grid](
+            q, k_blocks, v_blocks, tables, q_pos, out, m, rep, tables.shape[1], scale,
+            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            *k_strides[:4], *v_strides, tables.stride(0), q_pos.stride(0),
+            D=d, BS=block_size, BLOCK_M=bm,
+            INTERP=INTERPRET, IEEE=q.dtype == torch.float32,
+            num_warps=4, num_stages=2)
     return out
 
 
@@ -311,7 +330,8 @@ def row_lse(logits: torch.Tensor, inv_t: float) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     if x.shape[0]:
         rows = _ROWS if INTERPRET else 1  # a GPU: one row per program, the vocabulary is long
-        _row_lse_kernel[(triton.cdiv(x.shape[0], rows),)](
-            x, out, x.shape[0], x.shape[1], x.stride(0), inv_t,
-            ROWS=rows, BLOCK_V=1024 if INTERPRET else 2048)
+        with _on(x):
+            _row_lse_kernel[(triton.cdiv(x.shape[0], rows),)](
+                x, out, x.shape[0], x.shape[1], x.stride(0), inv_t,
+                ROWS=rows, BLOCK_V=1024 if INTERPRET else 2048)
     return out
