@@ -107,6 +107,8 @@ def test_bench_rollout_json():
     out = json.loads(proc.stdout)
     assert {r["system"] for r in out["rows"]} == {"parity-aligned", "parity-standard"}
     assert out["ratios"]["float32/aligned_over_standard"] > 0
+    assert all(r["gemm_gflops"] > 0 and 0 < r["gemm_fraction"] == r["gflops"] / r["gemm_gflops"]
+               for r in out["rows"])
 
 
 def test_train_runs_and_rejects_bad_config(tmp_path):
@@ -130,6 +132,8 @@ def test_bench_async_json():
     assert out["rows"][0]["observed_lag_max"] == 0 and all(r["observed_lag_max"] <= 2 for r in out["rows"])
     assert out["ratios"]["local_x1_lag2_over_sync"] > 0 and out["ratios"]["local_x2_lag2_over_sync"] > 0
     assert out["rows"][2]["bytes_moved"] == 2 * out["rows"][1]["bytes_moved"] > 0
+    assert all(r["gemm_gflops"] > 0 and 0 < r["gemm_fraction"] == r["gflops"] / r["gemm_gflops"]
+               for r in out["rows"])
 
 
 def test_bench_memory_json():

@@ -43,6 +43,15 @@ class AsyncRow:
     """Median seconds per batch a worker paused to load new weights."""
     bytes_moved: float
     """Weight bytes sent to the workers per learner step (one version per worker)."""
+    gflops: float = 0.0
+    """Useful model GFLOP/s of the whole run (rollout forwards + learner forward/backward of every
+    sequence, `throughput/model_flops`), steady state."""
+    gemm_gflops: float = 0.0
+    """This machine's GEMM rate for the dtype, measured in the same run."""
+
+    @property
+    def gemm_fraction(self) -> float:
+        return self.gflops / self.gemm_gflops if self.gemm_gflops else 0.0
 
 
 def _measure(cfg: TrainConfig) -> tuple[float, ...]:
@@ -52,7 +61,8 @@ def _measure(cfg: TrainConfig) -> tuple[float, ...]:
     return (3600 * len(rest) / steady, sum(m["time/wait_s"] for m in rest) / steady,
             sum(m["time/rollout_wait_s"] for m in rest) / steady, max(m["lag/max"] for m in metrics),
             statistics.median(m["sync/publish_s"] for m in rest),
-            statistics.median(m["sync/rollout_pause_s"] for m in rest), rest[-1]["sync/bytes_moved"])
+            statistics.median(m["sync/rollout_pause_s"] for m in rest), rest[-1]["sync/bytes_moved"],
+            sum(m["throughput/model_flops"] for m in rest) / steady / 1e9)
 
 
 def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8, 64), prompts: int = 8,
@@ -77,11 +87,14 @@ def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8
                     rollout=RolloutSection(prompts_per_step=prompts, group_size=group, max_tokens=max_tokens,
                                            lengths="geometric", backend=backend, workers=n),
                     learner=LearnerConfig(micro_batch_size=8))))
+    if progress:
+        progress(f"async bench: {dtype} GEMM rate")
+    gemm = hardware.gemm_rate(dtype_from_name(dtype))
     rows = []
     for (backend, n, lag), vals in per_mode.items():
-        med = [statistics.median(v[k] for v in vals) for k in range(7)]
+        med = [statistics.median(v[k] for v in vals) for k in range(8)]
         rows.append(AsyncRow("sync" if lag == 0 else "async", backend, n, lag, steps, med[0], med[1], med[2],
-                             max(v[3] for v in vals), med[4], med[5], med[6]))
+                             max(v[3] for v in vals), med[4], med[5], med[6], med[7], gemm))
     sync = rows[0].steps_per_hour
     ratios = {f"{r.backend}_x{r.workers}_lag{r.max_policy_lag}_over_sync": r.steps_per_hour / sync
               for r in rows[1:]}
@@ -101,20 +114,23 @@ def main(args) -> int:
                                args.reps, args.dtype, args.backends, args.workers, progress=status)
     status("")
     if args.json:
-        print(json.dumps({"machine": hardware.describe(),
-                          "cores": os.cpu_count(), "rows": [asdict(r) for r in rows], "ratios": ratios},
-                         indent=2))
+        print(json.dumps({"machine": hardware.describe(), "cores": os.cpu_count(),
+                          "rows": [{**asdict(r), "gemm_fraction": r.gemm_fraction} for r in rows],
+                          "ratios": ratios}, indent=2))
         return 0
     print(f"parity bench async: {args.preset} {args.dtype}, {args.steps} learner steps of "
           f"{args.prompts}x{args.group} responses, geometric lengths up to {args.max_tokens} tokens; "
           f"steady state (first step excluded), median of {args.reps}")
     print(f"machine: {hardware.line()}")
     print(table(["mode", "backend", "workers", "max lag", "steps/hour", "learner waits", "rollout waits",
-                 "lag seen", "publish ms", "load ms", "MB moved/step"],
+                 "lag seen", "publish ms", "load ms", "MB moved/step", "GFLOP/s", "of GEMM rate"],
                 [[r.mode, r.backend, str(r.workers), str(r.max_policy_lag), f"{r.steps_per_hour:,.0f}",
                   f"{100 * r.learner_wait_frac:.0f}%", f"{100 * r.rollout_wait_frac:.0f}%",
                   f"{r.observed_lag_max:.0f}", f"{1000 * r.publish_s:.2f}", f"{1000 * r.rollout_pause_s:.1f}",
-                  f"{r.bytes_moved / 2**20:.1f}"] for r in rows]))
+                  f"{r.bytes_moved / 2**20:.1f}", f"{r.gflops:,.1f}", f"{r.gemm_fraction:.0%}"]
+                 for r in rows]))
+    print(f"GEMM rate (2048^3, same run): {args.dtype} {rows[0].gemm_gflops:,.0f} GFLOP/s; GFLOP/s counts "
+          f"4 forwards per sequence token (rollout, learner forward and backward)")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}")
     return 0

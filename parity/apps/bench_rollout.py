@@ -26,7 +26,7 @@ from ..errors import ParityError
 from ..model import Model, ModelConfig
 from ..ops import BACKENDS
 from ..rl.rollout_worker import geometric_lengths
-from .ui import status, table
+from .ui import gemm_line, status, table
 
 
 @dataclass
@@ -45,6 +45,12 @@ class RolloutWorkload:
     @property
     def output_tokens(self) -> int:
         return sum(self.lengths)
+
+    def forward_flops(self, cfg: ModelConfig) -> float:
+        """Model FLOPs of the workload: every prompt and generated token's forward, attention over
+        its context (a request of n tokens in all costs n forwards at context (n - 1) / 2)."""
+        return sum((len(p) + n) * cfg.forward_flops_per_token((len(p) + n - 1) / 2)
+                   for p, n in zip(self.prompts, self.lengths))
 
 
 def _run_engine(model, work: RolloutWorkload, max_num_seqs: int) -> tuple[float, list[float]]:
@@ -91,6 +97,14 @@ class RolloutRow:
     step_ms_p50: float | None
     step_ms_p90: float | None
     step_ms_p99: float | None
+    gflops: float = 0.0
+    """Achieved model GFLOP/s (`RolloutWorkload.forward_flops` over the median time)."""
+    gemm_gflops: float = 0.0
+    """This machine's GEMM rate for the dtype, measured in the same run."""
+
+    @property
+    def gemm_fraction(self) -> float:
+        return self.gflops / self.gemm_gflops if self.gemm_gflops else 0.0
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -132,10 +146,15 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
                         times[k].append(elapsed)
                         steps[k] += step_times
         med = {k: statistics.median(v) for k, v in times.items()}
+        if progress:
+            progress(f"rollout {dtype_name} GEMM rate")
+        gemm = hardware.gemm_rate(dtype, device=device)
+        flops = work.forward_flops(cfg)
         for k in systems:
             name = k if k == "transformers" else f"parity-{k}"
             pct = [_pct(steps[k], q) if steps[k] else None for q in (0.5, 0.9, 0.99)]
-            rows.append(RolloutRow(name, dtype_name, work.output_tokens, work.output_tokens / med[k], *pct))
+            rows.append(RolloutRow(name, dtype_name, work.output_tokens, work.output_tokens / med[k], *pct,
+                                   flops / med[k] / 1e9, gemm))
         ratios[f"{dtype_name}/aligned_over_standard"] = med["standard"] / med["aligned"]
         if vs_transformers:
             ratios[f"{dtype_name}/aligned_over_transformers"] = med["transformers"] / med["aligned"]
@@ -165,7 +184,8 @@ def main(args) -> int:
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(),
-                          "threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows],
+                          "threads": torch.get_num_threads(),
+                          "rows": [{**asdict(r), "gemm_fraction": r.gemm_fraction} for r in rows],
                           "ratios": ratios}, indent=2))
         return 0
     print(f"parity bench rollout: {args.preset}, {args.num_seqs} requests, geometric response lengths "
@@ -176,9 +196,12 @@ def main(args) -> int:
         return "-" if v is None else f"{v:.1f}"
 
     print(f"machine: {hardware.line()}")
-    print(table(["system", "dtype", "output tokens", "tok/s", "step p50 ms", "p90", "p99"],
+    print(table(["system", "dtype", "output tokens", "tok/s", "step p50 ms", "p90", "p99", "GFLOP/s",
+                 "of GEMM rate"],
                 [[r.system, r.dtype, str(r.output_tokens), f"{r.tok_s:,.0f}", ms(r.step_ms_p50),
-                  ms(r.step_ms_p90), ms(r.step_ms_p99)] for r in rows]))
+                  ms(r.step_ms_p90), ms(r.step_ms_p99), f"{r.gflops:,.1f}", f"{r.gemm_fraction:.0%}"]
+                 for r in rows]))
+    print(gemm_line(rows) + "; GFLOP/s counts every prompt and generated token's forward")
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}")
     return 0

@@ -111,6 +111,11 @@ class Controller:
                 kept = self._retain()
                 version_bytes = sum(t.numel() * t.element_size() for t in state.values())
                 tokens += int(batch.mask.sum())
+                shape = self.learner.model.config
+                # useful model FLOPs of the step: each sequence's forward on the rollout side and
+                # forward + backward (3x) on the learner's, 4 forwards in all
+                model_flops = 4 * sum(len(s) * shape.forward_flops_per_token((len(s) - 1) / 2)
+                                      for s in batch.sequences)
                 elapsed = time.perf_counter() - t_start
                 done = step + 1 - self.start_step
                 m.update({"time/generate_s": rollout.generate_s, "time/wait_s": wait_s,
@@ -118,6 +123,7 @@ class Controller:
                           "time/rollout_wait_s": rollout.wait_s, "time/wall_s": elapsed,
                           "throughput/tokens_per_s": tokens / elapsed,
                           "throughput/steps_per_hour": 3600 * done / elapsed,
+                          "throughput/model_flops": model_flops,
                           "sync/publish_s": publish_s, "sync/rollout_pause_s": rollout.load_s,
                           "sync/version_bytes": float(version_bytes),
                           "sync/bytes_moved": float(version_bytes * cfg.rollout.workers),
