@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,7 +77,13 @@ def bench_memory(preset: str = "small", dtype: str = "float32", lags: Sequence[i
                str(held), str(max_tokens)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            errors = [ln for ln in done.stderr.strip().splitlines() if "error" in ln.lower()]
+            last = (errors or done.stderr.strip().splitlines() or ["no output"])[-1].strip()
+            if done.returncode < 0:
+                name = signal.Signals(-done.returncode).name
+                why = " (out of memory?)" if name == "SIGKILL" else ""
+                raise ParityError(f"bench memory: the lag-{lag} run was killed by {name}{why}; "
+                                  f"last line: {last}")
             raise ParityError(f"bench memory: the lag-{lag} run failed: {last}")
         rows.append(MemoryRow(**json.loads(done.stdout.strip().splitlines()[-1])))
     return rows
