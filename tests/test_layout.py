@@ -3,7 +3,7 @@
 Layers (a module may import its own package and any lower layer, never a higher one or a
 sibling package of its own layer):
 
-    0  errors
+    0  errors, _startup           (_startup: process settings made before torch is imported)
     1  dtypes, hardware
     2  ops                        kernels behind the switch
     3  model                      one model definition on the kernels
@@ -20,7 +20,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "parity"
-LAYERS = {"errors": 0, "dtypes": 1, "hardware": 1, "ops": 2, "model": 3, "engine": 4, "config": 5, "envs": 5,
+LAYERS = {"errors": 0, "_startup": 0, "dtypes": 1, "hardware": 1, "ops": 2, "model": 3, "engine": 4, "config": 5, "envs": 5,
           "metrics": 5, "invariance": 5, "rl": 6, "apps": 7, "cli": 8}
 MAX_LINES = 400
 
