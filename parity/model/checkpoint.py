@@ -17,6 +17,13 @@ from ..errors import CheckpointError
 from .families import config_to_hf, tensors_to_files
 
 
+def _own(t: torch.Tensor):
+    """`t` itself when it owns its storage, else a contiguous copy."""
+    whole = t.is_contiguous() and t.storage_offset() == 0 \
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
+
+
 def save_pretrained(model, path: str | Path) -> None:
     """Write `config.json` and `model.safetensors` into directory `path` (created if needed)."""
     from safetensors.torch import save_file
@@ -25,7 +32,9 @@ def save_pretrained(model, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     cfg = config_to_hf(model.config)
     cfg["torch_dtype"] = str(model.dtype).removeprefix("torch.")
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    # q/k/v and gate/up share one buffer per layer in memory (`fused.py`): safetensors stores
+    # tensors that own their memory, so those are copied out (one tensor at a time)
+    state = {k: _own(v.detach().cpu()) for k, v in model.state_dict().items()}
     tensors = tensors_to_files(model.config, state)
     tmp = path / "model.safetensors.tmp"
     try:

@@ -21,6 +21,7 @@ from ..ops import Kernels, check_backend, get_kernels
 from .batch import ForwardBatch
 from .checkpoint import save_pretrained
 from .config import ModelConfig
+from .fused import FusedView, adjacent, share_storage
 from .kv_cache import KVCache
 from .moe import SparseMoE
 from .rope import rope_tables
@@ -153,12 +154,17 @@ class Model(nn.Module):
     def _fused(self, layer: int, kind: str, parts: list[torch.Tensor]) -> torch.Tensor:
         """Concatenated projection weight (QKV or gate/up): one GEMM instead of several.
 
-        Without autograd the concatenation is cached until a part changes (in-place updates bump
-        a tensor's version counter; code that writes through `.data` or a fused optimizer must
-        call `invalidate_fused()`); with autograd it is rebuilt, so gradients reach the parts.
-        Both paths hold the same values, so the GEMM gives the same bits either way.
+        The parts normally share one buffer (`fused.py`), which is then the fused weight itself.
+        Otherwise, without autograd the concatenation is cached until a part changes (in-place
+        updates bump a tensor's version counter; code that writes through `.data` must call
+        `invalidate_fused()`); with autograd it is rebuilt, so gradients reach the parts. Every
+        path holds the same values, so the GEMM gives the same bits either way.
         """
-        if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+        grad = torch.is_grad_enabled() and any(p.requires_grad for p in parts)
+        shared = adjacent(parts)
+        if shared is not None:
+            return FusedView.apply(shared, *parts) if grad else shared
+        if grad:
             return torch.cat(parts)
         key = tuple((p.data_ptr(), p._version, p.dtype) for p in parts)
         hit = self._fused_cache.get((layer, kind))
@@ -166,6 +172,24 @@ class Model(nn.Module):
             hit = (key, torch.cat([p.detach() for p in parts]))
             self._fused_cache[(layer, kind)] = hit
         return hit[1]
+
+    def share_projection_storage(self) -> None:
+        """Put each layer's q/k/v (and their biases) and gate/up weights in one buffer each."""
+        for layer in self.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            share_storage([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+            if self.config.attention_bias:
+                share_storage([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
+            if not isinstance(mlp, SparseMoE):
+                share_storage([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self._fused_cache.clear()
+
+    def _apply(self, fn, recurse=True):
+        # `.to(dtype)`, `.to(device)` and the like give every parameter a storage of its own
+        super()._apply(fn, recurse)
+        if hasattr(self, "_fused_cache"):
+            self.share_projection_storage()
+        return self
 
     def invalidate_fused(self) -> None:
         """Drop cached concatenated weights (after writing parameters behind autograd's back)."""

@@ -61,8 +61,11 @@ class Learner:
             self.master = params
         else:
             self.master = [p.detach().float().clone().requires_grad_() for p in params]
+        # fused: one pass per tensor with no full-size temporaries (the foreach form allocates a
+        # copy of every moment for sqrt/division: a whole model's worth at the step's peak)
+        fused = all(p.device.type in ("cpu", "cuda") for p in self.master)
         self.optimizer = torch.optim.AdamW(self.master, lr=cfg.lr, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay, fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version = 0
         self.history: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
