@@ -34,6 +34,33 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class _Writes(io.RawIOBase):
+    """A binary file whose failed writes are remembered (torch.save rewraps them)."""
+
+    def __init__(self, raw) -> None:
+        self.raw, self.error = raw, None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        try:
+            return self.raw.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
+def _trainer_state(step: int, learner: Learner, separate: bool, ready: list | None) -> dict:
+    return {
+        "step": step, "version": learner.version, "steps": learner.steps,
+        "optimizer": learner.optimizer.state_dict(), "scheduler": learner.scheduler.state_dict(),
+        "master": [m.detach() for m in learner.master] if separate else None,
+        "history": learner.history, "torch_rng": torch.get_rng_state(),
+        "ready": [b.to_dict() for b in ready or []],  # plain data: loads with weights_only
+    }
+
+
 def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | None = None,
          ready: list | None = None) -> Path:
     """Write checkpoint-<step>; `tokenizer` (a tokenizer.json) is copied in so the checkpoint
@@ -48,15 +75,17 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         checkpoint_fault(step)
         separate = learner.config.compute_dtype != "float32"
-        state = io.BytesIO()  # serialised in memory, written with a plain write: clear OS errors
-        torch.save({
-            "step": step, "version": learner.version, "steps": learner.steps,
-            "optimizer": learner.optimizer.state_dict(), "scheduler": learner.scheduler.state_dict(),
-            "master": [m.detach() for m in learner.master] if separate else None,
-            "history": learner.history, "torch_rng": torch.get_rng_state(),
-            "ready": [b.to_dict() for b in ready or []],  # plain data: loads with weights_only
-        }, state)
-        (tmp / "trainer_state.pt").write_bytes(state.getbuffer())
+        # streamed to the file through Python writes (not serialised in memory first: at a real
+        # size the optimizer state alone is several GB), which keep an OS error (a full disk) as
+        # it is instead of torch's own writer's "[enforce fail ...]"
+        with (tmp / "trainer_state.pt").open("wb") as raw:
+            out = _Writes(raw)
+            try:
+                torch.save(_trainer_state(step, learner, separate, ready), out)
+            except RuntimeError:
+                if out.error is not None:
+                    raise out.error from None
+                raise
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
     except (OSError, RuntimeError, CheckpointError) as exc:  # a full disk, say
