@@ -165,3 +165,38 @@ def test_char_tokenizer_round_trip_with_special_tokens(tmp_path):
     assert ids[0] == SPECIAL_TOKENS.index("<|user|>") and ids[-1] == SPECIAL_TOKENS.index("<|eos|>")
     assert len(ids) == len(text) - sum(len(s) - 1 for s in SPECIAL_TOKENS for _ in range(text.count(s)))
     assert tok.get_vocab_size() < 128  # fits the tiny preset
+
+
+def test_projection_weights_share_one_buffer_and_keep_their_values(tmp_path, monkeypatch):
+    """q/k/v and gate/up are row blocks of one buffer per layer (`model/fused.py`): the fused GEMM
+    weight is that buffer (no copy, none cached), also after `.to(dtype)`; a model whose weights
+    do not share one (the concatenating path) gives the same log-probs and gradients bit for bit;
+    checkpoints save and load the blocks as separate tensors."""
+    from parity.model import decoder
+    from parity.model.fused import adjacent
+
+    cfg = parity.ModelConfig.preset("tiny")
+    model = parity.Model(cfg, seed=1).to(torch.float64).to(torch.float32)  # lossless round trip
+    att, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    qkv = adjacent([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+    assert qkv is not None and qkv.data_ptr() == att.q_proj.weight.data_ptr()
+    assert model._fused(1, "qkv", [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).data_ptr() \
+        == qkv.data_ptr()
+    assert adjacent([mlp.gate_proj.weight, mlp.up_proj.weight]) is not None and not model._fused_cache
+    seqs = [torch.arange(17) % 128, torch.arange(5, 40) % 128]
+
+    def run(m):
+        lps = parity.sequence_logprobs(m, seqs)
+        sum(lp.sum() for lp in lps).backward()
+        return [lp.detach() for lp in lps], {n: p.grad for n, p in m.named_parameters()}
+
+    lp_shared, g_shared = run(model)
+    monkeypatch.setattr(decoder, "adjacent", lambda parts: None)  # the concatenating path
+    other = parity.Model(cfg, seed=1)
+    lp_cat, g_cat = run(other)
+    monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip(lp_shared, lp_cat))
+    assert all(torch.equal(g_shared[n], g_cat[n]) for n in g_shared)
+    model.save_pretrained(tmp_path)
+    loaded = parity.load_model(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
