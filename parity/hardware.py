@@ -106,11 +106,11 @@ def preferred_dtype(info: dict | None = None) -> str:
 def gemm_rate(dtype: torch.dtype = torch.float32, size: int = 2048, reps: int = 5,
               device: torch.device | str | None = None) -> float:
     """This machine's matrix-multiply rate in GFLOP/s for `dtype` at the current thread count (or
-    on `device`'s GPU): the median of `reps` size x size x size products after a warm-up (~2 s in
-    float32 on 2 cores). Benchmarks divide their achieved GFLOP/s by it: the fraction of the
-    machine's limit. bfloat16 on a CPU without a bf16 GEMM is the rate of the path parity runs
-    there (float32 products of the bf16 values, `ops.common.gemm_linear`), not PyTorch's slow
-    bf16 loop."""
+    on `device`'s GPU): the fastest of `reps` size x size x size products after a warm-up (~2 s in
+    float32 on 2 cores) — a limit, so the best run, not a median that a noisy neighbour drags.
+    Benchmarks divide their achieved GFLOP/s by it: the fraction of the machine's limit.
+    bfloat16 on a CPU without a bf16 GEMM is the rate of the path parity runs there (float32
+    products of the bf16 values, `ops.common.gemm_linear`), not PyTorch's slow bf16 loop."""
     device = torch.device(device or "cpu")
     if device.type == "cuda":
         size = max(size, 8192)  # a GPU needs a large product to reach its rate
@@ -127,7 +127,7 @@ def gemm_rate(dtype: torch.dtype = torch.float32, size: int = 2048, reps: int = 
         a @ b
         sync(device)
         times.append(time.perf_counter() - t0)
-    return 2 * size ** 3 / statistics.median(times) / 1e9
+    return 2 * size ** 3 / min(times) / 1e9
 
 
 def bf16_cost(size: int = 384, reps: int = 3, linear=None) -> float:

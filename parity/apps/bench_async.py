@@ -17,6 +17,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+import torch
+
 from .. import hardware
 from ..config import LearnerConfig, ModelSection, RolloutSection, TrainConfig
 from ..dtypes import dtype_from_name
@@ -74,6 +76,10 @@ def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8
     long-tail response lengths; modes take turns per repetition. Steady-state throughput excludes
     the first step (process or actor start-up)."""
     modes = [("local", 1, 0)] + [(b, n, lag) for b in backends for n in workers for lag in lags]
+    if progress:
+        progress(f"async bench: {dtype} GEMM rate")
+    threads = torch.get_num_threads()  # the runs set this process's (the learner's) thread count
+    gemm = hardware.gemm_rate(dtype_from_name(dtype))
     per_mode: dict[tuple, list[tuple[float, ...]]] = {m: [] for m in modes}
     for r in range(reps):
         for mode in modes:
@@ -87,9 +93,7 @@ def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8
                     rollout=RolloutSection(prompts_per_step=prompts, group_size=group, max_tokens=max_tokens,
                                            lengths="geometric", backend=backend, workers=n),
                     learner=LearnerConfig(micro_batch_size=8))))
-    if progress:
-        progress(f"async bench: {dtype} GEMM rate")
-    gemm = hardware.gemm_rate(dtype_from_name(dtype))
+    torch.set_num_threads(threads)
     rows = []
     for (backend, n, lag), vals in per_mode.items():
         med = [statistics.median(v[k] for v in vals) for k in range(8)]
