@@ -77,8 +77,9 @@ def bench_memory(preset: str = "small", dtype: str = "float32", lags: Sequence[i
                str(held), str(max_tokens)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            errors = [ln for ln in done.stderr.strip().splitlines() if "error" in ln.lower()]
-            last = (errors or done.stderr.strip().splitlines() or ["no output"])[-1].strip()
+            lines = [ln for ln in done.stderr.strip().splitlines() if "warn" not in ln.lower()]
+            errors = [ln for ln in lines if "error" in ln.lower()]
+            last = (errors or lines or ["no output"])[-1].strip()
             if done.returncode < 0:
                 name = signal.Signals(-done.returncode).name
                 why = " (out of memory?)" if name == "SIGKILL" else ""
