@@ -141,8 +141,9 @@ def test_one_pass_backward_kernels_match_float64_autograd(dtype, tol):
 
 def test_tied_embedding_gradient_is_autograds_own(monkeypatch):
     """Tied embeddings: the head hands its dense gradient to the lookup, which adds its rows in
-    place (`model/tied.py`); the result equals plain autograd's (two gradients summed), also
-    accumulated over two micro-batches, and the head's forward keeps the kernels' bits."""
+    place (`model/tied.py`); the result is plain autograd's (two gradients summed) bit for bit in
+    float32 (and to rounding in float64 over two micro-batches), and the head's forward keeps the
+    kernels' bits."""
     from parity.model.decoder import Model
 
     cfg = parity.ModelConfig.preset("tiny")
@@ -166,3 +167,11 @@ def test_tied_embedding_gradient_is_autograds_own(monkeypatch):
         want, lp_want = grads(kernels, False)
         assert all(torch.equal(a, b) for a, b in zip(lp_got, lp_want))
         assert torch.allclose(got, want, atol=1e-12, rtol=1e-10) and got.abs().sum() > 0
+    for kernels in ("aligned", "standard"):  # one backward, float32: the very same bits
+        model = parity.Model(cfg, kernels=kernels, seed=4)
+        ref = parity.Model(cfg, kernels=kernels, seed=4)
+        monkeypatch.setattr(Model, "_tied_autograd", lambda self: False)
+        sum(lp.sum() for lp in parity.sequence_logprobs(ref, seqs[0])).backward()
+        monkeypatch.undo()
+        sum(lp.sum() for lp in parity.sequence_logprobs(model, seqs[0])).backward()
+        assert torch.equal(model.model.embed_tokens.weight.grad, ref.model.embed_tokens.weight.grad)

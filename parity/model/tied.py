@@ -6,8 +6,10 @@ one from the lookup, combined into a third [vocab, hidden] tensor: at a 150k voc
 zero-fill and copy cost as much as a few of the layer GEMMs per learner step. Here the head's
 backward hands its dense gradient to the lookup's backward (which always runs later: the lookup
 feeds everything the head sees), which adds the looked-up rows into it in place and returns it
-as the weight's only gradient. Forward values are the kernels' own, so the learner's log-probs
-keep the engine's bits; only inference-free (grad-enabled) forwards come here.
+as the weight's only gradient — the same bits as autograd's sum (each row's lookups summed from
+zero, then added once), so training is unchanged bit for bit, only faster. Forward values are
+the kernels' own, so the learner's log-probs keep the engine's bits; only grad-enabled forwards
+come here.
 """
 
 from __future__ import annotations
@@ -42,7 +44,12 @@ class TiedLookup(torch.autograd.Function):
         dense, ctx.slot.dense = ctx.slot.dense, None
         if dense is None:  # the head took no part in this backward
             dense = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
-        return None, dense.index_add_(0, ids, grad.to(dense.dtype)), None
+        # autograd's own bits: each looked-up row's gradients summed from zero in lookup order (as
+        # the embedding backward's index_add does), then added once to the head's gradient
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        rows = torch.zeros(len(uniq), grad.shape[-1], dtype=dense.dtype, device=grad.device)
+        rows.index_add_(0, inverse, grad.to(dense.dtype))
+        return None, dense.index_add_(0, uniq, rows), None
 
 
 class TiedHead(torch.autograd.Function):

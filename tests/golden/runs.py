@@ -14,8 +14,9 @@ the learner's RMSNorm and SwiGLU backward moved to one-pass C kernels and the at
 started from the aligned forward's log-sum-exp (gradients change in the last bits again, forwards
 unchanged; against the previous recording the float32 run stayed within rtol 1e-3 over its
 steps, the bfloat16 run's near-zero losses drifted up to 1.5%), and once more when the tied
-embedding/LM-head weight got its gradient in one dense tensor (`model/tied.py`) and AdamW became
-the fused (one pass per tensor) form. Projection weights sharing one buffer (`model/fused.py`)
+embedding/LM-head weight got its gradient in one dense tensor (`model/tied.py`; bit for bit
+autograd's sum since the lookup's rows are summed from zero first) and AdamW became the fused
+(one pass per tensor) form. Projection weights sharing one buffer (`model/fused.py`)
 changed nothing: with the previous optimizer the recording matched bit for bit.
 
 `tests/test_golden.py` re-runs them and compares bit for bit where the fingerprint matches,
