@@ -3,7 +3,8 @@
 The model, the engine's sampler and the learner ask for a `Kernels` bundle and call its functions;
 they never know which backend they run on, and nothing outside `parity/ops/` imports a backend
 module. Everything backend-specific is a field of the bundle: the op functions, the smallest row
-count a GEMM may see (`min_rows`: the aligned backend pads to 16, the standard one not at all) and
+count a GEMM of m rows is padded to (`gemm_rows`: aligned, 4 or 8 below 12 rows, the standard
+one not at all) and
 how element-wise transcendental functions are applied (`pointwise`). Both backends can be used by
 different model instances in one process.
 """
@@ -29,8 +30,9 @@ class Kernels:
     """The op families a decoder needs; every function has the signature of `aligned.py`."""
 
     name: str
-    min_rows: int
-    """Token-wise work (embeddings, projections, norms, MLP) runs on at least this many rows."""
+    gemm_rows: Callable[[int], int]
+    """`gemm_rows(m)`: the row count token-wise work (embeddings, projections, norms, MLP) of m
+    tokens is padded to."""
     pointwise: Callable
     """`pointwise(fn, x)`: an element-wise `fn` applied so that its bits do not depend on where an
     element sits in the tensor (aligned), or simply `fn(x)` (standard)."""
@@ -86,7 +88,7 @@ def _aligned_attention(q, k, v, q_pos, block_size):
 
 _ALIGNED = Kernels(
     name="aligned",
-    min_rows=aligned.MIN_GEMM_ROWS,
+    gemm_rows=aligned.gemm_rows,
     pointwise=aligned.pointwise,
     linear=aligned.linear,
     rms_norm=_aligned_rms_norm,
@@ -105,9 +107,14 @@ def _plain_pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     return fn(x)
 
 
+def unpadded(m: int) -> int:
+    """`gemm_rows` of a backend whose GEMM rows never depend on M: no padding."""
+    return m
+
+
 _STANDARD = Kernels(
     name="standard",
-    min_rows=1,
+    gemm_rows=unpadded,
     pointwise=_plain_pointwise,
     linear=standard.linear,
     rms_norm=standard.rms_norm,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Kernels, aligned
+from . import Kernels, aligned, unpadded
 from . import triton_kernels as tk
 from .common import compute_dtype, rope
 from .functions import AttentionFn, RMSNormFn, SiluMulFn
@@ -155,7 +155,7 @@ def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tens
 
 TRITON_ALIGNED = Kernels(
     name="aligned",
-    min_rows=1,
+    gemm_rows=unpadded,
     pointwise=pointwise,
     linear=linear,
     rms_norm=rms_norm,
@@ -170,4 +170,4 @@ TRITON_ALIGNED = Kernels(
     moe_combine=aligned.moe_combine,
     impl="triton",
 )
-"""The aligned bundle on CUDA (min_rows 1: the Triton GEMM's row bits never depend on M)."""
+"""The aligned bundle on CUDA (no row padding: the Triton GEMM's row bits never depend on M)."""
