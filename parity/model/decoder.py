@@ -219,8 +219,8 @@ class Model(nn.Module):
         t = batch.num_tokens
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bsz, m = batch.q_index.shape
-        # token-wise work runs on `gemm_rows(t)` rows (extra rows are dropped at the end)
-        rows = K.gemm_rows(t)
+        # token-wise work runs on `token_rows` rows (extra rows are dropped at the end)
+        rows = K.token_rows(t, self.model.embed_tokens.weight.dtype)
         x = self._embed(batch.input_ids)
         if rows > t:
             x = torch.cat([x, x.new_zeros(rows - t, x.shape[1])])

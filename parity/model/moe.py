@@ -4,8 +4,9 @@ Each token goes to its top-k experts; the block's output is the routing-weighted
 experts' outputs. Routing (softmax, top-k with a fixed tie-break) and the final sum (a fixed
 order over the k ranks) come from the kernel bundle. Each expert runs one GEMM chain over the
 tokens routed to it; with aligned kernels a row's result does not depend on how many rows the
-GEMM has (small GEMMs padded to 4-row multiples, as everywhere), so a token's expert outputs do not depend on how
-many other tokens chose the same expert, nor on the batch, padding or chunking around it.
+GEMM has (small GEMMs padded or computed in the GEMM's order, as everywhere), so a token's expert
+outputs do not depend on how many other tokens chose the same expert, nor on the batch, padding
+or chunking around it.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The model, the engine's sampler and the learner ask for a `Kernels` bundle and call its functions;
 they never know which backend they run on, and nothing outside `parity/ops/` imports a backend
 module. Everything backend-specific is a field of the bundle: the op functions, the smallest row
-count a GEMM of m rows is padded to (`gemm_rows`: aligned, 4 or 8 below 12 rows, the standard
-one not at all) and
+count token-wise work is padded to (`token_rows`: aligned, 4-row multiples below 12 rows unless
+its matrix-vector kernel serves them, the standard one not at all) and
 how element-wise transcendental functions are applied (`pointwise`). Both backends can be used by
 different model instances in one process.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from . import aligned, native, standard
+from . import aligned, gemm, native, standard
 from .functions import AttentionFn, RMSNormFn, SiluMulFn
 
 BACKENDS: tuple[str, ...] = ("aligned", "standard")
@@ -30,9 +30,9 @@ class Kernels:
     """The op families a decoder needs; every function has the signature of `aligned.py`."""
 
     name: str
-    gemm_rows: Callable[[int], int]
-    """`gemm_rows(m)`: the row count token-wise work (embeddings, projections, norms, MLP) of m
-    tokens is padded to."""
+    token_rows: Callable[[int, torch.dtype], int]
+    """`token_rows(m, dtype)`: the row count token-wise work (embeddings, projections, norms, MLP)
+    of m tokens is padded to."""
     pointwise: Callable
     """`pointwise(fn, x)`: an element-wise `fn` applied so that its bits do not depend on where an
     element sits in the tensor (aligned), or simply `fn(x)` (standard)."""
@@ -88,9 +88,9 @@ def _aligned_attention(q, k, v, q_pos, block_size):
 
 _ALIGNED = Kernels(
     name="aligned",
-    gemm_rows=aligned.gemm_rows,
+    token_rows=gemm.token_rows,
     pointwise=aligned.pointwise,
-    linear=aligned.linear,
+    linear=gemm.linear,
     rms_norm=_aligned_rms_norm,
     rms_norm_rope=_aligned_rms_norm_rope,
     silu_mul=_aligned_silu_mul,
@@ -107,14 +107,14 @@ def _plain_pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     return fn(x)
 
 
-def unpadded(m: int) -> int:
-    """`gemm_rows` of a backend whose GEMM rows never depend on M: no padding."""
+def unpadded(m: int, dtype: torch.dtype | None = None) -> int:
+    """`token_rows` of a backend whose GEMM rows never depend on M: no padding."""
     return m
 
 
 _STANDARD = Kernels(
     name="standard",
-    gemm_rows=unpadded,
+    token_rows=unpadded,
     pointwise=_plain_pointwise,
     linear=standard.linear,
     rms_norm=standard.rms_norm,
@@ -159,7 +159,7 @@ def describe_aligned(device: torch.device | str | None = None) -> str:
         from . import triton_kernels
         where = "through Triton's interpreter on CPU tensors" if triton_kernels.INTERPRET else "on CUDA"
         return f"Triton kernels {where}"
-    return native.describe()
+    return f"{native.describe()}; {gemm.describe()}"
 
 
 def get_kernels(name: str, device: torch.device | str | None = None) -> Kernels:

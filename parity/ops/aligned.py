@@ -6,8 +6,9 @@ using only the properties that `parity check` and `tests/parity/` verify on the 
 - GEMM rows: for M >= 12 rows, a row of `x @ W` does not depend on the other rows, on M, on the
   row's offset or on the thread count. Below that, MKL takes a GEMV path (M < 4) or computes the
   last M mod 4 rows of a small GEMM (M = 5..11) with another order; M = 4 and 8 take the large
-  GEMM's path. Every GEMM here is padded to `gemm_rows(M)` rows: M from 12 up, else the next
-  multiple of 4 where a probe of this machine confirms that property (else 16 rows).
+  GEMM's path. `gemm.linear` pads small GEMMs to 4-row multiples, or computes a float32 product
+  of up to 8 rows with a C kernel in the large GEMM's own order; probes of the machine confirm
+  both at first use (`gemm.py`).
 - GEMM reduction length: the K-blocking of a GEMM depends on K, so a reduction over a *varying*
   length (attention over a growing context) is cut into fixed key blocks of `block_size`, each
   reduced by a GEMM of fixed K, and the blocks are combined by a fixed pairwise tree whose
@@ -33,56 +34,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..hardware import bf16_gemm_native
 from . import native
-from .common import compute_dtype, gather_blocks, gemm_linear, rope
-
-MIN_GEMM_ROWS = 16
-"""Rows a small GEMM is padded to where the probe finds 4-row multiples unsafe, and the smallest
-row count of attention's score and value GEMMs (fewer than 12 rows can change a row's order)."""
-
-FREE_ROWS = 12
-"""From this many rows up a GEMM's row bits do not depend on M (no padding)."""
-
-ROW_QUANTUM = 4
-"""Below `FREE_ROWS`, GEMMs of a multiple of this many rows take the large GEMM's path."""
-
-_PROBE_SHAPES = ((64, 96), (256, 768), (1024, 1024), (1024, 3072))
-"""(K, N) of the probe's GEMMs: the sizes of the presets' projections, small to Qwen3-0.6B's."""
-
-_quantum: dict[tuple[int, bool], int] = {}
-
-
-def _probe_quantum() -> int:
-    """ROW_QUANTUM if, at this thread count, every row of 4- and 8-row GEMMs (at row offsets 0, 4
-    and 20) equals that row of a 32-row GEMM, for the probe shapes in float32 (and bfloat16 where
-    the CPU has a bf16 GEMM); else MIN_GEMM_ROWS. ~10 ms, once per thread count."""
-    gen = torch.Generator().manual_seed(1234)
-    dtypes = [torch.float32] + ([torch.bfloat16] if bf16_gemm_native() else [])
-    with torch.no_grad():
-        for dtype in dtypes:
-            for k, n in _PROBE_SHAPES:
-                x = torch.randn(32, k, generator=gen).to(dtype)
-                w = torch.randn(n, k, generator=gen).to(dtype)
-                full = gemm_linear(x, w)
-                for m in (4, 8):
-                    for off in (0, 4, 20):
-                        if not torch.equal(gemm_linear(x[off:off + m], w), full[off:off + m]):
-                            return MIN_GEMM_ROWS
-    return ROW_QUANTUM
-
-
-def gemm_rows(m: int) -> int:
-    """The row count a GEMM of `m` rows is padded to, so that each row's bits are those of any
-    larger GEMM: `m` from `FREE_ROWS` up, else the next multiple of the probed quantum (4 here,
-    16 where the probe fails)."""
-    if m >= FREE_ROWS:
-        return m
-    key = (torch.get_num_threads(), bf16_gemm_native())
-    q = _quantum.get(key)
-    if q is None:
-        q = _quantum[key] = _probe_quantum()
-    return q if q == MIN_GEMM_ROWS else max(q, -(-m // q) * q)
+from .common import compute_dtype, gather_blocks, rope
+from .gemm import MIN_GEMM_ROWS
 
 ROW_BLOCK = 1024
 """Rows longer than this are summed in fixed blocks of this many elements, then over blocks."""
@@ -132,20 +86,6 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
         x = torch.cat([x, x.new_zeros(*x.shape[:-1], pad)], dim=-1)
     blocks = x.view(*x.shape[:-1], -1, ROW_BLOCK)  # >= 2 blocks, so >= 2 partial results
     return blocks.sum(-1).sum(-1)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` with every row computed by the same GEMM path. [..., K] -> [..., N]"""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    rows = x2.shape[0]
-    padded = gemm_rows(rows)
-    if padded > rows:
-        x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
-    y = gemm_linear(x2, weight, bias)
-    if padded > rows:
-        y = y[:rows]
-    return y.view(*lead, weight.shape[0])
 
 
 def _use_native(*tensors: torch.Tensor) -> bool:

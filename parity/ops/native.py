@@ -75,6 +75,7 @@ def _build() -> ctypes.CDLL:
         getattr(lib, name).argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
     for name in ("parity_rms_norm_backward_f32", "parity_rms_norm_backward_bf16"):
         getattr(lib, name).argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, f, ctypes.c_int]
+    lib.parity_gemv_f32.argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
     return lib
 
 
@@ -250,6 +251,20 @@ def token_logprobs_backward(z: torch.Tensor, tokens: torch.Tensor, lse: torch.Te
     getattr(library(), f"parity_token_lp_backward_{_SUFFIX[z.dtype]}")(
         _ptr(z), _ptr(tokens), _ptr(lse.contiguous()), _ptr(grad), _ptr(out), z.shape[0], z.shape[1],
         inv_temperature, torch.get_num_threads())
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kc: int) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` for float32 x [m <= 8, K], weight [N, K]: per element, bias then
+    the K-blocks of `kc` positions left to right, each a fused multiply-add chain from zero
+    (the BLAS GEMM's order where `aligned._gemv_order_holds` says so). Returns [m, N]."""
+    m, k = x.shape
+    assert m <= 8 and x.dtype == weight.dtype == torch.float32
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    out = torch.empty(m, weight.shape[0], dtype=torch.float32)
+    library().parity_gemv_f32(_ptr(x), _ptr(weight), None if bias is None else _ptr(bias), _ptr(out),
+                              m, k, weight.shape[0], kc, torch.get_num_threads())
     return out
 
 

@@ -155,7 +155,7 @@ def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tens
 
 TRITON_ALIGNED = Kernels(
     name="aligned",
-    gemm_rows=unpadded,
+    token_rows=unpadded,
     pointwise=pointwise,
     linear=linear,
     rms_norm=rms_norm,

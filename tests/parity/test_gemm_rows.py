@@ -1,9 +1,11 @@
-"""The aligned GEMM's row padding: a row's bits are those of any larger GEMM, whatever M.
+"""Small aligned GEMMs: a row's bits are those of any larger GEMM, whatever M.
 
-Small GEMMs are padded to `gemm_rows(M)` rows (4 or 8 below 12 rows where the machine's probe
-confirms that those row counts take the large GEMM's path, 16 where it does not). These tests
-check the property on shapes the probe never saw, at 1 and 2 threads, in both dtypes; the
-control shows that plain unpadded GEMMs of 1..11 rows do differ, so the test can fail.
+Below 12 rows a product is either padded to `gemm_rows(M)` rows (4-row multiples where the
+machine's probe confirms they take the large GEMM's path, 16 where it does not) or, in float32
+up to 8 rows, computed by the native matrix-vector kernel in the GEMM's own order (where its
+probe confirms that order for the K at hand). These tests check the property on shapes the
+probes never saw, at 1 and 2 threads, in both dtypes; the controls show that plain unpadded
+GEMMs of 1..11 rows, and the matrix-vector kernel with another blocking, do differ.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parity.ops import aligned
+from parity.ops import gemm, native
 from tests.conftest import DEVICE
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU GEMM's property")
 
-SHAPES = [(96, 200), (128, 4000), (2048, 1024), (3072, 1024), (33, 77)]
+SHAPES = [(96, 200), (128, 4000), (2048, 1024), (3072, 1024), (33, 77), (300, 40), (64, 8)]
 """(K, N): not the probe's shapes (the probe must generalise, as the model relies on it)."""
 
 
@@ -38,14 +40,14 @@ def _data(k: int, n: int, dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_every_small_row_count_gives_the_large_gemms_rows(threads, dtype, k, n):
     x, w = _data(k, n, dtype)
-    full = aligned.linear(x, w)
+    full = gemm.linear(x, w)
     for m in range(1, 16):
         for off in (0, 5, 48 - m):
-            got = aligned.linear(x[off:off + m], w)
+            got = gemm.linear(x[off:off + m], w)
             assert torch.equal(got, full[off:off + m]), f"M={m} at row {off} differs"
 
 
-@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("k,n", [s for s in SHAPES if s[1] >= gemm.FREE_ROWS])
 def test_control_unpadded_small_gemms_differ(threads, k, n):
     x, w = _data(k, n, torch.float32)
     full = F.linear(x, w)
@@ -54,16 +56,54 @@ def test_control_unpadded_small_gemms_differ(threads, k, n):
 
 
 def test_padding_is_4_row_multiples_where_the_probe_passes_and_16_where_it_fails(monkeypatch):
-    monkeypatch.setattr(aligned, "_quantum", {})
-    if aligned._probe_quantum() != aligned.ROW_QUANTUM:
+    monkeypatch.setattr(gemm, "_quantum", {})
+    if gemm._probe_quantum() != gemm.ROW_QUANTUM:
         pytest.skip("this machine's small GEMMs fail the probe: 16 rows everywhere")
-    assert [aligned.gemm_rows(m) for m in (1, 3, 4, 5, 8, 9, 11, 12, 13, 40)] == \
+    assert [gemm.gemm_rows(m) for m in (1, 3, 4, 5, 8, 9, 11, 12, 13, 40)] == \
         [4, 4, 4, 8, 8, 12, 12, 12, 13, 40]
 
     def uneven(x, w, bias=None):  # a GEMM whose small row counts take another order
         y = F.linear(x, w, bias)
-        return y + 1e-3 if x.shape[0] < aligned.FREE_ROWS else y
+        return y + 1e-3 if x.shape[0] < gemm.FREE_ROWS else y
 
-    monkeypatch.setattr(aligned, "gemm_linear", uneven)
-    monkeypatch.setattr(aligned, "_quantum", {})
-    assert [aligned.gemm_rows(m) for m in (1, 5, 11, 12, 13)] == [16, 16, 16, 12, 13]
+    monkeypatch.setattr(gemm, "gemm_linear", uneven)
+    monkeypatch.setattr(gemm, "_quantum", {})
+    assert [gemm.gemm_rows(m) for m in (1, 5, 11, 12, 13)] == [16, 16, 16, 12, 13]
+
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler: no native kernels")
+
+
+@needs_native
+@pytest.mark.parametrize("k", [64, 193, 300, 1024, 3072])
+def test_the_matrix_vector_kernel_is_the_gemms_order_and_is_used(threads, k):
+    if not gemm._gemv_order_holds(k):
+        pytest.skip(f"this BLAS orders K={k} otherwise: the padded GEMM serves (also correct)")
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(16, k, generator=gen), torch.randn(1000, k, generator=gen)
+    b = torch.randn(1000, generator=gen)
+    for bias in (None, b):
+        full = F.linear(x, w, bias)
+        for m in range(1, gemm.GEMV_ROWS + 1):
+            assert torch.equal(native.gemv(x[:m], w, bias, gemm.gemm_kblock(k)), full[:m]), m
+    calls = []
+    real = native.gemv
+    try:
+        native.gemv = lambda *a: calls.append(a) or real(*a)
+        assert torch.equal(gemm.linear(x[:3], w, b), F.linear(x, w, b)[:3])
+    finally:
+        native.gemv = real
+    assert len(calls) == 1, "a 3-row float32 product did not take the matrix-vector kernel"
+
+
+@needs_native
+def test_control_another_blocking_differs_and_the_probe_falls_back(monkeypatch):
+    k = 1024
+    gen = torch.Generator().manual_seed(8)
+    x, w = torch.randn(16, k, generator=gen), torch.randn(200, k, generator=gen)
+    full = F.linear(x, w)
+    assert not torch.equal(native.gemv(x[:1], w, None, k), full[:1]), "one unblocked chain matched"
+    monkeypatch.setattr(gemm, "gemm_kblock", lambda k: k)
+    monkeypatch.setattr(gemm, "_gemv_ok", {})
+    assert not gemm._gemv_order_holds(k)
+    assert torch.equal(gemm.linear(x[:1], w), full[:1])  # the padded GEMM serves instead

@@ -367,3 +367,98 @@ void parity_token_lp_backward_bf16(const uint16_t *z, const int64_t *tokens, con
                                    float inv_t, int threads) {
     TOKEN_LP_BACKWARD_BODY(bf16_to_f32, f32_to_bf16)
 }
+
+/* Matrix-vector products in the order of the BLAS's GEMM (the engine's decode at 1-8 rows).
+ *
+ * y[r, n] = bias[n] (or nothing) + B_1 + B_2 + ..., left to right, where B_j is a chain of fused
+ * multiply-adds from zero over the j-th block of `kc` input positions (the last block holds the
+ * rest), k ascending: the per-element order that MKL's float32 GEMM of 4 or more rows follows on
+ * the machines probed (`aligned._gemv_order_holds` checks it at first use for each K, and the
+ * GEMM is used instead where it does not hold). x [m, K], w [N, K] and y [m, N] are row-major;
+ * each thread takes whole 16-output blocks, so the thread count never changes a value. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* Columns c0..c0+15 of 16 rows (r[j] = w + (n0 + j) * K) as t[i] = w[n0..n0+15, c0 + i];
+ * only the first `cols` columns are read (masked loads). */
+static inline void load_tile(const float *w, int64_t k, int64_t n0, int64_t c0, int cols,
+                             __m512 t[16]) {
+    const __mmask16 mask = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1u);
+    __m512 r[16], u[16];
+    for (int j = 0; j < 16; j++) r[j] = _mm512_maskz_loadu_ps(mask, w + (n0 + j) * k + c0);
+    /* per 128-bit lane l (columns 4l..4l+3): interleave row pairs, then row quads, so that
+     * u[4g + c] holds column 4l + c of rows 4g..4g+3 */
+    for (int g = 0; g < 4; g++) {
+        const __m512 *q = r + 4 * g;
+        const __m512d lo01 = _mm512_castps_pd(_mm512_unpacklo_ps(q[0], q[1]));
+        const __m512d hi01 = _mm512_castps_pd(_mm512_unpackhi_ps(q[0], q[1]));
+        const __m512d lo23 = _mm512_castps_pd(_mm512_unpacklo_ps(q[2], q[3]));
+        const __m512d hi23 = _mm512_castps_pd(_mm512_unpackhi_ps(q[2], q[3]));
+        u[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo01, lo23));
+        u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo01, lo23));
+        u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi01, hi23));
+        u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi01, hi23));
+    }
+    /* then move 128-bit lanes: r[c] = lanes (0, 2) of row groups (0, 1), r[c + 4] = lanes
+     * (1, 3) (and r[8 + c], r[12 + c] for groups 2, 3); t[c] gathers lane 0 of all four */
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+        r[4 + c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+        r[8 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    }
+    for (int j = 0; j < 8; j++) {
+        t[j] = _mm512_shuffle_f32x4(r[j], r[8 + j], 0x88);
+        t[8 + j] = _mm512_shuffle_f32x4(r[j], r[8 + j], 0xDD);
+    }
+}
+#endif
+
+void parity_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t m,
+                     int64_t k, int64_t n, int64_t kc, int threads) {
+    if (m > 8) return;  /* the caller gives 1-8 rows */
+    const int64_t nvec = n / 16;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t blk = 0; blk < nvec + 1; blk++) {
+        const int64_t n0 = blk * 16, width = blk < nvec ? 16 : n - nvec * 16;
+        if (width == 0) continue;
+#if defined(__AVX512F__)
+        if (width == 16) {
+            __m512 acc[8], t[16];
+            for (int64_t b0 = 0; b0 < k; b0 += kc) {
+                const int64_t b1 = b0 + kc < k ? b0 + kc : k;
+                for (int64_t r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+                for (int64_t c0 = b0; c0 < b1; c0 += 16) {
+                    const int cols = b1 - c0 < 16 ? (int)(b1 - c0) : 16;
+                    load_tile(w, k, n0, c0, cols, t);
+                    for (int i = 0; i < cols; i++)
+                        for (int64_t r = 0; r < m; r++)
+                            acc[r] = _mm512_fmadd_ps(t[i], _mm512_set1_ps(x[r * k + c0 + i]), acc[r]);
+                }
+                for (int64_t r = 0; r < m; r++) {  /* the running total lives in y */
+                    float *yr = y + r * n + n0;
+                    __m512 total;
+                    if (b0 > 0) total = _mm512_add_ps(_mm512_loadu_ps(yr), acc[r]);
+                    else total = bias ? _mm512_add_ps(_mm512_loadu_ps(bias + n0), acc[r]) : acc[r];
+                    _mm512_storeu_ps(yr, total);
+                }
+            }
+            continue;
+        }
+#endif
+        for (int64_t j = n0; j < n0 + width; j++) {
+            const float *wr = w + j * k;
+            for (int64_t r = 0; r < m; r++) {
+                const float *xr = x + r * k;
+                float total = bias ? bias[j] : 0.0f;
+                for (int64_t b0 = 0; b0 < k; b0 += kc) {
+                    const int64_t b1 = b0 + kc < k ? b0 + kc : k;
+                    float acc = 0.0f;
+                    for (int64_t c = b0; c < b1; c++) acc = fmaf(wr[c], xr[c], acc);
+                    total = (b0 == 0 && !bias) ? acc : total + acc;
+                }
+                y[r * n + j] = total;
+            }
+        }
+    }
+}

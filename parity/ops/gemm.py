@@ -1,0 +1,156 @@
+"""Small aligned GEMMs: how a product of few rows gets the bits of a large one.
+
+MKL's float32 GEMM gives a row of `x @ W.T` bits that do not depend on the other rows once M >=
+12 (`FREE_ROWS`); below that it takes a GEMV path (M < 4) or orders the last M mod 4 rows of a
+5..11-row GEMM otherwise, while 4 and 8 rows take the large GEMM's path. So `linear` either
+pads a small product to the next multiple of 4 rows, or, in float32 up to `GEMV_ROWS` rows,
+computes it with the native matrix-vector kernel, which follows the large GEMM's per-element
+order (K-blocks of `gemm_kblock(K)`, each a fused multiply-add chain from zero, added to the
+bias left to right): decode at small batches is bound by reading the weights, and that kernel
+streams them at GEMV speed, two to three times the padded GEMM. Neither property is assumed:
+a probe of this machine confirms each at first use (per thread count; per K for the kernel),
+and a product whose probe fails keeps the 16-row padding the design started from.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..hardware import bf16_gemm_native
+from . import native
+from .common import gemm_linear
+
+MIN_GEMM_ROWS = 16
+"""Rows a small GEMM is padded to where the probe finds 4-row multiples unsafe, and the smallest
+row count of attention's score and value GEMMs (fewer than 12 rows can change a row's order)."""
+
+FREE_ROWS = 12
+"""From this many rows up a GEMM's row bits do not depend on M (no padding)."""
+
+ROW_QUANTUM = 4
+"""Below `FREE_ROWS`, GEMMs of a multiple of this many rows take the large GEMM's path."""
+
+_PROBE_SHAPES = ((64, 96), (256, 768), (1024, 1024), (1024, 3072))
+"""(K, N) of the probe's GEMMs: the sizes of the presets' projections, small to Qwen3-0.6B's."""
+
+_quantum: dict[tuple[int, bool], int] = {}
+
+
+def _probe_quantum() -> int:
+    """ROW_QUANTUM if, at this thread count, every row of 4- and 8-row GEMMs (at row offsets 0, 4
+    and 20) equals that row of a 32-row GEMM, for the probe shapes in float32 (and bfloat16 where
+    the CPU has a bf16 GEMM); else MIN_GEMM_ROWS. ~10 ms, once per thread count."""
+    gen = torch.Generator().manual_seed(1234)
+    dtypes = [torch.float32] + ([torch.bfloat16] if bf16_gemm_native() else [])
+    with torch.no_grad():
+        for dtype in dtypes:
+            for k, n in _PROBE_SHAPES:
+                x = torch.randn(32, k, generator=gen).to(dtype)
+                w = torch.randn(n, k, generator=gen).to(dtype)
+                full = gemm_linear(x, w)
+                for m in (4, 8):
+                    for off in (0, 4, 20):
+                        if not torch.equal(gemm_linear(x[off:off + m], w), full[off:off + m]):
+                            return MIN_GEMM_ROWS
+    return ROW_QUANTUM
+
+
+GEMV_ROWS = 8
+"""Float32 products of at most this many rows go to the native matrix-vector kernel, one pass
+over the weights (where its order is the GEMM's, see `_gemv_order_holds`)."""
+
+_gemv_ok: dict[tuple[int, int], bool] = {}
+
+
+def gemm_kblock(k: int) -> int:
+    """The K-blocking of MKL's float32 GEMM seen on this machine kind: one block up to 192
+    input positions, two halves below 384, else blocks of 192 (the last one the rest)."""
+    return k if k <= 192 else (k // 2 if k < 384 else 192)
+
+
+def _gemv_order_holds(k: int) -> bool:
+    """Whether, for this K at this thread count, the native matrix-vector kernel (blocks of
+    `gemm_kblock(k)`, bias first) gives bit for bit the rows of a 16-row float32 GEMM, with and
+    without bias, for 1 and 8 rows, at 12 outputs (the fewest it takes: below 12, MKL orders the
+    sums otherwise) and at 83 (a vector body and a scalar tail). Probed once per K (< 1 ms);
+    where it fails, that K keeps the padded GEMM."""
+    key = (k, torch.get_num_threads())
+    ok = _gemv_ok.get(key)
+    if ok is None:
+        gen = torch.Generator().manual_seed(k)
+        x = torch.randn(16, k, generator=gen)
+        ok = True
+        with torch.no_grad():
+            for n in (FREE_ROWS, 83):
+                w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+                ok = ok and all(
+                    torch.equal(native.gemv(x[:m], w, bias, gemm_kblock(k)), F.linear(x, w, bias)[:m])
+                    for bias in (None, b) for m in (1, 8))
+        _gemv_ok[key] = ok
+    return ok
+
+
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+            and (bias is None or bias.dtype == torch.float32) and weight.is_contiguous()
+            and weight.shape[0] >= FREE_ROWS
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))
+            and native.library() is not None and _gemv_order_holds(x.shape[1]))
+
+
+def token_rows(m: int, dtype: torch.dtype) -> int:
+    """The row count a forward pads its token-wise work of `m` tokens to: none in float32 up to
+    `GEMV_ROWS` (the matrix-vector kernel serves them, and `linear` still pads any product it
+    cannot take), else `gemm_rows(m)`, so that each GEMM is padded once per forward."""
+    if dtype == torch.float32 and m <= GEMV_ROWS and native.library() is not None:
+        return m
+    return gemm_rows(m)
+
+
+def gemm_rows(m: int) -> int:
+    """The row count a GEMM of `m` rows is padded to, so that each row's bits are those of any
+    larger GEMM: `m` from `FREE_ROWS` up, else the next multiple of the probed quantum (4 here,
+    16 where the probe fails)."""
+    if m >= FREE_ROWS:
+        return m
+    key = (torch.get_num_threads(), bf16_gemm_native())
+    q = _quantum.get(key)
+    if q is None:
+        q = _quantum[key] = _probe_quantum()
+    return q if q == MIN_GEMM_ROWS else max(q, -(-m // q) * q)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` with every row computed by the same GEMM path. [..., K] -> [..., N]"""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    if 0 < rows <= GEMV_ROWS and _gemv_applies(x2, weight, bias):
+        y = native.gemv(x2, weight, bias, gemm_kblock(x2.shape[1]))
+        return y.view(*lead, weight.shape[0])
+    padded = gemm_rows(rows)
+    if padded > rows:
+        x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
+    y = gemm_linear(x2, weight, bias)
+    if padded > rows:
+        y = y[:rows]
+    return y.view(*lead, weight.shape[0])
+
+
+def describe() -> str:
+    """The small-GEMM paths this process uses, in words (`parity check` prints it after its runs,
+    so the matrix-vector probes of the model's K values have been made)."""
+    q = _quantum.get((torch.get_num_threads(), bf16_gemm_native())) or _probe_quantum()
+    pads = "4-row multiples" if q == ROW_QUANTUM else "16 rows (the 4-row probe failed here)"
+    if native.library() is None:
+        return f"small GEMMs padded to {pads}"
+    threads = torch.get_num_threads()
+    good = sorted(k for (k, t), ok in _gemv_ok.items() if t == threads and ok)
+    bad = sorted(k for (k, t), ok in _gemv_ok.items() if t == threads and not ok)
+    seen = f"K {', '.join(map(str, good))} confirmed" if good else "no K probed yet"
+    if bad:
+        seen += f"; K {', '.join(map(str, bad))} padded instead"
+    return (f"small GEMMs padded to {pads}; float32 products of 1-{GEMV_ROWS} rows by the "
+            f"matrix-vector kernel in the GEMM's order ({seen})")
