@@ -414,6 +414,27 @@ static inline void load_tile(const float *w, int64_t k, int64_t n0, int64_t c0, 
 }
 #endif
 
+/* Outputs j0..j0+cnt-1 (cnt <= 8) without wide vectors: the same per-element order, `cnt`
+ * independent chains side by side so that the FMA latency is hidden. */
+static void gemv_columns(const float *x, const float *w, const float *bias, float *y, int64_t m,
+                         int64_t k, int64_t n, int64_t kc, int64_t j0, int cnt) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * k;
+        float total[8], acc[8];
+        for (int q = 0; q < cnt; q++) total[q] = bias ? bias[j0 + q] : 0.0f;
+        for (int64_t b0 = 0; b0 < k; b0 += kc) {
+            const int64_t b1 = b0 + kc < k ? b0 + kc : k;
+            for (int q = 0; q < cnt; q++) acc[q] = 0.0f;
+            for (int64_t c = b0; c < b1; c++) {
+                const float xv = xr[c];
+                for (int q = 0; q < cnt; q++) acc[q] = fmaf(w[(j0 + q) * k + c], xv, acc[q]);
+            }
+            for (int q = 0; q < cnt; q++) total[q] = (b0 == 0 && !bias) ? acc[q] : total[q] + acc[q];
+        }
+        for (int q = 0; q < cnt; q++) y[r * n + j0 + q] = total[q];
+    }
+}
+
 void parity_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t m,
                      int64_t k, int64_t n, int64_t kc, int threads) {
     if (m > 8) return;  /* the caller gives 1-8 rows */
@@ -446,19 +467,8 @@ void parity_gemv_f32(const float *x, const float *w, const float *bias, float *y
             continue;
         }
 #endif
-        for (int64_t j = n0; j < n0 + width; j++) {
-            const float *wr = w + j * k;
-            for (int64_t r = 0; r < m; r++) {
-                const float *xr = x + r * k;
-                float total = bias ? bias[j] : 0.0f;
-                for (int64_t b0 = 0; b0 < k; b0 += kc) {
-                    const int64_t b1 = b0 + kc < k ? b0 + kc : k;
-                    float acc = 0.0f;
-                    for (int64_t c = b0; c < b1; c++) acc = fmaf(wr[c], xr[c], acc);
-                    total = (b0 == 0 && !bias) ? acc : total + acc;
-                }
-                y[r * n + j] = total;
-            }
-        }
+        int64_t j = n0;
+        for (; j + 8 <= n0 + width; j += 8) gemv_columns(x, w, bias, y, m, k, n, kc, j, 8);
+        for (; j < n0 + width; j++) gemv_columns(x, w, bias, y, m, k, n, kc, j, 1);
     }
 }
