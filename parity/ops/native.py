@@ -257,7 +257,7 @@ def token_logprobs_backward(z: torch.Tensor, tokens: torch.Tensor, lse: torch.Te
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kc: int) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for float32 x [m <= 8, K], weight [N, K]: per element, bias then
     the K-blocks of `kc` positions left to right, each a fused multiply-add chain from zero
-    (the BLAS GEMM's order where `aligned._gemv_order_holds` says so). Returns [m, N]."""
+    (the BLAS GEMM's order where `gemm._gemv_order_holds` says so). Returns [m, N]."""
     m, k = x.shape
     assert m <= 8 and x.dtype == weight.dtype == torch.float32
     x, weight = x.contiguous(), weight.contiguous()

@@ -373,7 +373,7 @@ void parity_token_lp_backward_bf16(const uint16_t *z, const int64_t *tokens, con
  * y[r, n] = bias[n] (or nothing) + B_1 + B_2 + ..., left to right, where B_j is a chain of fused
  * multiply-adds from zero over the j-th block of `kc` input positions (the last block holds the
  * rest), k ascending: the per-element order that MKL's float32 GEMM of 4 or more rows follows on
- * the machines probed (`aligned._gemv_order_holds` checks it at first use for each K, and the
+ * the machines probed (`gemm._gemv_order_holds` checks it at first use for each K, and the
  * GEMM is used instead where it does not hold). x [m, K], w [N, K] and y [m, N] are row-major;
  * each thread takes whole 16-output blocks, so the thread count never changes a value. */
 #if defined(__AVX512F__)
