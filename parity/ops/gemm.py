@@ -142,8 +142,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def describe() -> str:
     """The small-GEMM paths this process uses, in words (`parity check` prints it after its runs,
     so the matrix-vector probes of the model's K values have been made)."""
-    q = _quantum.get((torch.get_num_threads(), bf16_gemm_native())) or _probe_quantum()
-    pads = "4-row multiples" if q == ROW_QUANTUM else "16 rows (the 4-row probe failed here)"
+    pads = "4-row multiples" if gemm_rows(1) == ROW_QUANTUM else "16 rows (the 4-row probe failed here)"
     if native.library() is None:
         return f"small GEMMs padded to {pads}"
     threads = torch.get_num_threads()

@@ -76,7 +76,7 @@ needs_native = pytest.mark.skipif(native.library() is None, reason="no C compile
 
 @needs_native
 @pytest.mark.parametrize("k", [64, 193, 300, 1024, 3072])
-def test_the_matrix_vector_kernel_is_the_gemms_order_and_is_used(threads, k):
+def test_the_matrix_vector_kernel_is_the_gemms_order_and_is_used(threads, k, monkeypatch):
     if not gemm._gemv_order_holds(k):
         pytest.skip(f"this BLAS orders K={k} otherwise: the padded GEMM serves (also correct)")
     gen = torch.Generator().manual_seed(7)
@@ -88,11 +88,8 @@ def test_the_matrix_vector_kernel_is_the_gemms_order_and_is_used(threads, k):
             assert torch.equal(native.gemv(x[:m], w, bias, gemm.gemm_kblock(k)), full[:m]), m
     calls = []
     real = native.gemv
-    try:
-        native.gemv = lambda *a: calls.append(a) or real(*a)
-        assert torch.equal(gemm.linear(x[:3], w, b), F.linear(x, w, b)[:3])
-    finally:
-        native.gemv = real
+    monkeypatch.setattr(native, "gemv", lambda *a: calls.append(a) or real(*a))
+    assert torch.equal(gemm.linear(x[:3], w, b), F.linear(x, w, b)[:3])
     assert len(calls) == 1, "a 3-row float32 product did not take the matrix-vector kernel"
 
 
