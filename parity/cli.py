@@ -124,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
 
+    c = _command(sub, "compile", "compile",
+                 "compile the aligned Triton kernels for a GPU here, without one: resources per binary")
+    c.add_argument("--arch", default="sm_90", help="GPU architecture (default sm_90: H100/H200)")
+    c.add_argument("--presets", type=_csv(str), default=["qwen3-0.6b"], help="comma-separated presets")
+    c.add_argument("--dtype", type=_csv(str), default=["bfloat16"], help="comma-separated dtypes")
+    c.add_argument("--batch", type=int, default=8, help="decode batch size besides 1 (default 8)")
+    c.add_argument("--length", type=int, default=64, help="learner sequence length (default 64)")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+
     g = _command(sub, "generate", "generate", "sample completions with the rollout engine")
     gsrc = g.add_mutually_exclusive_group()
     gsrc.add_argument("--model", help="checkpoint directory")

@@ -3,14 +3,17 @@
 #   scripts/gpu_check.sh [OUT_DIR]        (default: $OUT if set, else runs/gpu_check)
 #   DEVICE=cpu SMOKE=1 scripts/gpu_check.sh /tmp/x   (a dry run of the same steps on the CPU, at tiny
 #                                                    sizes: checks the script itself, not a GPU)
+# 0. parity compile for this GPU's architecture (bf16, the Qwen3-0.6B shape and `small`): every
+#    binary's registers, spills, shared memory and tensor-core use, one binary per batch size; it
+#    also fills Triton's cache, so the timed steps below do not pay for first compiles
 # 1. the bitwise suite on CUDA (tests/parity with PARITY_TEST_DEVICE=cuda: >= 1,000 generated
 #    cases on the aligned Triton kernels, the standard controls required to fail)
 # 2. parity check --device cuda (small preset, bf16 and fp32)
 # 3. parity bench kernels / rollout / learner on CUDA, bf16, the Qwen3-0.6B shape and `small`
 # 4. a short asynchronous training run per backend (toy task, bf16): the learner's kernel-mismatch
 #    figure is exactly 0 on aligned kernels and > 0 on standard ones
-# Each step runs under its own time limit (together 480 s, so one 10-minute device call holds the
-# whole run with room for Triton's first compiles) and the script goes on after a failure; the
+# Each step runs under its own time limit (together 510 s, so one 10-minute device call holds the
+# whole run) and the script goes on after a failure; the
 # summary (gpu_summary.json: per step rc, seconds, parsed results) is rewritten after every step,
 # so a run cut short still leaves one. Step logs keep stdout (NAME.log, where JSON is parsed) and
 # stderr (NAME.err) apart. Work files go to OUT_DIR; when $OUT is set (a device call's folder
@@ -95,7 +98,11 @@ EOF
     >> "$OUT_DIR/gpu.txt" 2>&1
 cat "$OUT_DIR/gpu.txt"
 
-step bitwise 150 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider $TESTS \
+ARCH=$("$PY" -c "import torch; c = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+print(f'sm_{c[0]}{c[1]}')" 2>/dev/null || echo sm_90)
+step compile 50 "$PY" -m parity.cli compile --arch "$ARCH" --presets $BIG,$SMALL --dtype bfloat16 \
+    --batch 64 --json
+step bitwise 140 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider $TESTS \
     --junitxml="$OUT_DIR/bitwise.xml"
 step check 60 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
     --rounds 4 --json --cases batch,padding,offset,decode,engine,autograd
@@ -106,7 +113,7 @@ step bench_rollout 60 "$PY" -m parity.cli bench rollout --device "$DEVICE" --pre
 step bench_learner 50 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \
     --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
 for k in aligned standard; do
-    step "train_$k" 30 "$PY" -m parity.cli train configs/toy_async.toml --set steps=$STEPS \
+    step "train_$k" 25 "$PY" -m parity.cli train configs/toy_async.toml --set steps=$STEPS \
         --set model.device="$DEVICE" --set model.preset=$SMALL --set model.dtype=bfloat16 \
         --set model.kernels=$k --set run_dir="$OUT_DIR/train_$k"
 done

@@ -17,7 +17,11 @@ for a log-sum-exp), never from how many rows, queries or sequences share the lau
 - `row_lse`: log-sum-exp per row over fixed `BLOCK_V` chunks in order (online max and sum).
 
 Without a CUDA device the kernels run on CPU tensors through Triton's interpreter
-(`TRITON_INTERPRET=1`, set here before Triton is imported when no GPU is visible). That proves the
+(`TRITON_INTERPRET=1`, set here before Triton is imported when no GPU is visible), or, after
+`triton_target.enable("sm_90")`, are compiled for that GPU and launched nowhere (`parity compile`:
+registers, spills, shared memory and tensor-core use of every binary, without a GPU). Arguments
+that change with the batch (row, query and block counts, batch strides) are never specialised,
+so one binary serves every batch size: the learner and the engine run the same machine code. That proves the
 blocking design in CI; it does not prove GPU bits or speed. There `_dot` replaces `tl.dot` by an
 explicit float32 product-sum over K: the interpreter's `tl.dot` calls numpy's BLAS, which rounds
 a row differently by where it sits in the tile (and mishandles bfloat16 operands). Products of
@@ -34,7 +38,7 @@ import torch
 
 from ..errors import ConfigError
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and not os.environ.get("PARITY_TRITON_COMPILE_ONLY"):
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise ConfigError("the Triton kernels need Triton's interpreter on a machine without CUDA, "
                           "but triton was imported before it could be turned on: set "
@@ -51,21 +55,38 @@ except ImportError as err:  # pragma: no cover - depends on the install
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 """True when the kernels run through Triton's CPU interpreter (no GPU)."""
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in plain Python (`triton.cdiv` called from the host costs microseconds a launch)."""
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def _on(*tensors: torch.Tensor):
-    """The launch context for these tensors: their CUDA device made current (a kernel launches on
-    the current device, which need not be the tensors'), after checking what a compiled kernel
-    takes (the interpreter would accept more: a float64 dot, mixed operand dtypes)."""
+    """The launch context for these tensors: their CUDA device made current when it is not (a
+    kernel launches on the current device, which need not be the tensors'), after checking what
+    a compiled kernel takes (the interpreter would accept more: a float64 dot, mixed operand
+    dtypes). Cheap on the common path: it runs before every launch."""
     first = tensors[0]
-    for t in tensors:
-        if t.dtype not in _TL_DTYPES:
-            raise ConfigError(f"the Triton kernels take float32, bfloat16 or float16 tensors, not {t.dtype}")
-        if t.dtype != first.dtype:
-            raise ConfigError(f"the Triton kernels need operands of one dtype, got {first.dtype} "
-                              f"and {t.dtype}")
-    return torch.cuda.device(first.device) if first.is_cuda else contextlib.nullcontext()
+    dtype = first.dtype
+    if dtype not in _TL_DTYPES or any(t.dtype != dtype for t in tensors):
+        bad = next((t.dtype for t in tensors if t.dtype not in _TL_DTYPES), None)
+        if bad is not None:
+            raise ConfigError(f"the Triton kernels take float32, bfloat16 or float16 tensors, not {bad}")
+        other = next(t.dtype for t in tensors if t.dtype != dtype)
+        raise ConfigError(f"the Triton kernels need operands of one dtype, got {dtype} and {other}")
+    if first.is_cuda and first.device.index != torch.cuda.current_device():
+        return torch.cuda.device(first.device)
+    return _NO_CONTEXT
 
 
 def _gemm_tiles(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
@@ -74,7 +95,7 @@ def _gemm_tiles(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     if INTERPRET:
         return 64, 128, 64, 4, 1  # big tiles: the interpreter's cost is per program, not per flop
     if dtype == torch.float32:
-        return 64, 64, 32, 4, 3
+        return 64, 64, 16, 4, 3  # FMA in one chain over K whatever BLOCK_K; 32 spilled 16 bytes
     return 64, 128, 64, 4, 3
 
 
@@ -97,7 +118,7 @@ def _dot(a, b, acc, INTERP: tl.constexpr, IEEE: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------- GEMM
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
                    sxm, sxk, swn, swk, som, son,
                    HAS_BIAS: tl.constexpr, INTERP: tl.constexpr, IEEE: tl.constexpr,
@@ -130,7 +151,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m == 0:
         return out
     bm, bn, bk, warps, stages = _gemm_tiles(x.dtype)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    grid = (_cdiv(m, bm), _cdiv(n, bn))
     with _on(x, weight):
         _matmul_kernel[grid](
             x, weight, bias if bias is not None else x, out, m, n, k,
@@ -142,7 +163,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # ----------------------------------------------------------------------------- RMSNorm
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, H, sx, so, eps,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -166,14 +187,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         with _on(x2):
-            _rms_norm_kernel[(triton.cdiv(x2.shape[0], _ROWS),)](
+            _rms_norm_kernel[(_cdiv(x2.shape[0], _ROWS),)](
                 x2, weight, out, x2.shape[0], h, x2.stride(0), out.stride(0), eps,
-                ROWS=_ROWS, BLOCK=triton.next_power_of_2(h))
+                ROWS=_ROWS, BLOCK=_pow2(h))
     return out.view(x.shape)
 
 
 # ----------------------------------------------------------------------------- SwiGLU
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, R, n_cols, sg, su, so,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -198,14 +219,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = 1024 if INTERPRET else 256
     if g2.shape[0]:
         with _on(g2, u2):
-            _silu_mul_kernel[(triton.cdiv(g2.shape[0], _ROWS), triton.cdiv(n, block))](
+            _silu_mul_kernel[(_cdiv(g2.shape[0], _ROWS), _cdiv(n, block))](
                 g2, u2, out, g2.shape[0], n, g2.stride(0), u2.stride(0), out.stride(0),
                 ROWS=_ROWS, BLOCK=block)
     return out.view(gate.shape)
 
 
 # ----------------------------------------------------------------------------- attention
-@triton.jit
+@triton.jit(do_not_specialize=["M", "n_tab", "sqb", "sob", "stb", "spb"])
 def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr,
                       M, REP, n_tab, scale,
                       sqb, sqm, sqh, sob, som, soh,
@@ -253,8 +274,19 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
-def _block_m() -> int:
-    return 64
+def _attention_tiles(d: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M query rows, num_warps, num_stages) of a program: a function of the head size and
+    dtype only, never of the query or sequence count (a row's reduction over keys does not depend
+    on it anyway: rows are independent). Chosen so that no binary spills registers on sm_90 with
+    Triton 3.6 or 3.9 (`parity compile`): 16-bit heads up to 128 in 64 rows on 8 warps (Hopper's
+    warpgroup MMA; 4 warps spilled 352 bytes a thread at D=128); float32 (FMA, no tensor cores)
+    in 32 rows on 4 warps up to D=32, on 8 warps up to 64, then 16 rows on 4 warps (64 rows
+    spilled kilobytes, 32 rows on 8 warps a register at D=16 and 128)."""
+    if INTERPRET:
+        return 64, 4, 1
+    if dtype != torch.float32:
+        return (64, 8, 2) if d <= 128 else (32, 8, 2)
+    return (32, 4, 2) if d <= 32 else (32, 8, 2) if d <= 64 else (16, 4, 2)
 
 
 def _launch_attention(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_size):
@@ -266,8 +298,8 @@ def _launch_attention(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos
         return out
     q_pos = q_pos.to(torch.int32).contiguous()
     tables = tables.to(torch.int32).contiguous()
-    bm = _block_m()
-    grid = (bsz, hkv, triton.cdiv(m * rep, bm))
+    bm, warps, stages = _attention_tiles(d, q.dtype)
+    grid = (bsz, hkv, _cdiv(m * rep, bm))
     scale = 1.4426950408889634 / d ** 0.5
     with _on(q, k_blocks, v_blocks):
         _attention_kernel[grid](
@@ -276,7 +308,7 @@ def _launch_attention(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos
             *k_strides[:4], *v_strides, tables.stride(0), q_pos.stride(0),
             D=d, BS=block_size, BLOCK_M=bm,
             INTERP=INTERPRET, IEEE=q.dtype == torch.float32,
-            num_warps=4, num_stages=2)
+            num_warps=warps, num_stages=stages)
     return out
 
 
@@ -306,7 +338,7 @@ def attention(q, k, v, q_pos, block_size: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- log-sum-exp
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _row_lse_kernel(x_ptr, out_ptr, R, V, sx, inv_t, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     live = rows < R
@@ -331,7 +363,7 @@ def row_lse(logits: torch.Tensor, inv_t: float) -> torch.Tensor:
     if x.shape[0]:
         rows = _ROWS if INTERPRET else 1  # a GPU: one row per program, the vocabulary is long
         with _on(x):
-            _row_lse_kernel[(triton.cdiv(x.shape[0], rows),)](
+            _row_lse_kernel[(_cdiv(x.shape[0], rows),)](
                 x, out, x.shape[0], x.shape[1], x.stride(0), inv_t,
                 ROWS=rows, BLOCK_V=1024 if INTERPRET else 2048)
     return out

@@ -1,0 +1,179 @@
+"""`parity compile`: compile the aligned Triton kernels for a GPU, on a machine without one.
+
+For each preset and dtype it builds a random model on CPU tensors and runs what a training run
+launches — the learner's forward (dense attention, log-sum-exp over the vocabulary) at two batch
+sizes, the engine's prefill, and decode steps at two batch sizes — with every Triton launch
+compiled for the chosen architecture and launched nowhere (`parity/ops/triton_target.py`). It
+prints one row per binary (registers, stack, shared memory, matrix instructions, launches), says
+whether one binary served every batch size, counts the launches of one decode step and the host
+time they cost here, and lists problems: spills, a bf16/fp16 GEMM or attention without tensor
+cores, a kernel that does not fit. Exit 1 when there is one. It proves compilation and resources,
+not bits or speed on the GPU (that is `scripts/gpu_check.sh`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from ..dtypes import dtype_from_name
+from ..errors import ConfigError
+from ..ops import triton_target
+from .ui import status, table
+
+_MATRIX_KERNELS = ("_matmul_kernel", "_attention_kernel")
+"""Kernels whose inner loop is a matrix product: in bf16/fp16 it must run on tensor cores."""
+
+
+def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) -> dict:
+    """Run a random `preset` model's passes in phases — the learner at batch 2 then 3, the engine's
+    prefill then decode at batch 1, then both again at `batch` — and say which phase compiled
+    which binaries (only the first learner and the first prefill should), the launch counts and
+    the host time of one decode step."""
+    from ..engine import Decoder
+    from ..model import Model, ModelConfig, sequence_logprobs
+
+    cfg = ModelConfig.preset(preset)
+    length = min(length, cfg.max_position_embeddings - 8)
+    model = Model(cfg, kernels="aligned", dtype=dtype, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    driver = triton_target.active()
+    compiled: dict[str, int] = {}
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+
+    def phase(name: str, fn):
+        progress(f"{preset} {dtype} {name}")
+        first = len(driver.binaries)
+        out = fn()
+        compiled[name] = len(driver.binaries) - first
+        return out
+
+    def decode(dec: Decoder, b: int) -> dict:
+        times = []
+        for _ in range(3):
+            before = sum(x.launches for x in driver.binaries)
+            t0 = time.perf_counter()
+            dec.extend({i: tokens(1) for i in range(b)})
+            times.append(time.perf_counter() - t0)
+            launches = sum(x.launches for x in driver.binaries) - before
+        return {"launches": launches, "host_ms": 1e3 * statistics.median(times)}
+
+    step = {}
+    with torch.no_grad():
+        for b in (2, 3):
+            phase(f"learner batch {b}",
+                  lambda b=b: sequence_logprobs(model, [tokens(length) for _ in range(b)]))
+        for b in (1, batch):
+            dec = Decoder(model, max_tokens=b * (length + 3 * model.block_size))
+            phase(f"prefill batch {b}",
+                  lambda b=b, dec=dec: dec.extend({i: tokens(length // 2) for i in range(b)}))
+            step[b] = phase(f"decode batch {b}", lambda b=b, dec=dec: decode(dec, b))
+    expected = {"learner batch 2", "prefill batch 1"}
+    return {"decode": step, "length": length, "hidden": cfg.hidden_size, "compiled_by_phase": compiled,
+            "one_binary_per_kernel": all(n == 0 for k, n in compiled.items() if k not in expected)}
+
+
+def _gemm_launch_us(hidden: int, dtype: torch.dtype) -> float:
+    """Host microseconds of one Triton GEMM launch (one row, [hidden, hidden] weight), median."""
+    from ..ops import triton_kernels as tk
+
+    x = torch.zeros(1, hidden, dtype=dtype)
+    w = torch.zeros(hidden, hidden, dtype=dtype)
+    tk.matmul(x, w)
+    times = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        tk.matmul(x, w)
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def problems(binaries: list[triton_target.Binary], dtype_of: dict[str, str]) -> list[str]:
+    """What would hurt on the GPU: spills, matrix kernels off the tensor cores in 16-bit types."""
+    out = []
+    for b in binaries:
+        name = f"{b.kernel} ({b.signature.split(',')[0]}, {b.constants})"
+        if b.stack_bytes:
+            out.append(f"{name}: {b.stack_bytes} bytes of stack per thread (register spills)")
+        if b.kernel in _MATRIX_KERNELS and dtype_of.get(b.signature.split(",")[0]) in ("bf16", "fp16") \
+                and b.tensor_cores == "none":
+            out.append(f"{name}: a 16-bit matrix product without tensor-core instructions")
+    return out
+
+
+def _failure(err: Exception) -> str:
+    """The first line of a compile or resource error, for the problems list."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def main(args) -> int:
+    from ..model import ModelConfig
+
+    dtypes = [dtype_from_name(d, "--dtype") for d in args.dtype]
+    for preset in args.presets:
+        ModelConfig.preset(preset)
+    if args.batch < 1 or args.length < 4:
+        raise ConfigError("--batch must be at least 1 and --length at least 4")
+    driver = triton_target.enable(args.arch)
+    import triton
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    report = {"arch": f"sm_{driver.capability}", "shared_limit": driver.max_shared,
+              "triton": triton.__version__, "runs": []}
+    t0 = time.perf_counter()
+    failed = []
+    for preset in args.presets:
+        for dtype in dtypes:
+            first = len(driver.binaries)
+            try:
+                run = _passes(preset, dtype, args.batch, args.length, lambda m: status(f"compile: {m}"))
+            except (CompilationError, OutOfResources) as err:  # the GPU would refuse it too
+                failed.append(f"{preset} {dtype}: {_failure(err)}")
+                continue
+            run.update(preset=preset, dtype=str(dtype).removeprefix("torch."),
+                       binaries=[b.as_dict() for b in driver.binaries[first:]],
+                       gemm_launch_us=_gemm_launch_us(run["hidden"], dtype))
+            report["runs"].append(run)
+    status("")
+    found = failed + problems(driver.binaries, {"*bf16": "bf16", "*fp16": "fp16", "*fp32": "fp32"})
+    for run in report["runs"]:
+        if not run["one_binary_per_kernel"]:
+            again = {k: n for k, n in run["compiled_by_phase"].items() if n}
+            found.append(f"{run['preset']} {run['dtype']}: kernels compiled again at another batch size or "
+                         f"phase (a batch-dependent argument is specialised): {again}")
+    report["problems"] = found
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 1 if found else 0
+    print(f"parity compile: sm_{driver.capability} (shared memory per block up to "
+          f"{driver.max_shared // 1024} KiB), Triton {triton.__version__} and its ptxas, "
+          f"{report['seconds']} s; nothing ran on a GPU")
+    for run in report["runs"]:
+        print(f"\n{run['preset']} {run['dtype']}: learner 2 and 3 x {run['length']} tokens, "
+              f"engine prefill + decode at batch 1 and {args.batch}")
+        print(table(["kernel", "tiles", "warps", "stages", "regs", "stack B", "shared KiB",
+                     "matrix", "launches"],
+                    [[b["kernel"].strip("_").removesuffix("_kernel"),
+                      " ".join(f"{k}={v}" for k, v in b["constants"].items()
+                               if k.isupper() and not isinstance(v, bool)),
+                      str(b["num_warps"]), str(b["num_stages"]), str(b["registers"]),
+                      str(b["stack_bytes"]), f"{b['shared_bytes'] / 1024:.1f}", b["tensor_cores"],
+                      str(b["launches"])] for b in run["binaries"]]))
+        one = "yes" if run["one_binary_per_kernel"] else "NO"
+        print(f"binaries compiled by phase: {run['compiled_by_phase']}; one binary served every batch size "
+              f"and decode as well as prefill: {one}")
+        for b, s in run["decode"].items():
+            print(f"decode step at batch {b}: {s['launches']} Triton launches, host time "
+                  f"{s['host_ms']:.2f} ms here (launches no-ops; the ops between them on CPU tensors)")
+        print(f"one GEMM launch costs {run['gemm_launch_us']:.1f} us of host time here")
+    print("\n" + ("problems:\n  " + "\n  ".join(found) if found else "no problems: no spills, "
+                  "16-bit matrix products on tensor cores, every kernel fits"))
+    return 1 if found else 0

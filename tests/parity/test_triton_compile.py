@@ -1,0 +1,172 @@
+"""The aligned Triton kernels compiled for real GPUs here, without one (`parity compile`).
+
+Every launch of a model's learner, prefill and decode passes is compiled by Triton's own binder,
+passes and bundled ptxas for sm_90 (H100/H200) and launched nowhere; the cubins are read back.
+This catches what the interpreter suite cannot: a kernel that does not compile for the GPU,
+register spills, 16-bit products off the tensor cores, a kernel over the shared-memory limit,
+and batch-dependent specialisation (a second binary for another batch size). Each check has a
+control that the detector is known to flag. Runs in subprocesses: the compile-only driver must
+be in place before the kernels are imported, and this process imports them for the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+
+def _run(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
+    """`parity ARGS` or `python -c CODE` in a fresh process, without the interpreter switch that
+    the Triton interpreter suite sets in this one."""
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "parity.cli", *args]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PARITY_ALIGNED_IMPL")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def hopper_report() -> dict:
+    proc = _run("compile", "--arch", "sm_90", "--presets", "tiny", "--dtype", "bfloat16,float32",
+                "--batch", "8", "--length", "32", "--json")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def test_every_kernel_compiles_for_hopper_without_problems(hopper_report):
+    assert hopper_report["arch"] == "sm_90" and hopper_report["problems"] == []
+    kernels = {(b["kernel"], run["dtype"]) for run in hopper_report["runs"] for b in run["binaries"]}
+    for dtype in ("bfloat16", "float32"):
+        for name in ("_matmul_kernel", "_attention_kernel", "_rms_norm_kernel", "_silu_mul_kernel",
+                     "_row_lse_kernel"):
+            assert (name, dtype) in kernels
+    for run in hopper_report["runs"]:
+        for b in run["binaries"]:
+            assert b["stack_bytes"] == 0 and 0 < b["registers"] <= 255
+            assert b["shared_bytes"] <= hopper_report["shared_limit"]
+
+
+def test_matrix_products_use_the_intended_instructions(hopper_report):
+    """bf16 GEMM and attention on Hopper's warpgroup tensor cores (HGMMA); float32 in plain FMA
+    (IEEE float32 like the standard backend's cuBLAS without TF32: TF32 would change the math)."""
+    for run in hopper_report["runs"]:
+        for b in run["binaries"]:
+            if b["kernel"] in ("_matmul_kernel", "_attention_kernel"):
+                want = "HGMMA" if run["dtype"] == "bfloat16" else "none"
+                assert b["tensor_cores"] == want, (run["dtype"], b)
+
+
+def test_one_binary_serves_every_batch_size(hopper_report):
+    """The learner at batch 2 compiles the kernels; batch 3, the engine's decode steps and batch 8
+    compile nothing new: one binary per kernel and layout, whatever the batch (the batch-dependent
+    arguments are not specialised), so the learner and the engine run the same machine code."""
+    for run in hopper_report["runs"]:
+        compiled = run["compiled_by_phase"]
+        assert compiled["learner batch 2"] > 0
+        assert compiled["learner batch 3"] == compiled["decode batch 1"] == 0
+        assert compiled["prefill batch 8"] == compiled["decode batch 8"] == 0
+        assert run["one_binary_per_kernel"]
+        assert run["decode"]["1"]["launches"] == run["decode"]["8"]["launches"] > 0
+
+
+def test_control_specialising_on_the_row_count_is_caught():
+    """The same RMSNorm kernel without `do_not_specialize`: one row and eight rows compile two
+    binaries (Triton makes R == 1 a constant), which the phase count would flag."""
+    code = textwrap.dedent("""
+        import torch
+        from parity.ops import triton_target
+        drv = triton_target.enable("sm_90")
+        import triton
+        from parity.ops import triton_kernels as tk
+        w = torch.ones(64, dtype=torch.bfloat16)
+        for rows in (1, 8):
+            tk.rms_norm(torch.zeros(rows, 64, dtype=torch.bfloat16), w, 1e-6)
+        kept = len(drv.binaries)
+        tk._rms_norm_kernel = triton.jit(tk._rms_norm_kernel.fn)
+        for rows in (1, 8):
+            tk.rms_norm(torch.zeros(rows, 64, dtype=torch.bfloat16), w, 1e-6)
+        print(kept, len(drv.binaries) - kept)
+    """)
+    proc = _run(code=code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["1", "2"]
+
+
+def test_control_a_spilling_tile_is_reported():
+    """Attention at head size 128 in 64 rows on 4 warps (the tiles before `parity compile`
+    existed) spills registers on sm_90; the detector names it."""
+    code = textwrap.dedent("""
+        import torch
+        from parity.ops import triton_target
+        drv = triton_target.enable("sm_90")
+        from parity.ops import triton_kernels as tk
+        from parity.apps.compile import problems
+        tk._attention_tiles = lambda d, dtype: (64, 4, 2)
+        q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+        kv = torch.zeros(1, 32, 1, 128, dtype=torch.bfloat16)
+        tk.attention(q, kv, kv, torch.arange(8).view(1, 8), 32)
+        print(problems(drv.binaries, {"*bf16": "bf16"}))
+    """)
+    proc = _run(code=code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "register spills" in proc.stdout and "_attention_kernel" in proc.stdout
+
+
+def test_control_a_kernel_over_the_shared_memory_limit_is_refused():
+    """A GEMM tile whose pipeline needs more shared memory than an sm_86 block may take fails to
+    load as it would on that GPU; the default tiles fit."""
+    code = textwrap.dedent("""
+        import torch
+        from parity.ops import triton_target
+        drv = triton_target.enable("sm_86")
+        from triton.runtime.errors import OutOfResources
+        from parity.ops import triton_kernels as tk
+        x, w = torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(256, 256, dtype=torch.bfloat16)
+        tk.matmul(x, w)
+        tk._gemm_tiles = lambda dtype: (128, 256, 64, 8, 4)
+        try:
+            tk.matmul(x, w)
+            print("fitted")
+        except OutOfResources as err:
+            print("refused", drv.binaries[0].shared_bytes <= drv.max_shared)
+    """)
+    proc = _run(code=code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["refused", "True"]
+
+
+def test_ampere_gets_warp_level_tensor_cores():
+    proc = _run("compile", "--arch", "sm_80", "--presets", "tiny", "--dtype", "bfloat16",
+                "--batch", "2", "--length", "16", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    gemm = [b for b in report["runs"][0]["binaries"] if b["kernel"] == "_matmul_kernel"]
+    assert gemm and all(b["tensor_cores"] == "HMMA" for b in gemm)
+
+
+@pytest.mark.parametrize("arch", ["sm_42", "hopper"])
+def test_unknown_architecture_is_one_line(arch):
+    proc = _run("compile", "--arch", arch)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "unknown GPU architecture" in proc.stderr
+
+
+def test_an_interpreting_triton_is_refused_in_one_line():
+    code = textwrap.dedent("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import triton
+        from parity.errors import ConfigError
+        from parity.ops import triton_target
+        try:
+            triton_target.enable("sm_90")
+        except ConfigError as err:
+            print("refused:", err)
+    """)
+    proc = _run(code=code)
+    assert proc.returncode == 0 and "refused: Triton was imported with its interpreter on" in proc.stdout
