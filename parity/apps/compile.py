@@ -5,8 +5,9 @@ launches — the learner's forward (dense attention, log-sum-exp over the vocabu
 sizes, the engine's prefill, and decode steps at two batch sizes — with every Triton launch
 compiled for the chosen architecture and launched nowhere (`parity/ops/triton_target.py`). It
 prints one row per binary (registers, stack, shared memory, matrix instructions, launches), says
-whether one binary served every batch size, counts the launches of one decode step and the host
-time they cost here, and lists problems: spills, a bf16/fp16 GEMM or attention without tensor
+whether one binary served every batch size, counts the launches of one decode step and what
+launching them costs the host here (the floor of a decode step without CUDA graphs), and lists
+problems: spills, a bf16/fp16 GEMM or attention without tensor
 cores, a kernel that does not fit. Exit 1 when there is one. It proves compilation and resources,
 not bits or speed on the GPU (that is `scripts/gpu_check.sh`).
 """
@@ -170,10 +171,10 @@ def main(args) -> int:
         one = "yes" if run["one_binary_per_kernel"] else "NO"
         print(f"binaries compiled by phase: {run['compiled_by_phase']}; one binary served every batch size "
               f"and decode as well as prefill: {one}")
+        us = run["gemm_launch_us"]
         for b, s in run["decode"].items():
-            print(f"decode step at batch {b}: {s['launches']} Triton launches, host time "
-                  f"{s['host_ms']:.2f} ms here (launches no-ops; the ops between them on CPU tensors)")
-        print(f"one GEMM launch costs {run['gemm_launch_us']:.1f} us of host time here")
+            print(f"decode step at batch {b}: {s['launches']} Triton launches; at {us:.1f} us of host time "
+                  f"per launch here (one GEMM's), {s['launches'] * us / 1e3:.1f} ms of launching per step")
     print("\n" + ("problems:\n  " + "\n  ".join(found) if found else "no problems: no spills, "
                   "16-bit matrix products on tensor cores, every kernel fits"))
     return 1 if found else 0
