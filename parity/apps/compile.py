@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..dtypes import dtype_from_name
 from ..errors import ConfigError
@@ -27,6 +28,54 @@ from .ui import status, table
 
 _MATRIX_KERNELS = ("_matmul_kernel", "_attention_kernel")
 """Kernels whose inner loop is a matrix product: in bf16/fp16 it must run on tensor cores."""
+
+
+class _KernelCounter(TorchDispatchMode):
+    """Counts the PyTorch ops that would each launch a GPU kernel (views and bare allocations
+    launch none) and the host syncs (a tensor read back as a Python number) while active."""
+
+    _FREE = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                       "detach", "lift_fresh", "alias", "_local_scalar_dense"})
+
+    def __init__(self):
+        super().__init__()
+        self.kernels = self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":
+            self.syncs += 1
+        elif name not in self._FREE and not func.is_view:
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counted(model) -> _KernelCounter:
+    """Count the kernels and syncs of `model`'s forward calls from now on (its instance `forward`)."""
+    counter, forward = _KernelCounter(), model.forward
+
+    def counting(*args, **kwargs):
+        with counter:
+            return forward(*args, **kwargs)
+
+    model.forward = counting
+    return counter
+
+
+def _standard_decode(cfg, dtype: torch.dtype, batch: int, length: int) -> dict:
+    """The standard backend's decode step at `batch`: PyTorch kernels and host syncs of the model
+    forward (the same passes on CPU tensors; no Triton)."""
+    from ..engine import Decoder
+    from ..model import Model
+
+    model = Model(cfg, kernels="standard", dtype=dtype, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    dec = Decoder(model, max_tokens=batch * (length + 3 * model.block_size))
+    with torch.no_grad():
+        dec.extend({i: torch.randint(0, cfg.vocab_size, (length // 2,), generator=gen) for i in range(batch)})
+        counter = _counted(model)
+        dec.extend({i: torch.randint(0, cfg.vocab_size, (1,), generator=gen) for i in range(batch)})
+    return {"torch_kernels": counter.kernels, "syncs": counter.syncs}
 
 
 def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) -> dict:
@@ -58,11 +107,14 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
         times = []
         for _ in range(3):
             before = sum(x.launches for x in driver.binaries)
+            counter = _counted(model)
             t0 = time.perf_counter()
             dec.extend({i: tokens(1) for i in range(b)})
             times.append(time.perf_counter() - t0)
+            del model.forward  # back to the class's
             launches = sum(x.launches for x in driver.binaries) - before
-        return {"launches": launches, "host_ms": 1e3 * statistics.median(times)}
+        return {"launches": launches, "torch_kernels": counter.kernels, "syncs": counter.syncs,
+                "host_ms": 1e3 * statistics.median(times)}
 
     step = {}
     with torch.no_grad():
@@ -75,6 +127,8 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
                   lambda b=b, dec=dec: dec.extend({i: tokens(length // 2) for i in range(b)}))
             step[b] = phase(f"decode batch {b}", lambda b=b, dec=dec: decode(dec, b))
     expected = {"learner batch 2", "prefill batch 1"}
+    if not cfg.num_experts:  # MoE decode launches depend on the experts hit: no like-for-like count
+        step[batch]["standard"] = _standard_decode(cfg, dtype, batch, length)
     return {"decode": step, "length": length, "hidden": cfg.hidden_size, "compiled_by_phase": compiled,
             "one_binary_per_kernel": all(n == 0 for k, n in compiled.items() if k not in expected)}
 
@@ -173,8 +227,12 @@ def main(args) -> int:
               f"and decode as well as prefill: {one}")
         us = run["gemm_launch_us"]
         for b, s in run["decode"].items():
-            print(f"decode step at batch {b}: {s['launches']} Triton launches; at {us:.1f} us of host time "
-                  f"per launch here (one GEMM's), {s['launches'] * us / 1e3:.1f} ms of launching per step")
+            print(f"decode step at batch {b}: {s['launches']} Triton launches + {s['torch_kernels']} PyTorch "
+                  f"kernels, {s['syncs']} host syncs in the model forward; the Triton launches at "
+                  f"{us:.1f} us of host time each here (one GEMM's): {s['launches'] * us / 1e3:.1f} ms")
+            if "standard" in s:
+                print(f"  standard backend, same step: {s['standard']['torch_kernels']} PyTorch kernels, "
+                      f"{s['standard']['syncs']} host syncs")
     print("\n" + ("problems:\n  " + "\n  ".join(found) if found else "no problems: no spills, "
                   "16-bit matrix products on tensor cores, every kernel fits"))
     return 1 if found else 0

@@ -33,18 +33,24 @@ class RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        if _native_backward(x, weight, grad) and weight.dtype == x.dtype:
-            grad_x, grad_w = native.rms_norm_backward(x, weight, grad, ctx.eps)
-            return grad_x, grad_w.to(weight.dtype), None
-        acc = compute_dtype(x.dtype)
-        xf = x.to(acc)
-        inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        normed = xf * inv
-        g = grad.to(acc)
-        grad_w = (g * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gn = g * weight.to(acc)
-        grad_x = inv * (gn - normed * (gn * normed).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_w, None
+        return (*rms_norm_backward(x, weight, grad, ctx.eps), None)
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight) of `weight * x / rms(x)` over the last dimension."""
+    if _native_backward(x, weight, grad) and weight.dtype == x.dtype == grad.dtype:
+        grad_x, grad_w = native.rms_norm_backward(x, weight, grad, eps)
+        return grad_x, grad_w.to(weight.dtype)
+    acc = compute_dtype(x.dtype)
+    xf = x.to(acc)
+    inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    normed = xf * inv
+    g = grad.to(acc)
+    grad_w = (g * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    gn = g * weight.to(acc)
+    grad_x = inv * (gn - normed * (gn * normed).mean(-1, keepdim=True))
+    return grad_x.to(x.dtype), grad_w
 
 
 class SiluMulFn(torch.autograd.Function):

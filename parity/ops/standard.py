@@ -52,6 +52,8 @@ def paged_attention(q, k_cache, v_cache, tables, q_pos) -> torch.Tensor:
     """Gather each sequence's cached keys/values, then SDPA, as a framework's cache path does:
     sequences are grouped by their number of new tokens (all decodes in one call, each prefill
     chunk length in its own), so no padded query rows are computed."""
+    if q.shape[1] == 1:  # decode: every sequence has its one new token, known without a host sync
+        return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1])
     counts = (q_pos >= 0).sum(1)
     if bool((counts == q.shape[1]).all()):
         return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1])

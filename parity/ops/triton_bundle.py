@@ -15,7 +15,7 @@ import torch
 from . import Kernels, aligned, unpadded
 from . import triton_kernels as tk
 from .common import compute_dtype, rope
-from .functions import AttentionFn, RMSNormFn, SiluMulFn
+from .functions import AttentionFn, RMSNormFn, SiluMulFn, rms_norm_backward
 
 
 def _needs_grad(*tensors) -> bool:
@@ -23,8 +23,9 @@ def _needs_grad(*tensors) -> bool:
 
 
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """`fn(x)` on a GPU; on CPU tensors (interpreter runs) the CPU backend's tail-free padding."""
-    return fn(x) if x.is_cuda else aligned.pointwise(fn, x)
+    """`fn(x)` on a GPU (and when compiling for one: `parity compile` mirrors the GPU's ops); on
+    CPU tensors in interpreter runs the CPU backend's tail-free padding."""
+    return aligned.pointwise(fn, x) if tk.INTERPRET and not x.is_cuda else fn(x)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -85,8 +86,34 @@ def rms_norm(x, weight, eps):
     return _RMSNormFn.apply(x, weight, eps) if _needs_grad(x, weight) else tk.rms_norm(x, weight, eps)
 
 
+class _RMSNormRopeFn(torch.autograd.Function):
+    """q/k head norm + RoPE by the fused kernel; backward: RoPE's transpose, then RMSNorm's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, cos, sin):
+        ctx.save_for_backward(x, weight, cos, sin)
+        ctx.eps = eps
+        return tk.rms_norm_rope(x, weight, eps, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, cos, sin = ctx.saved_tensors
+        g = grad.to(compute_dtype(grad.dtype))
+        half = g.shape[-1] // 2
+        gs = g * sin.unsqueeze(1)  # out_lo = y_lo cos - y_hi sin, out_hi = y_hi cos + y_lo sin
+        grad_y = g * cos.unsqueeze(1) + torch.cat([gs[..., half:], -gs[..., :half]], dim=-1)
+        grad_x, grad_w = rms_norm_backward(x, weight, grad_y.to(x.dtype), ctx.eps)
+        return grad_x, grad_w, None, None, None
+
+
 def rms_norm_rope(x, weight, eps, cos, sin):
-    return rope(rms_norm(x, weight, eps), cos, sin)
+    """RMSNorm of each q/k head vector then RoPE: one kernel (one launch instead of a norm and
+    the half-dozen PyTorch ops of RoPE). x [T, H, D], cos/sin [T, D] float32."""
+    if x.shape[-1] % 2:
+        return rope(rms_norm(x, weight, eps), cos, sin)
+    if _needs_grad(x, weight):
+        return _RMSNormRopeFn.apply(x, weight, eps, cos, sin)
+    return tk.rms_norm_rope(x, weight, eps, cos, sin)
 
 
 def silu_mul(gate_up):

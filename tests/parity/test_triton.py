@@ -103,6 +103,36 @@ def test_row_lse_and_norm_rows_are_independent(triton_impl):
     assert torch.equal(tk.rms_norm(x[5:9], w, 1e-6), tk.rms_norm(x, w, 1e-6)[5:9])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_rope_is_the_norm_then_rope(triton_impl, dtype):
+    """One kernel for the q/k head norm and RoPE (strided head rows of a fused projection): each
+    head row's bits independent of the others, the values those of the two steps apart (bit for
+    bit in float32 here; in bf16 the interpreter rounds the last cast its own way, one ulp), and
+    its backward autograd's through the two steps."""
+    from parity.ops import triton_kernels as tk
+    from parity.ops.common import rope
+    from parity.ops.triton_bundle import rms_norm_rope
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(9, 3 * 4 * 16, generator=gen).to(dtype)
+    x = qkv[:, :64].reshape(9, 4, 16)  # head rows inside the fused projection's output
+    w = (torch.rand(16, generator=gen) + 0.5).to(dtype)
+    cos, sin = torch.rand(9, 16, generator=gen), torch.rand(9, 16, generator=gen)
+    fused = tk.rms_norm_rope(x, w, 1e-6, cos, sin)
+    assert torch.equal(tk.rms_norm_rope(x[3:4], w, 1e-6, cos[3:4], sin[3:4]), fused[3:4])
+    two = rope(tk.rms_norm(x, w, 1e-6), cos, sin)
+    if dtype == torch.float32:
+        assert torch.equal(fused, two)
+    else:
+        assert torch.allclose(fused.float(), two.float(), rtol=2 ** -7, atol=0)
+    xf, wf = x.float().requires_grad_(), w.float().requires_grad_()
+    rms = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * wf
+    rope(rms, cos, sin).pow(2).sum().backward()
+    xg, wg = x.float().requires_grad_(), w.float().requires_grad_()
+    rms_norm_rope(xg, wg, 1e-6, cos, sin).pow(2).sum().backward()
+    assert torch.allclose(xg.grad, xf.grad, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(wg.grad, wf.grad, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,cases", [
     (torch.float32, ("batch", "padding", "offset", "decode", "engine", "autograd")),
     (torch.bfloat16, ("batch", "decode", "engine", "autograd")),

@@ -74,6 +74,16 @@ def test_one_binary_serves_every_batch_size(hopper_report):
         assert run["decode"]["1"]["launches"] == run["decode"]["8"]["launches"] > 0
 
 
+def test_decode_steps_never_wait_for_the_gpu(hopper_report):
+    """No host sync in the model forward of a decode step, on either backend (the standard one
+    grouped sequences by a count read back from the device once per layer, until decode skipped
+    it): a sync stalls the host until the GPU drains, on every layer, and blocks CUDA graphs."""
+    for run in hopper_report["runs"]:
+        step = run["decode"]["8"]
+        assert step["syncs"] == 0 and step["torch_kernels"] > 0
+        assert step["standard"]["syncs"] == 0 and step["standard"]["torch_kernels"] > 0
+
+
 def test_control_specialising_on_the_row_count_is_caught():
     """The same RMSNorm kernel without `do_not_specialize`: one row and eight rows compile two
     binaries (Triton makes R == 1 a constant), which the phase count would flag."""
