@@ -39,7 +39,7 @@ class RMSNormFn(torch.autograd.Function):
 def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weight) of `weight * x / rms(x)` over the last dimension."""
-    if _native_backward(x, weight, grad) and weight.dtype == x.dtype == grad.dtype:
+    if _native_backward(x, weight, grad) and weight.dtype == x.dtype:
         grad_x, grad_w = native.rms_norm_backward(x, weight, grad, eps)
         return grad_x, grad_w.to(weight.dtype)
     acc = compute_dtype(x.dtype)
