@@ -114,9 +114,9 @@ def gemm_rate(dtype: torch.dtype = torch.float32, size: int = 2048, reps: int = 
     device = torch.device(device or "cpu")
     if device.type == "cuda":
         size = max(size, 8192)  # a GPU needs a large product to reach its rate
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=gen).to(dtype).to(device)
-    b = torch.randn(size, size, generator=gen).to(dtype).to(device)
+    gen = torch.Generator(device=device).manual_seed(0)  # drawn where they are used: 8192² on a GPU
+    a = torch.randn(size, size, generator=gen, device=device).to(dtype)
+    b = torch.randn(size, size, generator=gen, device=device).to(dtype)
     if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_gemm_native():
         a, b = a.float(), b.float()
     a @ b

@@ -63,3 +63,25 @@ def test_cuda_without_a_gpu_is_one_line_everywhere():
 
 def test_the_config_records_the_device():
     assert load_config(None, ["model.device=cpu"]).model.device == "cpu"
+
+
+def test_ray_actors_reserve_gpus_for_a_cuda_model():
+    """Ray hides the GPUs from an actor that reserves none, so a CUDA model's rollout actors ask
+    for them: one each where the cluster has enough, else a share of one; none on the CPU."""
+    pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    from parity.config.train import RaySection
+    from parity.rl.ray_backend import actor_gpus
+
+    def on_cuda(**ray):  # a validated config would refuse cuda on this machine
+        return SimpleNamespace(model=SimpleNamespace(device="cuda"), ray=RaySection(**ray))
+
+    cpu, cuda = load_config(None, []), on_cuda()
+    assert actor_gpus(cpu, 2, 8) == 0.0
+    assert actor_gpus(cuda, 2, 1) == 0.5 and actor_gpus(cuda, 2, 4) == 1.0
+    assert actor_gpus(on_cuda(gpus_per_worker=0.25), 2, 1) == 0.25
+    with pytest.raises(ConfigError, match="has 0 GPUs"):
+        actor_gpus(cuda, 1, 0)
+    with pytest.raises(ConfigError, match="gpus_per_worker must be > 0"):
+        load_config(None, ["ray.gpus_per_worker=0"])

@@ -104,7 +104,8 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
         cfg = ModelConfig.preset(preset)
         for dtype_name in dtypes:
             dtype = dtype_from_name(dtype_name)
-            models = {k: Model(cfg, kernels=k, dtype=dtype, seed=0, device=device) for k in BACKENDS}
+            base = Model(cfg, kernels=BACKENDS[0], dtype=dtype, seed=0, device=device)
+            models = {k: base if k == BACKENDS[0] else base.twin(k) for k in BACKENDS}
             if progress:
                 progress(f"{dtype_name} GEMM rate")
             gemm = hardware.gemm_rate(dtype, device=device)

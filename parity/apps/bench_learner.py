@@ -59,8 +59,8 @@ def bench_learner(presets: Sequence[str] = ("small",), dtypes: Sequence[str] = (
         seqs = [torch.randint(0, cfg.vocab_size, (length,), generator=gen) for _ in range(batch)]
         for dtype_name in dtypes:
             LearnerConfig(compute_dtype=dtype_name)  # validates the name
-            models = {k: Model(cfg, kernels=k, dtype=dtype_from_name(dtype_name), seed=0, device=device)
-                      for k in BACKENDS}
+            base = Model(cfg, kernels=BACKENDS[0], dtype=dtype_from_name(dtype_name), seed=0, device=device)
+            models = {k: base if k == BACKENDS[0] else base.twin(k) for k in BACKENDS}
             fns = {k: _step_fn(m, seqs) for k, m in models.items()}
             times: dict[str, list[float]] = {k: [] for k in fns}
             for r in range(reps + 1):  # round 0 warms up

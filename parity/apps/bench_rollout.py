@@ -124,7 +124,8 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
     ratios: dict = {}
     for dtype_name in dtypes:
         dtype = dtype_from_name(dtype_name)
-        models = {k: Model(cfg, kernels=k, dtype=dtype, seed=0, device=device) for k in BACKENDS}
+        base = Model(cfg, kernels=BACKENDS[0], dtype=dtype, seed=0, device=device)
+        models = {k: base if k == BACKENDS[0] else base.twin(k) for k in BACKENDS}
         systems = list(models)
         with tempfile.TemporaryDirectory() as tmp:
             hf = None

@@ -68,11 +68,11 @@ def _standard_decode(cfg, dtype: torch.dtype, batch: int, length: int) -> dict:
     from ..engine import Decoder
     from ..model import Model
 
-    model = Model(cfg, kernels="standard", dtype=dtype, seed=0)
+    model = Model(cfg, kernels="standard", dtype=dtype, seed=None)  # counts need no real weights
     gen = torch.Generator().manual_seed(1)
     dec = Decoder(model, max_tokens=batch * (length + 3 * model.block_size))
     with torch.no_grad():
-        dec.extend({i: torch.randint(0, cfg.vocab_size, (length // 2,), generator=gen) for i in range(batch)})
+        dec.extend({i: torch.randint(0, cfg.vocab_size, (4,), generator=gen) for i in range(batch)})
         counter = _counted(model)
         dec.extend({i: torch.randint(0, cfg.vocab_size, (1,), generator=gen) for i in range(batch)})
     return {"torch_kernels": counter.kernels, "syncs": counter.syncs}
@@ -88,7 +88,7 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
 
     cfg = ModelConfig.preset(preset)
     length = min(length, cfg.max_position_embeddings - 8)
-    model = Model(cfg, kernels="aligned", dtype=dtype, seed=0)
+    model = Model(cfg, kernels="aligned", dtype=dtype, seed=None)  # launches are no-ops: no init needed
     gen = torch.Generator().manual_seed(0)
     driver = triton_target.active()
     compiled: dict[str, int] = {}

@@ -144,10 +144,16 @@ class RaySection:
     """CPUs each rollout actor reserves; its torch thread count is this rounded down (at least 1)."""
     namespace: str = "parity"
     """Ray namespace of the run's actors."""
+    gpus_per_worker: float | None = None
+    """GPUs each rollout actor reserves when the model runs on CUDA (Ray hides the GPUs from an
+    actor that reserves none). None: one each when the cluster has a GPU per worker, else an equal
+    share of one GPU. Ignored for CPU models."""
 
     def __post_init__(self) -> None:
         if not self.cpus_per_worker > 0:
             raise ConfigError(f"ray.cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
+        if self.gpus_per_worker is not None and not self.gpus_per_worker > 0:
+            raise ConfigError(f"ray.gpus_per_worker must be > 0, got {self.gpus_per_worker!r}")
 
 
 @dataclass

@@ -204,8 +204,9 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the native kernels handle these tensors' dtypes (float32, bfloat16)."""
-    return all(t.dtype in _SUFFIX for t in tensors)
+    """Whether the native kernels handle these tensors (CPU, float32 or bfloat16): a CUDA
+    tensor's pointer handed to C code would crash the process, not raise."""
+    return all(t.dtype in _SUFFIX and t.device.type == "cpu" for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

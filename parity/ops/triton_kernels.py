@@ -90,6 +90,14 @@ def _on(*tensors: torch.Tensor):
     return _NO_CONTEXT
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a contiguous copy when its first element is not 16-byte aligned. Triton specialises
+    pointers on 16-byte alignment, which changes how a binary loads and may change how it lays out
+    a reduction: rows starting mid-buffer (a slice of logits, say) would get a binary of their own
+    and could get other bits than the same rows elsewhere. The copy keeps one binary for every call."""
+    return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 def _gemm_tiles(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): a function of the device kind and the
     dtype only. Never of M: that is the whole invariance argument for the GEMM."""
@@ -146,6 +154,7 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for 2-D x [M, K], weight [N, K]; float32 accumulation, output in
     x's dtype. A row's bits do not depend on M or on the other rows."""
+    x = _aligned(x)
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -183,8 +192,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, statistics in float32, result in x's dtype."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _aligned(x2 if x2.stride(-1) == 1 else x2.contiguous())
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         with _on(x2):
@@ -412,7 +420,7 @@ def _row_lse_kernel(x_ptr, out_ptr, R, V, sx, inv_t, ROWS: tl.constexpr, BLOCK_V
 
 def row_lse(logits: torch.Tensor, inv_t: float) -> torch.Tensor:
     """logsumexp(logits * inv_t) per row of a 2-D tensor, float32."""
-    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    x = _aligned(logits if logits.stride(-1) == 1 else logits.contiguous())
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     if x.shape[0]:
         rows = _ROWS if INTERPRET else 1  # a GPU: one row per program, the vocabulary is long

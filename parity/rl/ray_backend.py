@@ -110,6 +110,22 @@ def _private_head_auth() -> None:
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
+def actor_gpus(cfg, workers: int, cluster_gpus: float) -> float:
+    """GPUs each rollout actor reserves: none for a CPU model; for a CUDA model
+    `ray.gpus_per_worker`, else one each when the cluster has a GPU per worker, else an equal
+    share of one (Ray hides the GPUs from an actor that reserves none). A one-line error when the
+    cluster has too few."""
+    if not str(cfg.model.device).startswith("cuda"):
+        return 0.0
+    each = cfg.ray.gpus_per_worker
+    if each is None:
+        each = 1.0 if cluster_gpus >= workers else 1.0 / workers
+    if cluster_gpus < min(each * workers, 1.0):
+        raise ConfigError(f"model.device is {cfg.model.device!r} but the Ray cluster has {cluster_gpus:g} "
+                          f"GPUs; rollout.workers={workers} x {each:g} GPU each need {each * workers:g}")
+    return each
+
+
 class RolloutActor:
     """The body of a rollout-worker actor (made a Ray actor class by `RayRollout`)."""
 
@@ -212,6 +228,9 @@ class RayRollout:
         # actors start from the cluster's environment: pass on the fault-injection settings, if any
         faults = {k: os.environ[k] for k in ("PARITY_FAULTS", "PARITY_FAULT_STATE") if k in os.environ}
         options = {"runtime_env": {"env_vars": faults}} if faults else {}
+        gpus = actor_gpus(cfg, self.n, ray.cluster_resources().get("GPU", 0))
+        if gpus:
+            options["num_gpus"] = gpus
         self._actor_class = ray.remote(num_cpus=cfg.ray.cpus_per_worker, concurrency_groups=_GROUPS,
                                        max_restarts=0, **options)(RolloutActor)
 

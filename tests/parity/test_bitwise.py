@@ -111,11 +111,13 @@ def test_two_processes():
 
 
 def test_a_thousand_generated_cases():
-    """The CI target: >= 1,000 generated comparisons, zero mismatches, both dtypes."""
+    """The CI target: >= 1,000 generated comparisons, zero mismatches, both dtypes. On a GPU the
+    thread case compares nothing (CPU threads), so the other cases run more rounds there."""
+    cases = [c for c in CASES if c != "process" and (ON_CPU or c != "threads")]
     total = 0
     for dtype, seed in (("float32", 11), ("bfloat16", 12)):
         model = cached_model("tiny", "aligned", dtype, seed, 0.1)
-        for res in run_checks(model, rounds=14, seed=seed, cases=[c for c in CASES if c != "process"]):
+        for res in run_checks(model, rounds=14 if ON_CPU else 19, seed=seed, cases=cases):
             assert res.mismatches == 0, res
             total += res.comparisons
     assert total >= 1000, total

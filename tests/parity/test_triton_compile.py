@@ -107,6 +107,28 @@ def test_control_specialising_on_the_row_count_is_caught():
     assert proc.stdout.split()[-2:] == ["1", "2"]
 
 
+@pytest.mark.parametrize("guard", [True, False])
+def test_rows_off_16_byte_alignment_share_the_binary(guard):
+    """Log-sum-exp over rows that start mid-buffer (a slice of a 1001-column float32 logits
+    tensor: 4,004 bytes a row) reuses the aligned rows' binary, because such rows are copied first;
+    without that copy (the control) Triton compiles a second, unaligned binary."""
+    code = textwrap.dedent(f"""
+        import torch
+        from parity.ops import triton_target
+        drv = triton_target.enable("sm_90")
+        from parity.ops import triton_kernels as tk
+        if not {guard}:
+            tk._aligned = lambda t: t
+        logits = torch.zeros(6, 1001)
+        tk.row_lse(logits, 1.0)
+        tk.row_lse(logits[1:], 1.0)
+        print(len(drv.binaries))
+    """)
+    proc = _run(code=code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == ("1" if guard else "2")
+
+
 def test_control_a_spilling_tile_is_reported():
     """Attention at head size 128 in 64 rows on 4 warps (the tiles before `parity compile`
     existed) spills registers on sm_90; the detector names it."""
