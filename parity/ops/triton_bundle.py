@@ -14,6 +14,7 @@ import torch
 
 from . import Kernels, aligned, unpadded
 from . import triton_kernels as tk
+from . import triton_norm_rope as norm_rope
 from .common import compute_dtype, rope
 from .functions import AttentionFn, RMSNormFn, SiluMulFn, rms_norm_backward
 
@@ -93,7 +94,7 @@ class _RMSNormRopeFn(torch.autograd.Function):
     def forward(ctx, x, weight, eps, cos, sin):
         ctx.save_for_backward(x, weight, cos, sin)
         ctx.eps = eps
-        return tk.rms_norm_rope(x, weight, eps, cos, sin)
+        return norm_rope.rms_norm_rope(x, weight, eps, cos, sin)
 
     @staticmethod
     def backward(ctx, grad):
@@ -113,7 +114,7 @@ def rms_norm_rope(x, weight, eps, cos, sin):
         return rope(rms_norm(x, weight, eps), cos, sin)
     if _needs_grad(x, weight):
         return _RMSNormRopeFn.apply(x, weight, eps, cos, sin)
-    return tk.rms_norm_rope(x, weight, eps, cos, sin)
+    return norm_rope.rms_norm_rope(x, weight, eps, cos, sin)
 
 
 def silu_mul(gate_up):

@@ -8,7 +8,7 @@ for a log-sum-exp), never from how many rows, queries or sequences share the lau
   no autotuning by M; a row of `x @ W.T` is reduced by the same sequence of tile products
   whatever M is and whichever tile the row lands in.
 - `rms_norm`: a fixed number of rows per program, the row's sum of squares in one block of
-  next_pow2(H); `rms_norm_rope` the same per q/k head vector, then RoPE, in one pass.
+  next_pow2(H) (`triton_norm_rope.py`: the same per q/k head vector, then RoPE, in one pass).
 - `silu_mul`: element-wise.
 - `attention`: queries of one KV head in tiles of `BLOCK_M` rows; keys in blocks of the cache's
   page size, visited in order 0, 1, 2, ... with an online softmax (a block wholly beyond a row's
@@ -200,59 +200,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                 x2, weight, out, x2.shape[0], h, x2.stride(0), out.stride(0), eps,
                 ROWS=_ROWS, BLOCK=_pow2(h))
     return out.view(x.shape)
-
-
-@triton.jit(do_not_specialize=["R"])
-def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, HEADS, D, stt, sth, sct, eps,
-                          ROWS: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr):
-    """Rows of [T, HEADS, D] head vectors (row r: token r // HEADS, head r % HEADS): the RMSNorm
-    of `_rms_norm_kernel` (the same row sum, laid out the same), then rotate-half RoPE in float32
-    from the token's cos/sin, in one pass."""
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    live = rows < R
-    tok = rows // HEADS
-    base = tok * stt + (rows % HEADS) * sth
-    cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + base[:, None] + cols[None, :], mask=live[:, None] & (cols[None, :] < D),
-                other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-    half = tl.arange(0, HALF)
-    hmask = live[:, None] & (half[None, :] < D // 2)
-    lo = tl.load(x_ptr + base[:, None] + half[None, :], mask=hmask, other=0.0).to(tl.float32)
-    hi = tl.load(x_ptr + base[:, None] + D // 2 + half[None, :], mask=hmask, other=0.0).to(tl.float32)
-    w_lo = tl.load(w_ptr + half, mask=half < D // 2, other=0.0).to(tl.float32)
-    w_hi = tl.load(w_ptr + D // 2 + half, mask=half < D // 2, other=0.0).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
-    y_lo = (w_lo[None, :] * (lo * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    y_hi = (w_hi[None, :] * (hi * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    c = cos_ptr + tok[:, None] * sct + half[None, :]
-    s = sin_ptr + tok[:, None] * sct + half[None, :]
-    cos_lo = tl.load(c, mask=hmask, other=0.0)
-    cos_hi = tl.load(c + D // 2, mask=hmask, other=0.0)
-    sin_lo = tl.load(s, mask=hmask, other=0.0)
-    sin_hi = tl.load(s + D // 2, mask=hmask, other=0.0)
-    o = out_ptr + rows[:, None] * D + half[None, :]
-    tl.store(o, (y_lo * cos_lo - y_hi * sin_lo).to(dt), mask=hmask)
-    tl.store(o + D // 2, (y_hi * cos_hi + y_lo * sin_hi).to(dt), mask=hmask)
-
-
-def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
-    """RMSNorm of each head vector, then rotate-half RoPE, in one kernel: x [T, H, D] (heads may
-    be strided views of a fused projection, the last dimension contiguous), cos/sin [T, D]
-    float32; result [T, H, D] contiguous in x's dtype."""
-    t, heads, d = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty((t, heads, d), dtype=x.dtype, device=x.device)
-    rows = t * heads
-    if rows:
-        with _on(x, weight):
-            _rms_norm_rope_kernel[(_cdiv(rows, _ROWS),)](
-                x, weight, cos, sin, out, rows, heads, d, x.stride(0), x.stride(1), cos.stride(0), eps,
-                ROWS=_ROWS, BLOCK=_pow2(d), HALF=_pow2(d // 2))
-    return out
 
 
 # ----------------------------------------------------------------------------- SwiGLU

@@ -112,13 +112,14 @@ def test_fused_norm_rope_is_the_norm_then_rope(triton_impl, dtype):
     from parity.ops import triton_kernels as tk
     from parity.ops.common import rope
     from parity.ops.triton_bundle import rms_norm_rope
+    from parity.ops.triton_norm_rope import rms_norm_rope as fused_kernel
     gen = torch.Generator().manual_seed(6)
     qkv = torch.randn(9, 3 * 4 * 16, generator=gen).to(dtype)
     x = qkv[:, :64].reshape(9, 4, 16)  # head rows inside the fused projection's output
     w = (torch.rand(16, generator=gen) + 0.5).to(dtype)
     cos, sin = torch.rand(9, 16, generator=gen), torch.rand(9, 16, generator=gen)
-    fused = tk.rms_norm_rope(x, w, 1e-6, cos, sin)
-    assert torch.equal(tk.rms_norm_rope(x[3:4], w, 1e-6, cos[3:4], sin[3:4]), fused[3:4])
+    fused = fused_kernel(x, w, 1e-6, cos, sin)
+    assert torch.equal(fused_kernel(x[3:4], w, 1e-6, cos[3:4], sin[3:4]), fused[3:4])
     two = rope(tk.rms_norm(x, w, 1e-6), cos, sin)
     if dtype == torch.float32:
         assert torch.equal(fused, two)
