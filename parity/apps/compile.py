@@ -5,11 +5,11 @@ launches — the learner's forward (dense attention, log-sum-exp over the vocabu
 sizes, the engine's prefill, and decode steps at two batch sizes — with every Triton launch
 compiled for the chosen architecture and launched nowhere (`parity/ops/triton_target.py`). It
 prints one row per binary (registers, stack, shared memory, matrix instructions, launches), says
-whether one binary served every batch size, counts the launches of one decode step and what
-launching them costs the host here (the floor of a decode step without CUDA graphs), and lists
-problems: spills, a bf16/fp16 GEMM or attention without tensor
-cores, a kernel that does not fit. Exit 1 when there is one. It proves compilation and resources,
-not bits or speed on the GPU (that is `scripts/gpu_check.sh`).
+whether one binary served every batch size, counts what one decode step's forward launches
+(Triton kernels, other PyTorch kernels, host syncs; the standard backend's too) and what the
+Triton launches cost the host here, and lists problems: spills, a bf16/fp16 GEMM or attention
+off the tensor cores, a kernel that does not fit or does not compile. Exit 1 when there is one.
+It proves compilation and resources, not bits or speed on the GPU (that is `scripts/gpu_check.sh`).
 """
 
 from __future__ import annotations
