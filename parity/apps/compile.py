@@ -107,14 +107,16 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
         times = []
         for _ in range(3):
             before = sum(x.launches for x in driver.binaries)
+            first = len(driver.grids)
             counter = _counted(model)
             t0 = time.perf_counter()
             dec.extend({i: tokens(1) for i in range(b)})
             times.append(time.perf_counter() - t0)
             del model.forward  # back to the class's
             launches = sum(x.launches for x in driver.binaries) - before
+        gemms = [n for k, n in driver.grids[first:] if k == "_matmul_kernel"]
         return {"launches": launches, "torch_kernels": counter.kernels, "syncs": counter.syncs,
-                "host_ms": 1e3 * statistics.median(times)}
+                "host_ms": 1e3 * statistics.median(times), "gemm_programs": [min(gemms), max(gemms)]}
 
     step = {}
     with torch.no_grad():
@@ -230,6 +232,8 @@ def main(args) -> int:
             print(f"decode step at batch {b}: {s['launches']} Triton launches + {s['torch_kernels']} PyTorch "
                   f"kernels, {s['syncs']} host syncs in the model forward; the Triton launches at "
                   f"{us:.1f} us of host time each here (one GEMM's): {s['launches'] * us / 1e3:.1f} ms")
+            print(f"  GEMM grids in that step: {s['gemm_programs'][0]} to {s['gemm_programs'][1]} programs "
+                  f"(132 SMs on an H100/H200, 108 on an A100: a smaller grid leaves SMs idle)")
             if "standard" in s:
                 print(f"  standard backend, same step: {s['standard']['torch_kernels']} PyTorch kernels, "
                       f"{s['standard']['syncs']} host syncs")

@@ -89,6 +89,7 @@ class CompileOnlyDriver:
         self.utils = _Utils(self)
         self.binaries: list[Binary] = []
         self.pending: list[Binary] = []
+        self.grids: list[tuple[str, int]] = []  # (kernel, programs) of every launch, in order
 
     def is_active(self) -> bool:
         return True
@@ -119,8 +120,9 @@ class CompileOnlyDriver:
             shared_bytes=metadata.shared)
         self.pending.append(binary)
 
-        def launch(*args, **kwargs):
+        def launch(grid_0, grid_1, grid_2, *args, **kwargs):
             binary.launches += 1
+            self.grids.append((binary.kernel, grid_0 * grid_1 * grid_2))
 
         return launch
 

@@ -81,6 +81,7 @@ def test_decode_steps_never_wait_for_the_gpu(hopper_report):
     for run in hopper_report["runs"]:
         step = run["decode"]["8"]
         assert step["syncs"] == 0 and step["torch_kernels"] > 0
+        assert 1 <= step["gemm_programs"][0] <= step["gemm_programs"][1]
         assert step["standard"]["syncs"] == 0 and step["standard"]["torch_kernels"] > 0
 
 
