@@ -54,7 +54,7 @@ class Binary:
         return "HGMMA" if "HGMMA" in kinds else "HMMA" if "HMMA" in kinds else "none"
 
     def as_dict(self) -> dict:
-        return {**{k: v for k, v in vars(self).items()}, "tensor_cores": self.tensor_cores}
+        return {**vars(self), "tensor_cores": self.tensor_cores}
 
 
 class _Utils:
