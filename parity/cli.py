@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--prefill-len", type=int, default=64)
     k.add_argument("--decode-steps", type=int, default=16)
     k.add_argument("--reps", type=int, default=5)
+    k.add_argument("--eager-decode", action="store_true",
+                   help="on a GPU, also time decode without CUDA graphs (rows 'decode-eager')")
     k.add_argument("--json", action="store_true")
     k.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     r = _command(bsub, "rollout", "bench_rollout", "engine output tokens/s on a long-tail workload")

@@ -3,7 +3,8 @@
 Each case compares a reference (the sequence scored alone by `sequence_logprobs`, no grad) with
 the same sequence's log-probs computed another way: inside random batches, behind padding, at
 another offset, by prefill + decode steps or random prefill chunks over the engine's paged KV
-cache (`Decoder`), by the rollout engine itself (continuous batching, chunked prefill, sampling),
+cache (`Decoder`), by decode steps padded to a graph's batch bucket (`graphs`), by the rollout
+engine itself (continuous batching, chunked prefill, sampling),
 under autograd, on another thread count, or in a separate process. A comparison is one
 sequence's whole float32 log-prob vector under `torch.equal`. `parity check` and `tests/parity/`
 both run these functions; with `standard` kernels some of them must fail (the control).
@@ -87,11 +88,14 @@ def case_offset(model, seqs, refs, shift: int, temperature=1.0) -> Pairs:
     return pairs
 
 
-def run_schedule(model, seqs, chunks: Sequence[Sequence[int]], temperature=1.0) -> list[torch.Tensor]:
+def run_schedule(model, seqs, chunks: Sequence[Sequence[int]], temperature=1.0,
+                 graphs: str = "auto") -> list[torch.Tensor]:
     """Run all sequences through a `Decoder`, sequence i fed in chunks `chunks[i]` (summing to its
     length), all sequences' next chunks in one forward per step. Returns each sequence's log-probs.
+    `graphs`: the Decoder's decode-graph mode (steps where every sequence gets one token).
     """
-    dec = Decoder(model, max_tokens=sum(s.numel() for s in seqs) + model.block_size * len(seqs))
+    dec = Decoder(model, max_tokens=sum(s.numel() for s in seqs) + model.block_size * len(seqs),
+                  graphs=graphs)
     fed = [0] * len(seqs)
     step = [0] * len(seqs)
     got: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -115,6 +119,16 @@ def run_schedule(model, seqs, chunks: Sequence[Sequence[int]], temperature=1.0) 
 def case_decode(model, seqs, refs, chunks, temperature=1.0) -> Pairs:
     """Prefill / chunked prefill / token-by-token decode over the paged KV cache."""
     return list(zip(refs, run_schedule(model, seqs, chunks, temperature)))
+
+
+def case_graphs(model, seqs, refs, rng: random.Random, temperature=1.0) -> Pairs:
+    """A prefill of random length per sequence, then decode steps of every sequence at once, as
+    the engine replays them from graphs (CUDA graphs on a GPU; on a CPU their static step run
+    eagerly): each step padded up to its batch bucket, sequences dropping out as they end."""
+    mode = "auto" if model.device.type == "cuda" else "emulate"
+    firsts = [rng.randint(1, s.numel()) for s in seqs]
+    chunks = [[f] + [1] * (s.numel() - f) for f, s in zip(firsts, seqs)]
+    return list(zip(refs, run_schedule(model, seqs, chunks, temperature, graphs=mode)))
 
 
 def case_engine(model, prompts: Sequence[torch.Tensor], rng: random.Random, temperature=1.0) -> Pairs:
@@ -215,7 +229,7 @@ def random_chunks(rng: random.Random, length: int) -> list[int]:
     return out
 
 
-CASES = ("batch", "padding", "offset", "decode", "engine", "autograd", "threads", "process")
+CASES = ("batch", "padding", "offset", "decode", "graphs", "engine", "autograd", "threads", "process")
 
 
 def run_checks(model, rounds: int = 4, seed: int = 0, max_len: int = 96,
@@ -244,6 +258,8 @@ def run_checks(model, rounds: int = 4, seed: int = 0, max_len: int = 96,
             elif c == "decode":
                 chunks = [random_chunks(rng, s.numel()) for s in seqs]
                 pairs = case_decode(model, seqs, refs, chunks, temperature)
+            elif c == "graphs":
+                pairs = case_graphs(model, seqs, refs, rng, temperature)
             elif c == "engine":
                 prompts = [s[:max(1, min(s.numel() - 1, max_len - 16))] for s in seqs]
                 pairs = case_engine(model, prompts, rng, temperature)

@@ -4,9 +4,10 @@ Both backends run on the same weights in one process, repetitions interleaved (A
 the medians are compared, so machine drift hits both sides alike. Prefill: a batch of sequences
 scored by one dense forward (`sequence_logprobs`-style, tokens/s counts every input token).
 Decode: the batch prefilled into a paged KV cache, then one-token steps for every sequence
-(tokens/s counts generated tokens). Each row also gives the aligned side's achieved GFLOP/s
-(`ModelConfig.forward_flops_per_token`) and its fraction of this machine's GEMM rate for the
-dtype, measured in the same run (`hardware.gemm_rate`).
+(tokens/s counts generated tokens), replayed from CUDA graphs on a GPU as the engine runs them
+(`engine/graphs.py`; `--eager-decode` adds rows 'decode-eager' timed without graphs). Each row
+also gives the aligned side's achieved GFLOP/s (`ModelConfig.forward_flops_per_token`) and its
+fraction of this machine's GEMM rate for the dtype, measured in the same run (`hardware.gemm_rate`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .ui import RateRow, gemm_line, status, table
 class BenchRow(RateRow):
     preset: str
     dtype: str
-    phase: str  # "prefill" or "decode"
+    phase: str  # "prefill", "decode" or "decode-eager" (a GPU's decode without CUDA graphs)
     batch: int
     aligned_tok_s: float
     standard_tok_s: float
@@ -62,14 +63,17 @@ def _prefill_fn(model: Model, batch: int, length: int, vocab: int) -> tuple[Call
     return run, batch * length
 
 
-def _decode_fn(model: Model, batch: int, prompt: int, steps: int, vocab: int):
+def _decode_fn(model: Model, batch: int, prompt: int, steps: int, vocab: int, graphs: str = "auto"):
     gen = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(0, vocab, (prompt,), generator=gen) for b in range(batch)}
     nxt = torch.randint(0, vocab, (steps, batch), generator=gen)
     nxt_dev = nxt.to(model.device)
 
+    # one Decoder for every repetition (its sequences released after each), so decode graphs are
+    # captured in the warm-up call and replayed in the timed ones, as in a long-lived engine
+    dec = Decoder(model, max_tokens=batch * (prompt + steps + 2 * model.block_size), graphs=graphs)
+
     def run() -> float:
-        dec = Decoder(model, max_tokens=batch * (prompt + steps + 2 * model.block_size))
         dec.extend(prompts)
         hardware.sync(model.device)
         start = time.perf_counter()
@@ -77,7 +81,10 @@ def _decode_fn(model: Model, batch: int, prompt: int, steps: int, vocab: int):
             logits = dec.extend({b: nxt[s, b:b + 1] for b in range(batch)})
             model.kernels.token_logprobs(torch.stack(list(logits.values())), nxt_dev[s], 1.0)
         hardware.sync(model.device)
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        for b in range(batch):
+            dec.release(b)
+        return elapsed
 
     return run, batch * steps
 
@@ -98,7 +105,8 @@ def _interleaved(fns: dict[str, Callable], reps: int, timed_inside: bool) -> dic
 def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[str] = ("float32", "bfloat16"),
                   batches: Sequence[int] = (1, 8, 64, 256), prefill_len: int = 64, decode_prompt: int = 32,
                   decode_steps: int = 16, reps: int = 5,
-                  progress: Callable[[str], None] | None = None, device: str = "cpu") -> list[BenchRow]:
+                  progress: Callable[[str], None] | None = None, device: str = "cpu",
+                  eager_decode: bool = False) -> list[BenchRow]:
     rows: list[BenchRow] = []
     for preset in presets:
         cfg = ModelConfig.preset(preset)
@@ -120,11 +128,16 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
                 med = _interleaved(fns, reps, timed_inside=False)
                 rows.append(BenchRow(preset, dtype_name, "prefill", batch,
                                      ntok / med["aligned"], ntok / med["standard"], prefill_flops, gemm))
-                for k, m in models.items():
-                    fns[k], ntok = _decode_fn(m, batch, decode_prompt, decode_steps, cfg.vocab_size)
-                med = _interleaved(fns, reps, timed_inside=True)
-                rows.append(BenchRow(preset, dtype_name, "decode", batch,
-                                     ntok / med["aligned"], ntok / med["standard"], decode_flops, gemm))
+                modes = [("decode", "auto")]
+                if eager_decode and torch.device(device).type == "cuda":
+                    modes.append(("decode-eager", "off"))
+                for phase, graphs in modes:
+                    for k, m in models.items():
+                        fns[k], ntok = _decode_fn(m, batch, decode_prompt, decode_steps, cfg.vocab_size,
+                                                  graphs)
+                    med = _interleaved(fns, reps, timed_inside=True)
+                    rows.append(BenchRow(preset, dtype_name, phase, batch, ntok / med["aligned"],
+                                         ntok / med["standard"], decode_flops, gemm))
     return rows
 
 
@@ -142,7 +155,8 @@ def main(args) -> int:
     rows = bench_kernels(presets=args.presets, dtypes=args.dtypes, batches=args.batches,
                          prefill_len=args.prefill_len, decode_steps=args.decode_steps, reps=args.reps,
                          progress=lambda m: status(f"bench kernels: {m}"),
-                         device=str(hardware.check_device(args.device, "--device")))
+                         device=str(hardware.check_device(args.device, "--device")),
+                         eager_decode=args.eager_decode)
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(),

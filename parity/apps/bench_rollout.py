@@ -53,8 +53,10 @@ class RolloutWorkload:
                    for p, n in zip(self.prompts, self.lengths))
 
 
-def _run_engine(model, work: RolloutWorkload, max_num_seqs: int) -> tuple[float, list[float]]:
-    eng = Engine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+def _run_engine(eng: Engine, work: RolloutWorkload) -> tuple[float, list[float]]:
+    """One pass of the workload on a long-lived engine (as a rollout worker keeps one: its decode
+    graphs, on a GPU, are captured in the warm-up round, not in the timed ones)."""
+    eng.step_times = []
     params = [SamplingParams(temperature=1.0, max_tokens=n, seed=i, ignore_eos=True)
               for i, n in enumerate(work.lengths)]
     t0 = time.perf_counter()
@@ -135,6 +137,8 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
                 systems.append("transformers")
             times: dict[str, list[float]] = {k: [] for k in systems}
             steps: dict[str, list[float]] = {k: [] for k in systems}
+            engines = {k: Engine(models[k], max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+                       for k in models}
             for r in range(reps + 1):  # round 0 warms up; systems take turns in every round
                 for k in systems:
                     if progress:
@@ -142,7 +146,7 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
                     if k == "transformers":
                         elapsed, step_times = _run_transformers(hf, work, max_num_seqs), []
                     else:
-                        elapsed, step_times = _run_engine(models[k], work, max_num_seqs)
+                        elapsed, step_times = _run_engine(engines[k], work)
                     if r > 0:
                         times[k].append(elapsed)
                         steps[k] += step_times

@@ -86,6 +86,11 @@ class RolloutSection:
     """The engine's KV cache budget: a fraction of the memory available when a worker starts
     (0 < x <= 1) or a number of bytes (> 1). The cache never holds more than max_num_seqs full
     sequences; the capacity is logged at start-up."""
+    cuda_graphs: bool = True
+    """On a GPU, replay each decode step (every sequence one new token) from a CUDA graph captured
+    once per batch-size bucket instead of launching its kernels one by one (dense models; MoE
+    decode runs eagerly). On aligned kernels the recorded log-probs are the same bits either way;
+    false: every step eager. No effect on a CPU."""
     weight_update: str = "drain"
     """'drain' (finish on old weights, then load) or 'inflight' (switch between tokens)."""
     lengths: str = "fixed"
@@ -113,6 +118,8 @@ class RolloutSection:
         for name in ("prompts_per_step", "group_size", "max_tokens", "max_num_seqs", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"rollout.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.max_held_versions < 0:
             raise ConfigError("rollout.max_held_versions must be >= 0")
         if not self.temperature > 0:

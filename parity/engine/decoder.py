@@ -24,10 +24,12 @@ from .model_runner import ModelRunner
 class Decoder:
     """Incremental forward over a paged KV cache for a set of sequences of different lengths."""
 
-    def __init__(self, model, max_tokens: int = 8192):
+    def __init__(self, model, max_tokens: int = 8192, graphs: str = "auto"):
+        """`graphs`: decode steps as CUDA graphs on a GPU ('auto'), never ('off'), or their
+        static padded step run eagerly ('emulate', for tests on a CPU); see `graphs.py`."""
         self.model = model
         num_blocks = -(-max_tokens // model.block_size)
-        self.runner = ModelRunner(model, num_blocks)
+        self.runner = ModelRunner(model, num_blocks, graphs)
         self.blocks = BlockManager(num_blocks, model.block_size, on_release=self.runner.cache.zero_blocks)
         self.lengths: dict[int, int] = {}
 
@@ -59,10 +61,16 @@ class Decoder:
             raise InputError(f"KV cache full: this step needs {need} more blocks, "
                              f"{len(self.blocks.free)} are free (raise max_tokens)")
         tables = [self.blocks.grow(s, st + t.numel()) for s, t, st in zip(ids, toks, starts)]
+        counts = [t.numel() for t in toks]
+        if all(c == 1 for c in counts):  # a decode step: maybe a graph
+            logits = self.runner.decode([int(t) for t in toks], starts, tables)
+            if logits is not None:
+                for s, st in zip(ids, starts):
+                    self.lengths[s] = st + 1
+                return dict(zip(ids, logits.unsqueeze(1) if all_logits else logits))
         hidden = self.runner.forward(toks, starts, tables)
         for s, t, st in zip(ids, toks, starts):
             self.lengths[s] = st + t.numel()
-        counts = [t.numel() for t in toks]
         if all_logits:
             return dict(zip(ids, self.model.logits(hidden).split(counts)))
         last = torch.tensor(counts, device=hidden.device).cumsum(0) - 1

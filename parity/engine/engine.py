@@ -60,10 +60,12 @@ def memory_budget(value: float | int) -> int:
 class Engine:
     def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_tokens: int | None = None, tokenizer=None, seed: int = 0,
-                 kv_cache_memory: float | int = DEFAULT_KV_CACHE_MEMORY):
+                 kv_cache_memory: float | int = DEFAULT_KV_CACHE_MEMORY, graphs: str = "auto"):
         """`kv_cache_tokens` fixes the cache size; otherwise it holds what `kv_cache_memory` (a
         fraction of available memory, or bytes) allows, and never more than `max_num_seqs`
-        sequences of min(max_position_embeddings, 2048) tokens can use."""
+        sequences of min(max_position_embeddings, 2048) tokens can use. `graphs`: decode steps
+        replayed as CUDA graphs on a GPU ('auto', dense models), never ('off'), or their static
+        padded step run eagerly ('emulate': tests on a CPU); see `graphs.py`."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise InputError("max_num_seqs and max_num_batched_tokens must be positive")
         self.model = model
@@ -85,7 +87,7 @@ class Engine:
         """The cache's capacity: tokens, bytes, and how many sequences of max_position_embeddings
         tokens it holds at once."""
         log.debug("engine: %s", self.describe_cache())
-        self.runner = ModelRunner(model, num_blocks)
+        self.runner = ModelRunner(model, num_blocks, graphs)
         self.blocks = BlockManager(num_blocks, bs, on_release=self.runner.cache.zero_blocks)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler(model, seed)

@@ -3,6 +3,8 @@
 The engine feeds it scheduled sequences (`run`), the model-level `Decoder` feeds it raw token
 chunks (`forward`); both go through the same `ForwardBatch` layout, the same KV cache and the
 block tables of the same `BlockManager`, so `parity check` and the engine exercise one path.
+A decode step (every sequence one new token) is replayed from a CUDA graph when the model is on
+a GPU (`graphs.py`); anything else, and any step a graph cannot serve, runs eagerly.
 """
 
 from __future__ import annotations
@@ -13,13 +15,25 @@ import torch
 
 from ..model import ForwardBatch, KVCache
 from .block_manager import BlockManager
+from .graphs import DecodeGraphs, mode_for
 from .sequence import Sequence as Request
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int):
+    def __init__(self, model, num_blocks: int, graphs: str = "auto"):
+        """`graphs`: 'auto' (decode steps as CUDA graphs on a GPU, for dense models), 'off', or
+        'emulate' (the graphs' static padded step run eagerly: tests on a CPU)."""
         self.model = model
         self.cache = KVCache(model.config, num_blocks, model.block_size, model.dtype, model.device)
+        mode = mode_for(model, graphs)
+        self.graphs = DecodeGraphs(model, self.cache, mode) if mode else None
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int],
+               tables: Sequence[Sequence[int]]) -> torch.Tensor | None:
+        """Logits [n, V] of a decode step from a graph, or None when it must run eagerly."""
+        if self.graphs is None:
+            return None
+        return self.graphs.run(list(tokens), list(positions), [list(t) for t in tables])
 
     @torch.no_grad()
     def forward(self, new_tokens: Sequence[torch.Tensor], starts: Sequence[int],
@@ -36,6 +50,14 @@ class ModelRunner:
         """Feed each scheduled request its next `n` tokens; return the requests whose pending
         tokens are now all in the cache (they sample next), their last-token logits [N, V] and,
         for MoE models, the experts their last token was routed to [N, moe layers, k]."""
+        if all(n == 1 and s.num_pending == 1 for s, n in batch):  # a decode step: maybe a graph
+            logits = self.decode([s.token_ids[s.num_computed] for s, _ in batch],
+                                 [s.num_computed for s, _ in batch],
+                                 [blocks.table(s.request_id) for s, _ in batch])
+            if logits is not None:
+                for s, _ in batch:
+                    s.num_computed += 1
+                return [s for s, _ in batch], logits, None
         tokens = [torch.tensor(s.token_ids[s.num_computed:s.num_computed + n]) for s, n in batch]
         hidden = self.forward(tokens, [s.num_computed for s, _ in batch],
                               [blocks.table(s.request_id) for s, _ in batch])

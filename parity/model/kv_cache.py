@@ -1,5 +1,8 @@
 """Paged KV cache storage: fixed-size blocks per layer, block 0 kept as an all-zero pad block.
 
+One more block past the allocatable ones is scratch: the padding rows of a decode graph
+(`engine/graphs.py`) write their keys/values there, and no block table ever names it.
+
 The block size is the aligned attention kernel's key-block size, so a sequence's cached keys
 are reduced in exactly the blocks a dense forward would use. Allocation policy (which sequence
 gets which blocks, preemption) belongs to the engine's `BlockManager`, the package's one allocator.
@@ -13,17 +16,20 @@ from .config import ModelConfig
 
 
 class KVCache:
-    """Per-layer key/value blocks: k[layer] is [num_blocks + 1, Hkv, D, block] (keys transposed
+    """Per-layer key/value blocks: k[layer] is [num_blocks + 2, Hkv, D, block] (keys transposed
     inside a block, so attention reads 16 keys' entries side by side) and v[layer] is
-    [num_blocks + 1, Hkv, block, D]."""
+    [num_blocks + 2, Hkv, block, D]: block 0 the pad block, 1..num_blocks allocatable, the last
+    one scratch."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
         layers, hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        self.k = torch.zeros(layers, num_blocks + 1, hkv, d, block_size, dtype=dtype, device=device)
-        self.v = torch.zeros(layers, num_blocks + 1, hkv, block_size, d, dtype=dtype, device=device)
+        self.k = torch.zeros(layers, num_blocks + 2, hkv, d, block_size, dtype=dtype, device=device)
+        self.v = torch.zeros(layers, num_blocks + 2, hkv, block_size, d, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.scratch_slot = (num_blocks + 1) * block_size
+        """A flat slot no sequence owns: where padding rows' keys and values go."""
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

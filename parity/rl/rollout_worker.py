@@ -202,7 +202,8 @@ class RolloutWorker:
         self._beat = beat
         self.env = env
         self.engine = Engine(model, max_num_seqs=cfg.rollout.max_num_seqs, tokenizer=env.tokenizer,
-                             kv_cache_memory=cfg.rollout.kv_cache_memory)
+                             kv_cache_memory=cfg.rollout.kv_cache_memory,
+                             graphs="auto" if cfg.rollout.cuda_graphs else "off")
         self.engine.policy_version = version
         self.held: dict[int, State] = {}  # versions received and needed, not loaded now
         self.loaded: State | None = state  # the tensors of the loaded version, when known

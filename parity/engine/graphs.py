@@ -1,0 +1,199 @@
+"""Decode steps as CUDA graphs: a step's host work paid once per batch shape, not once per step.
+
+A decode step (every sequence gets one new token) launches hundreds of kernels; on a GPU the
+host's time to launch them is far longer than the GPU's time to run them. `DecodeGraphs` captures
+the whole step — the model forward, the KV-cache writes and the LM head — once per (batch bucket,
+block-table width bucket) and replays it: the step's tokens, positions, cache slots and block tables
+are copied into the graph's static inputs in one host-to-device copy, and one launch runs the rest.
+
+A batch is padded up to its bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, then steps of 32).
+A padding row is token 0 at query position -1: its key/value go to the cache's scratch slot,
+which no block table names, and its table row is the all-zero pad block. On aligned kernels a row's
+bits never depend on the other rows of the launch (M, the table width, the neighbours), so padding
+changes no live row's logits: replayed graphs give the eager step's bits (tested, with the standard
+kernels as the control that padding does change). Tables are padded to the width bucket with the
+pad block, which the attention kernels read as exact no-ops beyond a row's position.
+
+Modes: 'cuda' captures real graphs (a GPU); 'emulate' runs the same static, padded step eagerly
+with no capture, so the padding argument is tested on a CPU; `mode_for` picks one from 'auto'
+('cuda' for a dense model on a GPU, else none), 'off', 'emulate'. Not graphed: mixture-of-experts
+models (tokens per expert are data-dependent shapes) and projection weights that do not share one
+buffer (a cached concatenation would go stale in a captured graph). Weights updated in place are
+seen by the graphs; weights moved to new storage (or a kernel switch) drop them for recapture.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import ConfigError
+from ..model import ForwardBatch
+from ..model.fused import adjacent
+from ..model.moe import SparseMoE
+
+log = logging.getLogger(__name__)
+
+GRAPH_MODES = ("auto", "off", "emulate")
+"""What callers may ask for: 'auto' (CUDA graphs where they apply), 'off', 'emulate' (tests)."""
+
+_SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+def batch_bucket(n: int) -> int:
+    """The padded batch size a decode step of `n` sequences runs at."""
+    for b in _SMALL_BUCKETS:
+        if n <= b:
+            return b
+    return -(-n // 32) * 32
+
+
+def width_bucket(blocks: int, limit: int) -> int:
+    """The padded block-table width for a step whose longest sequence holds `blocks` blocks."""
+    return min(limit, 1 << max(0, blocks - 1).bit_length())
+
+
+def unsupported(model) -> str | None:
+    """Why `model`'s decode steps cannot be captured, or None when they can."""
+    layers = model.model.layers
+    if any(isinstance(layer.mlp, SparseMoE) for layer in layers):
+        return "mixture-of-experts layers send a data-dependent number of tokens to each expert"
+    for layer in layers:
+        att, mlp = layer.self_attn, layer.mlp
+        groups = [[att.q_proj.weight, att.k_proj.weight, att.v_proj.weight],
+                  [mlp.gate_proj.weight, mlp.up_proj.weight]]
+        if model.config.attention_bias:
+            groups.append([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
+        if any(adjacent(g) is None for g in groups):
+            return "projection weights do not share one buffer (share_projection_storage)"
+    return None
+
+
+def mode_for(model, requested: str) -> str | None:
+    """The graph mode a runner uses: 'cuda', 'emulate' or None (eager steps)."""
+    if requested not in GRAPH_MODES:
+        raise ConfigError(f"decode graphs must be one of {', '.join(map(repr, GRAPH_MODES))}, "
+                          f"got {requested!r}")
+    if requested == "off":
+        return None
+    if requested == "auto" and model.device.type != "cuda":
+        return None
+    why = unsupported(model)
+    if why is not None:
+        if requested == "emulate" or model.device.type == "cuda":
+            log.info("decode steps run eagerly: %s", why)
+        return None
+    return "cuda" if model.device.type == "cuda" else "emulate"
+
+
+class _Captured:
+    """One bucket's static inputs (views of one packed int64 buffer), its batch and its graph."""
+
+    def __init__(self, model, cache, bsz: int, width: int):
+        dev = model.device
+        self.bsz, self.width = bsz, width
+        # packed layout: input_ids [B] | positions [B] | slots [B] | q_pos [B] | tables [B * W]
+        self.packed = torch.zeros(4 * bsz + bsz * width, dtype=torch.long, device=dev)
+        ids, pos, slots, q_pos = (self.packed[i * bsz:(i + 1) * bsz] for i in range(4))
+        rows = torch.arange(bsz, device=dev)
+        self.batch = ForwardBatch(ids, pos, rows.view(bsz, 1), q_pos.view(bsz, 1), rows, [1] * bsz,
+                                  width * model.block_size,
+                                  block_tables=self.packed[4 * bsz:].view(bsz, width), slots=slots)
+        self.host = self.padding(cache)
+        self.packed.copy_(self.host)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def padding(self, cache) -> torch.Tensor:
+        """The packed inputs of an all-padding step (CPU): token 0, position 0, the scratch slot,
+        query position -1, tables of the pad block."""
+        b = self.bsz
+        host = torch.zeros(4 * b + b * self.width, dtype=torch.long)
+        host[2 * b:3 * b] = cache.scratch_slot
+        host[3 * b:4 * b] = -1
+        return host
+
+
+class DecodeGraphs:
+    """Decode-step graphs of one model over one KV cache, captured lazily per bucket."""
+
+    def __init__(self, model, cache, mode: str):
+        if mode not in ("cuda", "emulate"):
+            raise ValueError(f"graph mode must be 'cuda' or 'emulate', got {mode!r}")
+        self.model, self.cache, self.mode = model, cache, mode
+        self.max_width = -(-model.config.max_position_embeddings // model.block_size)
+        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self.replays = 0
+        """Steps served by a graph (or its emulation) so far."""
+        self.failed: str | None = None
+        """Why capture failed, after which every step runs eagerly."""
+        self._key = self._weights_key()
+
+    def _weights_key(self) -> tuple:
+        """What a captured graph baked in: the backend and the storage of every weight."""
+        return (self.model.kernels.name, self.model.kernels.impl,
+                tuple(p.data_ptr() for p in self.model.parameters()), self.cache.k.data_ptr())
+
+    def _forward(self, entry: _Captured) -> torch.Tensor:
+        return self.model.logits(self.model(entry.batch, self.cache))
+
+    def _capture(self, bsz: int, width: int) -> _Captured:
+        entry = _Captured(self.model, self.cache, bsz, width)
+        if self.mode == "cuda":
+            with torch.no_grad():
+                self._forward(entry)  # warm-up on padding only: compiles, allocates workspaces
+                torch.cuda.synchronize(self.model.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    entry.logits = self._forward(entry)
+            entry.graph = graph
+            log.debug("captured a decode graph: batch %d, table width %d", bsz, width)
+        return entry
+
+    def run(self, tokens: list[int], positions: list[int],
+            tables: list[list[int]]) -> torch.Tensor | None:
+        """Logits [n, vocab] of one decode step (sequence i: token `tokens[i]` at `positions[i]`,
+        its blocks `tables[i]`, already grown to hold it); None when the step runs eagerly instead
+        (capture failed earlier, or the step is wider than any graph). The logits are the caller's:
+        a copy, not the graph's buffer."""
+        if self.failed is not None:
+            return None
+        n = len(tokens)
+        bs = self.model.block_size
+        need = max(p // bs + 1 for p in positions)
+        if n == 0 or need > self.max_width:
+            return None
+        key = self._weights_key()
+        if key != self._key:  # weights on new storage, or another backend: recapture
+            self.graphs.clear()
+            self._key = key
+        bsz, width = batch_bucket(n), width_bucket(need, self.max_width)
+        entry = self.graphs.get((bsz, width))
+        if entry is None:
+            try:
+                entry = self._capture(bsz, width)
+            except Exception as err:  # noqa: BLE001 - any capture failure: eager from now on
+                self.failed = f"{type(err).__name__}: {err}".splitlines()[0]
+                log.warning("decode graphs off, steps run eagerly: capture failed (%s)", self.failed)
+                return None
+            self.graphs[(bsz, width)] = entry
+        host = entry.host.clone()
+        host[:n] = torch.tensor(tokens, dtype=torch.long)
+        host[bsz:bsz + n] = torch.tensor(positions, dtype=torch.long)
+        pos = host[bsz:bsz + n]
+        table = torch.zeros(n, width, dtype=torch.long)
+        for i, t in enumerate(tables):
+            used = int(positions[i]) // bs + 1
+            table[i, :used] = torch.as_tensor(t[:used], dtype=torch.long)
+        host[2 * bsz:2 * bsz + n] = table[torch.arange(n), pos // bs] * bs + pos % bs
+        host[3 * bsz:3 * bsz + n] = pos
+        host[4 * bsz:4 * bsz + n * width] = table.flatten()
+        entry.packed.copy_(host)
+        self.replays += 1
+        if entry.graph is None:  # emulation: the same static step, run eagerly
+            with torch.no_grad():
+                return self._forward(entry)[:n].clone()
+        entry.graph.replay()
+        return entry.logits[:n].clone()
