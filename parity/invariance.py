@@ -88,14 +88,19 @@ def case_offset(model, seqs, refs, shift: int, temperature=1.0) -> Pairs:
     return pairs
 
 
+def schedule_decoder(model, seqs, graphs: str = "auto") -> Decoder:
+    """A `Decoder` with room for all of `seqs` (`graphs`: its decode-graph mode)."""
+    return Decoder(model, max_tokens=sum(s.numel() for s in seqs) + model.block_size * len(seqs),
+                   graphs=graphs)
+
+
 def run_schedule(model, seqs, chunks: Sequence[Sequence[int]], temperature=1.0,
-                 graphs: str = "auto") -> list[torch.Tensor]:
-    """Run all sequences through a `Decoder`, sequence i fed in chunks `chunks[i]` (summing to its
-    length), all sequences' next chunks in one forward per step. Returns each sequence's log-probs.
-    `graphs`: the Decoder's decode-graph mode (steps where every sequence gets one token).
+                 dec: Decoder | None = None) -> list[torch.Tensor]:
+    """Run all sequences through a `Decoder` (`dec`, or a new one), sequence i fed in chunks
+    `chunks[i]` (summing to its length), all sequences' next chunks in one forward per step.
+    Returns each sequence's log-probs.
     """
-    dec = Decoder(model, max_tokens=sum(s.numel() for s in seqs) + model.block_size * len(seqs),
-                  graphs=graphs)
+    dec = dec or schedule_decoder(model, seqs)
     fed = [0] * len(seqs)
     step = [0] * len(seqs)
     got: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -125,10 +130,14 @@ def case_graphs(model, seqs, refs, rng: random.Random, temperature=1.0) -> Pairs
     """A prefill of random length per sequence, then decode steps of every sequence at once, as
     the engine replays them from graphs (CUDA graphs on a GPU; on a CPU their static step run
     eagerly): each step padded up to its batch bucket, sequences dropping out as they end."""
-    mode = "auto" if model.device.type == "cuda" else "emulate"
+    dec = schedule_decoder(model, seqs, "auto" if model.device.type == "cuda" else "emulate")
     firsts = [rng.randint(1, s.numel()) for s in seqs]
     chunks = [[f] + [1] * (s.numel() - f) for f, s in zip(firsts, seqs)]
-    return list(zip(refs, run_schedule(model, seqs, chunks, temperature, graphs=mode)))
+    pairs = list(zip(refs, run_schedule(model, seqs, chunks, temperature, dec)))
+    graphs = dec.runner.graphs
+    if graphs is not None and graphs.failed:  # the steps ran eagerly: say so, do not pass quietly
+        raise ParityError(f"check 'graphs': decode graph capture failed: {graphs.failed}")
+    return pairs
 
 
 def case_engine(model, prompts: Sequence[torch.Tensor], rng: random.Random, temperature=1.0) -> Pairs:

@@ -9,8 +9,10 @@
 # 1. the bitwise suite on CUDA (tests/parity with PARITY_TEST_DEVICE=cuda: >= 1,000 generated
 #    cases on the aligned Triton kernels, the standard controls required to fail; one line per
 #    test, so a run cut short still names what passed; the compile-only tests run in CI instead)
-# 2. parity check --device cuda (small preset, bf16 and fp32)
+# 2. parity check --device cuda (small preset, bf16 and fp32; its `graphs` case replays CUDA graphs)
 # 3. parity bench kernels / rollout / learner on CUDA, bf16, the Qwen3-0.6B shape and `small`
+#    (decode as CUDA graphs, as the engine runs it, and eager beside it: rows 'decode-eager';
+#    each decode row says how its steps ran, so a capture that failed is seen, not hidden)
 # 4. a short asynchronous training run per backend (toy task, bf16): the learner's kernel-mismatch
 #    figure is exactly 0 on aligned kernels and > 0 on standard ones
 # Each step runs under its own time limit (together 510 s, so one 10-minute device call holds the
@@ -103,12 +105,12 @@ ARCH=$("$PY" -c "import torch; c = torch.cuda.get_device_capability() if torch.c
 print(f'sm_{c[0]}{c[1]}')" 2>/dev/null || echo sm_90)
 step compile 50 "$PY" -m parity.cli compile --arch "$ARCH" --presets $BIG,$SMALL --dtype bfloat16 \
     --batch 64 --json
-step bitwise 140 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -v -p no:cacheprovider $TESTS \
+step bitwise 130 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -v -p no:cacheprovider $TESTS \
     --ignore=tests/parity/test_triton_compile.py --durations=15 --junitxml="$OUT_DIR/bitwise.xml"
-step check 60 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
-    --rounds 4 --json --cases batch,padding,offset,decode,engine,autograd
-step bench_kernels 100 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG,$SMALL \
-    --dtypes bfloat16 --batches $BATCHES --prefill-len $PREFILL --reps $REPS --json
+step check 50 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
+    --rounds 4 --json --cases batch,padding,offset,decode,graphs,engine,autograd
+step bench_kernels 120 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG,$SMALL \
+    --dtypes bfloat16 --batches $BATCHES --prefill-len $PREFILL --reps $REPS --eager-decode --json
 step bench_rollout 60 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $SMALL --dtypes bfloat16 \
     --num-seqs $NSEQ --max-num-seqs $NSEQ --reps 2 --json
 step bench_learner 50 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \

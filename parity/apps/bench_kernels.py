@@ -40,6 +40,9 @@ class BenchRow(RateRow):
     flops_per_token: float = 0.0
     gemm_gflops: float = 0.0
     """This machine's GEMM rate for the dtype, measured in the same run."""
+    steps: str = ""
+    """How decode steps ran: 'cuda graphs', 'eager', or 'eager (capture failed: ...)' (per
+    backend when the two differ); empty for prefill."""
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ratio": self.ratio, "aligned_gflops": self.aligned_gflops,
@@ -86,7 +89,18 @@ def _decode_fn(model: Model, batch: int, prompt: int, steps: int, vocab: int, gr
             dec.release(b)
         return elapsed
 
+    run.decoder = dec  # type: ignore[attr-defined]
     return run, batch * steps
+
+
+def _steps(decoder: Decoder) -> str:
+    """How a decoder's decode steps ran (after they ran)."""
+    graphs = decoder.runner.graphs
+    if graphs is None or graphs.mode != "cuda":
+        return "eager"
+    if graphs.failed:
+        return f"eager (capture failed: {graphs.failed})"
+    return "cuda graphs" if graphs.replays else "eager"
 
 
 def _interleaved(fns: dict[str, Callable], reps: int, timed_inside: bool) -> dict[str, float]:
@@ -136,8 +150,11 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
                         fns[k], ntok = _decode_fn(m, batch, decode_prompt, decode_steps, cfg.vocab_size,
                                                   graphs)
                     med = _interleaved(fns, reps, timed_inside=True)
+                    how = {k: _steps(fn.decoder) for k, fn in fns.items()}
+                    steps_text = how["aligned"] if len(set(how.values())) == 1 else \
+                        "; ".join(f"{k}: {v}" for k, v in how.items())
                     rows.append(BenchRow(preset, dtype_name, phase, batch, ntok / med["aligned"],
-                                         ntok / med["standard"], decode_flops, gemm))
+                                         ntok / med["standard"], decode_flops, gemm, steps_text))
     return rows
 
 
@@ -168,9 +185,9 @@ def main(args) -> int:
           f"decode {args.decode_steps} steps")
     print(f"machine: {hardware.line()}")
     print(table(["preset", "dtype", "phase", "batch", "aligned tok/s", "standard tok/s", "aligned/standard",
-                 "aligned GFLOP/s", "of GEMM rate"],
+                 "aligned GFLOP/s", "of GEMM rate", "decode steps"],
                 [[r.preset, r.dtype, r.phase, str(r.batch), f"{r.aligned_tok_s:,.0f}",
                   f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}", f"{r.aligned_gflops:,.1f}",
-                  f"{r.gemm_fraction:.0%}"] for r in rows]))
+                  f"{r.gemm_fraction:.0%}", r.steps] for r in rows]))
     print(gemm_line(rows))
     return 0

@@ -254,7 +254,7 @@ def test_the_kv_cache_is_sized_from_a_memory_budget(monkeypatch):
     eng = parity.Engine(model, max_num_seqs=64, kv_cache_memory=100 * bs * per_token + 5)
     assert eng.cache_info["tokens"] == 100 * bs == eng.blocks.capacity_tokens
     assert eng.cache_info["bytes"] == 100 * bs * per_token
-    assert eng.runner.cache.k.numel() * 4 * 2 == (100 + 1) * bs * per_token  # + the pad block
+    assert eng.runner.cache.k.numel() * 4 * 2 == (100 + 2) * bs * per_token  # + the pad and scratch blocks
     assert "tokens" in eng.describe_cache() and "MiB" in eng.describe_cache()
     # a fraction of what is available: 1% of a pretend 1 GiB
     monkeypatch.setattr(engine_mod, "available_memory", lambda: 2**30)

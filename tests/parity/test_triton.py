@@ -136,11 +136,12 @@ def test_fused_norm_rope_is_the_norm_then_rope(triton_impl, dtype):
 
 @pytest.mark.parametrize("dtype,cases", [
     (torch.float32, ("batch", "padding", "offset", "decode", "engine", "autograd")),
-    (torch.bfloat16, ("batch", "decode", "engine", "autograd")),
+    (torch.bfloat16, ("batch", "decode", "graphs", "engine", "autograd")),
 ])
 def test_model_log_probs_are_invariant(triton_impl, dtype, cases):
-    """Engine (paged KV cache, chunked prefill, continuous batching) and learner (autograd) give
-    the same bits as each sequence scored alone, in both dtypes."""
+    """Engine (paged KV cache, chunked prefill, continuous batching, decode steps padded to a
+    graph's bucket) and learner (autograd) give the same bits as each sequence scored alone, in
+    both dtypes."""
     model = _model("aligned", dtype)
     assert model.kernels.impl == "triton"
     results = run_checks(model, rounds=2, seed=4, max_len=24, cases=cases)
