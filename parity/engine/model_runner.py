@@ -33,7 +33,7 @@ class ModelRunner:
         """Logits [n, V] of a decode step from a graph, or None when it must run eagerly."""
         if self.graphs is None:
             return None
-        return self.graphs.run(list(tokens), list(positions), [list(t) for t in tables])
+        return self.graphs.run(list(tokens), list(positions), list(tables))
 
     @torch.no_grad()
     def forward(self, new_tokens: Sequence[torch.Tensor], starts: Sequence[int],
