@@ -25,6 +25,7 @@ seen by the graphs; weights moved to new storage (or a kernel switch) drop them 
 from __future__ import annotations
 
 import array
+import contextlib
 import logging
 
 import torch
@@ -88,6 +89,14 @@ def mode_for(model, requested: str) -> str | None:
     return "cuda" if model.device.type == "cuda" else "emulate"
 
 
+def _first_cause(err: BaseException) -> str:
+    """The error that broke a capture, in one line: when the graph's exit raised a second, generic
+    error (capture_end after a failed op), the first one is the cause."""
+    while err.__context__ is not None and "capture" in str(err).lower():
+        err = err.__context__
+    return f"{type(err).__name__}: {err}".splitlines()[0]
+
+
 class _Captured:
     """One bucket's static inputs (views of one packed int64 buffer), its batch and its graph."""
 
@@ -125,6 +134,11 @@ class DecodeGraphs:
         self.max_width = -(-model.config.max_position_embeddings // model.block_size)
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self.stream = torch.cuda.Stream(model.device) if mode == "cuda" else None
+        """The capture stream, on the model's device (which need not be the current one)."""
+        dev = model.device
+        if model.rope_cos.device != dev:  # as the forward would on its first call: before the key
+            model.rope_cos, model.rope_sin = model.rope_cos.to(dev), model.rope_sin.to(dev)
         self.replays = 0
         """Steps served by a graph (or its emulation) so far."""
         self.failed: str | None = None
@@ -135,8 +149,16 @@ class DecodeGraphs:
     def _weights_key(self) -> tuple:
         """What a captured graph baked in: the backend and the storage of every weight (`.to()`
         and `share_projection_storage` move weights to new storage; in-place updates do not)."""
-        kernels = self.model.kernels
-        return (kernels.name, kernels.impl, [p.data_ptr() for p in self._params], self.cache.k.data_ptr())
+        kernels, m = self.model.kernels, self.model
+        return (kernels.name, kernels.impl, [p.data_ptr() for p in self._params], self.cache.k.data_ptr(),
+                m.rope_cos.data_ptr(), m.rope_sin.data_ptr())
+
+    def _on_device(self):
+        """The model's CUDA device made current for a capture or replay, when it is not."""
+        dev = self.model.device
+        if self.mode == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+            return torch.cuda.device(dev)
+        return contextlib.nullcontext()
 
     def _forward(self, entry: _Captured) -> torch.Tensor:
         return self.model.logits(self.model(entry.batch, self.cache))
@@ -144,11 +166,13 @@ class DecodeGraphs:
     def _capture(self, bsz: int, width: int) -> _Captured:
         entry = _Captured(self.model, self.cache, bsz, width)
         if self.mode == "cuda":
-            with torch.no_grad():
+            # the outer stream context is restored even when the graph's own exit raises (a failed
+            # capture_end), so later eager steps do not run on the capture stream
+            with torch.no_grad(), self._on_device(), torch.cuda.stream(self.stream):
                 self._forward(entry)  # warm-up on padding only: compiles, allocates workspaces
                 torch.cuda.synchronize(self.model.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                     entry.logits = self._forward(entry)
             entry.graph = graph
             log.debug("captured a decode graph: batch %d, table width %d", bsz, width)
@@ -173,13 +197,20 @@ class DecodeGraphs:
         if key != self._key:  # weights on new storage, or another backend: recapture
             self.graphs.clear()
             self._key = key
+            if self.mode == "cuda":  # a fresh pool: the old one may hold a workspace, not a graph
+                self.pool = torch.cuda.graph_pool_handle()
+            why = unsupported(self.model)
+            if why is not None:
+                self.failed = why
+                log.warning("decode graphs off, steps run eagerly: %s", why)
+                return None
         bsz, width = batch_bucket(n), width_bucket(need, self.max_width)
         entry = self.graphs.get((bsz, width))
         if entry is None:
             try:
                 entry = self._capture(bsz, width)
             except Exception as err:  # noqa: BLE001 - any capture failure: eager from now on
-                self.failed = f"{type(err).__name__}: {err}".splitlines()[0]
+                self.failed = _first_cause(err)
                 log.warning("decode graphs off, steps run eagerly: capture failed (%s)", self.failed)
                 return None
             self.graphs[(bsz, width)] = entry
@@ -199,5 +230,6 @@ class DecodeGraphs:
         if entry.graph is None:  # emulation: the same static step, run eagerly
             with torch.no_grad():
                 return self._forward(entry)[:n].clone()
-        entry.graph.replay()
+        with self._on_device():
+            entry.graph.replay()
         return entry.logits[:n].clone()

@@ -146,3 +146,15 @@ def test_what_is_not_graphed():
     with pytest.raises(ConfigError, match="rollout.cuda_graphs must be bool"):
         config_from_dict({"rollout": {"cuda_graphs": "yes"}})
     assert TrainConfig().rollout.cuda_graphs is True
+
+
+def test_a_failed_capture_names_its_first_cause():
+    from parity.engine.graphs import _first_cause
+    try:
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        except RuntimeError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")  # noqa: B904 - the implicit context, as torch.cuda.graph.__exit__ leaves it
+    except RuntimeError as err:
+        assert _first_cause(err) == "RuntimeError: operation not permitted when stream is capturing"
+    assert _first_cause(ValueError("bad\nsecond line")) == "ValueError: bad"
