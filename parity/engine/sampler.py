@@ -1,17 +1,25 @@
 """Sampler: greedy, temperature, top-k and top-p sampling that no other request can perturb.
 
-Each request samples from its own row with its own generator (Gumbel-max over the row's
-log-probs), so the same seed and weights give the same token alone or in a busy batch. It records
-the float32 log-prob under the temperature-scaled full distribution (exactly what
-`sequence_logprobs` computes), and, when top-k/top-p truncate, the log-prob under the
-distribution actually sampled from.
+Each request samples from its own row with its own noise (Gumbel-max over the row's log-probs),
+so the same seed and weights give the same token alone or in a busy batch. It records the float32
+log-prob under the temperature-scaled full distribution (exactly what `sequence_logprobs`
+computes), and, when top-k/top-p truncate, the log-prob under the distribution actually sampled
+from. Where the noise comes from (`draws`): on a CPU from each request's CPU generator; on a GPU
+from counter-based uniforms made on the device (`draws.py`: a hash of the request's key and draw
+index, the same bits on any device), so the step's sampling stays where the logits are and only
+the chosen tokens and their log-probs cross to the host.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import draws as counter
 from .sequence import Sequence
+
+DRAWS = ("auto", "generator", "counter")
+"""Noise sources: 'auto' (counter-based on a GPU, per-request CPU generators elsewhere),
+'generator', 'counter'."""
 
 
 def _keep_mask(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -30,14 +38,33 @@ def _keep_mask(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, model, seed: int = 0):
+    def __init__(self, model, seed: int = 0, draws: str = "auto"):
+        if draws not in DRAWS:
+            raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
         self.model = model
         self.seed = seed
+        self.draws = draws
+
+    def _seed(self, seq: Sequence) -> int:
+        """The request's seed; unseeded: still deterministic per (engine seed, request)."""
+        return seq.params.seed if seq.params.seed is not None else self.seed * 1_000_003 + seq.request_id
 
     def _generator(self, seq: Sequence) -> torch.Generator:
-        if seq.generator is None:  # unseeded: still deterministic per (engine seed, request)
-            seq.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + seq.request_id)
+        if seq.generator is None:
+            seq.generator = torch.Generator().manual_seed(self._seed(seq))
         return seq.generator
+
+    def _uniforms(self, seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
+        """[len(seqs), vocab] float64 uniforms in (0, 1), one row per request, on `device`:
+        counter-based off the CPU (or when asked), else each request's CPU generator."""
+        if device.type != "cpu" or self.draws == "counter":
+            keys = torch.tensor([counter.request_key(self._seed(s)) for s in seqs], dtype=torch.long)
+            counts = torch.tensor([s.draws for s in seqs], dtype=torch.long)
+            for s in seqs:
+                s.draws += 1
+            return counter.uniforms(keys.to(device), counts.to(device), vocab)
+        return torch.stack([torch.rand(vocab, generator=self._generator(s), dtype=torch.float64)
+                            for s in seqs])
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, float, float]]:
         """(token, logprob, sampled_logprob) per sequence. logits [N, V] in the model dtype.
@@ -47,13 +74,14 @@ class Sampler:
         kernels = self.model.kernels
         out: list[tuple[int, float, float]] = [(0, 0.0, 0.0)] * len(seqs)
         temps = [1.0 if s.params.greedy else float(s.params.temperature) for s in seqs]
+        # where the sampling math runs: with the logits for counter-based draws, else on the CPU
+        on_device = logits.device.type != "cpu" and self.draws != "generator"
+        where = logits.device if on_device else torch.device("cpu")
         for t in sorted(set(temps)):
             idx = [i for i, x in enumerate(temps) if x == t]
-            # [n_t, V] float32, rows independent; the draws happen on the CPU (per-request CPU
-            # generators: the same tokens for the same seeds on any device)
-            logp = kernels.log_softmax(logits[idx], t).cpu()
+            logp = kernels.log_softmax(logits[idx], t).to(where)  # [n_t, V] float32, rows independent
             noisy = [j for j, i in enumerate(idx) if not seqs[i].params.greedy]
-            chosen = torch.argmax(logits[idx].float(), dim=-1).cpu()
+            chosen = torch.argmax(logits[idx].float(), dim=-1).to(where)
             truncated: dict[int, float] = {}
             if noisy:
                 sub = logp[noisy].double()
@@ -62,8 +90,7 @@ class Sampler:
                     if p.truncates:
                         sub[r] = sub[r].masked_fill(~_keep_mask(sub[r], p.top_k, p.top_p), float("-inf"))
                 # each request draws its own uniforms; Gumbel-max samples exactly from softmax
-                u = torch.stack([torch.rand(sub.shape[1], generator=self._generator(seqs[idx[j]]),
-                                            dtype=torch.float64) for j in noisy])
+                u = self._uniforms([seqs[idx[j]] for j in noisy], sub.shape[1], where)
                 gumbel = kernels.pointwise(lambda x: -torch.log(-torch.log(x)), u.clamp_min(1e-300))
                 picked = torch.argmax(sub + gumbel, dim=-1)
                 chosen[noisy] = picked
@@ -71,6 +98,7 @@ class Sampler:
                     if seqs[idx[j]].params.truncates:
                         truncated[j] = float(sub[r, picked[r]] - torch.logsumexp(sub[r], 0))
             lp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
+            tokens = chosen.tolist()  # one transfer each, not one per row
             for j, i in enumerate(idx):
-                out[i] = (int(chosen[j]), lp[j], truncated.get(j, lp[j]))
+                out[i] = (tokens[j], lp[j], truncated.get(j, lp[j]))
         return out

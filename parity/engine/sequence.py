@@ -89,6 +89,7 @@ class Sequence:
     finish_reason: str | None = None
     arrival: int = 0
     generator: torch.Generator | None = None
+    draws: int = 0  # counter-based draws made so far (the next one's index; sampler.py)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

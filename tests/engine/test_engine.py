@@ -15,10 +15,13 @@ from parity import InputError, SamplingParams
 from tests.conftest import cached_model
 
 
-def run_engine(model, prompts, params, max_num_seqs=8, budget=64, cache_tokens=None, stagger=0):
-    """Generate with requests arriving over time (`stagger` steps apart)."""
+def run_engine(model, prompts, params, max_num_seqs=8, budget=64, cache_tokens=None, stagger=0,
+               draws="auto"):
+    """Generate with requests arriving over time (`stagger` steps apart); `draws`: the sampler's
+    noise source (engine/sampler.py)."""
     eng = parity.Engine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         kv_cache_tokens=cache_tokens)
+    eng.sampler.draws = draws
     outs, ids, pending = {}, {}, list(enumerate(prompts))
     step = 0
     while pending or eng.has_unfinished():
@@ -94,15 +97,47 @@ def test_control_standard_kernels_mismatch(dtype):
     assert check_outputs(model, outs, params) > 0
 
 
-def test_seeded_request_same_alone_and_in_busy_batch():
+@pytest.mark.parametrize("draws", ["generator", "counter"])
+def test_seeded_request_same_alone_and_in_busy_batch(draws):
+    """Per-request CPU generators (a CPU's default) and counter-based draws (a GPU's) alike."""
     model = cached_model("tiny", "aligned", "float32", 3, 0.1)
     target, p = [4, 8, 15, 16, 23, 42], SamplingParams(temperature=1.0, max_tokens=30, seed=7, top_p=0.95)
-    alone, _ = run_engine(model, [target], [p])
+    alone, _ = run_engine(model, [target], [p], draws=draws)
     prompts, params = _pressure_workload(2, 10)
     busy, _ = run_engine(model, prompts[:5] + [target] + prompts[5:], params[:5] + [p] + params[5:],
-                         max_num_seqs=6, budget=20, stagger=2)
+                         max_num_seqs=6, budget=20, stagger=2, draws=draws)
     assert busy[5].token_ids == alone[0].token_ids
     assert busy[5].logprobs == alone[0].logprobs
+    assert check_outputs(model, busy, params[:5] + [p] + params[5:]) == 0
+
+
+def test_the_cpu_default_draws_from_generators_and_counter_draws_differ():
+    model = cached_model("tiny", "aligned", "float32", 3, 0.1)
+    prompts, params = _pressure_workload(2, 6)
+    runs = {d: run_engine(model, prompts, params, draws=d)[0] for d in ("auto", "generator", "counter")}
+    assert [o.token_ids for o in runs["auto"]] == [o.token_ids for o in runs["generator"]]
+    assert [o.token_ids for o in runs["counter"]] != [o.token_ids for o in runs["generator"]]
+
+
+@pytest.mark.parametrize("draws", ["generator", "counter"])
+def test_draws_sample_the_softmax(draws):
+    """Gumbel-max over either noise source draws tokens with the softmax's probabilities."""
+    from parity.engine.sampler import Sampler
+    from parity.engine.sequence import Sequence
+
+    class _Model:
+        kernels = parity.get_kernels("aligned")
+
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    logits = probs.log().repeat(400, 1)
+    sampler = Sampler(_Model(), draws=draws)
+    seqs = [Sequence(i, [0], SamplingParams(temperature=1.0, seed=None), prompt_len=1) for i in range(400)]
+    counts = torch.zeros(5)
+    for _ in range(5):  # 5 draws of 400 requests: each request's draw index advances
+        for tok, _, _ in sampler.sample(seqs, logits):
+            counts[tok] += 1
+    expected = probs * 2000
+    assert float(((counts - expected) ** 2 / expected).sum()) < 18.5  # 4 dof, p = 0.001
 
 
 def test_greedy_equals_naive_full_recompute():
@@ -118,9 +153,11 @@ def test_greedy_equals_naive_full_recompute():
         assert o.token_ids == seq[len(prompt):]
 
 
-def test_top_k_and_top_p_record_the_truncated_logprob():
+@pytest.mark.parametrize("draws", ["generator", "counter"])
+def test_top_k_and_top_p_record_the_truncated_logprob(draws):
     model = cached_model("tiny", "aligned", "float32", 5, 0.3)
-    [o], _ = run_engine(model, [[3, 1, 4]], [SamplingParams(temperature=1.0, max_tokens=20, top_k=3, seed=1)])
+    [o], _ = run_engine(model, [[3, 1, 4]], [SamplingParams(temperature=1.0, max_tokens=20, top_k=3, seed=1)],
+                        draws=draws)
     assert all(s >= f for s, f in zip(o.sampled_logprobs, o.logprobs))
     assert any(s > f for s, f in zip(o.sampled_logprobs, o.logprobs))
     with torch.no_grad():

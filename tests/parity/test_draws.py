@@ -1,0 +1,74 @@
+"""Counter-based sampling uniforms (`parity/engine/draws.py`): the same bits on every device.
+
+The uniforms are integer arithmetic, so they are compared with `torch.equal` against a plain
+Python SplitMix64 (unsigned 64-bit, masked) and, on a GPU (`PARITY_TEST_DEVICE=cuda`), against
+the CPU's. The control: the same hash with torch's arithmetic right shift (what `>>` on int64
+does) differs from the reference, so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parity.engine import draws
+
+from ..conftest import DEVICE
+
+MASK = (1 << 64) - 1
+
+
+def _mix_ref(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def _uniform_ref(seed: int, counter: int, j: int, vocab: int) -> float:
+    base = _mix_ref(seed % (1 << 64))
+    z = _mix_ref((base + (counter * vocab + j + 1) * 0x9E3779B97F4A7C15) & MASK)
+    return ((z >> 11) + 0.5) * 2.0 ** -53
+
+
+SEEDS = [0, 1, 12345, -7, 2**63 - 1, 2**64 + 5, 999_999_937 * 1_000_003 + 17]
+
+
+def _draw(seeds, counters, vocab, device=DEVICE) -> torch.Tensor:
+    keys = torch.tensor([draws.request_key(s) for s in seeds], dtype=torch.long, device=device)
+    return draws.uniforms(keys, torch.tensor(counters, dtype=torch.long, device=device), vocab)
+
+
+def test_uniforms_are_splitmix64_bit_for_bit():
+    vocab = 37
+    counters = [0, 1, 5, 0, 3, 1_000_000, 2]
+    got = _draw(SEEDS, counters, vocab).cpu()
+    want = torch.tensor([[_uniform_ref(s, c, j, vocab) for j in range(vocab)]
+                         for s, c in zip(SEEDS, counters)], dtype=torch.float64)
+    assert torch.equal(got, want)
+    assert float(got.min()) > 0 and float(got.max()) < 1
+
+
+def test_control_an_arithmetic_shift_breaks_the_match(monkeypatch):
+    monkeypatch.setattr(draws, "_shr", lambda z, k: z >> k)
+    got = _draw(SEEDS, [0] * len(SEEDS), 37).cpu()
+    want = torch.tensor([[_uniform_ref(s, 0, j, 37) for j in range(37)] for s in SEEDS], dtype=torch.float64)
+    assert not torch.equal(got, want)
+
+
+def test_the_same_bits_on_this_device_as_on_the_cpu_in_any_chunking(monkeypatch):
+    seeds, counters, vocab = list(range(40)), [c * 3 for c in range(40)], 5003
+    here = _draw(seeds, counters, vocab)
+    assert torch.equal(here.cpu(), _draw(seeds, counters, vocab, "cpu"))
+    monkeypatch.setattr(draws, "_CHUNK", 3 * vocab + 1)  # 3 rows at a time
+    assert torch.equal(_draw(seeds, counters, vocab), here)
+    # a row depends on its request and draw index alone, not on the other rows
+    assert torch.equal(_draw(seeds[7:8], counters[7:8], vocab), here[7:8])
+
+
+@pytest.mark.parametrize("vocab", [2, 10])
+def test_uniforms_are_uniform(vocab):
+    u = _draw(list(range(2000)), [0] * 2000, vocab).cpu().flatten()
+    hist = torch.histc(u.float(), bins=10, min=0, max=1)
+    expected = u.numel() / 10
+    chi2 = float(((hist - expected) ** 2 / expected).sum())
+    assert chi2 < 27.9  # 9 degrees of freedom, p = 0.001
