@@ -1,5 +1,5 @@
 """The `parity` command: demo, study, sft, eval, train, check, generate,
-bench kernels|rollout|learner|memory|async.
+bench kernels|rollout|learner|gemm|memory|async.
 
 This module is the parser and the dispatch; each command's body is `main(args)` in its module
 under `parity/apps/` (imported only when that command runs). Every user-facing failure (bad
@@ -187,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--reps", type=int, default=5)
     n.add_argument("--json", action="store_true")
     n.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    gm = _command(bsub, "gemm", "bench_gemm",
+                  "aligned Triton GEMM tiles per weight shape vs cuBLAS (a GPU; the interpreter on CPU)")
+    gm.add_argument("--preset", default="qwen3-0.6b")
+    gm.add_argument("--dtype", default="bfloat16")
+    gm.add_argument("--rows", type=_csv(int), default=[64, 256, 8192], help="row counts M to time")
+    gm.add_argument("--candidates", type=_csv(str), default=None,
+                    help="tiles BMxBNxBKxWARPSxSTAGES, comma-separated (default: a list per dtype)")
+    gm.add_argument("--reps", type=int, default=5)
+    gm.add_argument("--json", action="store_true")
+    gm.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     mem = _command(bsub, "memory", "bench_memory", "peak memory and weight copies kept against the lag")
     mem.add_argument("--preset", default="small")
     mem.add_argument("--dtype", default="float32")

@@ -12,7 +12,9 @@
 # 2. parity check --device cuda (small preset, bf16 and fp32; its `graphs` case replays CUDA graphs)
 # 3. parity bench kernels / rollout / learner on CUDA, bf16, the Qwen3-0.6B shape and `small`
 #    (decode as CUDA graphs, as the engine runs it, and eager beside it: rows 'decode-eager';
-#    each decode row says how its steps ran, so a capture that failed is seen, not hidden)
+#    each decode row says how its steps ran, so a capture that failed is seen, not hidden), and
+#    parity bench gemm: the aligned GEMM's candidate tiles per weight shape of the 0.6B model
+#    against cuBLAS at decode and prefill row counts, each checked bit for bit across M
 # 4. a short asynchronous training run per backend (toy task, bf16): the learner's kernel-mismatch
 #    figure is exactly 0 on aligned kernels and > 0 on standard ones
 # Each step runs under its own time limit (together 510 s, so one 10-minute device call holds the
@@ -31,9 +33,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
 if [ -n "${SMOKE:-}" ]; then  # tiny sizes for a dry run of the script on a CPU
-    BIG=tiny; SMALL=tiny; BATCHES=1,8; PREFILL=16; NSEQ=16; LEN=32; REPS=1; STEPS=2; TESTS=tests/parity/test_bitwise.py::test_a_thousand_generated_cases
+    BIG=tiny; SMALL=tiny; BATCHES=1,8; PREFILL=16; NSEQ=16; LEN=32; REPS=1; STEPS=2; GEMM_ROWS=4,16; TESTS=tests/parity/test_bitwise.py::test_a_thousand_generated_cases
 else
-    BIG=qwen3-0.6b; SMALL=small; BATCHES=1,64,256; PREFILL=128; NSEQ=256; LEN=256; REPS=5; STEPS=12; TESTS=tests/parity
+    BIG=qwen3-0.6b; SMALL=small; BATCHES=1,64,256; PREFILL=128; NSEQ=256; LEN=256; REPS=5; STEPS=12; GEMM_ROWS=64,256,8192; TESTS=tests/parity
 fi
 STEPS_FILE="$OUT_DIR/steps.tsv"
 : > "$STEPS_FILE"
@@ -103,18 +105,20 @@ cat "$OUT_DIR/gpu.txt"
 
 ARCH=$("$PY" -c "import torch; c = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
 print(f'sm_{c[0]}{c[1]}')" 2>/dev/null || echo sm_90)
-step compile 50 "$PY" -m parity.cli compile --arch "$ARCH" --presets $BIG,$SMALL --dtype bfloat16 \
+step compile 45 "$PY" -m parity.cli compile --arch "$ARCH" --presets $BIG,$SMALL --dtype bfloat16 \
     --batch 64 --json
-step bitwise 130 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -v -p no:cacheprovider $TESTS \
+step bitwise 120 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -v -p no:cacheprovider $TESTS \
     --ignore=tests/parity/test_triton_compile.py --durations=15 --junitxml="$OUT_DIR/bitwise.xml"
-step check 50 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
+step check 45 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
     --rounds 4 --json --cases batch,padding,offset,decode,graphs,engine,autograd
-step bench_kernels 120 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG,$SMALL \
+step bench_kernels 110 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG,$SMALL \
     --dtypes bfloat16 --batches $BATCHES --prefill-len $PREFILL --reps $REPS --eager-decode --json
-step bench_rollout 60 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $SMALL --dtypes bfloat16 \
+step bench_rollout 55 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $SMALL --dtypes bfloat16 \
     --num-seqs $NSEQ --max-num-seqs $NSEQ --reps 2 --json
-step bench_learner 50 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \
+step bench_learner 45 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \
     --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
+step bench_gemm 40 "$PY" -m parity.cli bench gemm --device "$DEVICE" --preset $BIG --dtype bfloat16 \
+    --rows $GEMM_ROWS --reps 3 --json
 for k in aligned standard; do
     step "train_$k" 25 "$PY" -m parity.cli train configs/toy_async.toml --set steps=$STEPS \
         --set model.device="$DEVICE" --set model.preset=$SMALL --set model.dtype=bfloat16 \

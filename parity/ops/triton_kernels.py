@@ -98,11 +98,22 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def _gemm_tiles(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): a function of the device kind and the
-    dtype only. Never of M: that is the whole invariance argument for the GEMM."""
+GEMM_TILES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
+"""Tiles chosen for particular weight shapes, (dtype name, N, K) -> (BLOCK_M, BLOCK_N, BLOCK_K,
+num_warps, num_stages), from `parity bench gemm` on a GPU; other shapes take the default. Keyed by
+the weight alone, never by M, and the same in every process (code, not configuration): the learner
+and the engine multiply by the same weights, so they run the same tile."""
+
+
+def gemm_tiles(dtype: torch.dtype, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight [n, k]: a function of the
+    device kind, the dtype and the weight's shape only. Never of M: that is the whole invariance
+    argument for the GEMM (a row is reduced by the same tile products whatever M is)."""
     if INTERPRET:
         return 64, 128, 64, 4, 1  # big tiles: the interpreter's cost is per program, not per flop
+    chosen = GEMM_TILES.get((str(dtype).removeprefix("torch."), n, k))
+    if chosen is not None:
+        return chosen
     if dtype == torch.float32:
         return 64, 64, 16, 4, 3  # FMA in one chain over K whatever BLOCK_K; 32 spilled 16 bytes
     return 64, 128, 64, 4, 3
@@ -151,16 +162,18 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for 2-D x [M, K], weight [N, K]; float32 accumulation, output in
-    x's dtype. A row's bits do not depend on M or on the other rows."""
+    x's dtype. A row's bits do not depend on M or on the other rows. `tiles` overrides
+    `gemm_tiles` (`parity bench gemm` tries candidates; the model never passes it)."""
     x = _aligned(x)
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bm, bn, bk, warps, stages = _gemm_tiles(x.dtype)
+    bm, bn, bk, warps, stages = tiles or gemm_tiles(x.dtype, n, k)
     grid = (_cdiv(m, bm), _cdiv(n, bn))
     with _on(x, weight):
         _matmul_kernel[grid](

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from parity.engine import draws
-
-from ..conftest import DEVICE
+from tests.conftest import DEVICE
 
 MASK = (1 << 64) - 1
 

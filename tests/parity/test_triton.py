@@ -176,3 +176,21 @@ def test_control_standard_kernels_differ():
     refs_differ = run_checks(model, rounds=3, seed=4, max_len=24, cases=("batch", "decode"))
     assert sum(r.mismatches for r in refs_differ) > 0
     assert reference(model, [torch.arange(5)])[0].numel() == 4
+
+
+def test_bench_gemm_checks_each_candidate_tiles_rows(triton_impl, monkeypatch):
+    """`parity bench gemm` keeps a candidate tile only if its rows are the same bits at every M;
+    the control: a GEMM that switches path by M is caught."""
+    from parity.apps.bench_gemm import bench_gemm, best, parse_tiles
+    from parity.errors import ParityError
+    from parity.ops import triton_kernels as tk
+    candidates = ["64x128x64x4x3", "64x32x64x4x4"]
+    rows = bench_gemm("tiny", "float32", (4, 16), candidates, reps=1)
+    assert len(rows) == 4 * 2 and all(r.rows_invariant for r in rows)
+    assert set(best(rows)) == {"qkv", "o_proj", "gate_up", "down_proj"}
+    real = tk.matmul
+    monkeypatch.setattr(tk, "matmul", lambda x, w, b=None, tiles=None:
+                        real(x, w, b, tiles) if x.shape[0] > 8 else torch.nn.functional.linear(x, w))
+    assert not any(r.rows_invariant for r in bench_gemm("tiny", "float32", (4, 16), candidates[:1], reps=1))
+    with pytest.raises(ParityError, match="is not BLOCK_MxBLOCK_N"):
+        parse_tiles("64x100x64x4x3")
