@@ -33,9 +33,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
 if [ -n "${SMOKE:-}" ]; then  # tiny sizes for a dry run of the script on a CPU
-    BIG=tiny; SMALL=tiny; BATCHES=1,8; PREFILL=16; NSEQ=16; LEN=32; REPS=1; STEPS=2; GEMM_ROWS=4,16; TESTS=tests/parity/test_bitwise.py::test_a_thousand_generated_cases
+    BIG=tiny; SMALL=tiny; BATCHES=1,8; PREFILL=16; NSEQ=16; LEN=32; REPS=1; STEPS=2; GEMM_ROWS=4,16; GEMM_TILES=--candidates=64x128x64x4x3,64x32x64x4x4; TESTS=tests/parity/test_bitwise.py::test_a_thousand_generated_cases
 else
-    BIG=qwen3-0.6b; SMALL=small; BATCHES=1,64,256; PREFILL=128; NSEQ=256; LEN=256; REPS=5; STEPS=12; GEMM_ROWS=64,256,8192; TESTS=tests/parity
+    BIG=qwen3-0.6b; SMALL=small; BATCHES=1,64,256; PREFILL=128; NSEQ=256; LEN=256; REPS=5; STEPS=12; GEMM_ROWS=64,256,8192; GEMM_TILES=; TESTS=tests/parity
 fi
 STEPS_FILE="$OUT_DIR/steps.tsv"
 : > "$STEPS_FILE"
@@ -118,7 +118,7 @@ step bench_rollout 55 "$PY" -m parity.cli bench rollout --device "$DEVICE" --pre
 step bench_learner 45 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \
     --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
 step bench_gemm 40 "$PY" -m parity.cli bench gemm --device "$DEVICE" --preset $BIG --dtype bfloat16 \
-    --rows $GEMM_ROWS --reps 3 --json
+    --rows $GEMM_ROWS --reps 3 $GEMM_TILES --json
 for k in aligned standard; do
     step "train_$k" 25 "$PY" -m parity.cli train configs/toy_async.toml --set steps=$STEPS \
         --set model.device="$DEVICE" --set model.preset=$SMALL --set model.dtype=bfloat16 \

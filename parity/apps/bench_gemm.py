@@ -7,7 +7,8 @@ wants large ones, and one tile must serve both. For each distinct weight shape o
 q/k/v, o_proj, fused gate/up, down_proj, LM head) this times every candidate tile at decode and
 prefill row counts beside `F.linear` (cuBLAS on a GPU), repetitions interleaved, medians; checks
 that each candidate's rows are the same bits at every row count (`torch.equal` against the rows
-of the largest); and names per shape the candidate with the best geometric mean of
+of the largest; exit 1 if one's are not); reports a candidate the device refuses (shared memory)
+and goes on; and names per shape the candidate with the best geometric mean of
 aligned/standard over the row counts — the entry a GPU session writes into `GEMM_TILES`.
 On a CPU the kernels run through Triton's interpreter: a smoke run at small shapes, no timing worth
 reading.
@@ -49,6 +50,8 @@ class TileRow:
     ratios: dict  # rows -> aligned/standard (throughput)
     rows_invariant: bool
     geomean: float = 0.0
+    error: str = ""
+    """Why the candidate could not run here (e.g. more shared memory than the GPU has), if so."""
 
 
 def parse_tiles(text: str) -> tuple[int, int, int, int, int]:
@@ -110,7 +113,13 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
         for t in tiles:
             if progress:
                 progress(f"{name} {n}x{k} tiles {'x'.join(map(str, t))}")
-            full = tk.matmul(x, w, tiles=t)
+            label = "x".join(map(str, t))
+            try:
+                full = tk.matmul(x, w, tiles=t)
+            except Exception as err:  # noqa: BLE001 - a tile this GPU (or the interpreter) refuses
+                msg = f"{type(err).__name__}: {err}".splitlines()[0][:160]
+                out.append(TileRow(name, n, k, dtype_name, label, {}, False, 0.0, msg))
+                continue
             invariant = all(torch.equal(tk.matmul(x[:m], w, tiles=t), full[:m]) for m in rows)
             ratios = {}
             for m in rows:
@@ -122,7 +131,7 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
                         times[key].append(_seconds(fn, device))
                 ratios[m] = statistics.median(times["standard"]) / statistics.median(times["aligned"])
             geo = math.exp(statistics.fmean(math.log(r) for r in ratios.values()))
-            out.append(TileRow(name, n, k, dtype_name, "x".join(map(str, t)), ratios, invariant, geo))
+            out.append(TileRow(name, n, k, dtype_name, label, ratios, invariant, geo))
     return out
 
 
@@ -150,12 +159,17 @@ def main(args) -> int:
         print(json.dumps({"machine": hardware.describe(), "device": device, "preset": args.preset,
                           "rows": [asdict(r) for r in rows],
                           "best": {s: asdict(r) for s, r in chosen.items()}}, indent=2))
-        return 0 if all(r.rows_invariant for r in rows) else 1
+        return 0 if all(r.rows_invariant or r.error for r in rows) else 1
     print(f"parity bench gemm: {args.preset} weight shapes, {args.dtype}, aligned/standard per row count "
           f"(medians of {args.reps} interleaved repetitions; {device})")
     print(f"machine: {hardware.line()}")
     print(table(["shape", "N x K", "tiles", *[f"M={m}" for m in args.rows], "geomean", "rows same bits"],
-                [[r.shape, f"{r.n}x{r.k}", r.tiles, *[f"{r.ratios[m]:.3f}" for m in args.rows],
-                  f"{r.geomean:.3f}", "yes" if r.rows_invariant else "NO"] for r in rows]))
+                [[r.shape, f"{r.n}x{r.k}", r.tiles, *[f"{r.ratios[m]:.3f}" if m in r.ratios else "-"
+                                                       for m in args.rows],
+                  f"{r.geomean:.3f}", "yes" if r.rows_invariant else "-" if r.error else "NO"]
+                 for r in rows]))
+    for r in rows:
+        if r.error:
+            print(f"{r.shape} {r.tiles}: could not run: {r.error}")
     print("best per shape: " + ", ".join(f"{s} {r.tiles} ({r.geomean:.3f})" for s, r in chosen.items()))
-    return 0 if all(r.rows_invariant for r in rows) else 1
+    return 0 if all(r.rows_invariant or r.error for r in rows) else 1
