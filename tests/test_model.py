@@ -129,6 +129,23 @@ def test_both_backends_in_one_process_agree_closely():
             assert torch.allclose(x, y, atol=1e-5)
 
 
+def test_forward_batch_layout():
+    """Lists and tensors give the same batch; the cache layout by hand for a decode + a prefill."""
+    toks, starts, tables = [[7], [1, 2, 3]], [33, 0], [[4, 9], [5, 6, 8]]
+    a = parity.ForwardBatch.build(toks, starts, 32, tables)
+    b = parity.ForwardBatch.build([torch.tensor(t) for t in toks], starts, 32,
+                                  [torch.tensor(t) for t in tables])
+    for name, value in vars(a).items():
+        other = getattr(b, name)
+        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, name
+    assert a.input_ids.tolist() == [7, 1, 2, 3] and a.positions.tolist() == [33, 0, 1, 2]
+    assert a.block_tables.tolist() == [[4, 9], [5, 0]]  # key_len 64: two blocks, the prefill needs one
+    assert a.slots.tolist() == [9 * 32 + 1, 5 * 32, 5 * 32 + 1, 5 * 32 + 2]
+    assert a.q_index.tolist() == [[0, 4, 4], [1, 2, 3]] and a.q_pos.tolist() == [[33, -1, -1], [0, 1, 2]]
+    with pytest.raises(ValueError, match="sequence 0 needs 2 cache blocks, has 1"):
+        parity.ForwardBatch.build(toks, starts, 32, [[4], [5]])
+
+
 def test_block_size_must_be_a_multiple_of_16():
     with pytest.raises(ConfigError, match="block_size"):
         parity.Model(parity.ModelConfig.preset("tiny"), block_size=8)

@@ -36,7 +36,7 @@ class ModelRunner:
         return self.graphs.run(list(tokens), list(positions), list(tables))
 
     @torch.no_grad()
-    def forward(self, new_tokens: Sequence[torch.Tensor], starts: Sequence[int],
+    def forward(self, new_tokens: Sequence[torch.Tensor | Sequence[int]], starts: Sequence[int],
                 tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """Sequence i's `new_tokens[i]` at positions `starts[i]...`, its keys in blocks
         `tables[i]` (already grown to hold them); returns the final hidden states [T, H] of all
@@ -58,7 +58,7 @@ class ModelRunner:
                 for s, _ in batch:
                     s.num_computed += 1
                 return [s for s, _ in batch], logits, None
-        tokens = [torch.tensor(s.token_ids[s.num_computed:s.num_computed + n]) for s, n in batch]
+        tokens = [s.token_ids[s.num_computed:s.num_computed + n] for s, n in batch]  # lists: one tensor
         hidden = self.forward(tokens, [s.num_computed for s, _ in batch],
                               [blocks.table(s.request_id) for s, _ in batch])
         ends = torch.tensor([n for _, n in batch]).cumsum(0) - 1

@@ -51,11 +51,16 @@ class ForwardBatch:
         Without `block_tables` every start must be 0 (dense). With them, sequence b's cache
         blocks are `block_tables[b]` (enough for its full context after this forward).
         """
-        seqs = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in new_tokens]
-        lens = [int(s.numel()) for s in seqs]
-        bsz, m = len(seqs), max(lens)
+        if all(isinstance(t, torch.Tensor) for t in new_tokens):
+            seqs = [t.reshape(-1).long() for t in new_tokens]
+            lens = [int(t.numel()) for t in seqs]
+            input_ids = torch.cat(seqs)
+        else:  # lists (the engine's decode and prefill steps): one tensor, not one per sequence
+            rows = [t.reshape(-1).tolist() if isinstance(t, torch.Tensor) else list(t) for t in new_tokens]
+            lens = [len(r) for r in rows]
+            input_ids = torch.tensor([x for r in rows for x in r], dtype=torch.long)
+        bsz, m = len(lens), max(lens)
         total = sum(lens)
-        input_ids = torch.cat(seqs)
         starts = torch.tensor(list(start_positions), dtype=torch.long)
         seq_of_tok = torch.repeat_interleave(torch.arange(bsz), torch.tensor(lens))
         offsets = torch.tensor([0] + lens[:-1]).cumsum(0)
@@ -77,12 +82,15 @@ class ForwardBatch:
             batch.k_index = torch.where(kvalid, offsets.view(bsz, 1) + kcols.view(1, -1), total)
             return batch
         nblk = key_len // block_size
-        table = torch.zeros(bsz, nblk, dtype=torch.long)
+        flat: list[int] = []  # the padded table as one list: a tensor per row costs ~5 us each
         for b, blocks in enumerate(block_tables):
             need = -(-ctx[b] // block_size)
             if len(blocks) < need:
                 raise ValueError(f"sequence {b} needs {need} cache blocks, has {len(blocks)}")
-            table[b, :need] = torch.as_tensor(list(blocks[:need]), dtype=torch.long)
+            row = blocks[:need]
+            flat += row.tolist() if isinstance(row, torch.Tensor) else list(row)
+            flat += [0] * (nblk - need)
+        table = torch.tensor(flat, dtype=torch.long).view(bsz, nblk)
         batch.block_tables = table
         batch.slots = table[seq_of_tok, positions // block_size] * block_size + positions % block_size
         return batch
