@@ -111,14 +111,14 @@ step bitwise 120 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -v -p no:cache
     --ignore=tests/parity/test_triton_compile.py --durations=15 --junitxml="$OUT_DIR/bitwise.xml"
 step check 45 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
     --rounds 4 --json --cases batch,padding,offset,decode,graphs,engine,autograd
-step bench_kernels 110 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG,$SMALL \
+step bench_kernels 100 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG,$SMALL \
     --dtypes bfloat16 --batches $BATCHES --prefill-len $PREFILL --reps $REPS --eager-decode --json
 step bench_rollout 55 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $SMALL --dtypes bfloat16 \
     --num-seqs $NSEQ --max-num-seqs $NSEQ --reps 2 --json
 step bench_learner 45 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \
     --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
-step bench_gemm 40 "$PY" -m parity.cli bench gemm --device "$DEVICE" --preset $BIG --dtype bfloat16 \
-    --rows $GEMM_ROWS --reps 3 $GEMM_TILES --json
+step bench_gemm 50 "$PY" -m parity.cli bench gemm --device "$DEVICE" --preset $BIG --dtype bfloat16 \
+    --rows $GEMM_ROWS --reps 2 $GEMM_TILES --json
 for k in aligned standard; do
     step "train_$k" 25 "$PY" -m parity.cli train configs/toy_async.toml --set steps=$STEPS \
         --set model.device="$DEVICE" --set model.preset=$SMALL --set model.dtype=bfloat16 \

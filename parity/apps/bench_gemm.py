@@ -5,7 +5,8 @@ The aligned GEMM's tile may depend on the weight's shape (N, K) and the dtype, n
 down_proj run 8 programs of the default 64x128 tile at batch 64, on a GPU of 132 SMs), a prefill
 wants large ones, and one tile must serve both. For each distinct weight shape of a preset (fused
 q/k/v, o_proj, fused gate/up, down_proj, LM head) this times every candidate tile at decode and
-prefill row counts beside `F.linear` (cuBLAS on a GPU), repetitions interleaved, medians; checks
+prefill row counts beside `F.linear` (cuBLAS on a GPU), replayed from CUDA graphs on a GPU (as
+the engine's decode steps are: no launch cost in the figure), repetitions interleaved, medians; checks
 that each candidate's rows are the same bits at every row count (`torch.equal` against the rows
 of the largest; exit 1 if one's are not); reports a candidate the device refuses (shared memory)
 and goes on; and names per shape the candidate with the best geometric mean of
@@ -82,7 +83,10 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def _seconds(fn, device, target: float = 0.02) -> float:
-    """Seconds per call of `fn`, over enough calls to take about `target` seconds."""
+    """Seconds per call of `fn`, over enough calls to take about `target` seconds. On a GPU the
+    calls are replayed from one CUDA graph, as the engine's decode steps are: a launch-bound
+    timing at small M would measure the host's launch cost (Triton's is dearer than cuBLAS's),
+    not the tile."""
     fn()
     hardware.sync(device)
     t0 = time.perf_counter()
@@ -90,6 +94,17 @@ def _seconds(fn, device, target: float = 0.02) -> float:
     hardware.sync(device)
     once = max(time.perf_counter() - t0, 1e-6)
     calls = max(1, min(200, int(target / once)))
+    if torch.device(device).type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()  # warm
+        hardware.sync(device)
+        t0 = time.perf_counter()
+        graph.replay()
+        hardware.sync(device)
+        return (time.perf_counter() - t0) / calls
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()

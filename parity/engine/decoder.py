@@ -63,7 +63,7 @@ class Decoder:
         tables = [self.blocks.grow(s, st + t.numel()) for s, t, st in zip(ids, toks, starts)]
         counts = [t.numel() for t in toks]
         if all(c == 1 for c in counts):  # a decode step: maybe a graph
-            logits = self.runner.decode([int(t) for t in toks], starts, tables)
+            logits = self.runner.decode(torch.cat(toks).tolist(), starts, tables)  # one read, not one a row
             if logits is not None:
                 for s, st in zip(ids, starts):
                     self.lengths[s] = st + 1

@@ -24,8 +24,8 @@ def _signed(c: int) -> int:
 GOLDEN = _signed(0x9E3779B97F4A7C15)
 _M1 = _signed(0xBF58476D1CE4E5B9)
 _M2 = _signed(0x94D049BB133111EB)
-_CHUNK = 1 << 24
-"""Elements hashed at a time (a few int64 temporaries of this size)."""
+CHUNK = 1 << 24
+"""Elements hashed at a time (a few int64 temporaries of this size; the sampler chunks by it too)."""
 
 
 def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
@@ -51,7 +51,7 @@ def uniforms(keys: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Te
     (top 53 bits + 0.5) / 2^53, so never 0 or 1 (Gumbel noise stays finite)."""
     keys = keys.to(torch.long)
     base = mix(keys)  # [n]
-    rows = max(1, _CHUNK // max(1, vocab))
+    rows = max(1, CHUNK // max(1, vocab))
     cols = torch.arange(vocab, dtype=torch.long, device=keys.device)
     parts = []
     for r0 in range(0, keys.numel(), rows):

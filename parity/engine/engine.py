@@ -154,6 +154,7 @@ class Engine:
         if params is not None:
             if params.seed is not None and params.seed != seq.params.seed:
                 seq.generator = torch.Generator().manual_seed(params.seed)
+                seq.draw_seed, seq.draws = params.seed, 0  # counter draws restart as the generator does
             seq.params = params
         seq.turn_tokens = 0
         seq.finish_reason = None

@@ -47,24 +47,36 @@ class Sampler:
 
     def _seed(self, seq: Sequence) -> int:
         """The request's seed; unseeded: still deterministic per (engine seed, request)."""
-        return seq.params.seed if seq.params.seed is not None else self.seed * 1_000_003 + seq.request_id
+        return seq.draw_seed if seq.draw_seed is not None else self.seed * 1_000_003 + seq.request_id
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.generator is None:
             seq.generator = torch.Generator().manual_seed(self._seed(seq))
         return seq.generator
 
-    def _uniforms(self, seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
-        """[len(seqs), vocab] float64 uniforms in (0, 1), one row per request, on `device`:
-        counter-based off the CPU (or when asked), else each request's CPU generator."""
-        if device.type != "cpu" or self.draws == "counter":
-            keys = torch.tensor([counter.request_key(self._seed(s)) for s in seqs], dtype=torch.long)
-            counts = torch.tensor([s.draws for s in seqs], dtype=torch.long)
-            for s in seqs:
-                s.draws += 1
-            return counter.uniforms(keys.to(device), counts.to(device), vocab)
-        return torch.stack([torch.rand(vocab, generator=self._generator(s), dtype=torch.float64)
-                            for s in seqs])
+    def _gumbel_argmax(self, seqs: list[Sequence], sub: torch.Tensor) -> torch.Tensor:
+        """argmax(sub + Gumbel noise) per row [len(seqs)], each row's noise its request's own:
+        counter-based off the CPU (or when asked; in row chunks, so a GPU holds a few [rows, V]
+        float64 temporaries, not a batch's), else each request's CPU generator. Gumbel-max samples
+        exactly from softmax(sub)."""
+        kernels, vocab = self.model.kernels, sub.shape[1]
+
+        def gumbel(u: torch.Tensor) -> torch.Tensor:
+            return kernels.pointwise(lambda x: -torch.log(-torch.log(x)), u.clamp_min(1e-300))
+
+        if sub.device.type == "cpu" and self.draws != "counter":
+            u = torch.stack([torch.rand(vocab, generator=self._generator(s), dtype=torch.float64)
+                             for s in seqs])
+            return torch.argmax(sub + gumbel(u), dim=-1)
+        keys = torch.tensor([counter.request_key(self._seed(s)) for s in seqs], dtype=torch.long)
+        counts = torch.tensor([s.draws for s in seqs], dtype=torch.long)
+        for s in seqs:
+            s.draws += 1
+        keys, counts = keys.to(sub.device), counts.to(sub.device)
+        rows = max(1, counter.CHUNK // max(1, vocab))
+        return torch.cat([torch.argmax(sub[r:r + rows] + gumbel(counter.uniforms(keys[r:r + rows],
+                                                                               counts[r:r + rows], vocab)),
+                                       dim=-1) for r in range(0, len(seqs), rows)])
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, float, float]]:
         """(token, logprob, sampled_logprob) per sequence. logits [N, V] in the model dtype.
@@ -89,14 +101,12 @@ class Sampler:
                     p = seqs[idx[j]].params
                     if p.truncates:
                         sub[r] = sub[r].masked_fill(~_keep_mask(sub[r], p.top_k, p.top_p), float("-inf"))
-                # each request draws its own uniforms; Gumbel-max samples exactly from softmax
-                u = self._uniforms([seqs[idx[j]] for j in noisy], sub.shape[1], where)
-                gumbel = kernels.pointwise(lambda x: -torch.log(-torch.log(x)), u.clamp_min(1e-300))
-                picked = torch.argmax(sub + gumbel, dim=-1)
+                picked = self._gumbel_argmax([seqs[idx[j]] for j in noisy], sub)
                 chosen[noisy] = picked
-                for r, j in enumerate(noisy):
-                    if seqs[idx[j]].params.truncates:
-                        truncated[j] = float(sub[r, picked[r]] - torch.logsumexp(sub[r], 0))
+                cut = [(r, j) for r, j in enumerate(noisy) if seqs[idx[j]].params.truncates]
+                if cut:  # one transfer for all truncated rows, not one per row
+                    vals = torch.stack([sub[r, picked[r]] - torch.logsumexp(sub[r], 0) for r, _ in cut])
+                    truncated = {j: v for (_, j), v in zip(cut, vals.tolist())}
             lp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
             tokens = chosen.tolist()  # one transfer each, not one per row
             for j, i in enumerate(idx):

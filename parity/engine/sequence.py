@@ -90,6 +90,7 @@ class Sequence:
     arrival: int = 0
     generator: torch.Generator | None = None
     draws: int = 0  # counter-based draws made so far (the next one's index; sampler.py)
+    draw_seed: int | None = None  # the seed the noise is keyed by (params.seed until a reseed)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -100,6 +101,7 @@ class Sequence:
         self.routing = [None] * n
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.draw_seed = self.params.seed
 
     def __len__(self) -> int:
         return len(self.token_ids)

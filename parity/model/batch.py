@@ -54,9 +54,10 @@ class ForwardBatch:
         if all(isinstance(t, torch.Tensor) for t in new_tokens):
             seqs = [t.reshape(-1).long() for t in new_tokens]
             lens = [int(t.numel()) for t in seqs]
-            input_ids = torch.cat(seqs)
+            input_ids = torch.cat(seqs).cpu()  # built on the CPU, moved once (`to`)
         else:  # lists (the engine's decode and prefill steps): one tensor, not one per sequence
-            rows = [t.reshape(-1).tolist() if isinstance(t, torch.Tensor) else list(t) for t in new_tokens]
+            rows = [list(t) if isinstance(t, (list, tuple, range)) and (not t or isinstance(t[0], int))
+                    else torch.as_tensor(t, dtype=torch.long).reshape(-1).tolist() for t in new_tokens]
             lens = [len(r) for r in rows]
             input_ids = torch.tensor([x for r in rows for x in r], dtype=torch.long)
         bsz, m = len(lens), max(lens)

@@ -140,6 +140,35 @@ def test_draws_sample_the_softmax(draws):
     assert float(((counts - expected) ** 2 / expected).sum()) < 18.5  # 4 dof, p = 0.001
 
 
+@pytest.mark.parametrize("draws", ["generator", "counter"])
+def test_a_new_seed_restarts_the_noise_on_either_source(draws):
+    """A multi-turn request continued with a new seed draws its next turn as a request with that
+    seed draws its first; continued without one, its noise goes on (both noise sources)."""
+    model = cached_model("tiny", "aligned", "float32", 3, 0.1)
+    turn = SamplingParams(temperature=1.0, max_tokens=6, seed=11, ignore_eos=True)
+
+    def second_turn(params):
+        eng = parity.Engine(model, max_num_seqs=2, kv_cache_tokens=512)
+        eng.sampler.draws = draws
+        rid = eng.add_request([1, 2, 3], turn, multi_turn=True)
+        while eng.has_unfinished():
+            eng.step()
+        eng.continue_request(rid, [4, 5], params)
+        while eng.has_unfinished():
+            eng.step()
+        out = eng.release(rid)
+        return out.token_ids[-6:], eng.seqs.get(rid)
+
+    reseeded, _ = second_turn(SamplingParams(temperature=1.0, max_tokens=6, seed=99, ignore_eos=True))
+    kept, _ = second_turn(SamplingParams(temperature=1.0, max_tokens=6, seed=None, ignore_eos=True))
+    again, _ = second_turn(SamplingParams(temperature=1.0, max_tokens=6, seed=99, ignore_eos=True))
+    assert reseeded == again and reseeded != kept
+    from parity.engine.sampler import Sampler
+    from parity.engine.sequence import Sequence
+    seq = Sequence(0, [1], SamplingParams(seed=99), prompt_len=1)
+    assert seq.draw_seed == 99 and Sampler(model)._seed(seq) == 99
+
+
 def test_greedy_equals_naive_full_recompute():
     model = cached_model("tiny", "aligned", "float32", 4, 0.3)
     prompts = [[1, 2, 3], [9] * 33, [100, 50, 25, 12]]

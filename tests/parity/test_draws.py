@@ -58,7 +58,7 @@ def test_the_same_bits_on_this_device_as_on_the_cpu_in_any_chunking(monkeypatch)
     seeds, counters, vocab = list(range(40)), [c * 3 for c in range(40)], 5003
     here = _draw(seeds, counters, vocab)
     assert torch.equal(here.cpu(), _draw(seeds, counters, vocab, "cpu"))
-    monkeypatch.setattr(draws, "_CHUNK", 3 * vocab + 1)  # 3 rows at a time
+    monkeypatch.setattr(draws, "CHUNK", 3 * vocab + 1)  # 3 rows at a time
     assert torch.equal(_draw(seeds, counters, vocab), here)
     # a row depends on its request and draw index alone, not on the other rows
     assert torch.equal(_draw(seeds[7:8], counters[7:8], vocab), here[7:8])
