@@ -167,7 +167,9 @@ class DecodeGraphs:
         entry = _Captured(self.model, self.cache, bsz, width)
         if self.mode == "cuda":
             # the outer stream context is restored even when the graph's own exit raises (a failed
-            # capture_end), so later eager steps do not run on the capture stream
+            # capture_end), so later eager steps do not run on the capture stream; the capture
+            # stream first waits for what the step's stream has queued (cache writes, the inputs)
+            self.stream.wait_stream(torch.cuda.current_stream(self.model.device))
             with torch.no_grad(), self._on_device(), torch.cuda.stream(self.stream):
                 self._forward(entry)  # warm-up on padding only: compiles, allocates workspaces
                 torch.cuda.synchronize(self.model.device)
