@@ -62,7 +62,7 @@ class Decoder:
                              f"{len(self.blocks.free)} are free (raise max_tokens)")
         tables = [self.blocks.grow(s, st + t.numel()) for s, t, st in zip(ids, toks, starts)]
         counts = [t.numel() for t in toks]
-        if all(c == 1 for c in counts):  # a decode step: maybe a graph
+        if self.runner.graphs is not None and all(c == 1 for c in counts):  # a decode step: a graph?
             logits = self.runner.decode(torch.cat(toks).tolist(), starts, tables)  # one read, not one a row
             if logits is not None:
                 for s, st in zip(ids, starts):

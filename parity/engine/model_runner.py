@@ -50,7 +50,7 @@ class ModelRunner:
         """Feed each scheduled request its next `n` tokens; return the requests whose pending
         tokens are now all in the cache (they sample next), their last-token logits [N, V] and,
         for MoE models, the experts their last token was routed to [N, moe layers, k]."""
-        if all(n == 1 and s.num_pending == 1 for s, n in batch):  # a decode step: maybe a graph
+        if self.graphs is not None and all(n == 1 and s.num_pending == 1 for s, n in batch):  # a graph?
             logits = self.decode([s.token_ids[s.num_computed] for s, _ in batch],
                                  [s.num_computed for s, _ in batch],
                                  [blocks.table(s.request_id) for s, _ in batch])

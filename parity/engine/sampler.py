@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from . import draws as counter
 from .sequence import Sequence
 
@@ -40,7 +41,7 @@ def _keep_mask(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 class Sampler:
     def __init__(self, model, seed: int = 0, draws: str = "auto"):
         if draws not in DRAWS:
-            raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
+            raise ConfigError(f"draws must be one of {', '.join(map(repr, DRAWS))}, got {draws!r}")
         self.model = model
         self.seed = seed
         self.draws = draws
