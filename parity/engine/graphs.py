@@ -110,18 +110,20 @@ class _Captured:
         self.batch = ForwardBatch(ids, pos, rows.view(bsz, 1), q_pos.view(bsz, 1), rows, [1] * bsz,
                                   width * model.block_size,
                                   block_tables=self.packed[4 * bsz:].view(bsz, width), slots=slots)
-        self.packed.copy_(self.padding(cache))
+        self.packed.copy_(self.pack(cache.scratch_slot))
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
-    def padding(self, cache) -> torch.Tensor:
-        """The packed inputs of an all-padding step (CPU): token 0, position 0, the scratch slot,
-        query position -1, tables of the pad block."""
-        b = self.bsz
-        host = torch.zeros(4 * b + b * self.width, dtype=torch.long)
-        host[2 * b:3 * b] = cache.scratch_slot
-        host[3 * b:4 * b] = -1
-        return host
+    def pack(self, scratch: int, tokens: list[int] = (), positions: list[int] = (),
+             slots: list[int] = (), table: list[int] = ()) -> torch.Tensor:
+        """The packed inputs (CPU) of a step whose first rows are these sequences (`table`: their
+        rows of the block table, `width` each, flattened); the rest are padding rows: token 0 at
+        position 0, the scratch slot, query position -1, tables of the pad block. No arguments:
+        an all-padding step."""
+        pad, width = self.bsz - len(tokens), self.width
+        packed = array.array("q", [*tokens, *[0] * pad, *positions, *[0] * pad, *slots, *[scratch] * pad,
+                                   *positions, *[-1] * pad, *table, *[0] * (pad * width)])
+        return torch.frombuffer(packed, dtype=torch.long)  # 3x faster than torch.tensor(list)
 
 
 class DecodeGraphs:
@@ -216,18 +218,13 @@ class DecodeGraphs:
                 log.warning("decode graphs off, steps run eagerly: capture failed (%s)", self.failed)
                 return None
             self.graphs[(bsz, width)] = entry
-        pad = bsz - n
         slots, table = [], []
         for t, p in zip(tables, positions):  # plain lists: a Python loop over tensors costs ms
             used = p // bs + 1
             slots.append(t[p // bs] * bs + p % bs)
             table += t[:used]
             table += [0] * (width - used)
-        packed = array.array("q", tokens + [0] * pad + positions + [0] * pad
-                             + slots + [self.cache.scratch_slot] * pad
-                             + positions + [-1] * pad + table + [0] * (pad * width))
-        host = torch.frombuffer(packed, dtype=torch.long)  # 3x faster than torch.tensor(list)
-        entry.packed.copy_(host)
+        entry.packed.copy_(entry.pack(self.cache.scratch_slot, tokens, positions, slots, table))
         self.replays += 1
         if entry.graph is None:  # emulation: the same static step, run eagerly
             with torch.no_grad():
