@@ -86,7 +86,9 @@ class AttentionFn(torch.autograd.Function):
     """Backward is PyTorch's fused attention backward (gradients need to be right, not aligned).
     Where the native kernel ran the forward it also gave each row's log-sum-exp, so the backward
     starts from the aligned output and log-sum-exp (no second forward); elsewhere it recomputes
-    attention with PyTorch's scaled-dot-product attention under autograd."""
+    attention with PyTorch's scaled-dot-product attention under autograd: on a GPU in the
+    inputs' own dtype (`recompute_dtype`), so the recompute is the standard learner's own
+    tensor-core SDPA forward and backward, not a float32 pass without tensor cores."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, block_size: int):
@@ -103,13 +105,20 @@ class AttentionFn(torch.autograd.Function):
             return (*_flash_backward(grad, *ctx.saved_tensors), None, None)
         q, k, v, q_pos = ctx.saved_tensors
         with torch.enable_grad():
-            acc = compute_dtype(q.dtype)
+            acc = recompute_dtype(q)
             qf = q.detach().to(acc).requires_grad_()
             kf = k.detach().to(acc).requires_grad_()
             vf = v.detach().to(acc).requires_grad_()
             out = standard.attention(qf, kf, vf, q_pos, 0)
             gq, gk, gv = torch.autograd.grad(out, (qf, kf, vf), grad.to(acc))
         return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None
+
+
+def recompute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype attention's backward recomputes in: q's own on CUDA (bf16/fp16 SDPA runs the
+    tensor-core kernels the standard learner's backward runs; float32 there would run several
+    times slower), float32 on CPU (its fused bf16 attention is no faster) and float64 stays."""
+    return q.dtype if q.is_cuda else compute_dtype(q.dtype)
 
 
 def _flash_backward(grad, q, k, v, q_pos, out, lse):
