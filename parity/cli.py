@@ -1,5 +1,5 @@
 """The `parity` command: demo, study, sft, eval, train, check, generate,
-bench kernels|rollout|learner|gemm|memory|async.
+bench kernels|rollout|learner|gemm|sampler|memory|async.
 
 This module is the parser and the dispatch; each command's body is `main(args)` in its module
 under `parity/apps/` (imported only when that command runs). Every user-facing failure (bad
@@ -197,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
     gm.add_argument("--reps", type=int, default=5)
     gm.add_argument("--json", action="store_true")
     gm.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    sp = _command(bsub, "sampler", "bench_sampler",
+                  "one sampling step per noise path (fused Triton on a GPU)")
+    sp.add_argument("--preset", default="qwen3-0.6b", help="the vocabulary size comes from this preset")
+    sp.add_argument("--vocab", type=int, default=None, help="a vocabulary size instead of the preset's")
+    sp.add_argument("--dtype", default="bfloat16", help="the logits' dtype")
+    sp.add_argument("--batches", type=_csv(int), default=[1, 64, 256])
+    sp.add_argument("--reps", type=int, default=5)
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     mem = _command(bsub, "memory", "bench_memory", "peak memory and weight copies kept against the lag")
     mem.add_argument("--preset", default="small")
     mem.add_argument("--dtype", default="float32")

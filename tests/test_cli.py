@@ -111,6 +111,16 @@ def test_bench_rollout_json():
                for r in out["rows"])
 
 
+def test_bench_sampler_json_and_bad_batches():
+    proc = run("bench", "sampler", "--json", "--vocab", "500", "--batches", "1,3", "--reps", "1")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["rows"]
+    assert [r["batch"] for r in rows] == [1, 3] and all(r["vocab"] == 500 for r in rows)
+    assert all(set(r["ms"]) == {"generator", "counter"} and min(r["ms"].values()) > 0 for r in rows)
+    bad = run("bench", "sampler", "--batches", "0")
+    assert bad.returncode == 2 and bad.stderr.startswith("parity: error: --batches")
+
+
 def test_train_runs_and_rejects_bad_config(tmp_path):
     sets = ["steps=2", "model.preset=\"tiny\"", f"run_dir=\"{tmp_path}\"", "rollout.prompts_per_step=2",
             "max_policy_lag=1"]

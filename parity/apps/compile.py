@@ -2,7 +2,7 @@
 
 For each preset and dtype it builds a random model on CPU tensors and runs what a training run
 launches — the learner's forward (dense attention, log-sum-exp over the vocabulary) at two batch
-sizes, the engine's prefill, and decode steps at two batch sizes — with every Triton launch
+sizes, the engine's prefill, decode steps and sampling draws at two batch sizes — with every Triton launch
 compiled for the chosen architecture and launched nowhere (`parity/ops/triton_target.py`). It
 prints one row per binary (registers, stack, shared memory, matrix instructions, launches), says
 whether one binary served every batch size, counts what one decode step's forward launches
@@ -83,7 +83,7 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
     prefill then decode at batch 1, then both again at `batch` — and say which phase compiled
     which binaries (only the first learner and the first prefill should), the launch counts and
     the host time of one decode step."""
-    from ..engine import Decoder
+    from ..engine import Decoder, draws_triton
     from ..model import Model, ModelConfig, sequence_logprobs
 
     cfg = ModelConfig.preset(preset)
@@ -128,7 +128,11 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
             phase(f"prefill batch {b}",
                   lambda b=b, dec=dec: dec.extend({i: tokens(length // 2) for i in range(b)}))
             step[b] = phase(f"decode batch {b}", lambda b=b, dec=dec: decode(dec, b))
-    expected = {"learner batch 2", "prefill batch 1"}
+        for b in (1, batch):  # the engine's sampler on a GPU: Gumbel-max draws in one pass
+            phase(f"sampling batch {b}", lambda b=b: draws_triton.gumbel_argmax(
+                torch.zeros(b, cfg.vocab_size), torch.zeros(b, dtype=torch.long),
+                torch.zeros(b, dtype=torch.long)))
+    expected = {"learner batch 2", "prefill batch 1", "sampling batch 1"}
     if not cfg.num_experts:  # MoE decode launches depend on the experts hit: no like-for-like count
         step[batch]["standard"] = _standard_decode(cfg, dtype, batch, length)
     return {"decode": step, "length": length, "hidden": cfg.hidden_size, "compiled_by_phase": compiled,

@@ -23,6 +23,20 @@ DRAWS = ("auto", "generator", "counter")
 'generator', 'counter'."""
 
 
+_TRITON_SAMPLE: list = []
+
+
+def _triton_sample():
+    """`draws_triton` (the fused Triton draw), or None where Triton cannot be imported (looked up once)."""
+    if not _TRITON_SAMPLE:
+        try:
+            from . import draws_triton
+        except (ImportError, ConfigError):
+            draws_triton = None
+        _TRITON_SAMPLE.append(draws_triton)
+    return _TRITON_SAMPLE[0]
+
+
 def _keep_mask(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Boolean mask of the tokens top-k / top-p keep, from a row of log-probs [V]."""
     order = torch.argsort(logp, descending=True, stable=True)
@@ -55,6 +69,19 @@ class Sampler:
             seq.generator = torch.Generator().manual_seed(self._seed(seq))
         return seq.generator
 
+    def _draw_keys(self, seqs: list[Sequence], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's counter-draw key and draw number (int64 [n] on `device`); counts the draw."""
+        keys = torch.tensor([counter.request_key(self._seed(s)) for s in seqs], dtype=torch.long)
+        counts = torch.tensor([s.draws for s in seqs], dtype=torch.long)
+        for s in seqs:
+            s.draws += 1
+        return keys.to(device), counts.to(device)
+
+    def _fused_draws(self, logp: torch.Tensor) -> bool:
+        """Whether counter draws for these rows run as one Triton pass (`draws_triton.py`):
+        on a GPU, with counter draws, where Triton is installed. Same tokens as the PyTorch ops."""
+        return logp.is_cuda and self.draws != "generator" and _triton_sample() is not None
+
     def _gumbel_argmax(self, seqs: list[Sequence], sub: torch.Tensor) -> torch.Tensor:
         """argmax(sub + Gumbel noise) per row [len(seqs)], each row's noise its request's own:
         counter-based off the CPU (or when asked; in row chunks, so a GPU holds a few [rows, V]
@@ -69,11 +96,7 @@ class Sampler:
             u = torch.stack([torch.rand(vocab, generator=self._generator(s), dtype=torch.float64)
                              for s in seqs])
             return torch.argmax(sub + gumbel(u), dim=-1)
-        keys = torch.tensor([counter.request_key(self._seed(s)) for s in seqs], dtype=torch.long)
-        counts = torch.tensor([s.draws for s in seqs], dtype=torch.long)
-        for s in seqs:
-            s.draws += 1
-        keys, counts = keys.to(sub.device), counts.to(sub.device)
+        keys, counts = self._draw_keys(seqs, sub.device)
         rows = max(1, counter.CHUNK // max(1, vocab))
         return torch.cat([torch.argmax(sub[r:r + rows] + gumbel(counter.uniforms(keys[r:r + rows],
                                                                                counts[r:r + rows], vocab)),
@@ -96,6 +119,12 @@ class Sampler:
             noisy = [j for j, i in enumerate(idx) if not seqs[i].params.greedy]
             chosen = torch.argmax(logits[idx].float(), dim=-1).to(where)
             truncated: dict[int, float] = {}
+            if noisy and self._fused_draws(logp):  # untruncated rows: one fused pass, no [n, V] temporaries
+                plain = [j for j in noisy if not seqs[idx[j]].params.truncates]
+                if plain:
+                    keys, counts = self._draw_keys([seqs[idx[j]] for j in plain], logp.device)
+                    chosen[plain] = _triton_sample().gumbel_argmax(logp[plain], keys, counts)
+                noisy = [j for j in noisy if seqs[idx[j]].params.truncates]
             if noisy:
                 sub = logp[noisy].double()
                 for r, j in enumerate(noisy):

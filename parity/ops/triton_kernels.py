@@ -56,6 +56,13 @@ except ImportError as err:  # pragma: no cover - depends on the install
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 """True when the kernels run through Triton's CPU interpreter (no GPU)."""
 
+LAUNCH: dict = {} if INTERPRET else {"enable_fp_fusion": False}
+"""Options every compiled launch passes: no contraction of a product and a sum into one fused
+multiply-add. Triton's default flips from on (3.9) to off (3.10); pinned, a kernel's bits do not
+change with the installed Triton's default, and element-wise math rounds as PyTorch's separate
+ops and the interpreter do. Matrix products are unaffected (MMA, or explicit FMA for IEEE fp32)."""
+
+
 def _cdiv(a: int, b: int) -> int:
     """ceil(a / b) in plain Python (`triton.cdiv` called from the host costs microseconds a launch)."""
     return -(-a // b)
@@ -181,7 +188,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
             HAS_BIAS=bias is not None, INTERP=INTERPRET,
             IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages, **LAUNCH)
     return out
 
 
@@ -211,7 +218,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         with _on(x2):
             _rms_norm_kernel[(_cdiv(x2.shape[0], _ROWS),)](
                 x2, weight, out, x2.shape[0], h, x2.stride(0), out.stride(0), eps,
-                ROWS=_ROWS, BLOCK=_pow2(h))
+                ROWS=_ROWS, BLOCK=_pow2(h), **LAUNCH)
     return out.view(x.shape)
 
 
@@ -243,7 +250,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         with _on(g2, u2):
             _silu_mul_kernel[(_cdiv(g2.shape[0], _ROWS), _cdiv(n, block))](
                 g2, u2, out, g2.shape[0], n, g2.stride(0), u2.stride(0), out.stride(0),
-                ROWS=_ROWS, BLOCK=block)
+                ROWS=_ROWS, BLOCK=block, **LAUNCH)
     return out.view(gate.shape)
 
 
@@ -330,7 +337,7 @@ def _launch_attention(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos
             *k_strides[:4], *v_strides, tables.stride(0), q_pos.stride(0),
             D=d, BS=block_size, BLOCK_M=bm,
             INTERP=INTERPRET, IEEE=q.dtype == torch.float32,
-            num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages, **LAUNCH)
     return out
 
 
@@ -387,5 +394,5 @@ def row_lse(logits: torch.Tensor, inv_t: float) -> torch.Tensor:
         with _on(x):
             _row_lse_kernel[(_cdiv(x.shape[0], rows),)](
                 x, out, x.shape[0], x.shape[1], x.stride(0), inv_t,
-                ROWS=rows, BLOCK_V=1024 if INTERPRET else 2048)
+                ROWS=rows, BLOCK_V=1024 if INTERPRET else 2048, **LAUNCH)
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_kernels import _ROWS, _cdiv, _on, _pow2, tl, triton
+from .triton_kernels import _ROWS, LAUNCH, _cdiv, _on, _pow2, tl, triton
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -64,5 +64,5 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
         with _on(x, weight):
             _rms_norm_rope_kernel[(_cdiv(rows, _ROWS),)](
                 x, weight, cos, sin, out, rows, heads, d, x.stride(0), x.stride(1), cos.stride(0), eps,
-                ROWS=_ROWS, BLOCK=_pow2(d), HALF=_pow2(d // 2))
+                ROWS=_ROWS, BLOCK=_pow2(d), HALF=_pow2(d // 2), **LAUNCH)
     return out

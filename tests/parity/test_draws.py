@@ -71,3 +71,64 @@ def test_uniforms_are_uniform(vocab):
     expected = u.numel() / 10
     chi2 = float(((hist - expected) ** 2 / expected).sum())
     assert chi2 < 27.9  # 9 degrees of freedom, p = 0.001
+
+
+def _draws_triton():
+    """The fused Triton draw (`engine/draws_triton.py`): the GPU's sampler, the interpreter here."""
+    from parity.errors import ConfigError
+    try:
+        from parity.engine import draws_triton
+    except (ImportError, ConfigError) as err:
+        pytest.skip(f"Triton: {err}")
+    return draws_triton
+
+
+def _torch_gumbel_argmax(logp, keys, counts):
+    u = draws.uniforms(keys, counts, logp.shape[1])
+    return torch.argmax(logp.double() - torch.log(-torch.log(u)), -1)
+
+
+@pytest.mark.parametrize("vocab", [5, 1000, 2500, 4096])
+def test_the_fused_draw_picks_the_pytorch_paths_token(vocab):
+    """One Triton pass (hash, Gumbel noise, first maximum, per vocabulary chunk, chunks combined
+    in order) gives the token of the PyTorch ops it replaces on a GPU, including rows with -inf
+    entries and a row of nothing but -inf (index 0, as `torch.argmax`); a row's token does not
+    depend on the other rows. The control: the next draw number picks other tokens."""
+    fused = _draws_triton()
+    gen = torch.Generator().manual_seed(vocab)
+    n = len(SEEDS)
+    logp = torch.log_softmax(3 * torch.randn(n, vocab, generator=gen), -1)
+    logp[1, : vocab // 2] = float("-inf")
+    logp[2] = float("-inf")
+    logp, keys = logp.to(DEVICE), torch.tensor([draws.request_key(s) for s in SEEDS], device=DEVICE)
+    counts = torch.tensor([0, 1, 5, 2**40, 3, 7, 1_000_000], device=DEVICE)
+    got = fused.gumbel_argmax(logp, keys, counts)
+    assert torch.equal(got, _torch_gumbel_argmax(logp, keys, counts)) and int(got[2]) == 0
+    assert torch.equal(fused.gumbel_argmax(logp[3:5], keys[3:5], counts[3:5]), got[3:5])
+    if vocab > 5:
+        assert not torch.equal(fused.gumbel_argmax(logp, keys, counts + 1), got)
+
+
+def test_the_sampler_with_the_fused_draw_gives_the_same_tokens(monkeypatch):
+    """The sampler's fused path (a GPU's, forced here on CPU tensors) returns the tokens, log-probs
+    and draw counts of its PyTorch counter path, for greedy, plain and truncated (top-k: still the
+    PyTorch path) rows at two temperatures in one batch."""
+    _draws_triton()
+    import parity
+    from parity.engine.sampler import Sampler
+    from parity.engine.sequence import SamplingParams, Sequence
+
+    class _Model:
+        kernels = parity.get_kernels("aligned")
+
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3),
+             SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=4, seed=8)]
+    logits = torch.randn(12, 3000, generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(Sampler, "_fused_draws", lambda self, logp, on=fused: on)
+        sampler = Sampler(_Model(), seed=4, draws="counter")
+        seqs = [Sequence(i, [0], kinds[i % 4], prompt_len=1) for i in range(12)]
+        runs[fused] = [sampler.sample(seqs, logits) for _ in range(3)], [s.draws for s in seqs]
+    assert runs[True] == runs[False]
+    assert runs[True][1] == [0, 3, 3, 3] * 3

@@ -1,0 +1,113 @@
+"""`parity bench sampler`: one sampling step's time per noise path, side by side in one run.
+
+The engine samples every request of a step from its own row of logits (Gumbel-max, its own
+noise). Paths timed on the same logits, repetitions interleaved, medians compared:
+- `generator`: each request's CPU generator (a CPU's default; on a GPU the logits' log-probs
+  go to the host for it);
+- `counter`: counter-based noise in PyTorch ops where the logits are (`engine/draws.py`);
+- `fused`: the same noise and tokens in one Triton pass (`engine/draws_triton.py`; the sampler's
+  path on a GPU). On a CPU it would run in Triton's interpreter, so it is timed on a GPU only.
+Every path is checked to pick the same tokens as `counter` for the same draws (`generator`
+draws other noise, so it is not compared). Times include the recorded log-probs' transfer to
+the host, as the engine's step does.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .. import hardware
+from ..dtypes import dtype_from_name
+from ..engine.sampler import Sampler
+from ..engine.sequence import SamplingParams, Sequence
+from ..errors import ParityError
+from ..model import ModelConfig
+from ..ops import get_kernels
+from .ui import status, table
+
+
+@dataclass
+class SamplerRow:
+    batch: int
+    vocab: int
+    ms: dict[str, float]
+    """Median milliseconds of one sampling step per path."""
+    same_tokens: bool | None
+    """Whether the fused path picked the counter path's tokens at every repetition (None: not timed)."""
+
+
+class _Model:
+    """What the sampler reads from a model: its kernels."""
+
+    def __init__(self, device: torch.device):
+        self.kernels = get_kernels("aligned", device)
+
+
+def _paths(device: torch.device) -> list[str]:
+    return ["generator", "counter", "fused"] if device.type == "cuda" else ["generator", "counter"]
+
+
+def bench_sampler(vocab: int, batches: Seq[int], dtype: torch.dtype, reps: int, device: torch.device,
+                  progress=None) -> list[SamplerRow]:
+    rows = []
+    model = _Model(device)
+    gen = torch.Generator().manual_seed(0)
+    for batch in batches:
+        logits = (4 * torch.randn(batch, vocab, generator=gen)).to(dtype).to(device)
+        samplers = {p: Sampler(model, seed=1, draws="generator" if p == "generator" else "counter")
+                    for p in _paths(device)}
+        if "fused" in samplers:  # `counter` keeps to PyTorch ops on a GPU too
+            samplers["counter"]._fused_draws = lambda logp: False  # type: ignore[method-assign]
+        seqs = {p: [Sequence(i, [0], SamplingParams(temperature=1.0, seed=i), prompt_len=1)
+                    for i in range(batch)] for p in samplers}
+        times: dict[str, list[float]] = {p: [] for p in samplers}
+        same: bool | None = True if "fused" in samplers else None
+        for r in range(reps + 1):  # round 0 warms up (and compiles)
+            picked = {}
+            for p, sampler in samplers.items():
+                if progress:
+                    progress(f"sampler batch {batch} {p} {r}/{reps}")
+                hardware.sync(device)
+                t0 = time.perf_counter()
+                picked[p] = [t for t, _, _ in sampler.sample(seqs[p], logits)]
+                if r:
+                    times[p].append(time.perf_counter() - t0)
+            if same is not None:
+                same = same and picked["fused"] == picked["counter"]
+        rows.append(SamplerRow(batch, vocab, {p: 1e3 * statistics.median(t) for p, t in times.items()}, same))
+    return rows
+
+
+def main(args) -> int:
+    """`parity bench sampler`."""
+    dtype = dtype_from_name(args.dtype, "--dtype")
+    vocab = args.vocab or ModelConfig.preset(args.preset).vocab_size
+    if vocab < 2:
+        raise ParityError(f"--vocab must be at least 2, got {vocab}")
+    if min(args.batches) < 1:
+        raise ParityError(f"--batches must be at least 1, got {min(args.batches)}")
+    device = hardware.check_device(args.device, "--device")
+    rows = bench_sampler(vocab, args.batches, dtype, args.reps, device,
+                         progress=lambda m: status(f"bench {m}"))
+    status("")
+    if args.json:
+        print(json.dumps({"machine": hardware.describe(), "device": str(device),
+                          "rows": [asdict(r) for r in rows]}, indent=2))
+        return 0 if all(r.same_tokens is not False for r in rows) else 1
+    paths = _paths(device)
+    print(f"parity bench sampler: one step's Gumbel-max sampling, vocabulary {vocab:,}, {args.dtype} "
+          f"logits, medians of {args.reps} interleaved repetitions ({device})")
+    print(f"machine: {hardware.line()}")
+    ratio = "fused/counter speed-up" if "fused" in paths else "counter/generator speed-up"
+    print(table(["batch", *[f"{p} ms" for p in paths], ratio, "same tokens"],
+                [[str(r.batch), *[f"{r.ms[p]:.2f}" for p in paths],
+                  f"{r.ms['counter'] / r.ms['fused']:.1f}x" if "fused" in paths
+                  else f"{r.ms['generator'] / r.ms['counter']:.2f}x",
+                  {True: "yes", False: "NO", None: "-"}[r.same_tokens]] for r in rows]))
+    return 0 if all(r.same_tokens is not False for r in rows) else 1
