@@ -2,7 +2,8 @@
 
 For each preset and dtype it builds a random model on CPU tensors and runs what a training run
 launches — the learner's forward (dense attention, log-sum-exp over the vocabulary) at two batch
-sizes, the engine's prefill, decode steps and sampling draws at two batch sizes — with every Triton launch
+sizes, the engine's prefill, decode steps and sampling draws at two batch sizes, one decode step
+over several key splits (attention's split schedule) — with every Triton launch
 compiled for the chosen architecture and launched nowhere (`parity/ops/triton_target.py`). It
 prints one row per binary (registers, stack, shared memory, matrix instructions, launches), says
 whether one binary served every batch size, counts what one decode step's forward launches
@@ -26,7 +27,7 @@ from ..errors import ConfigError
 from ..ops import triton_target
 from .ui import status, table
 
-_MATRIX_KERNELS = ("_matmul_kernel", "_attention_kernel")
+_MATRIX_KERNELS = ("_matmul_kernel", "_attention_kernel", "_split_partial_kernel")
 """Kernels whose inner loop is a matrix product: in bf16/fp16 it must run on tensor cores."""
 
 
@@ -85,6 +86,7 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
     the host time of one decode step."""
     from ..engine import Decoder, draws_triton
     from ..model import Model, ModelConfig, sequence_logprobs
+    from ..ops.triton_attention import KV_SPLIT_PAGES
 
     cfg = ModelConfig.preset(preset)
     length = min(length, cfg.max_position_embeddings - 8)
@@ -128,11 +130,14 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
             phase(f"prefill batch {b}",
                   lambda b=b, dec=dec: dec.extend({i: tokens(length // 2) for i in range(b)}))
             step[b] = phase(f"decode batch {b}", lambda b=b, dec=dec: decode(dec, b))
+        long = min(cfg.max_position_embeddings - 8, 2 * KV_SPLIT_PAGES * model.block_size + 8)
+        dec = Decoder(model, max_tokens=long + 2 * model.block_size)  # keys over several splits:
+        phase("long decode batch 1", lambda: (dec.extend({0: tokens(long)}), dec.extend({0: tokens(1)})))
         for b in (1, batch):  # the engine's sampler on a GPU: Gumbel-max draws in one pass
             phase(f"sampling batch {b}", lambda b=b: draws_triton.gumbel_argmax(
                 torch.zeros(b, cfg.vocab_size), torch.zeros(b, dtype=torch.long),
                 torch.zeros(b, dtype=torch.long)))
-    expected = {"learner batch 2", "prefill batch 1", "sampling batch 1"}
+    expected = {"learner batch 2", "prefill batch 1", "long decode batch 1", "sampling batch 1"}
     if not cfg.num_experts:  # MoE decode launches depend on the experts hit: no like-for-like count
         step[batch]["standard"] = _standard_decode(cfg, dtype, batch, length)
     return {"decode": step, "length": length, "hidden": cfg.hidden_size, "compiled_by_phase": compiled,

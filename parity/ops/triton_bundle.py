@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import Kernels, aligned, unpadded
+from . import triton_attention as ta
 from . import triton_kernels as tk
 from . import triton_norm_rope as norm_rope
 from .common import compute_dtype, rope
@@ -80,7 +81,7 @@ class _AttentionFn(AttentionFn):
     @staticmethod
     def forward(ctx, q, k, v, q_pos, block_size):
         ctx.save_for_backward(q, k, v, q_pos)
-        return tk.attention(q, k, v, q_pos, block_size)
+        return ta.attention(q, k, v, q_pos, block_size)
 
 
 def rms_norm(x, weight, eps):
@@ -124,7 +125,7 @@ def silu_mul(gate_up):
 def attention(q, k, v, q_pos, block_size):
     if _needs_grad(q, k, v):
         return _AttentionFn.apply(q, k, v, q_pos, block_size)
-    return tk.attention(q, k, v, q_pos, block_size)
+    return ta.attention(q, k, v, q_pos, block_size)
 
 
 class _RowLSEFn(torch.autograd.Function):
@@ -190,7 +191,7 @@ TRITON_ALIGNED = Kernels(
     rms_norm_rope=rms_norm_rope,
     silu_mul=silu_mul,
     attention=attention,
-    paged_attention=tk.paged_attention,
+    paged_attention=ta.paged_attention,
     token_logprobs=token_logprobs,
     log_softmax=log_softmax,
     rope=rope,

@@ -103,6 +103,16 @@ def test_one_vs_two_threads(model, seqs):
     assert_equal_pairs(case_threads(model, seqs, reference(model, seqs)))
 
 
+def test_long_sequences():
+    """Queries hundreds of keys deep (on a GPU: across the Triton attention's fixed key splits,
+    decode at small batch on the split schedule), both dtypes."""
+    for dtype, seed in (("float32", 13), ("bfloat16", 14)):
+        model = cached_model("tiny", "aligned", dtype, seed, 0.1)
+        for res in run_checks(model, rounds=1, seed=seed, max_len=400,
+                              cases=("batch", "decode", "engine", "autograd")):
+            assert res.comparisons > 0 and res.mismatches == 0, res
+
+
 def test_two_processes():
     for dtype in ("float32", "bfloat16"):
         model = cached_model("tiny", "aligned", dtype, 5, 0.1)

@@ -140,10 +140,11 @@ def test_control_a_spilling_tile_is_reported():
         drv = triton_target.enable("sm_90")
         from parity.ops import triton_kernels as tk
         from parity.apps.compile import problems
-        tk._attention_tiles = lambda d, dtype: (64, 4, 2)
+        from parity.ops import triton_attention as ta
+        ta._attention_tiles = lambda d, dtype: (64, 4, 2)
         q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
         kv = torch.zeros(1, 32, 1, 128, dtype=torch.bfloat16)
-        tk.attention(q, kv, kv, torch.arange(8).view(1, 8), 32)
+        ta.attention(q, kv, kv, torch.arange(8).view(1, 8), 32)
         print(problems(drv.binaries, {"*bf16": "bf16"}))
     """)
     proc = _run(code=code)
