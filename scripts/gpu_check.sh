@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of parity in one command (< 8 minutes on one GPU), for the first machine with CUDA:
+# The GPU checks of parity in one command (< 9 minutes on one GPU), for the first machine with CUDA:
 #   scripts/gpu_check.sh [OUT_DIR]        (default: $OUT if set, else runs/gpu_check)
 #   DEVICE=cpu SMOKE=1 scripts/gpu_check.sh /tmp/x   (a dry run of the same steps on the CPU, at tiny
 #                                                    sizes: checks the script itself, not a GPU)
@@ -14,10 +14,11 @@
 #    (decode as CUDA graphs, as the engine runs it, and eager beside it: rows 'decode-eager';
 #    each decode row says how its steps ran, so a capture that failed is seen, not hidden), and
 #    parity bench gemm: the aligned GEMM's candidate tiles per weight shape of the 0.6B model
-#    against cuBLAS at decode and prefill row counts, each checked bit for bit across M
+#    against cuBLAS at decode and prefill row counts, each checked bit for bit across M, and
+#    parity bench sampler: one sampling step at Qwen3's vocabulary, PyTorch ops vs the fused pass
 # 4. a short asynchronous training run per backend (toy task, bf16): the learner's kernel-mismatch
 #    figure is exactly 0 on aligned kernels and > 0 on standard ones
-# Each step runs under its own time limit (together 510 s, so one 10-minute device call holds the
+# Each step runs under its own time limit (together 525 s, so one 10-minute device call holds the
 # whole run) and the script goes on after a failure; the
 # summary (gpu_summary.json: per step rc, seconds, parsed results) is rewritten after every step,
 # so a run cut short still leaves one. Step logs keep stdout (NAME.log, where JSON is parsed) and
@@ -119,6 +120,8 @@ step bench_learner 45 "$PY" -m parity.cli bench learner --device "$DEVICE" --pre
     --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
 step bench_gemm 50 "$PY" -m parity.cli bench gemm --device "$DEVICE" --preset $BIG --dtype bfloat16 \
     --rows $GEMM_ROWS --reps 2 $GEMM_TILES --json
+step bench_sampler 15 "$PY" -m parity.cli bench sampler --device "$DEVICE" --preset $BIG \
+    --batches $BATCHES --reps 3 --json
 for k in aligned standard; do
     step "train_$k" 25 "$PY" -m parity.cli train configs/toy_async.toml --set steps=$STEPS \
         --set model.device="$DEVICE" --set model.preset=$SMALL --set model.dtype=bfloat16 \

@@ -115,9 +115,13 @@ class Sampler:
         where = logits.device if on_device else torch.device("cpu")
         for t in sorted(set(temps)):
             idx = [i for i, x in enumerate(temps) if x == t]
-            logp = kernels.log_softmax(logits[idx], t).to(where)  # [n_t, V] float32, rows independent
+            rows = logits if len(idx) == len(seqs) else logits[idx]  # no copy when one temperature
+            logp = kernels.log_softmax(rows, t).to(where)  # [n_t, V] float32, rows independent
             noisy = [j for j, i in enumerate(idx) if not seqs[i].params.greedy]
-            chosen = torch.argmax(logits[idx].float(), dim=-1).to(where)
+            greedy = [j for j, i in enumerate(idx) if seqs[i].params.greedy]
+            chosen = torch.zeros(len(idx), dtype=torch.long, device=where)
+            if greedy:  # the most likely token (noisy rows get theirs below)
+                chosen[greedy] = torch.argmax(rows[greedy].float(), dim=-1).to(where)
             truncated: dict[int, float] = {}
             if noisy and self._fused_draws(logp):  # untruncated rows: one fused pass, no [n, V] temporaries
                 plain = [j for j in noisy if not seqs[idx[j]].params.truncates]
