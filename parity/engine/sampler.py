@@ -109,7 +109,10 @@ class Sampler:
         bits as their `token_logprobs` (the learner's `sequence_logprobs`) for every token."""
         kernels = self.model.kernels
         out: list[tuple[int, float, float]] = [(0, 0.0, 0.0)] * len(seqs)
-        temps = [1.0 if s.params.greedy else float(s.params.temperature) for s in seqs]
+        params = [s.params for s in seqs]
+        greedy_of = [p.greedy for p in params]
+        cut_of = [p.truncates for p in params]
+        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy_of)]
         # where the sampling math runs: with the logits for counter-based draws, else on the CPU
         on_device = logits.device.type != "cpu" and self.draws != "generator"
         where = logits.device if on_device else torch.device("cpu")
@@ -117,27 +120,28 @@ class Sampler:
             idx = [i for i, x in enumerate(temps) if x == t]
             rows = logits if len(idx) == len(seqs) else logits[idx]  # no copy when one temperature
             logp = kernels.log_softmax(rows, t).to(where)  # [n_t, V] float32, rows independent
-            noisy = [j for j, i in enumerate(idx) if not seqs[i].params.greedy]
-            greedy = [j for j, i in enumerate(idx) if seqs[i].params.greedy]
+            noisy = [j for j, i in enumerate(idx) if not greedy_of[i]]
+            greedy = [j for j, i in enumerate(idx) if greedy_of[i]]
             chosen = torch.zeros(len(idx), dtype=torch.long, device=where)
             if greedy:  # the most likely token (noisy rows get theirs below)
                 chosen[greedy] = torch.argmax(rows[greedy].float(), dim=-1).to(where)
             truncated: dict[int, float] = {}
             if noisy and self._fused_draws(logp):  # untruncated rows: one fused pass, no [n, V] temporaries
-                plain = [j for j in noisy if not seqs[idx[j]].params.truncates]
+                plain = [j for j in noisy if not cut_of[idx[j]]]
                 if plain:
                     keys, counts = self._draw_keys([seqs[idx[j]] for j in plain], logp.device)
-                    chosen[plain] = _triton_sample().gumbel_argmax(logp[plain], keys, counts)
-                noisy = [j for j in noisy if seqs[idx[j]].params.truncates]
+                    chosen[plain] = _triton_sample().gumbel_argmax(
+                        logp if len(plain) == len(idx) else logp[plain], keys, counts)
+                noisy = [j for j in noisy if cut_of[idx[j]]]
             if noisy:
                 sub = logp[noisy].double()
                 for r, j in enumerate(noisy):
-                    p = seqs[idx[j]].params
-                    if p.truncates:
+                    if cut_of[idx[j]]:
+                        p = params[idx[j]]
                         sub[r] = sub[r].masked_fill(~_keep_mask(sub[r], p.top_k, p.top_p), float("-inf"))
                 picked = self._gumbel_argmax([seqs[idx[j]] for j in noisy], sub)
                 chosen[noisy] = picked
-                cut = [(r, j) for r, j in enumerate(noisy) if seqs[idx[j]].params.truncates]
+                cut = [(r, j) for r, j in enumerate(noisy) if cut_of[idx[j]]]
                 if cut:  # one transfer for all truncated rows, not one per row
                     vals = torch.stack([sub[r, picked[r]] - torch.logsumexp(sub[r], 0) for r, _ in cut])
                     truncated = {j: v for (_, j), v in zip(cut, vals.tolist())}

@@ -10,9 +10,12 @@ tokens recomputed later (with aligned kernels the recomputed cache holds the sam
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
+
+_ARRIVAL = attrgetter("arrival")
 
 
 class CacheFull(Exception):
@@ -81,10 +84,16 @@ class Scheduler:
         """This step's (sequence, number of new tokens to feed) pairs."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.status is not Status.RUNNING or seq.num_pending == 0 or budget == 0:
+        tables, block_size = self.blocks.tables, self.blocks.block_size
+        for seq in sorted(self.running, key=_ARRIVAL):
+            pending = len(seq.token_ids) - seq.num_computed
+            if seq.status is not Status.RUNNING or pending == 0 or budget == 0:
                 continue
-            n = min(seq.num_pending, budget)
+            n = min(pending, budget)
+            if len(tables.get(seq.request_id, ())) * block_size >= seq.num_computed + n:
+                batch.append((seq, n))  # its blocks hold the new tokens already (most decode steps)
+                budget -= n
+                continue
             if not self._make_room(seq, seq.num_computed + n):
                 owned = len(self.blocks.tables.get(seq.request_id, ()))
                 room = (owned + len(self.blocks.free)) * self.blocks.block_size - seq.num_computed
