@@ -128,10 +128,12 @@ class Sampler:
             truncated: dict[int, float] = {}
             if noisy and self._fused_draws(logp):  # untruncated rows: one fused pass, no [n, V] temporaries
                 plain = [j for j in noisy if not cut_of[idx[j]]]
-                if plain:
+                if len(plain) == len(idx):  # every row (the usual RL batch): no gathers
+                    keys, counts = self._draw_keys([seqs[i] for i in idx], logp.device)
+                    chosen = _triton_sample().gumbel_argmax(logp, keys, counts)
+                elif plain:
                     keys, counts = self._draw_keys([seqs[idx[j]] for j in plain], logp.device)
-                    chosen[plain] = _triton_sample().gumbel_argmax(
-                        logp if len(plain) == len(idx) else logp[plain], keys, counts)
+                    chosen[plain] = _triton_sample().gumbel_argmax(logp[plain], keys, counts)
                 noisy = [j for j in noisy if cut_of[idx[j]]]
             if noisy:
                 sub = logp[noisy].double()

@@ -121,14 +121,16 @@ def test_the_sampler_with_the_fused_draw_gives_the_same_tokens(monkeypatch):
     class _Model:
         kernels = parity.get_kernels("aligned")
 
-    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3),
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3),
              SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=4, seed=8)]
+    plain = [SamplingParams(temperature=0.9, seed=5), SamplingParams(temperature=0.9)]
     logits = torch.randn(12, 3000, generator=torch.Generator().manual_seed(2))
-    runs = {}
-    for fused in (False, True):
-        monkeypatch.setattr(Sampler, "_fused_draws", lambda self, logp, on=fused: on)
-        sampler = Sampler(_Model(), seed=4, draws="counter")
-        seqs = [Sequence(i, [0], kinds[i % 4], prompt_len=1) for i in range(12)]
-        runs[fused] = [sampler.sample(seqs, logits) for _ in range(3)], [s.draws for s in seqs]
-    assert runs[True] == runs[False]
-    assert runs[True][1] == [0, 3, 3, 3] * 3
+    for kinds, draws_made in ((mixed, [0, 3, 3, 3] * 3), (plain, [3, 3] * 6)):
+        runs = {}
+        for fused in (False, True):
+            monkeypatch.setattr(Sampler, "_fused_draws", lambda self, logp, on=fused: on)
+            sampler = Sampler(_Model(), seed=4, draws="counter")
+            seqs = [Sequence(i, [0], kinds[i % len(kinds)], prompt_len=1) for i in range(12)]
+            runs[fused] = [sampler.sample(seqs, logits) for _ in range(3)], [s.draws for s in seqs]
+        assert runs[True] == runs[False]
+        assert runs[True][1] == draws_made
