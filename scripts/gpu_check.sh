@@ -18,7 +18,7 @@
 #    parity bench sampler: one sampling step at Qwen3's vocabulary, PyTorch ops vs the fused pass
 # 4. a short asynchronous training run per backend (toy task, bf16): the learner's kernel-mismatch
 #    figure is exactly 0 on aligned kernels and > 0 on standard ones
-# Each step runs under its own time limit (together 525 s, so one 10-minute device call holds the
+# Each step runs under its own time limit (together 535 s, so one 10-minute device call holds the
 # whole run) and the script goes on after a failure; the
 # summary (gpu_summary.json: per step rc, seconds, parsed results) is rewritten after every step,
 # so a run cut short still leaves one. Step logs keep stdout (NAME.log, where JSON is parsed) and
@@ -120,7 +120,7 @@ step bench_learner 45 "$PY" -m parity.cli bench learner --device "$DEVICE" --pre
     --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
 step bench_gemm 50 "$PY" -m parity.cli bench gemm --device "$DEVICE" --preset $BIG --dtype bfloat16 \
     --rows $GEMM_ROWS --reps 2 $GEMM_TILES --json
-step bench_sampler 15 "$PY" -m parity.cli bench sampler --device "$DEVICE" --preset $BIG \
+step bench_sampler 25 "$PY" -m parity.cli bench sampler --device "$DEVICE" --preset $BIG \
     --batches $BATCHES --reps 3 --json
 for k in aligned standard; do
     step "train_$k" 25 "$PY" -m parity.cli train configs/toy_async.toml --set steps=$STEPS \

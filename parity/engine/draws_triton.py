@@ -9,8 +9,10 @@ time, more than the model's decode step). Here each program hashes, transforms a
 chunk of one row in registers and writes its chunk's best (value, first index); the chunks are
 combined in vocabulary order on the host side of the launch (`argmax` over a [rows, chunks]
 tensor returns the first chunk holding the maximum, whose index is that chunk's first), so the
-token is exactly the PyTorch path's: the same integer hash, the same float64 values (a float32
-to float64 widening, one addition, two logs), the same first-maximum rule. Rows never interact,
+token is the PyTorch path's: the same integer hash, the same float64 operations (a float32 to
+float64 widening, one addition, two logs) and the same first-maximum rule. The two logs are the
+device's math library's (libdevice here, numpy's in the interpreter, PyTorch's own there), which
+may round a value an ulp apart, so a token could differ only at a near-tie of ~1e-16. Rows never interact,
 so a row's token depends on its request, draw and log-probs alone.
 """
 

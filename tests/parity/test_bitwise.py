@@ -113,6 +113,20 @@ def test_long_sequences():
             assert res.comparisons > 0 and res.mismatches == 0, res
 
 
+@pytest.mark.skipif(ON_CPU, reason="the Triton attention runs on CUDA (test_triton.py: the interpreter)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_schedules_agree_on_this_device(dtype, monkeypatch):
+    """The Triton attention's walk and split schedules give the same bits in the GPU's compiled
+    code: kernels at head sizes 16 and 128 (the Qwen3-0.6B shape), and a model's learner and
+    engine with every call forced onto one schedule or the other (`schedules.py`)."""
+    from tests.parity.schedules import assert_kernel_schedules_agree, assert_model_schedules_agree
+    for d in (16, 128):
+        assert_kernel_schedules_agree(dtype, DEVICE, d, monkeypatch)
+        monkeypatch.undo()
+    model = cached_model("tiny", "aligned", str(dtype).removeprefix("torch."), 15, 0.1)
+    assert_model_schedules_agree(model, (model.config.max_position_embeddings - 20, 300))
+
+
 def test_two_processes():
     for dtype in ("float32", "bfloat16"):
         model = cached_model("tiny", "aligned", dtype, 5, 0.1)

@@ -110,7 +110,7 @@ def test_the_fused_draw_picks_the_pytorch_paths_token(vocab):
 
 
 def test_the_sampler_with_the_fused_draw_gives_the_same_tokens(monkeypatch):
-    """The sampler's fused path (a GPU's, forced here on CPU tensors) returns the tokens, log-probs
+    """The sampler's fused path (a GPU's; forced on CPU tensors here) returns the tokens, log-probs
     and draw counts of its PyTorch counter path, for greedy, plain and truncated (top-k: still the
     PyTorch path) rows at two temperatures in one batch."""
     _draws_triton()
@@ -119,12 +119,12 @@ def test_the_sampler_with_the_fused_draw_gives_the_same_tokens(monkeypatch):
     from parity.engine.sequence import SamplingParams, Sequence
 
     class _Model:
-        kernels = parity.get_kernels("aligned")
+        kernels = parity.get_kernels("aligned", torch.device(DEVICE))
 
     mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3),
              SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=4, seed=8)]
     plain = [SamplingParams(temperature=0.9, seed=5), SamplingParams(temperature=0.9)]
-    logits = torch.randn(12, 3000, generator=torch.Generator().manual_seed(2))
+    logits = torch.randn(12, 3000, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     for kinds, draws_made in ((mixed, [0, 3, 3, 3] * 3), (plain, [3, 3] * 6)):
         runs = {}
         for fused in (False, True):

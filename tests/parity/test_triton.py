@@ -20,6 +20,7 @@ import torch
 import parity
 from parity.errors import ConfigError
 from parity.invariance import reference, run_checks
+from tests.parity.schedules import assert_kernel_schedules_agree, assert_model_schedules_agree
 
 try:  # imports triton with its interpreter turned on (no GPU here)
     import parity.ops.triton_kernels  # noqa: F401
@@ -95,35 +96,9 @@ def test_attention_paged_equals_dense_equals_one_query(triton_impl):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_split_schedule_equals_the_walk(triton_impl, dtype, monkeypatch):
     """Keys over several fixed splits (`KV_SPLIT_PAGES`): the split schedule (a program per split,
-    then a merge kernel) gives every query the walk's bits, dense or paged, prefill or decode,
-    queries inside the first split or far past it; both are attention (close to the textbook
-    formula). The control: a walk with another split size merges at other keys and differs."""
-    from parity.ops import triton_attention as ta
-    from parity.ops.functions import reference_attention
-    gen = torch.Generator().manual_seed(8)
-    bsz, m, hq, hkv, d, bs, pages = 3, 9, 4, 2, 16, 16, 7
-    q = torch.randn(bsz, m, hq, d, generator=gen).to(dtype)
-    k = torch.randn(bsz, pages * bs, hkv, d, generator=gen).to(dtype)
-    v = torch.randn(bsz, pages * bs, hkv, d, generator=gen).to(dtype)
-    pos = torch.arange(m).repeat(bsz, 1) + torch.tensor([[0], [50], [100]])
-    walk = ta.attention(q, k, v, pos, bs, schedule="walk")
-    assert torch.equal(ta.attention(q, k, v, pos, bs, schedule="split"), walk)
-    ref = reference_attention(q.double(), k.double(), v.double(), pos)
-    assert torch.allclose(walk.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
-    k_cache = torch.zeros(1 + bsz * pages, hkv, d, bs, dtype=dtype)
-    v_cache = torch.zeros(1 + bsz * pages, hkv, bs, d, dtype=dtype)
-    tables = 1 + torch.randperm(bsz * pages, generator=gen).view(bsz, pages)
-    for b in range(bsz):
-        for j in range(pages):
-            k_cache[tables[b, j]] = k[b, j * bs:(j + 1) * bs].permute(1, 2, 0)
-            v_cache[tables[b, j]] = v[b, j * bs:(j + 1) * bs].permute(1, 0, 2)
-    for schedule in ("walk", "split"):
-        assert torch.equal(ta.paged_attention(q, k_cache, v_cache, tables, pos, schedule), walk)
-        for i in (0, 8):  # decode: one query per sequence
-            one = ta.paged_attention(q[:, i:i + 1], k_cache, v_cache, tables, pos[:, i:i + 1], schedule)
-            assert torch.equal(one[:, 0], walk[:, i])
-    monkeypatch.setattr(ta, "KV_SPLIT_PAGES", ta.KV_SPLIT_PAGES + 1)
-    assert not torch.equal(ta.attention(q, k, v, pos, bs, schedule="walk"), walk)
+    then a merge kernel) gives every query the walk's bits (`schedules.py`; the CUDA suite runs
+    the same checks on the GPU's machine code)."""
+    assert_kernel_schedules_agree(dtype, "cpu", 16, monkeypatch)
 
 
 def test_attention_schedule_is_chosen_by_shapes():
@@ -195,20 +170,12 @@ def test_model_log_probs_are_invariant(triton_impl, dtype, cases):
 
 
 def test_model_log_probs_are_invariant_across_kv_splits(triton_impl):
-    """Sequences whose last queries reduce over three key splits: the learner scoring each alone
-    and the batch, a chunked prefill, and decode steps of both at once (the split schedule at this
-    batch) give the same bits."""
-    from parity.invariance import case_batch, case_decode, compare
+    """Sequences whose last queries reduce over three key splits: every attention call on the
+    walk against every call on the split schedule, learner and engine (`schedules.py`)."""
     from parity.ops import triton_attention as ta
     model = _model("aligned", torch.bfloat16)
     long = 2 * ta.KV_SPLIT_PAGES * model.block_size + 6
-    gen = torch.Generator().manual_seed(6)
-    seqs = [torch.randint(0, 128, (n,), generator=gen) for n in (long, long - 9)]
-    refs = reference(model, seqs)
-    pairs = case_batch(model, seqs, refs, [1, 0, 1])
-    pairs += case_decode(model, seqs, refs, [[40, long - 46] + [1] * 6, [long - 13] + [1] * 4])
-    n, bad, worst = compare(pairs)
-    assert n == 5 and bad == 0, (bad, worst)
+    assert_model_schedules_agree(model, (long, long - 9))
 
 
 def test_moe_routing_is_invariant(triton_impl):
