@@ -238,6 +238,11 @@ class Model(nn.Module):
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [rows, D] float32
         q_index = batch.q_index
         k_index = batch.k_index
+        padded = bsz * m > t  # the [B, M] query layout has padding slots (they point at row t)
+        q_pos = batch.q_pos.to(K.index_dtype)  # converted once here, not in every layer's kernel
+        if cache is not None:
+            tables = batch.block_tables.to(K.index_dtype)
+            where = cache.locate(batch.slots)
         routing, router_logits = [], []
         for i, layer in enumerate(self.model.layers):
             att, mlp = layer.self_attn, layer.mlp
@@ -254,15 +259,18 @@ class Model(nn.Module):
                 k = K.rms_norm_rope(k, att.k_norm.weight, cfg.rms_norm_eps, cos, sin)
             else:
                 q, k = K.rope(q, cos, sin), K.rope(k, cos, sin)
-            # row `t` (a padding row, or an appended zero row) serves as the gather pad target
-            if rows == t:
-                q, k, v = (torch.cat([z, z.new_zeros(1, *z.shape[1:])]) for z in (q, k, v))
+            # row `t` (a padding row, or an appended zero row) serves as the gather pad target:
+            # of q where the query layout is padded, of k and v in the dense (learner) layout
+            if rows == t and (padded or cache is None):
+                q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
+            if rows == t and cache is None:
+                k, v = (torch.cat([z, z.new_zeros(1, *z.shape[1:])]) for z in (k, v))
             q_pad = q[q_index]  # [B, M, Hq, D]
             if cache is None:
-                o = K.attention(q_pad, k[k_index], v[k_index], batch.q_pos, self.block_size)
+                o = K.attention(q_pad, k[k_index], v[k_index], q_pos, self.block_size)
             else:
-                cache.write(i, batch.slots, k[:t], v[:t])  # new keys enter the cache first
-                o = K.paged_attention(q_pad, cache.k[i], cache.v[i], batch.block_tables, batch.q_pos)
+                cache.write(i, where, k[:t], v[:t])  # new keys enter the cache first
+                o = K.paged_attention(q_pad, cache.k[i], cache.v[i], tables, q_pos)
             o = o.reshape(bsz * m, hq * d)[batch.out_index]  # back to packed [T, Hq*D]
             if rows > t:
                 o = torch.cat([o, o.new_zeros(rows - t, o.shape[1])])

@@ -37,9 +37,14 @@ class KVCache:
         item = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * item
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys/values [T, Hkv, D] at flat slots [T] (block * block_size + offset)."""
-        block, offset = slots // self.block_size, slots % self.block_size
+    def locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of flat slots [T] (block * block_size + offset): once per forward."""
+        return slots // self.block_size, slots % self.block_size
+
+    def write(self, layer: int, where: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store new keys/values [T, Hkv, D] at the (block, offset) pairs `locate` gave."""
+        block, offset = where
         self.k[layer][block, :, :, offset] = k.to(self.k.dtype)
         self.v[layer][block, :, offset, :] = v.to(self.v.dtype)
 

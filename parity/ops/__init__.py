@@ -51,6 +51,9 @@ class Kernels:
     """`moe_route(router_logits, k, normalize) -> (weights, expert ids)`: top-k routing."""
     moe_combine: Callable
     """`moe_combine(parts [T, k, H]) -> [T, H]`: a token's weighted expert outputs summed."""
+    index_dtype: torch.dtype = torch.int64
+    """The integer dtype attention takes block tables and query positions in (a model forward
+    converts them once, not every layer): int64 on the CPU backends, int32 for Triton."""
     impl: str = "cpu"
     """Which implementation serves the backend: 'cpu' (C kernels or pure PyTorch; `standard`
     everywhere) or 'triton' (the aligned backend on CUDA, or on CPU through the interpreter)."""

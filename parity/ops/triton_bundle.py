@@ -197,6 +197,7 @@ TRITON_ALIGNED = Kernels(
     rope=rope,
     moe_route=moe_route,
     moe_combine=aligned.moe_combine,
+    index_dtype=torch.int32,
     impl="triton",
 )
 """The aligned bundle on CUDA (no row padding: the Triton GEMM's row bits never depend on M)."""
