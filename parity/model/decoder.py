@@ -265,13 +265,16 @@ class Model(nn.Module):
                 q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
             if rows == t and cache is None:
                 k, v = (torch.cat([z, z.new_zeros(1, *z.shape[1:])]) for z in (k, v))
-            q_pad = q[q_index]  # [B, M, Hq, D]
+            # [B, M, Hq, D]; without padding slots the layout is the packed order (decode): a view
+            q_pad = q[q_index] if padded else q[:t].view(bsz, m, hq, d)
             if cache is None:
                 o = K.attention(q_pad, k[k_index], v[k_index], q_pos, self.block_size)
             else:
                 cache.write(i, where, k[:t], v[:t])  # new keys enter the cache first
                 o = K.paged_attention(q_pad, cache.k[i], cache.v[i], tables, q_pos)
-            o = o.reshape(bsz * m, hq * d)[batch.out_index]  # back to packed [T, Hq*D]
+            o = o.reshape(bsz * m, hq * d)  # back to packed [T, Hq*D]
+            if padded:
+                o = o[batch.out_index]
             if rows > t:
                 o = torch.cat([o, o.new_zeros(rows - t, o.shape[1])])
             x = x + K.linear(o, att.o_proj.weight)
