@@ -1,5 +1,5 @@
 """The `parity` command: demo, study, sft, eval, train, check, generate,
-bench kernels|rollout|learner|gemm|sampler|memory|async.
+bench kernels|rollout|learner|gemm|attention|sampler|memory|async.
 
 This module is the parser and the dispatch; each command's body is `main(args)` in its module
 under `parity/apps/` (imported only when that command runs). Every user-facing failure (bad
@@ -197,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
     gm.add_argument("--reps", type=int, default=5)
     gm.add_argument("--json", action="store_true")
     gm.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    at = _command(bsub, "attention", "bench_attention",
+                  "decode attention per schedule (walk, split, auto) vs the standard path")
+    at.add_argument("--preset", default="qwen3-0.6b", help="heads and head size from this preset")
+    at.add_argument("--dtype", default="bfloat16")
+    at.add_argument("--batches", type=_csv(int), default=[1, 8, 64])
+    at.add_argument("--contexts", type=_csv(int), default=[1024, 4096], help="keys per sequence")
+    at.add_argument("--reps", type=int, default=5)
+    at.add_argument("--json", action="store_true")
+    at.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     sp = _command(bsub, "sampler", "bench_sampler",
                   "one sampling step per noise path (fused Triton on a GPU)")
     sp.add_argument("--preset", default="qwen3-0.6b", help="the vocabulary size comes from this preset")

@@ -15,10 +15,11 @@
 #    each decode row says how its steps ran, so a capture that failed is seen, not hidden), and
 #    parity bench gemm: the aligned GEMM's candidate tiles per weight shape of the 0.6B model
 #    against cuBLAS at decode and prefill row counts, each checked bit for bit across M, and
-#    parity bench sampler: one sampling step at Qwen3's vocabulary, PyTorch ops vs the fused pass
+#    parity bench sampler: one sampling step at Qwen3's vocabulary, PyTorch ops vs the fused pass,
+#    parity bench attention: decode attention per schedule (walk, split) at 1-4K keys vs standard
 # 4. a short asynchronous training run per backend (toy task, bf16): the learner's kernel-mismatch
 #    figure is exactly 0 on aligned kernels and > 0 on standard ones
-# Each step runs under its own time limit (together 535 s, so one 10-minute device call holds the
+# Each step runs under its own time limit (together 550 s, so one 10-minute device call holds the
 # whole run) and the script goes on after a failure; the
 # summary (gpu_summary.json: per step rc, seconds, parsed results) is rewritten after every step,
 # so a run cut short still leaves one. Step logs keep stdout (NAME.log, where JSON is parsed) and
@@ -34,9 +35,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
 if [ -n "${SMOKE:-}" ]; then  # tiny sizes for a dry run of the script on a CPU
-    BIG=tiny; SMALL=tiny; BATCHES=1,8; PREFILL=16; NSEQ=16; LEN=32; REPS=1; STEPS=2; GEMM_ROWS=4,16; GEMM_TILES=--candidates=64x128x64x4x3,64x32x64x4x4; TESTS=tests/parity/test_bitwise.py::test_a_thousand_generated_cases
+    BIG=tiny; SMALL=tiny; BATCHES=1,8; PREFILL=16; NSEQ=16; LEN=32; REPS=1; STEPS=2; GEMM_ROWS=4,16; GEMM_TILES=--candidates=64x128x64x4x3,64x32x64x4x4; ATT_BATCHES=1; ATT_CONTEXTS=70; TESTS=tests/parity/test_bitwise.py::test_a_thousand_generated_cases
 else
-    BIG=qwen3-0.6b; SMALL=small; BATCHES=1,64,256; PREFILL=128; NSEQ=256; LEN=256; REPS=5; STEPS=12; GEMM_ROWS=64,256,8192; GEMM_TILES=; TESTS=tests/parity
+    BIG=qwen3-0.6b; SMALL=small; BATCHES=1,64,256; PREFILL=128; NSEQ=256; LEN=256; REPS=5; STEPS=12; GEMM_ROWS=64,256,8192; GEMM_TILES=; ATT_BATCHES=1,8,64; ATT_CONTEXTS=1024,4096; TESTS=tests/parity
 fi
 STEPS_FILE="$OUT_DIR/steps.tsv"
 : > "$STEPS_FILE"
@@ -110,7 +111,7 @@ step compile 45 "$PY" -m parity.cli compile --arch "$ARCH" --presets $BIG,$SMALL
     --batch 64 --json
 step bitwise 120 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -v -p no:cacheprovider $TESTS \
     --ignore=tests/parity/test_triton_compile.py --durations=15 --junitxml="$OUT_DIR/bitwise.xml"
-step check 45 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
+step check 40 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
     --rounds 4 --json --cases batch,padding,offset,decode,graphs,engine,autograd
 step bench_kernels 100 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG,$SMALL \
     --dtypes bfloat16 --batches $BATCHES --prefill-len $PREFILL --reps $REPS --eager-decode --json
@@ -120,6 +121,8 @@ step bench_learner 45 "$PY" -m parity.cli bench learner --device "$DEVICE" --pre
     --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
 step bench_gemm 50 "$PY" -m parity.cli bench gemm --device "$DEVICE" --preset $BIG --dtype bfloat16 \
     --rows $GEMM_ROWS --reps 2 $GEMM_TILES --json
+step bench_attention 20 "$PY" -m parity.cli bench attention --device "$DEVICE" --preset $BIG \
+    --batches $ATT_BATCHES --contexts $ATT_CONTEXTS --reps 3 --json
 step bench_sampler 25 "$PY" -m parity.cli bench sampler --device "$DEVICE" --preset $BIG \
     --batches $BATCHES --reps 3 --json
 for k in aligned standard; do

@@ -111,6 +111,16 @@ def test_bench_rollout_json():
                for r in out["rows"])
 
 
+def test_bench_attention_json():
+    """Both schedules timed beside the standard path, their bits compared (interpreter here)."""
+    proc = run("bench", "attention", "--json", "--preset", "tiny", "--dtype", "float32", "--batches", "1",
+               "--contexts", "70", "--reps", "1")
+    assert proc.returncode == 0, proc.stderr
+    [row] = json.loads(proc.stdout)["rows"]
+    assert row["same_bits"] and row["auto"] in ("walk", "split") and min(row["ms"].values()) > 0
+    assert set(row["ms"]) == {"walk", "split", "auto", "standard"}
+
+
 def test_bench_sampler_json_and_bad_batches():
     proc = run("bench", "sampler", "--json", "--vocab", "500", "--batches", "1,3", "--reps", "1")
     assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,110 @@
+"""`parity bench attention`: decode attention over the paged KV cache, per schedule, side by side.
+
+One decode step's attention for one layer of a preset's shape (every sequence one query, all at
+the same context length, its pages scattered through the cache) timed four ways in one run,
+repetitions interleaved, medians: the aligned Triton kernel's walk (one program per sequence and
+KV head), its split schedule (one program per key split, then the merge kernel), what the aligned
+backend picks by shape (`auto`), and the standard backend's path (gather the pages, then SDPA).
+Every row checks that the walk and the split schedule gave the same bits (`torch.equal`; exit 1
+if not). This is the figure that sets where `triton_attention._schedule` switches on a GPU. On a
+CPU the Triton kernels run through Triton's interpreter: a check at small shapes, not a speed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
+
+from .. import hardware
+from ..dtypes import dtype_from_name
+from ..errors import ParityError
+from ..model import ModelConfig
+from ..ops import standard
+from .ui import status, table
+
+PATHS = ("walk", "split", "auto", "standard")
+
+
+@dataclass
+class AttentionRow:
+    batch: int
+    context: int
+    ms: dict
+    """Median milliseconds of one call per path."""
+    auto: str
+    """The schedule the aligned backend picks for this shape."""
+    same_bits: bool
+
+
+def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: int, device: torch.device,
+                    progress=None) -> list[AttentionRow]:
+    from ..ops import triton_attention as ta
+
+    cfg = ModelConfig.preset(preset)
+    hq, hkv, d, bs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 32
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            pages = -(-context // bs)
+            k_cache = torch.randn(1 + batch * pages, hkv, d, bs, generator=gen).to(dtype).to(device)
+            v_cache = torch.randn(1 + batch * pages, hkv, bs, d, generator=gen).to(dtype).to(device)
+            tables = (1 + torch.randperm(batch * pages, generator=gen)).view(batch, pages).to(device)
+            q = torch.randn(batch, 1, hq, d, generator=gen).to(dtype).to(device)
+            q_pos = torch.full((batch, 1), context - 1, device=device)
+            args = (q, k_cache, v_cache, tables, q_pos)
+            calls = {"walk": partial(ta.paged_attention, *args, "walk"),
+                     "split": partial(ta.paged_attention, *args, "split"),
+                     "auto": partial(ta.paged_attention, *args),
+                     "standard": partial(standard.paged_attention, *args)}
+            times: dict[str, list[float]] = {p: [] for p in PATHS}
+            outs = {}
+            for r in range(reps + 1):  # round 0 warms up (and compiles)
+                for p in PATHS:
+                    if progress:
+                        progress(f"attention batch {batch} context {context} {p} {r}/{reps}")
+                    hardware.sync(device)
+                    t0 = time.perf_counter()
+                    outs[p] = calls[p]()
+                    hardware.sync(device)
+                    if r:
+                        times[p].append(time.perf_counter() - t0)
+            chosen = ta._schedule(batch, hkv, hq // hkv, ta._attention_tiles(d, dtype)[0], pages, d, q.device)
+            ms = {p: 1e3 * statistics.median(t) for p, t in times.items()}
+            rows.append(AttentionRow(batch, context, ms, chosen, torch.equal(outs["walk"], outs["split"])))
+    return rows
+
+
+def main(args) -> int:
+    """`parity bench attention`."""
+    dtype = dtype_from_name(args.dtype, "--dtype")
+    cfg = ModelConfig.preset(args.preset)
+    if min(args.batches) < 1 or min(args.contexts) < 1:
+        raise ParityError("--batches and --contexts must be at least 1")
+    if max(args.contexts) > cfg.max_position_embeddings:
+        raise ParityError(f"--contexts {max(args.contexts)} exceeds preset {args.preset}'s "
+                          f"max_position_embeddings ({cfg.max_position_embeddings})")
+    device = hardware.check_device(args.device, "--device")
+    rows = bench_attention(args.preset, dtype, args.batches, args.contexts, args.reps, device,
+                           progress=lambda m: status(f"bench {m}"))
+    status("")
+    ok = all(r.same_bits for r in rows)
+    if args.json:
+        print(json.dumps({"machine": hardware.describe(), "device": str(device), "preset": args.preset,
+                          "rows": [asdict(r) for r in rows]}, indent=2))
+        return 0 if ok else 1
+    where = "Triton" if device.type == "cuda" else "Triton's interpreter: a check, not a speed"
+    print(f"parity bench attention: one layer's decode attention, {args.preset} heads, {args.dtype}, "
+          f"medians of {args.reps} interleaved repetitions ({device}; aligned kernels in {where})")
+    print(f"machine: {hardware.line()}")
+    print(table(["batch", "context", *[f"{p} ms" for p in PATHS], "auto is", "split/walk speed-up",
+                 "auto/standard", "walk = split bits"],
+                [[str(r.batch), str(r.context), *[f"{r.ms[p]:.3f}" for p in PATHS], r.auto,
+                  f"{r.ms['walk'] / r.ms['split']:.2f}x", f"{r.ms['standard'] / r.ms['auto']:.2f}",
+                  "yes" if r.same_bits else "NO"] for r in rows]))
+    return 0 if ok else 1
