@@ -13,8 +13,6 @@ CPU the Triton kernels run through Triton's interpreter: a check at small shapes
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -25,9 +23,10 @@ from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import ModelConfig
 from ..ops import standard
-from .ui import status, table
+from .ui import interleaved, status, table
 
 PATHS = ("walk", "split", "auto", "standard")
+"""The timed paths, in the order each round calls them."""
 
 
 @dataclass
@@ -39,6 +38,12 @@ class AttentionRow:
     auto: str
     """The schedule the aligned backend picks for this shape."""
     same_bits: bool
+
+
+def _call(outs: dict, path: str, call, device: torch.device) -> None:
+    """One timed call: its result kept (for the bits check), the device waited for."""
+    outs[path] = call()
+    hardware.sync(device)
 
 
 def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: int, device: torch.device,
@@ -62,20 +67,12 @@ def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: in
                      "split": partial(ta.paged_attention, *args, "split"),
                      "auto": partial(ta.paged_attention, *args),
                      "standard": partial(standard.paged_attention, *args)}
-            times: dict[str, list[float]] = {p: [] for p in PATHS}
-            outs = {}
-            for r in range(reps + 1):  # round 0 warms up (and compiles)
-                for p in PATHS:
-                    if progress:
-                        progress(f"attention batch {batch} context {context} {p} {r}/{reps}")
-                    hardware.sync(device)
-                    t0 = time.perf_counter()
-                    outs[p] = calls[p]()
-                    hardware.sync(device)
-                    if r:
-                        times[p].append(time.perf_counter() - t0)
+            outs: dict[str, torch.Tensor] = {}
+            if progress:
+                progress(f"attention batch {batch} context {context}")
+            sec = interleaved({p: partial(_call, outs, p, c, device) for p, c in calls.items()}, reps)
             chosen = ta._schedule(batch, hkv, hq // hkv, ta._attention_tiles(d, dtype)[0], pages, d, q.device)
-            ms = {p: 1e3 * statistics.median(t) for p, t in times.items()}
+            ms = {p: 1e3 * t for p, t in sec.items()}
             rows.append(AttentionRow(batch, context, ms, chosen, torch.equal(outs["walk"], outs["split"])))
     return rows
 

@@ -13,7 +13,6 @@ fraction of this machine's GEMM rate for the dtype, measured in the same run (`h
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -26,7 +25,7 @@ from ..engine import Decoder
 from ..errors import ParityError
 from ..model import ForwardBatch, Model, ModelConfig
 from ..ops import BACKENDS
-from .ui import RateRow, gemm_line, status, table
+from .ui import RateRow, gemm_line, interleaved, status, table
 
 
 @dataclass
@@ -103,19 +102,6 @@ def _steps(decoder: Decoder) -> str:
     return "cuda graphs" if graphs.replays else "eager"
 
 
-def _interleaved(fns: dict[str, Callable], reps: int, timed_inside: bool) -> dict[str, float]:
-    """Median seconds per call of each function, called in turn `reps` times after a warm-up."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            inner = fn()
-            times[k].append(inner if timed_inside else time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[str] = ("float32", "bfloat16"),
                   batches: Sequence[int] = (1, 8, 64, 256), prefill_len: int = 64, decode_prompt: int = 32,
                   decode_steps: int = 16, reps: int = 5,
@@ -139,7 +125,7 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
                 fns, ntok = {}, 0
                 for k, m in models.items():
                     fns[k], ntok = _prefill_fn(m, batch, prefill_len, cfg.vocab_size)
-                med = _interleaved(fns, reps, timed_inside=False)
+                med = interleaved(fns, reps, timed_inside=False)
                 rows.append(BenchRow(preset, dtype_name, "prefill", batch,
                                      ntok / med["aligned"], ntok / med["standard"], prefill_flops, gemm))
                 modes = [("decode", "auto")]
@@ -149,7 +135,7 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
                     for k, m in models.items():
                         fns[k], ntok = _decode_fn(m, batch, decode_prompt, decode_steps, cfg.vocab_size,
                                                   graphs)
-                    med = _interleaved(fns, reps, timed_inside=True)
+                    med = interleaved(fns, reps, timed_inside=True)
                     how = {k: _steps(fn.decoder) for k, fn in fns.items()}
                     steps_text = how["aligned"] if len(set(how.values())) == 1 else \
                         "; ".join(f"{k}: {v}" for k, v in how.items())

@@ -15,10 +15,9 @@ the host, as the engine's step does.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 
@@ -29,7 +28,7 @@ from ..engine.sequence import SamplingParams, Sequence
 from ..errors import ParityError
 from ..model import ModelConfig
 from ..ops import get_kernels
-from .ui import status, table
+from .ui import interleaved, status, table
 
 
 @dataclass
@@ -53,6 +52,12 @@ def _paths(device: torch.device) -> list[str]:
     return ["generator", "counter", "fused"] if device.type == "cuda" else ["generator", "counter"]
 
 
+def _sample(picked: list, sampler: Sampler, seqs: list[Sequence], logits: torch.Tensor, device) -> None:
+    """One timed sampling step (its tokens reach the host, as in the engine); the tokens kept."""
+    hardware.sync(device)
+    picked.append([t for t, _, _ in sampler.sample(seqs, logits)])
+
+
 def bench_sampler(vocab: int, batches: Seq[int], dtype: torch.dtype, reps: int, device: torch.device,
                   progress=None) -> list[SamplerRow]:
     rows = []
@@ -66,21 +71,13 @@ def bench_sampler(vocab: int, batches: Seq[int], dtype: torch.dtype, reps: int, 
             samplers["counter"]._fused_draws = lambda logp: False  # type: ignore[method-assign]
         seqs = {p: [Sequence(i, [0], SamplingParams(temperature=1.0, seed=i), prompt_len=1)
                     for i in range(batch)] for p in samplers}
-        times: dict[str, list[float]] = {p: [] for p in samplers}
-        same: bool | None = True if "fused" in samplers else None
-        for r in range(reps + 1):  # round 0 warms up (and compiles)
-            picked = {}
-            for p, sampler in samplers.items():
-                if progress:
-                    progress(f"sampler batch {batch} {p} {r}/{reps}")
-                hardware.sync(device)
-                t0 = time.perf_counter()
-                picked[p] = [t for t, _, _ in sampler.sample(seqs[p], logits)]
-                if r:
-                    times[p].append(time.perf_counter() - t0)
-            if same is not None:
-                same = same and picked["fused"] == picked["counter"]
-        rows.append(SamplerRow(batch, vocab, {p: 1e3 * statistics.median(t) for p, t in times.items()}, same))
+        picked: dict[str, list] = {p: [] for p in samplers}  # every call's tokens, per path
+        if progress:
+            progress(f"sampler batch {batch}")
+        sec = interleaved({p: partial(_sample, picked[p], smp, seqs[p], logits, device)
+                           for p, smp in samplers.items()}, reps)
+        same = picked["fused"] == picked["counter"] if "fused" in samplers else None
+        rows.append(SamplerRow(batch, vocab, {p: 1e3 * t for p, t in sec.items()}, same))
     return rows
 
 
