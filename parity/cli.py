@@ -58,6 +58,13 @@ def _command(sub, name: str, module: str, help: str, **kwargs) -> argparse.Argum
     return p
 
 
+def _bench_options(parser: argparse.ArgumentParser, reps: int) -> None:
+    """--reps, --json and --device, as the device benches take them."""
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parity", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -184,9 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--dtypes", type=_csv(str), default=all_dtypes)
     n.add_argument("--batch", type=int, default=8, help="sequences per step")
     n.add_argument("--length", type=int, default=128, help="tokens per sequence")
-    n.add_argument("--reps", type=int, default=5)
-    n.add_argument("--json", action="store_true")
-    n.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    _bench_options(n, reps=5)
     gm = _command(bsub, "gemm", "bench_gemm",
                   "aligned Triton GEMM tiles per weight shape vs cuBLAS (a GPU; the interpreter on CPU)")
     gm.add_argument("--preset", default="qwen3-0.6b")
@@ -194,27 +199,21 @@ def build_parser() -> argparse.ArgumentParser:
     gm.add_argument("--rows", type=_csv(int), default=[64, 256, 8192], help="row counts M to time")
     gm.add_argument("--candidates", type=_csv(str), default=None,
                     help="tiles BMxBNxBKxWARPSxSTAGES, comma-separated (default: a list per dtype)")
-    gm.add_argument("--reps", type=int, default=5)
-    gm.add_argument("--json", action="store_true")
-    gm.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    _bench_options(gm, reps=5)
     at = _command(bsub, "attention", "bench_attention",
                   "decode attention per schedule (walk, split, auto) vs the standard path")
     at.add_argument("--preset", default="qwen3-0.6b", help="heads and head size from this preset")
     at.add_argument("--dtype", default="bfloat16")
     at.add_argument("--batches", type=_csv(int), default=[1, 8, 64])
     at.add_argument("--contexts", type=_csv(int), default=[1024, 4096], help="keys per sequence")
-    at.add_argument("--reps", type=int, default=5)
-    at.add_argument("--json", action="store_true")
-    at.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    _bench_options(at, reps=5)
     sp = _command(bsub, "sampler", "bench_sampler",
                   "one sampling step per noise path (fused Triton on a GPU)")
     sp.add_argument("--preset", default="qwen3-0.6b", help="the vocabulary size comes from this preset")
     sp.add_argument("--vocab", type=int, default=None, help="a vocabulary size instead of the preset's")
     sp.add_argument("--dtype", default="bfloat16", help="the logits' dtype")
     sp.add_argument("--batches", type=_csv(int), default=[1, 64, 256])
-    sp.add_argument("--reps", type=int, default=5)
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    _bench_options(sp, reps=5)
     mem = _command(bsub, "memory", "bench_memory", "peak memory and weight copies kept against the lag")
     mem.add_argument("--preset", default="small")
     mem.add_argument("--dtype", default="float32")
