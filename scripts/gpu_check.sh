@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of parity in one command (< 9 minutes on one GPU), for the first machine with CUDA:
+# The GPU checks of parity in one command (one 10-minute device call), for the first machine with CUDA:
 #   scripts/gpu_check.sh [OUT_DIR]        (default: $OUT if set, else runs/gpu_check)
 #   DEVICE=cpu SMOKE=1 scripts/gpu_check.sh /tmp/x   (a dry run of the same steps on the CPU, at tiny
 #                                                    sizes: checks the script itself, not a GPU)
