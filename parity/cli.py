@@ -58,6 +58,12 @@ def _command(sub, name: str, module: str, help: str, **kwargs) -> argparse.Argum
     return p
 
 
+def _gemm_tiles_option(parser: argparse.ArgumentParser) -> None:
+    """--gemm-tiles: the aligned GEMM's tiles from a `bench gemm --json` file, in this process."""
+    parser.add_argument("--gemm-tiles", metavar="FILE",
+                        help="GEMM tiles per weight shape from `parity bench gemm --json` (a GPU)")
+
+
 def _bench_options(parser: argparse.ArgumentParser, reps: int) -> None:
     """--reps, --json and --device, as the device benches take them."""
     parser.add_argument("--reps", type=int, default=reps)
@@ -139,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch", type=int, default=8, help="decode batch size besides 1 (default 8)")
     c.add_argument("--length", type=int, default=64, help="learner sequence length (default 64)")
     c.add_argument("--json", action="store_true", help="machine-readable output")
+    _gemm_tiles_option(c)
 
     g = _command(sub, "generate", "generate", "sample completions with the rollout engine")
     gsrc = g.add_mutually_exclusive_group()
@@ -175,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a GPU, also time decode without CUDA graphs (rows 'decode-eager')")
     k.add_argument("--json", action="store_true")
     k.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    _gemm_tiles_option(k)
     r = _command(bsub, "rollout", "bench_rollout", "engine output tokens/s on a long-tail workload")
     r.add_argument("--preset", default="small")
     r.add_argument("--dtypes", type=_csv(str), default=all_dtypes)
@@ -192,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--batch", type=int, default=8, help="sequences per step")
     n.add_argument("--length", type=int, default=128, help="tokens per sequence")
     _bench_options(n, reps=5)
+    _gemm_tiles_option(n)
     gm = _command(bsub, "gemm", "bench_gemm",
                   "aligned Triton GEMM tiles per weight shape vs cuBLAS (a GPU; the interpreter on CPU)")
     gm.add_argument("--preset", default="qwen3-0.6b")

@@ -19,8 +19,12 @@
 #    parity bench attention: decode attention per schedule (walk, split) at 1-4K keys vs standard
 # 4. a short asynchronous training run per backend (toy task, bf16): the learner's kernel-mismatch
 #    figure is exactly 0 on aligned kernels and > 0 on standard ones
-# Each step runs under its own time limit (together 560 s, so one 10-minute device call holds the
-# whole run) and the script goes on after a failure; the
+# 5. with the time left: bench kernels and bench learner on the 0.6B shape again, with the GEMM
+#    tiles by row count that bench gemm proposed (--gemm-tiles; used only where the device's probe
+#    finds the ladder's tiles give the same bits, which their JSON's aligned_kernels line reports)
+# Each step runs under its own time limit (560 s for steps 0-4) and no step runs past DEADLINE
+# seconds from the start (default 575, so one 10-minute device call holds the whole run: a step
+# with too little time left is cut to it or skipped, rc 125); the script goes on after a failure; the
 # summary (gpu_summary.json: per step rc, seconds, parsed results) is rewritten after every step,
 # so a run cut short still leaves one. Step logs keep stdout (NAME.log, where JSON is parsed) and
 # stderr (NAME.err) apart. Work files go to OUT_DIR; when $OUT is set (a device call's folder
@@ -35,20 +39,28 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
 if [ -n "${SMOKE:-}" ]; then  # tiny sizes for a dry run of the script on a CPU
-    BIG=tiny; SMALL=tiny; BATCHES=1,8; PREFILL=16; NSEQ=16; LEN=32; REPS=1; STEPS=2; GEMM_ROWS=4,16; GEMM_TILES=--candidates=64x128x64x4x3,64x32x64x4x4; ATT_BATCHES=1; ATT_CONTEXTS=70; TESTS=tests/parity/test_bitwise.py::test_a_thousand_generated_cases
+    BIG=tiny; SMALL=tiny; BATCHES=1,8; PREFILL=16; NSEQ=16; LEN=32; REPS=1; STEPS=2; GEMM_ROWS=4,16; GEMM_TILES=--candidates=64x128x64x4x3,64x32x64x4x4; ATT_BATCHES=1; ATT_CONTEXTS=70; TILED_BATCHES=8; TESTS=tests/parity/test_bitwise.py::test_a_thousand_generated_cases
 else
-    BIG=qwen3-0.6b; SMALL=small; BATCHES=1,64,256; PREFILL=128; NSEQ=256; LEN=256; REPS=5; STEPS=12; GEMM_ROWS=64,256,8192; GEMM_TILES=; ATT_BATCHES=1,8,64; ATT_CONTEXTS=1024,4096; TESTS=tests/parity
+    BIG=qwen3-0.6b; SMALL=small; BATCHES=1,64,256; PREFILL=128; NSEQ=256; LEN=256; REPS=5; STEPS=12; GEMM_ROWS=64,256,8192; GEMM_TILES=; ATT_BATCHES=1,8,64; ATT_CONTEXTS=1024,4096; TILED_BATCHES=64,256; TESTS=tests/parity
 fi
 STEPS_FILE="$OUT_DIR/steps.tsv"
 : > "$STEPS_FILE"
 
+DEADLINE="${DEADLINE:-575}"
 step() {  # step NAME LIMIT_S COMMAND...: run, log to NAME.log / NAME.err, record rc and seconds
     local name=$1 limit=$2
     shift 2
-    local t0=$SECONDS
+    local t0=$SECONDS left=$((DEADLINE - SECONDS - 12))  # 12 s: the kill grace, the summary, the tar
+    [ "$left" -lt "$limit" ] && limit=$left
     echo "=== $name (limit ${limit}s): $*"
-    timeout -k 10 "$limit" "$@" > "$OUT_DIR/$name.log" 2> "$OUT_DIR/$name.err"
-    local rc=$?
+    local rc=125
+    if [ "$limit" -ge 5 ]; then
+        timeout -k 10 "$limit" "$@" > "$OUT_DIR/$name.log" 2> "$OUT_DIR/$name.err"
+        rc=$?
+    else
+        echo "skipped: $((DEADLINE - SECONDS)) s left before the ${DEADLINE} s deadline" > "$OUT_DIR/$name.err"
+        : > "$OUT_DIR/$name.log"
+    fi
     printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$STEPS_FILE"
     tail -n 3 "$OUT_DIR/$name.log" "$OUT_DIR/$name.err" 2>/dev/null | cut -c1-300
     echo "--- $name: rc=$rc, $((SECONDS - t0)) s"
@@ -130,6 +142,13 @@ for k in aligned standard; do
         --set model.device="$DEVICE" --set model.preset=$SMALL --set model.dtype=bfloat16 \
         --set model.kernels=$k --set run_dir="$OUT_DIR/train_$k"
 done
+if grep -q '"gemm_tiles"' "$OUT_DIR/bench_gemm.log" 2>/dev/null; then  # step 5, with the time left
+    step bench_kernels_tiled 60 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG \
+        --dtypes bfloat16 --batches $TILED_BATCHES --prefill-len $PREFILL --reps $REPS --json \
+        --gemm-tiles "$OUT_DIR/bench_gemm.log"
+    step bench_learner_tiled 30 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $BIG \
+        --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json --gemm-tiles "$OUT_DIR/bench_gemm.log"
+fi
 
 
 summarize

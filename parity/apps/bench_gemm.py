@@ -1,16 +1,20 @@
 """`parity bench gemm`: the aligned Triton GEMM's candidate tiles at a model's weight shapes.
 
-The aligned GEMM's tile may depend on the weight's shape (N, K) and the dtype, never on M
-(`triton_kernels.gemm_tiles`): a decode step wants many small tiles (the 0.6B shape's o_proj and
-down_proj run 8 programs of the default 64x128 tile at batch 64, on a GPU of 132 SMs), a prefill
-wants large ones, and one tile must serve both. For each distinct weight shape of a preset (fused
-q/k/v, o_proj, fused gate/up, down_proj, LM head) this times every candidate tile at decode and
-prefill row counts beside `F.linear` (cuBLAS on a GPU), replayed from CUDA graphs on a GPU (as
-the engine's decode steps are: no launch cost in the figure), repetitions interleaved, medians; checks
-that each candidate's rows are the same bits at every row count (`torch.equal` against the rows
-of the largest; exit 1 if one's are not); reports a candidate the device refuses (shared memory)
-and goes on; and names per shape the candidate with the best geometric mean of
-aligned/standard over the row counts — the entry a GPU session writes into `GEMM_TILES`.
+The aligned GEMM's tile may depend on the weight's shape (N, K) and the dtype, and on M only
+through a ladder of tiles that gives every M the same bits (`triton_kernels.GEMM_TILES`): a
+decode step wants many small tiles (the 0.6B shape's o_proj and down_proj run 8 programs of the
+default 64x128 tile at batch 64, on a GPU of 132 SMs), a prefill wants large ones. For each
+distinct weight shape of a preset (fused q/k/v, o_proj, fused gate/up, down_proj, LM head) this
+times every candidate tile at decode and prefill row counts beside `F.linear` (cuBLAS on a GPU),
+replayed from CUDA graphs on a GPU (as the engine's decode steps are: no launch cost in the
+figure), repetitions interleaved, medians; checks that each candidate's rows are the same bits at
+every row count (`torch.equal` against the rows of the largest; exit 1 if one's are not); sorts
+the candidates into classes of identical float32 sums (class A: the first candidate's, the
+default); reports a candidate the device refuses (shared memory) and goes on. Per shape it names
+the best single tile (geometric mean of aligned/standard over the row counts) and the best ladder
+within one class: the fastest tile of that class at each row count. `--json` writes the ladders
+as `gemm_tiles`, the table `GEMM_TILES` takes (`--gemm-tiles FILE` of `bench kernels` and `bench
+learner` applies it in their process; a GPU session pastes the printed entries into the code).
 On a CPU the kernels run through Triton's interpreter: a smoke run at small shapes, no timing worth
 reading.
 """
@@ -53,16 +57,37 @@ class TileRow:
     geomean: float = 0.0
     error: str = ""
     """Why the candidate could not run here (e.g. more shared memory than the GPU has), if so."""
+    bits: str = ""
+    """Its class of identical float32 sums at this shape: 'A' the first candidate's, then 'B', ..."""
 
 
-def parse_tiles(text: str) -> tuple[int, int, int, int, int]:
-    """'64x128x64x4x3' -> (64, 128, 64, 4, 3), with a one-line error for anything else."""
+@dataclass
+class Ladder:
+    """The fastest tile per row count among candidates of one bits class: the rungs of a
+    `GEMM_TILES` entry, ((max_rows or None, tiles), ...)."""
+    shape: str
+    n: int
+    k: int
+    dtype: str
+    bits: str
+    rungs: list  # [[max_rows | None, "BMxBNxBKxWxS"], ...], increasing, the last None
+    ratios: dict  # rows -> aligned/standard of the rung serving it
+    geomean: float
+
+    def entry(self) -> str:
+        """The ladder as a line of `GEMM_TILES`, ready to paste."""
+        rungs = ", ".join(f"({top}, {parse_tiles(t)})" for top, t in self.rungs)
+        return f"({self.dtype!r}, {self.n}, {self.k}): ({rungs},),"
+
+
+def parse_tiles(text: str, what: str = "--candidates") -> tuple[int, int, int, int, int]:
+    """'64x128x64x4x3' -> (64, 128, 64, 4, 3), with a one-line error naming `what` otherwise."""
     try:
         parts = tuple(int(p) for p in text.lower().split("x"))
     except ValueError:
         parts = ()
     if len(parts) != 5 or any(p <= 0 for p in parts) or any(p & (p - 1) for p in parts[:3]):
-        raise ParityError(f"--candidates: {text!r} is not BLOCK_MxBLOCK_NxBLOCK_Kxwarpsxstages "
+        raise ParityError(f"{what}: {text!r} is not BLOCK_MxBLOCK_NxBLOCK_Kxwarpsxstages "
                           f"with power-of-two blocks (e.g. 64x128x64x4x3)")
     return parts  # type: ignore[return-value]
 
@@ -125,6 +150,9 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
     for name, (n, k) in weight_shapes(cfg).items():
         w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype).to(device)
         x = torch.randn(max(rows), k, generator=gen).to(dtype).to(device)
+        spread = torch.exp2(torch.randint(-8, 9, (64, k), generator=gen).float())  # orders show
+        probe = (torch.randn(64, k, generator=gen) * spread).to(dtype).to(device)
+        classes: list[torch.Tensor] = []  # one float32 product of `probe` per bits class
         for t in tiles:
             if progress:
                 progress(f"{name} {n}x{k} tiles {'x'.join(map(str, t))}")
@@ -136,6 +164,12 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
                 out.append(TileRow(name, n, k, dtype_name, label, {}, False, 0.0, msg))
                 continue
             invariant = all(torch.equal(tk.matmul(x[:m], w, tiles=t), full[:m]) for m in rows)
+            sums = tk.matmul(probe, w, tiles=t, out_dtype=torch.float32)
+            same = next((i for i, c in enumerate(classes) if torch.equal(c, sums)), None)
+            if same is None:
+                classes.append(sums)
+                same = len(classes) - 1
+            bits = chr(ord("A") + same)
             ratios = {}
             for m in rows:
                 fns = {"aligned": lambda xm=x[:m], w=w, t=t: tk.matmul(xm, w, tiles=t),
@@ -146,7 +180,7 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
                         times[key].append(_seconds(fn, device))
                 ratios[m] = statistics.median(times["standard"]) / statistics.median(times["aligned"])
             geo = math.exp(statistics.fmean(math.log(r) for r in ratios.values()))
-            out.append(TileRow(name, n, k, dtype_name, label, ratios, invariant, geo))
+            out.append(TileRow(name, n, k, dtype_name, label, ratios, invariant, geo, bits=bits))
     return out
 
 
@@ -159,6 +193,71 @@ def best(rows: list[TileRow]) -> dict[str, TileRow]:
     return chosen
 
 
+def ladders(rows: list[TileRow]) -> dict[str, Ladder]:
+    """Per shape, the best ladder: within each bits class, the fastest row-invariant tile at each
+    row count (a rung up to that count, the last for any M; equal neighbours merged), the class
+    whose ladder has the best geometric mean over the row counts."""
+    chosen: dict[str, Ladder] = {}
+    for shape in dict.fromkeys(r.shape for r in rows):
+        ok = [r for r in rows if r.shape == shape and r.rows_invariant and not r.error]
+        for bits in sorted({r.bits for r in ok}):
+            group = [r for r in ok if r.bits == bits]
+            counts = sorted(group[0].ratios)
+            pick = {m: max(group, key=lambda r, m=m: r.ratios[m]) for m in counts}
+            rungs: list = []
+            for i, m in enumerate(counts):
+                top = None if i == len(counts) - 1 else m
+                if rungs and rungs[-1][1] == pick[m].tiles:
+                    rungs[-1][0] = top
+                else:
+                    rungs.append([top, pick[m].tiles])
+            ratios = {m: pick[m].ratios[m] for m in counts}
+            geo = math.exp(statistics.fmean(math.log(r) for r in ratios.values()))
+            if shape not in chosen or geo > chosen[shape].geomean:
+                first = group[0]
+                chosen[shape] = Ladder(shape, first.n, first.k, first.dtype, bits, rungs, ratios, geo)
+    return chosen
+
+
+def table_entries(chosen: dict[str, Ladder]) -> list:
+    """The ladders as JSON-ready `GEMM_TILES` entries: [dtype, N, K, [[max_rows, [5 ints]], ...]]."""
+    return [[lad.dtype, lad.n, lad.k, [[top, list(parse_tiles(t))] for top, t in lad.rungs]]
+            for lad in chosen.values()]
+
+
+def apply_tiles(path: str) -> int:
+    """Load `gemm_tiles` from a `parity bench gemm --json` file into `GEMM_TILES` for this process
+    (the benches' `--gemm-tiles`); returns the number of entries. One-line errors for a missing
+    or malformed file."""
+    from ..ops import triton_kernels as tk
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ParityError(f"--gemm-tiles: cannot read {path}: {err}") from err
+    entries = doc.get("gemm_tiles") if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        raise ParityError(f"--gemm-tiles: {path} has no 'gemm_tiles' list (write it with "
+                          f"`parity bench gemm --json`)")
+    table_ = {}
+    for entry in entries:
+        try:
+            dtype, n, k, rungs = entry
+            ladder = tuple((None if top is None else int(top),
+                            parse_tiles("x".join(map(str, t)), f"--gemm-tiles ({path})"))
+                           for top, t in rungs)
+            tops = [top for top, _ in ladder]
+            if not ladder or tops[-1] is not None or None in tops[:-1] or tops[:-1] != sorted(tops[:-1]):
+                raise ValueError("rungs must rise and end with None")
+            dtype_from_name(dtype, "--gemm-tiles")
+            table_[(str(dtype), int(n), int(k))] = ladder
+        except (TypeError, ValueError) as err:
+            raise ParityError(f"--gemm-tiles: bad entry {entry!r} in {path}: {err}") from err
+    tk.GEMM_TILES.update(table_)
+    return len(table_)
+
+
 def main(args) -> int:
     """`parity bench gemm`."""
     if not args.rows or any(m <= 0 for m in args.rows):
@@ -169,22 +268,30 @@ def main(args) -> int:
     rows = bench_gemm(args.preset, args.dtype, tuple(args.rows), args.candidates, args.reps, device,
                       progress=lambda m: status(f"bench gemm: {m}"))
     status("")
-    chosen = best(rows)
+    chosen, by_rows = best(rows), ladders(rows)
     if args.json:
         print(json.dumps({"machine": hardware.describe(), "device": device, "preset": args.preset,
                           "rows": [asdict(r) for r in rows],
-                          "best": {s: asdict(r) for s, r in chosen.items()}}, indent=2))
+                          "best": {s: asdict(r) for s, r in chosen.items()},
+                          "ladders": {s: asdict(r) for s, r in by_rows.items()},
+                          "gemm_tiles": table_entries(by_rows)}, indent=2))
         return 0 if all(r.rows_invariant or r.error for r in rows) else 1
     print(f"parity bench gemm: {args.preset} weight shapes, {args.dtype}, aligned/standard per row count "
           f"(medians of {args.reps} interleaved repetitions; {device})")
     print(f"machine: {hardware.line()}")
-    print(table(["shape", "N x K", "tiles", *[f"M={m}" for m in args.rows], "geomean", "rows same bits"],
+    print(table(["shape", "N x K", "tiles", *[f"M={m}" for m in args.rows], "geomean", "rows same bits",
+                 "bits"],
                 [[r.shape, f"{r.n}x{r.k}", r.tiles, *[f"{r.ratios[m]:.3f}" if m in r.ratios else "-"
                                                        for m in args.rows],
-                  f"{r.geomean:.3f}", "yes" if r.rows_invariant else "-" if r.error else "NO"]
+                  f"{r.geomean:.3f}", "yes" if r.rows_invariant else "-" if r.error else "NO", r.bits or "-"]
                  for r in rows]))
     for r in rows:
         if r.error:
             print(f"{r.shape} {r.tiles}: could not run: {r.error}")
-    print("best per shape: " + ", ".join(f"{s} {r.tiles} ({r.geomean:.3f})" for s, r in chosen.items()))
+    print("best single tile per shape: "
+          + ", ".join(f"{s} {r.tiles} ({r.geomean:.3f})" for s, r in chosen.items()))
+    print("best ladder per shape (tiles of one bits class; the GEMM_TILES entries, used where the "
+          "device's probe confirms the bits):")
+    for lad in by_rows.values():
+        print(f"    {lad.entry()}  # {lad.shape}, class {lad.bits}, geomean {lad.geomean:.3f}")
     return 0 if all(r.rows_invariant or r.error for r in rows) else 1

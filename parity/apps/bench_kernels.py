@@ -24,7 +24,7 @@ from ..dtypes import dtype_from_name
 from ..engine import Decoder
 from ..errors import ParityError
 from ..model import ForwardBatch, Model, ModelConfig
-from ..ops import BACKENDS
+from ..ops import BACKENDS, describe_aligned
 from .ui import RateRow, gemm_line, interleaved, status, table
 
 
@@ -155,6 +155,9 @@ def main(args) -> int:
         raise ParityError("--batches must be positive integers")
     for name in args.dtypes:
         dtype_from_name(name, "--dtypes")
+    if args.gemm_tiles:
+        from .bench_gemm import apply_tiles
+        status(f"GEMM tiles: {apply_tiles(args.gemm_tiles)} weight shapes from {args.gemm_tiles}")
     rows = bench_kernels(presets=args.presets, dtypes=args.dtypes, batches=args.batches,
                          prefill_len=args.prefill_len, decode_steps=args.decode_steps, reps=args.reps,
                          progress=lambda m: status(f"bench kernels: {m}"),
@@ -164,6 +167,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"machine": hardware.describe(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
+                          "aligned_kernels": describe_aligned(args.device),
                           "rows": [r.as_dict() for r in rows]}, indent=2))
         return 0
     print(f"parity bench kernels: medians of {args.reps} interleaved repetitions, "

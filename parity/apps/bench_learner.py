@@ -23,7 +23,7 @@ from ..config import LearnerConfig
 from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import Model, ModelConfig, sequence_logprobs
-from ..ops import BACKENDS
+from ..ops import BACKENDS, describe_aligned
 from .ui import RateRow, gemm_line, status, table
 
 
@@ -91,12 +91,15 @@ def main(args) -> int:
         if args.length > ModelConfig.preset(p).max_position_embeddings:
             raise ParityError(f"--length {args.length} exceeds preset {p}'s max_position_embeddings")
     device = str(hardware.check_device(args.device, "--device"))
+    if args.gemm_tiles:
+        from .bench_gemm import apply_tiles
+        status(f"GEMM tiles: {apply_tiles(args.gemm_tiles)} weight shapes from {args.gemm_tiles}")
     rows = bench_learner(args.presets, args.dtypes, args.batch, args.length, args.reps,
                          progress=lambda m: status(f"bench {m}"), device=device)
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(),
-                          "threads": torch.get_num_threads(),
+                          "threads": torch.get_num_threads(), "aligned_kernels": describe_aligned(device),
                           "rows": [{**asdict(r), "ratio": r.ratio, "aligned_gflops": r.aligned_gflops,
                                     "gemm_fraction": r.gemm_fraction} for r in rows]}, indent=2))
         return 0

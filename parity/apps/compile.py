@@ -102,7 +102,8 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
         progress(f"{preset} {dtype} {name}")
         first = len(driver.binaries)
         out = fn()
-        compiled[name] = len(driver.binaries) - first
+        compiled[name] = sum(not _rung(b, driver.binaries[:i])
+                             for i, b in enumerate(driver.binaries) if i >= first)
         return out
 
     def decode(dec: Decoder, b: int) -> dict:
@@ -142,6 +143,20 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
         step[batch]["standard"] = _standard_decode(cfg, dtype, batch, length)
     return {"decode": step, "length": length, "hidden": cfg.hidden_size, "compiled_by_phase": compiled,
             "one_binary_per_kernel": all(n == 0 for k, n in compiled.items() if k not in expected)}
+
+
+def _rung(binary: triton_target.Binary, earlier: list) -> bool:
+    """Whether `binary` is the GEMM at a tile of a `GEMM_TILES` ladder compiled for the first time:
+    another binary at another row count by design (the device's probe confirms its bits), not a
+    batch-dependent argument specialised. The same tile compiled twice still counts."""
+    from ..ops import triton_kernels as tk
+
+    if binary.kernel != "_matmul_kernel":
+        return False
+    tile = tuple(binary.constants.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    rungs = {t[:3] for ladder in tk.GEMM_TILES.values() if len(ladder) > 1 for _, t in ladder}
+    return tile in rungs and not any(e.kernel == binary.kernel and e.constants == binary.constants
+                                     for e in earlier)
 
 
 def _gemm_launch_us(hidden: int, dtype: torch.dtype) -> float:
@@ -187,6 +202,9 @@ def main(args) -> int:
     if args.batch < 1 or args.length < 4:
         raise ConfigError("--batch must be at least 1 and --length at least 4")
     driver = triton_target.enable(args.arch)
+    if args.gemm_tiles:  # ladders proposed by `bench gemm`: their tiles compiled and checked too
+        from .bench_gemm import apply_tiles
+        apply_tiles(args.gemm_tiles)
     import triton
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources

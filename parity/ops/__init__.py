@@ -161,7 +161,7 @@ def describe_aligned(device: torch.device | str | None = None) -> str:
     if aligned_impl(device) == "triton":
         from . import triton_kernels
         where = "through Triton's interpreter on CPU tensors" if triton_kernels.INTERPRET else "on CUDA"
-        return f"Triton kernels {where}"
+        return f"Triton kernels {where}; {triton_kernels.describe_tiles()}"
     return f"{native.describe()}; {gemm.describe()}"
 
 

@@ -4,9 +4,10 @@ Each kernel fixes how an output element is reduced from the shapes that describe
 alone (K for a GEMM, the hidden size for a norm, the key position for attention, the vocabulary
 for a log-sum-exp), never from how many rows, queries or sequences share the launch:
 
-- `matmul`: one tile configuration per (device kind, dtype) with a fixed K step, no split-K and
+- `matmul`: a tile per (device kind, dtype, weight shape) with a fixed K step, no split-K and
   no autotuning by M; a row of `x @ W.T` is reduced by the same sequence of tile products
-  whatever M is and whichever tile the row lands in.
+  whatever M is and whichever tile the row lands in. Tiles by row count (`GEMM_TILES` ladders)
+  only where a probe on the device finds they give the same bits.
 - `rms_norm`: a fixed number of rows per program, the row's sum of squares in one block of
   next_pow2(H) (`triton_norm_rope.py`: the same per q/k head vector, then RoPE, in one pass).
 - `silu_mul`: element-wise.
@@ -102,25 +103,96 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-GEMM_TILES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
-"""Tiles chosen for particular weight shapes, (dtype name, N, K) -> (BLOCK_M, BLOCK_N, BLOCK_K,
-num_warps, num_stages), from `parity bench gemm` on a GPU; other shapes take the default. Keyed by
-the weight alone, never by M, and the same in every process (code, not configuration): the learner
-and the engine multiply by the same weights, so they run the same tile."""
+Tile = tuple[int, int, int, int, int]
+"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMM."""
+
+GEMM_TILES: dict[tuple[str, int, int], tuple[tuple[int | None, Tile], ...]] = {}
+"""Tiles chosen for particular weight shapes, from `parity bench gemm` on a GPU: (dtype name, N, K)
+-> rungs ((max_rows, tile), ..., (None, tile)); a product of M rows takes the first rung with
+M <= max_rows (None: any M). Other shapes take the default tile. One rung is a tile for every M.
+Several rungs (small tiles for decode, where many programs are wanted, large ones for prefill)
+keep a row's bits independent of M only if every rung's tile reduces an element the same way:
+same BLOCK_K, same matrix instruction. That is a property of the GPU, so it is never assumed: a
+probe on the device (`ladder_holds`) compares the rungs' products bit for bit at first use, and
+where they differ the last rung serves every M. Code, not configuration: the learner and every
+rollout worker read the same table."""
 
 
-def gemm_tiles(dtype: torch.dtype, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight [n, k]: a function of the
-    device kind, the dtype and the weight's shape only. Never of M: that is the whole invariance
-    argument for the GEMM (a row is reduced by the same tile products whatever M is)."""
+def gemm_tiles(dtype: torch.dtype, n: int, k: int, m: int | None = None,
+               device: torch.device | None = None) -> Tile:
+    """The GEMM tile for a weight [n, k] and `m` rows: a function of the device kind, the dtype and
+    the weight's shape, and of M only through a ladder of `GEMM_TILES` that the device's probe
+    confirmed gives every M the same bits (that is the whole invariance argument for the GEMM: a
+    row is reduced by the same sequence of products whatever M is)."""
+    rungs = GEMM_TILES.get((str(dtype).removeprefix("torch."), n, k))
+    if rungs:
+        if m is None or len(rungs) == 1 or not ladder_holds(dtype, n, k, device):
+            return rungs[-1][1]
+        return next(t for top, t in rungs if top is None or m <= top)
     if INTERPRET:
         return 64, 128, 64, 4, 1  # big tiles: the interpreter's cost is per program, not per flop
-    chosen = GEMM_TILES.get((str(dtype).removeprefix("torch."), n, k))
-    if chosen is not None:
-        return chosen
     if dtype == torch.float32:
         return 64, 64, 16, 4, 3  # FMA in one chain over K whatever BLOCK_K; 32 spilled 16 bytes
     return 64, 128, 64, 4, 3
+
+
+_LADDERS: dict[tuple, str] = {}
+"""(device, dtype, N, K, rungs) -> the probe's verdict: 'same bits' or why not."""
+
+
+def ladder_holds(dtype: torch.dtype, n: int, k: int, device: torch.device | None = None) -> bool:
+    """Whether every rung of the ladder for (dtype, n, k) gives the same bits on `device`: the
+    products of 192 rows by a weight of min(n, 1024) outputs, entries spread over 2^-8..2^8 so
+    that a different order of accumulation shows, under `torch.equal`, once per process. During
+    a CUDA graph's capture nothing can be compared: the last rung serves (right either way) and
+    the probe runs at the next eager call. Compiling without a GPU (`parity compile`) launches
+    nothing, so there every rung is taken as holding: that run checks resources, not bits."""
+    rungs = GEMM_TILES[(str(dtype).removeprefix("torch."), n, k)]
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (str(device), dtype, n, k, rungs)
+    verdict = _LADDERS.get(key)
+    if verdict is None:
+        if os.environ.get("PARITY_TRITON_COMPILE_ONLY"):
+            return True
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        gen = torch.Generator().manual_seed(n * 7919 + k)
+
+        def spread(rows: int) -> torch.Tensor:
+            scale = torch.exp2(torch.randint(-8, 9, (rows, k), generator=gen).float())
+            return (torch.randn(rows, k, generator=gen) * scale).to(dtype).to(device)
+
+        x, w = spread(192), spread(min(n, 1024))
+        name = "x".join
+        verdict = "same bits"
+        with torch.no_grad():
+            first = None
+            for _, t in rungs:
+                try:  # the float32 sums too: a bf16 output hides most differences in them
+                    out = torch.cat([matmul(x, w, tiles=t).float(),
+                                     matmul(x, w, tiles=t, out_dtype=torch.float32)])
+                except Exception as err:  # noqa: BLE001 - a tile this GPU refuses (shared memory)
+                    verdict = f"{name(map(str, t))} does not run here ({type(err).__name__})"
+                    break
+                if first is None:
+                    first = out
+                elif not torch.equal(out, first):
+                    verdict = f"{name(map(str, t))} differs from {name(map(str, rungs[0][1]))}"
+                    break
+        _LADDERS[key] = verdict
+    return verdict == "same bits"
+
+
+def describe_tiles() -> str:
+    """The GEMM tiles in force, in words (`parity check` prints it)."""
+    if not GEMM_TILES:
+        return "GEMM: one default tile per dtype"
+    probed = [f"{dt} {n}x{k}: {v}" for (_dev, d, n, k, _r), v in _LADDERS.items()
+              for dt in [str(d).removeprefix("torch.")]]
+    return (f"GEMM: tiles for {len(GEMM_TILES)} weight shapes"
+            + (f"; tiles by row count probed ({'; '.join(probed)})" if probed else ""))
 
 
 _ROWS = 64 if INTERPRET else 4
@@ -167,17 +239,18 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+           tiles: Tile | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for 2-D x [M, K], weight [N, K]; float32 accumulation, output in
-    x's dtype. A row's bits do not depend on M or on the other rows. `tiles` overrides
-    `gemm_tiles` (`parity bench gemm` tries candidates; the model never passes it)."""
+    x's dtype (or `out_dtype`: float32 gives the sums unrounded). A row's bits do not depend on M
+    or on the other rows. `tiles` overrides `gemm_tiles` (`parity bench gemm` tries candidates,
+    the ladder probe compares rungs; the model never passes it)."""
     x = _aligned(x)
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
-    bm, bn, bk, warps, stages = tiles or gemm_tiles(x.dtype, n, k)
+    bm, bn, bk, warps, stages = tiles or gemm_tiles(x.dtype, n, k, m, x.device)
     grid = (_cdiv(m, bm), _cdiv(n, bn))
     with _on(x, weight):
         _matmul_kernel[grid](

@@ -14,8 +14,11 @@ suite runs on the GPU instead (`PARITY_TEST_DEVICE=cuda`).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import parity
 from parity.errors import ConfigError
@@ -66,6 +69,37 @@ def test_gemm_rows_do_not_depend_on_the_batch(triton_impl, dtype):
     ref = (x.double() @ w.double().T + b.double()).to(dtype)
     assert torch.allclose(full.float(), ref.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                           atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_tiles_by_row_count_only_where_the_probe_finds_the_same_bits(triton_impl, monkeypatch, dtype):
+    """A ladder of tiles (small for few rows, large for many) serves by M only when the device's
+    probe finds its rungs' products equal; the control: a rung with another BLOCK_K gives other
+    bits (so row bits would depend on M), the probe says so, and the last rung serves every M."""
+    from parity.ops import triton_kernels as tk
+    gen = torch.Generator().manual_seed(1)
+    spread = torch.exp2(torch.randint(-8, 9, (70, 96), generator=gen).float())  # orders show
+    x = (torch.randn(70, 96, generator=gen) * spread).to(dtype)
+    w = torch.randn(200, 96, generator=gen).to(dtype)
+    b = torch.randn(200, generator=gen).to(dtype)
+    small, large, other_k = (32, 32, 64, 4, 1), (64, 128, 64, 4, 1), (32, 32, 32, 4, 1)
+    key = (str(dtype).removeprefix("torch."), 200, 96)
+    monkeypatch.setattr(tk, "_LADDERS", {})
+
+    monkeypatch.setattr(tk, "GEMM_TILES", {key: ((16, small), (None, large))})
+    full = tk.matmul(x, w, b)
+    assert tk.gemm_tiles(dtype, 200, 96, 13) == small and tk.gemm_tiles(dtype, 200, 96, 70) == large
+    for rows in (1, 3, 13, 16, 17):
+        assert torch.equal(tk.matmul(x[-rows:], w, b), full[-rows:]), rows
+    assert "same bits" in tk.describe_tiles()
+
+    monkeypatch.setattr(tk, "GEMM_TILES", {key: ((16, other_k), (None, large))})
+    sums = {t: tk.matmul(x, w, b, tiles=t, out_dtype=torch.float32) for t in (other_k, large)}
+    assert not torch.equal(sums[other_k], sums[large])  # what the probe guards against
+    assert tk.gemm_tiles(dtype, 200, 96, 3) == large  # the probe found the rungs differ
+    assert "64x128x64x4x1 differs from 32x32x32x4x1" in tk.describe_tiles()
+    for rows in (1, 3, 13):
+        assert torch.equal(tk.matmul(x[-rows:], w, b), full[-rows:]), rows
 
 
 def test_attention_paged_equals_dense_equals_one_query(triton_impl):
@@ -214,13 +248,50 @@ def test_bench_gemm_checks_each_candidate_tiles_rows(triton_impl, monkeypatch):
     from parity.apps.bench_gemm import bench_gemm, best, parse_tiles
     from parity.errors import ParityError
     from parity.ops import triton_kernels as tk
-    candidates = ["64x128x64x4x3", "64x32x64x4x4"]
+    candidates = ["64x128x64x4x3", "64x32x64x4x4", "64x64x32x4x3"]
     rows = bench_gemm("tiny", "float32", (4, 16), candidates, reps=1)
-    assert len(rows) == 4 * 2 and all(r.rows_invariant for r in rows)
+    assert len(rows) == 4 * 3 and all(r.rows_invariant for r in rows)
     assert set(best(rows)) == {"qkv", "o_proj", "gate_up", "down_proj"}
+    assert [r.bits for r in rows[:3]] == ["A", "A", "B"]  # another BLOCK_K sums in another order
     real = tk.matmul
-    monkeypatch.setattr(tk, "matmul", lambda x, w, b=None, tiles=None:
-                        real(x, w, b, tiles) if x.shape[0] > 8 else torch.nn.functional.linear(x, w))
+    monkeypatch.setattr(tk, "matmul", lambda x, w, b=None, tiles=None, out_dtype=None:
+                        real(x, w, b, tiles, out_dtype) if x.shape[0] > 8 else F.linear(x, w))
     assert not any(r.rows_invariant for r in bench_gemm("tiny", "float32", (4, 16), candidates[:1], reps=1))
     with pytest.raises(ParityError, match="is not BLOCK_MxBLOCK_N"):
         parse_tiles("64x100x64x4x3")
+
+
+def test_bench_gemm_ladders_stay_in_one_bits_class_and_load_as_the_table(monkeypatch, tmp_path):
+    """The best ladder per shape takes the fastest tile per row count within one bits class (never
+    mixing classes, whose rows would differ by M), and `--gemm-tiles` loads it as `GEMM_TILES`;
+    a malformed file is a one-line error."""
+    from parity.apps.bench_gemm import TileRow, apply_tiles, ladders, table_entries
+    from parity.errors import ParityError
+    from parity.ops import triton_kernels as tk
+
+    def row(tiles, r4, r16, bits):
+        return TileRow("o_proj", 64, 128, "bfloat16", tiles, {4: r4, 16: r16}, True, 0.0, bits=bits)
+    rows = [row("64x128x64x4x3", 1.0, 2.0, "A"), row("64x32x64x4x4", 1.5, 1.2, "A"),
+            row("64x64x32x4x3", 1.6, 1.6, "B"), row("128x128x64x8x3", 9.0, 9.0, "A")]
+    rows[3].rows_invariant = False  # a tile whose rows change with M is never chosen
+    lad = ladders(rows)["o_proj"]
+    assert lad.bits == "A" and lad.rungs == [[4, "64x32x64x4x4"], [None, "64x128x64x4x3"]]
+    assert lad.ratios == {4: 1.5, 16: 2.0} and abs(lad.geomean - 3 ** 0.5) < 1e-12
+    assert lad.entry() == "('bfloat16', 64, 128): ((4, (64, 32, 64, 4, 4)), (None, (64, 128, 64, 4, 3)),),"
+    rows[2].ratios = {4: 3.0, 16: 3.0}  # class B faster at every count: one rung of B
+    assert ladders(rows)["o_proj"].rungs == [[None, "64x64x32x4x3"]]
+
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({"gemm_tiles": table_entries({"o_proj": lad})}))
+    monkeypatch.setattr(tk, "GEMM_TILES", {})
+    assert apply_tiles(str(path)) == 1
+    assert tk.GEMM_TILES == {("bfloat16", 64, 128): ((4, (64, 32, 64, 4, 4)), (None, (64, 128, 64, 4, 3)))}
+    unordered = [[None, [64, 32, 64, 4, 4]], [4, [1, 1, 1, 1, 1]]]
+    for bad in ({"rows": []}, {"gemm_tiles": [["bfloat16", 64, 128, unordered]]},
+                {"gemm_tiles": [["bfloat16", 64, 128, [[None, [64, 30, 64, 4, 4]]]]]}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ParityError, match="--gemm-tiles") as err:
+            apply_tiles(str(path))
+        assert "\n" not in str(err.value)
+    with pytest.raises(ParityError, match="cannot read"):
+        apply_tiles(str(tmp_path / "missing.json"))

@@ -164,7 +164,7 @@ def test_control_a_kernel_over_the_shared_memory_limit_is_refused():
         from parity.ops import triton_kernels as tk
         x, w = torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(256, 256, dtype=torch.bfloat16)
         tk.matmul(x, w)
-        tk.gemm_tiles = lambda dtype, n, k: (128, 256, 64, 8, 4)
+        tk.gemm_tiles = lambda *shape: (128, 256, 64, 8, 4)
         try:
             tk.matmul(x, w)
             print("fitted")
@@ -206,3 +206,38 @@ def test_an_interpreting_triton_is_refused_in_one_line():
     """)
     proc = _run(code=code)
     assert proc.returncode == 0 and "refused: Triton was imported with its interpreter on" in proc.stdout
+
+
+def test_a_ladders_tiles_compile_without_counting_as_specialisation(tmp_path):
+    """A `GEMM_TILES` ladder (`--gemm-tiles`, as `bench gemm` writes it) gives decode at one row
+    another GEMM tile than the learner: that second binary is by design, not a batch-dependent
+    argument specialised, so the phase count lets it pass, and both tiles are compiled and checked.
+    The control: the same tile compiled a second time still counts."""
+    small, large = [64, 32, 64, 4, 4], [64, 128, 64, 4, 3]
+    shapes = ((128, 64), (64, 64), (256, 64), (64, 128))  # the tiny preset's weights
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"gemm_tiles": [["bfloat16", n, k, [[4, small], [None, large]]]
+                                               for n, k in shapes]}))
+    proc = _run("compile", "--arch", "sm_90", "--presets", "tiny", "--dtype", "bfloat16", "--batch", "8",
+                "--length", "32", "--json", "--gemm-tiles", str(path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    run = report["runs"][0]
+    assert report["problems"] == [] and run["one_binary_per_kernel"]
+    gemms = {b["constants"]["BLOCK_N"] for b in run["binaries"] if b["kernel"] == "_matmul_kernel"}
+    assert gemms == {32, 128}
+
+    code = textwrap.dedent(f"""
+        from types import SimpleNamespace
+        from parity.ops import triton_target
+        triton_target.enable("sm_90")
+        from parity.apps.compile import _rung
+        from parity.ops import triton_kernels as tk
+        tk.GEMM_TILES[("bfloat16", 64, 64)] = ((4, {tuple(small)}), (None, {tuple(large)}))
+        gemm = SimpleNamespace(kernel="_matmul_kernel", constants=dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64))
+        norm = SimpleNamespace(kernel="_rms_norm_kernel", constants=gemm.constants)
+        print(_rung(gemm, []), _rung(gemm, [gemm]), _rung(norm, []))
+    """)
+    proc = _run(code=code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-3:] == ["True", "False", "False"]
