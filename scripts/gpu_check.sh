@@ -22,7 +22,7 @@
 # 5. with the time left: bench kernels and bench learner on the 0.6B shape again, with the GEMM
 #    tiles by row count that bench gemm proposed (--gemm-tiles; used only where the device's probe
 #    finds the ladder's tiles give the same bits, which their JSON's aligned_kernels line reports)
-# Each step runs under its own time limit (560 s for steps 0-4) and no step runs past DEADLINE
+# Each step runs under its own time limit (570 s for steps 0-4) and no step runs past DEADLINE
 # seconds from the start (default 575, so one 10-minute device call holds the whole run: a step
 # with too little time left is cut to it or skipped, rc 125); the script goes on after a failure; the
 # summary (gpu_summary.json: per step rc, seconds, parsed results) is rewritten after every step,
@@ -131,7 +131,7 @@ step bench_rollout 55 "$PY" -m parity.cli bench rollout --device "$DEVICE" --pre
     --num-seqs $NSEQ --max-num-seqs $NSEQ --reps 2 --json
 step bench_learner 45 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \
     --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
-step bench_gemm 50 "$PY" -m parity.cli bench gemm --device "$DEVICE" --preset $BIG --dtype bfloat16 \
+step bench_gemm 60 "$PY" -m parity.cli bench gemm --device "$DEVICE" --preset $BIG --dtype bfloat16 \
     --rows $GEMM_ROWS --reps 2 $GEMM_TILES --json
 step bench_attention 20 "$PY" -m parity.cli bench attention --device "$DEVICE" --preset $BIG \
     --batches $ATT_BATCHES --contexts $ATT_CONTEXTS --reps 3 --json

@@ -37,12 +37,14 @@ from ..model import ModelConfig
 from .ui import status, table
 
 CANDIDATES = {
-    "bfloat16": ["64x128x64x4x3", "64x64x64x4x4", "64x32x64x4x4", "64x256x64x4x3", "128x128x64x8x3",
-                 "128x256x64x8x3"],
+    "bfloat16": ["64x128x64x4x3", "64x64x64x4x4", "64x32x64x4x4", "64x16x64x4x6", "64x256x64x4x3",
+                 "128x128x64x8x3", "128x256x64x8x3"],
     "float32": ["64x64x16x4x3", "32x64x16x4x3", "64x32x16x4x3", "32x32x16x4x3"],
 }
 """Tiles tried by default, BLOCK_M x BLOCK_N x BLOCK_K x warps x stages, the default first; each
-compiles for sm_90 without spills (docs/benchmarks.md)."""
+compiles for sm_90 without spills (docs/benchmarks.md). One BLOCK_K per dtype, so that on a GPU
+whose matrix instructions sum the same way at every tile width they can share a ladder: narrow
+tiles (64x16: 64 programs for the 0.6B shape's N = 1,024 weights) for decode, wide for prefill."""
 
 
 @dataclass
