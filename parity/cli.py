@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", type=_csv(str), default=None, help="subset of cases to run")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    _gemm_tiles_option(p)
 
     c = _command(sub, "compile", "compile",
                  "compile the aligned Triton kernels for a GPU here, without one: resources per binary")

@@ -19,12 +19,15 @@
 #    parity bench attention: decode attention per schedule (walk, split) at 1-4K keys vs standard
 # 4. a short asynchronous training run per backend (toy task, bf16): the learner's kernel-mismatch
 #    figure is exactly 0 on aligned kernels and > 0 on standard ones
-# 5. with the time left: bench kernels and bench learner on the 0.6B shape again, with the GEMM
-#    tiles by row count that bench gemm proposed (--gemm-tiles; used only where the device's probe
-#    finds the ladder's tiles give the same bits, which their JSON's aligned_kernels line reports)
+# 5. with the time left, the GEMM tiles by row count that bench gemm proposed (--gemm-tiles; used
+#    only where the device's probe finds a ladder's tiles give the same bits, as the JSON's
+#    aligned_kernels / aligned_implementation line reports): parity check on the 0.6B shape (the
+#    rows across batch sizes, decode steps, graphs and the engine, bit for bit with them in force),
+#    then bench kernels and bench learner on that shape again
 # Each step runs under its own time limit (570 s for steps 0-4) and no step runs past DEADLINE
 # seconds from the start (default 575, so one 10-minute device call holds the whole run: a step
-# with too little time left is cut to it or skipped, rc 125); the script goes on after a failure; the
+# with too little time left is cut to it, or skipped under 20 s, rc 199); the script goes on after a
+# failure; the
 # summary (gpu_summary.json: per step rc, seconds, parsed results) is rewritten after every step,
 # so a run cut short still leaves one. Step logs keep stdout (NAME.log, where JSON is parsed) and
 # stderr (NAME.err) apart. Work files go to OUT_DIR; when $OUT is set (a device call's folder
@@ -47,18 +50,21 @@ STEPS_FILE="$OUT_DIR/steps.tsv"
 : > "$STEPS_FILE"
 
 DEADLINE="${DEADLINE:-575}"
+case "$DEADLINE" in ''|*[!0-9]*) echo "DEADLINE must be whole seconds, got '$DEADLINE'" >&2; exit 2 ;; esac
+SKIPPED=199  # the rc recorded for a step skipped for lack of time
 step() {  # step NAME LIMIT_S COMMAND...: run, log to NAME.log / NAME.err, record rc and seconds
     local name=$1 limit=$2
     shift 2
     local t0=$SECONDS left=$((DEADLINE - SECONDS - 12))  # 12 s: the kill grace, the summary, the tar
-    [ "$left" -lt "$limit" ] && limit=$left
-    echo "=== $name (limit ${limit}s): $*"
-    local rc=125
-    if [ "$limit" -ge 5 ]; then
+    if [ "$left" -lt "$limit" ]; then limit=$left; fi
+    local rc=$SKIPPED
+    if [ "$limit" -ge 20 ]; then  # under 20 s a step would spend its time importing torch
+        echo "=== $name (limit ${limit}s): $*"
         timeout -k 10 "$limit" "$@" > "$OUT_DIR/$name.log" 2> "$OUT_DIR/$name.err"
         rc=$?
     else
-        echo "skipped: $((DEADLINE - SECONDS)) s left before the ${DEADLINE} s deadline" > "$OUT_DIR/$name.err"
+        echo "=== $name: skipped, $((DEADLINE - SECONDS)) s left before the ${DEADLINE} s deadline" \
+            | tee "$OUT_DIR/$name.err"
         : > "$OUT_DIR/$name.log"
     fi
     printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$STEPS_FILE"
@@ -143,6 +149,8 @@ for k in aligned standard; do
         --set model.kernels=$k --set run_dir="$OUT_DIR/train_$k"
 done
 if grep -q '"gemm_tiles"' "$OUT_DIR/bench_gemm.log" 2>/dev/null; then  # step 5, with the time left
+    step check_tiled 45 "$PY" -m parity.cli check --device "$DEVICE" --preset $BIG --dtype bfloat16 \
+        --rounds 2 --json --cases batch,decode,graphs,engine --gemm-tiles "$OUT_DIR/bench_gemm.log"
     step bench_kernels_tiled 60 "$PY" -m parity.cli bench kernels --device "$DEVICE" --presets $BIG \
         --dtypes bfloat16 --batches $TILED_BATCHES --prefill-len $PREFILL --reps $REPS --json \
         --gemm-tiles "$OUT_DIR/bench_gemm.log"

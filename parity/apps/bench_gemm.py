@@ -242,18 +242,24 @@ def apply_tiles(path: str) -> int:
     if not isinstance(entries, list):
         raise ParityError(f"--gemm-tiles: {path} has no 'gemm_tiles' list (write it with "
                           f"`parity bench gemm --json`)")
+    def count(v) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{v!r} is not a positive integer")
+        return v
+
     table_ = {}
     for entry in entries:
         try:
             dtype, n, k, rungs = entry
-            ladder = tuple((None if top is None else int(top),
-                            parse_tiles("x".join(map(str, t)), f"--gemm-tiles ({path})"))
+            n, k = count(n), count(k)
+            ladder = tuple((None if top is None else count(top),
+                            parse_tiles("x".join(str(count(v)) for v in t), f"--gemm-tiles ({path})"))
                            for top, t in rungs)
             tops = [top for top, _ in ladder]
             if not ladder or tops[-1] is not None or None in tops[:-1] or tops[:-1] != sorted(tops[:-1]):
                 raise ValueError("rungs must rise and end with None")
             dtype_from_name(dtype, "--gemm-tiles")
-            table_[(str(dtype), int(n), int(k))] = ladder
+            table_[(str(dtype), n, k)] = ladder
         except (TypeError, ValueError) as err:
             raise ParityError(f"--gemm-tiles: bad entry {entry!r} in {path}: {err}") from err
     tk.GEMM_TILES.update(table_)

@@ -32,6 +32,9 @@ def main(args) -> int:
     dtypes = {name: dtype_from_name(name, "--dtype") for name in args.dtype}
     results, label = [], args.model or f"preset {args.preset}"
     device = hardware.check_device(args.device, "--device")
+    if args.gemm_tiles:  # ladders from `bench gemm`: the rows checked across M with them in force
+        from .bench_gemm import apply_tiles
+        apply_tiles(args.gemm_tiles)
     for dtype_name, dtype in dtypes.items():
         for kernels in BACKENDS:
             if args.model:

@@ -146,17 +146,25 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
 
 
 def _rung(binary: triton_target.Binary, earlier: list) -> bool:
-    """Whether `binary` is the GEMM at a tile of a `GEMM_TILES` ladder compiled for the first time:
-    another binary at another row count by design (the device's probe confirms its bits), not a
-    batch-dependent argument specialised. The same tile compiled twice still counts."""
+    """Whether `binary` is the GEMM at a tile of a `GEMM_TILES` ladder compiled for the first time,
+    the twin of an earlier GEMM binary but for its tile: another binary at another row count by
+    design (the device's probe confirms its bits), not a batch-dependent argument specialised.
+    A tile compiled a second time, or with any other argument specialised, still counts."""
     from ..ops import triton_kernels as tk
+
+    def tile(b) -> tuple:
+        return (*(b.constants.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), b.num_warps, b.num_stages)
+
+    def rest(b) -> tuple:
+        return (b.signature, b.specialised,
+                sorted((k, v) for k, v in b.constants.items() if not k.startswith("BLOCK_")))
 
     if binary.kernel != "_matmul_kernel":
         return False
-    tile = tuple(binary.constants.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-    rungs = {t[:3] for ladder in tk.GEMM_TILES.values() if len(ladder) > 1 for _, t in ladder}
-    return tile in rungs and not any(e.kernel == binary.kernel and e.constants == binary.constants
-                                     for e in earlier)
+    rungs = {t for ladder in tk.GEMM_TILES.values() if len(ladder) > 1 for _, t in ladder}
+    gemms = [e for e in earlier if e.kernel == binary.kernel]
+    return (tile(binary) in rungs and all(tile(e) != tile(binary) for e in gemms)
+            and any(rest(e) == rest(binary) for e in gemms))
 
 
 def _gemm_launch_us(hidden: int, dtype: torch.dtype) -> float:

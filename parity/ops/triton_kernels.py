@@ -142,11 +142,15 @@ _LADDERS: dict[tuple, str] = {}
 
 def ladder_holds(dtype: torch.dtype, n: int, k: int, device: torch.device | None = None) -> bool:
     """Whether every rung of the ladder for (dtype, n, k) gives the same bits on `device`: the
-    products of 192 rows by a weight of min(n, 1024) outputs, entries spread over 2^-8..2^8 so
-    that a different order of accumulation shows, under `torch.equal`, once per process. During
-    a CUDA graph's capture nothing can be compared: the last rung serves (right either way) and
-    the probe runs at the next eager call. Compiling without a GPU (`parity compile`) launches
-    nothing, so there every rung is taken as holding: that run checks resources, not bits."""
+    products of 192 rows by a weight of about min(n, 1024) outputs (N's divisibility by 16 kept,
+    so the probe runs the model's binaries), without and with a bias, entries spread over
+    2^-8..2^8 so that a different order of accumulation shows, under `torch.equal`, once per
+    process. During a CUDA graph's capture nothing can be compared: the last rung serves (right
+    either way) and the probe runs at the next eager call. Compiling without a GPU (`parity
+    compile`) launches nothing, so there every rung is taken as holding: that run checks
+    resources, not bits."""
+    from . import triton_target
+
     rungs = GEMM_TILES[(str(dtype).removeprefix("torch."), n, k)]
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
@@ -154,43 +158,47 @@ def ladder_holds(dtype: torch.dtype, n: int, k: int, device: torch.device | None
     key = (str(device), dtype, n, k, rungs)
     verdict = _LADDERS.get(key)
     if verdict is None:
-        if os.environ.get("PARITY_TRITON_COMPILE_ONLY"):
+        if triton_target.active() is not None:
             return True
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
-        gen = torch.Generator().manual_seed(n * 7919 + k)
-
-        def spread(rows: int) -> torch.Tensor:
-            scale = torch.exp2(torch.randint(-8, 9, (rows, k), generator=gen).float())
-            return (torch.randn(rows, k, generator=gen) * scale).to(dtype).to(device)
-
-        x, w = spread(192), spread(min(n, 1024))
-        name = "x".join
-        verdict = "same bits"
-        with torch.no_grad():
-            first = None
-            for _, t in rungs:
-                try:  # the float32 sums too: a bf16 output hides most differences in them
-                    out = torch.cat([matmul(x, w, tiles=t).float(),
-                                     matmul(x, w, tiles=t, out_dtype=torch.float32)])
-                except Exception as err:  # noqa: BLE001 - a tile this GPU refuses (shared memory)
-                    verdict = f"{name(map(str, t))} does not run here ({type(err).__name__})"
-                    break
-                if first is None:
-                    first = out
-                elif not torch.equal(out, first):
-                    verdict = f"{name(map(str, t))} differs from {name(map(str, rungs[0][1]))}"
-                    break
-        _LADDERS[key] = verdict
+        verdict = _LADDERS[key] = _probe_ladder(dtype, n, k, rungs, device)
     return verdict == "same bits"
+
+
+def _probe_ladder(dtype: torch.dtype, n: int, k: int, rungs, device: torch.device) -> str:
+    """'same bits', or why the ladder's rungs cannot share the rows (see `ladder_holds`)."""
+    gen = torch.Generator().manual_seed(n * 7919 + k)
+    name = "x".join
+
+    def spread(*shape: int) -> torch.Tensor:
+        scale = torch.exp2(torch.randint(-8, 9, shape, generator=gen).float())
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+    first = None
+    with torch.no_grad():
+        for _, t in rungs:
+            try:  # the float32 sums too: a bf16 output hides most differences in them
+                if first is None:  # inside the try: no memory for the probe is a refusal too
+                    n_probe = min(n, 1024 + n % 16)
+                    x, w, b = spread(192, k), spread(n_probe, k), spread(n_probe)
+                out = torch.cat([matmul(x, w, tiles=t).float(), matmul(x, w, b, tiles=t).float(),
+                                 matmul(x, w, tiles=t, out_dtype=torch.float32)])
+            except Exception as err:  # noqa: BLE001 - a tile this GPU refuses (shared memory), no memory
+                return f"{name(map(str, t))} does not run here ({type(err).__name__})"
+            if first is None:
+                first = out
+            elif not torch.equal(out, first):
+                return f"{name(map(str, t))} differs from {name(map(str, rungs[0][1]))}"
+    return "same bits"
 
 
 def describe_tiles() -> str:
     """The GEMM tiles in force, in words (`parity check` prints it)."""
     if not GEMM_TILES:
         return "GEMM: one default tile per dtype"
-    probed = [f"{dt} {n}x{k}: {v}" for (_dev, d, n, k, _r), v in _LADDERS.items()
-              for dt in [str(d).removeprefix("torch.")]]
+    probed = [f"{dt} {n}x{k}: {v}" for (_dev, d, n, k, rungs), v in _LADDERS.items()
+              for dt in [str(d).removeprefix("torch.")] if GEMM_TILES.get((dt, n, k)) == rungs]
     return (f"GEMM: tiles for {len(GEMM_TILES)} weight shapes"
             + (f"; tiles by row count probed ({'; '.join(probed)})" if probed else ""))
 

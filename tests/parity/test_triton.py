@@ -287,10 +287,14 @@ def test_bench_gemm_ladders_stay_in_one_bits_class_and_load_as_the_table(monkeyp
     assert apply_tiles(str(path)) == 1
     assert tk.GEMM_TILES == {("bfloat16", 64, 128): ((4, (64, 32, 64, 4, 4)), (None, (64, 128, 64, 4, 3)))}
     unordered = [[None, [64, 32, 64, 4, 4]], [4, [1, 1, 1, 1, 1]]]
+    boolean = [[True, [64, 32, 64, 4, 4]], [None, [64, 32, 64, 4, 4]]]
     for bad in ({"rows": []}, {"gemm_tiles": [["bfloat16", 64, 128, unordered]]},
-                {"gemm_tiles": [["bfloat16", 64, 128, [[None, [64, 30, 64, 4, 4]]]]]}):
+                {"gemm_tiles": [["bfloat16", 64, 128, [[None, [64, 30, 64, 4, 4]]]]]},
+                {"gemm_tiles": [["bfloat16", 64.5, 128, [[None, [64, 32, 64, 4, 4]]]]]},
+                {"gemm_tiles": [["bfloat16", 64, 128, boolean]]},
+                {"gemm_tiles": [["int8", 64, 128, [[None, [64, 32, 64, 4, 4]]]]]}):
         path.write_text(json.dumps(bad))
-        with pytest.raises(ParityError, match="--gemm-tiles") as err:
+        with pytest.raises(ParityError, match="gemm-tiles") as err:
             apply_tiles(str(path))
         assert "\n" not in str(err.value)
     with pytest.raises(ParityError, match="cannot read"):

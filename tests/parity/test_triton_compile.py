@@ -234,10 +234,18 @@ def test_a_ladders_tiles_compile_without_counting_as_specialisation(tmp_path):
         from parity.apps.compile import _rung
         from parity.ops import triton_kernels as tk
         tk.GEMM_TILES[("bfloat16", 64, 64)] = ((4, {tuple(small)}), (None, {tuple(large)}))
-        gemm = SimpleNamespace(kernel="_matmul_kernel", constants=dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64))
-        norm = SimpleNamespace(kernel="_rms_norm_kernel", constants=gemm.constants)
-        print(_rung(gemm, []), _rung(gemm, [gemm]), _rung(norm, []))
+        def binary(kernel="_matmul_kernel", bn=32, warps=4, stages=4, spec="x_ptr%16", **consts):
+            consts = dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64, **consts)
+            return SimpleNamespace(kernel=kernel, constants=consts, signature="*bf16,*bf16",
+                                   specialised=spec, num_warps=warps, num_stages=stages)
+        first, rung = binary(bn=128, stages=3), binary()
+        print(_rung(rung, [first]),  # the ladder's other tile, the twin of the first: by design
+              _rung(rung, [first, rung]),  # the same tile again
+              _rung(binary(sxm=1), [first]),  # an argument specialised (Triton: == 1) on a rung tile
+              _rung(binary(spec="x_ptr%16,M%16"), [first]),  # another specialisation
+              _rung(rung, []),  # no twin: nothing to be the rung of
+              _rung(binary(kernel="_rms_norm_kernel"), [first]))
     """)
     proc = _run(code=code)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-3:] == ["True", "False", "False"]
+    assert proc.stdout.split()[-6:] == ["True", "False", "False", "False", "False", "False"]
