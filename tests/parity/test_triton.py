@@ -203,6 +203,32 @@ def test_model_log_probs_are_invariant(triton_impl, dtype, cases):
     assert all(r.comparisons > 0 and r.mismatches == 0 for r in results), results
 
 
+def test_model_log_probs_are_invariant_with_gemm_tiles_by_row_count(triton_impl, monkeypatch):
+    """A ladder on every weight (one tile up to 4 rows: decode; another above: prefill, learner)
+    keeps the engine's and the learner's bits, both tiles in use. The control: a rung with
+    another BLOCK_K forced past the probe makes the same checks find mismatches (float32: the
+    sums' differences reach the log-probs, where bf16 rounding would hide most of them)."""
+    from parity.apps.bench_gemm import weight_shapes
+    from parity.ops import triton_kernels as tk
+    model = _model("aligned", torch.float32)
+    used = set()
+    real = tk.gemm_tiles
+    monkeypatch.setattr(tk, "gemm_tiles", lambda *a: used.add(real(*a)) or real(*a))
+
+    def ladder(small):
+        return {("float32", n, k): ((4, small), (None, (64, 128, 64, 4, 1)))
+                for n, k in weight_shapes(model.config).values()}
+    monkeypatch.setattr(tk, "GEMM_TILES", ladder((32, 32, 64, 4, 1)))
+    results = run_checks(model, rounds=1, seed=5, max_len=20, cases=("batch", "decode"))
+    assert all(r.comparisons > 0 and r.mismatches == 0 for r in results), results
+    assert {(32, 32, 64, 4, 1), (64, 128, 64, 4, 1)} <= used
+
+    monkeypatch.setattr(tk, "GEMM_TILES", ladder((32, 32, 32, 4, 1)))
+    monkeypatch.setattr(tk, "ladder_holds", lambda *a: True)
+    results = run_checks(model, rounds=1, seed=5, max_len=20, cases=("batch", "decode"))
+    assert sum(r.mismatches for r in results) > 0
+
+
 def test_model_log_probs_are_invariant_across_kv_splits(triton_impl):
     """Sequences whose last queries reduce over three key splits: every attention call on the
     walk against every call on the split schedule, learner and engine (`schedules.py`)."""
