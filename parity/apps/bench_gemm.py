@@ -15,6 +15,8 @@ the best single tile (geometric mean of aligned/standard over the row counts) an
 within one class: the fastest tile of that class at each row count. `--json` writes the ladders
 as `gemm_tiles`, the table `GEMM_TILES` takes (`--gemm-tiles FILE` of `bench kernels` and `bench
 learner` applies it in their process; a GPU session pastes the printed entries into the code).
+Per shape and row count, each round times cuBLAS once and then every candidate. A SIGTERM (a time
+limit) ends the run with what is done: the finished shapes are reported (`stopped` says so).
 On a CPU the kernels run through Triton's interpreter: a smoke run at small shapes, no timing worth
 reading.
 """
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -141,7 +145,11 @@ def _seconds(fn, device, target: float = 0.02) -> float:
 
 def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
                rows: tuple[int, ...] = (64, 256, 8192), candidates: list[str] | None = None,
-               reps: int = 5, device: str = "cpu", progress=None) -> list[TileRow]:
+               reps: int = 5, device: str = "cpu", progress=None, stopped=None) -> list[TileRow]:
+    """Every candidate at every weight shape of `preset`: checked (rows across M, bits class),
+    then timed per row count in rounds of cuBLAS and every candidate in turn (cuBLAS timed once a
+    round, not once per candidate). `stopped` (a list) gets an entry if the run is interrupted
+    (SIGTERM under `main`): the shapes finished by then are returned, the one under way dropped."""
     from ..ops import triton_kernels as tk
 
     cfg = ModelConfig.preset(preset)
@@ -149,40 +157,53 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
     tiles = [parse_tiles(c) for c in (candidates or CANDIDATES.get(dtype_name, CANDIDATES["float32"]))]
     gen = torch.Generator().manual_seed(0)
     out: list[TileRow] = []
-    for name, (n, k) in weight_shapes(cfg).items():
-        w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype).to(device)
-        x = torch.randn(max(rows), k, generator=gen).to(dtype).to(device)
-        spread = torch.exp2(torch.randint(-8, 9, (64, k), generator=gen).float())  # orders show
-        probe = (torch.randn(64, k, generator=gen) * spread).to(dtype).to(device)
-        classes: list[torch.Tensor] = []  # one float32 product of `probe` per bits class
-        for t in tiles:
-            if progress:
-                progress(f"{name} {n}x{k} tiles {'x'.join(map(str, t))}")
-            label = "x".join(map(str, t))
-            try:
-                full = tk.matmul(x, w, tiles=t)
-            except Exception as err:  # noqa: BLE001 - a tile this GPU (or the interpreter) refuses
-                msg = f"{type(err).__name__}: {err}".splitlines()[0][:160]
-                out.append(TileRow(name, n, k, dtype_name, label, {}, False, 0.0, msg))
-                continue
-            invariant = all(torch.equal(tk.matmul(x[:m], w, tiles=t), full[:m]) for m in rows)
-            sums = tk.matmul(probe, w, tiles=t, out_dtype=torch.float32)
-            same = next((i for i, c in enumerate(classes) if torch.equal(c, sums)), None)
-            if same is None:
-                classes.append(sums)
-                same = len(classes) - 1
-            bits = chr(ord("A") + same)
-            ratios = {}
+    try:
+        for name, (n, k) in weight_shapes(cfg).items():
+            w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype).to(device)
+            x = torch.randn(max(rows), k, generator=gen).to(dtype).to(device)
+            spread = torch.exp2(torch.randint(-8, 9, (64, k), generator=gen).float())  # orders show
+            probe = (torch.randn(64, k, generator=gen) * spread).to(dtype).to(device)
+            classes: list[torch.Tensor] = []  # one float32 product of `probe` per bits class
+            shape_rows: list[TileRow] = []
+            for t in tiles:
+                label = "x".join(map(str, t))
+                if progress:
+                    progress(f"{name} {n}x{k} tiles {label}: bits")
+                try:
+                    full = tk.matmul(x, w, tiles=t)
+                except Exception as err:  # noqa: BLE001 - a tile this GPU (or the interpreter) refuses
+                    msg = f"{type(err).__name__}: {err}".splitlines()[0][:160]
+                    shape_rows.append(TileRow(name, n, k, dtype_name, label, {}, False, 0.0, msg))
+                    continue
+                invariant = all(torch.equal(tk.matmul(x[:m], w, tiles=t), full[:m]) for m in rows)
+                sums = tk.matmul(probe, w, tiles=t, out_dtype=torch.float32)
+                same = next((i for i, c in enumerate(classes) if torch.equal(c, sums)), None)
+                if same is None:
+                    classes.append(sums)
+                    same = len(classes) - 1
+                shape_rows.append(TileRow(name, n, k, dtype_name, label, {}, invariant,
+                                          bits=chr(ord("A") + same)))
+            runnable = [r for r in shape_rows if not r.error]
             for m in rows:
-                fns = {"aligned": lambda xm=x[:m], w=w, t=t: tk.matmul(xm, w, tiles=t),
-                       "standard": lambda xm=x[:m], w=w: F.linear(xm, w)}
-                times = {k: [] for k in fns}
-                for _ in range(reps):  # interleaved: A B A B ...
+                if progress:
+                    progress(f"{name} {n}x{k} M={m}: timing {len(runnable)} tiles beside cuBLAS")
+                fns = {"standard": partial(F.linear, x[:m], w)}
+                for r in runnable:
+                    fns[r.tiles] = partial(tk.matmul, x[:m], w, tiles=parse_tiles(r.tiles))
+                times: dict[str, list[float]] = {key: [] for key in fns}
+                for _ in range(reps):  # interleaved: standard, each candidate, standard, ...
                     for key, fn in fns.items():
                         times[key].append(_seconds(fn, device))
-                ratios[m] = statistics.median(times["standard"]) / statistics.median(times["aligned"])
-            geo = math.exp(statistics.fmean(math.log(r) for r in ratios.values()))
-            out.append(TileRow(name, n, k, dtype_name, label, ratios, invariant, geo, bits=bits))
+                standard = statistics.median(times["standard"])
+                for r in runnable:
+                    r.ratios[m] = standard / statistics.median(times[r.tiles])
+            for r in runnable:
+                r.geomean = math.exp(statistics.fmean(math.log(v) for v in r.ratios.values()))
+            out.extend(shape_rows)
+    except KeyboardInterrupt:
+        if stopped is None:
+            raise
+        stopped.append(f"interrupted: {len({r.shape for r in out})} of {len(weight_shapes(cfg))} shapes done")
     return out
 
 
@@ -273,8 +294,17 @@ def main(args) -> int:
     for c in args.candidates or []:
         parse_tiles(c)
     device = str(hardware.check_device(args.device, "--device"))
-    rows = bench_gemm(args.preset, args.dtype, tuple(args.rows), args.candidates, args.reps, device,
-                      progress=lambda m: status(f"bench gemm: {m}"))
+    stopped: list[str] = []
+
+    def interrupt(signum, frame):  # a time limit's SIGTERM: report the shapes done so far
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        rows = bench_gemm(args.preset, args.dtype, tuple(args.rows), args.candidates, args.reps, device,
+                          progress=lambda m: status(f"bench gemm: {m}"), stopped=stopped)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     status("")
     chosen, by_rows = best(rows), ladders(rows)
     if args.json:
@@ -282,7 +312,7 @@ def main(args) -> int:
                           "rows": [asdict(r) for r in rows],
                           "best": {s: asdict(r) for s, r in chosen.items()},
                           "ladders": {s: asdict(r) for s, r in by_rows.items()},
-                          "gemm_tiles": table_entries(by_rows)}, indent=2))
+                          "gemm_tiles": table_entries(by_rows), "stopped": stopped}, indent=2))
         return 0 if all(r.rows_invariant or r.error for r in rows) else 1
     print(f"parity bench gemm: {args.preset} weight shapes, {args.dtype}, aligned/standard per row count "
           f"(medians of {args.reps} interleaved repetitions; {device})")
@@ -296,6 +326,8 @@ def main(args) -> int:
     for r in rows:
         if r.error:
             print(f"{r.shape} {r.tiles}: could not run: {r.error}")
+    for why in stopped:
+        print(f"{why}: the shapes not listed were not measured")
     print("best single tile per shape: "
           + ", ".join(f"{s} {r.tiles} ({r.geomean:.3f})" for s, r in chosen.items()))
     print("best ladder per shape (tiles of one bits class; the GEMM_TILES entries, used where the "

@@ -279,6 +279,14 @@ def test_bench_gemm_checks_each_candidate_tiles_rows(triton_impl, monkeypatch):
     assert len(rows) == 4 * 3 and all(r.rows_invariant for r in rows)
     assert set(best(rows)) == {"qkv", "o_proj", "gate_up", "down_proj"}
     assert [r.bits for r in rows[:3]] == ["A", "A", "B"]  # another BLOCK_K sums in another order
+
+    def cut(msg):  # a time limit arriving while the second shape is under way
+        if msg.startswith("o_proj"):
+            raise KeyboardInterrupt
+    stopped = []
+    done = bench_gemm("tiny", "float32", (4, 16), candidates, reps=1, progress=cut, stopped=stopped)
+    assert {r.shape for r in done} == {"qkv"} and all(len(r.ratios) == 2 for r in done)
+    assert stopped == ["interrupted: 1 of 4 shapes done"]
     real = tk.matmul
     monkeypatch.setattr(tk, "matmul", lambda x, w, b=None, tiles=None, out_dtype=None:
                         real(x, w, b, tiles, out_dtype) if x.shape[0] > 8 else F.linear(x, w))
