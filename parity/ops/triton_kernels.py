@@ -149,15 +149,16 @@ def ladder_holds(dtype: torch.dtype, n: int, k: int, device: torch.device | None
     either way) and the probe runs at the next eager call. Compiling without a GPU (`parity
     compile`) launches nothing, so there every rung is taken as holding: that run checks
     resources, not bits."""
-    from . import triton_target
-
     rungs = GEMM_TILES[(str(dtype).removeprefix("torch."), n, k)]
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (str(device), dtype, n, k, rungs)
+    if device is None or (device.type == "cuda" and device.index is None):  # a tensor's has one
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype, n, k, rungs)  # on every launch: kept cheap
     verdict = _LADDERS.get(key)
     if verdict is None:
+        from . import triton_target
+
         if triton_target.active() is not None:
             return True
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
