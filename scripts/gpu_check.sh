@@ -42,7 +42,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
 if [ -n "${SMOKE:-}" ]; then  # tiny sizes for a dry run of the script on a CPU
-    BIG=tiny; SMALL=tiny; BATCHES=1,8; PREFILL=16; NSEQ=16; LEN=32; REPS=1; STEPS=2; GEMM_ROWS=4,16; GEMM_TILES=--candidates=64x128x64x4x3,64x32x64x4x4; ATT_BATCHES=1; ATT_CONTEXTS=70; TILED_BATCHES=8; TESTS=tests/parity/test_bitwise.py::test_a_thousand_generated_cases
+    BIG=tiny; SMALL=tiny; BATCHES=1,8; PREFILL=16; NSEQ=16; LEN=32; REPS=1; STEPS=2; GEMM_ROWS=4,16; GEMM_TILES=--candidates=64x128x64x4x3,64x32x64x4x4,64x128x64x4x1+tma; ATT_BATCHES=1; ATT_CONTEXTS=70; TILED_BATCHES=8; TESTS=tests/parity/test_bitwise.py::test_a_thousand_generated_cases
 else
     BIG=qwen3-0.6b; SMALL=small; BATCHES=1,64,256; PREFILL=128; NSEQ=256; LEN=256; REPS=5; STEPS=12; GEMM_ROWS=64,256,8192; GEMM_TILES=; ATT_BATCHES=1,8,64; ATT_CONTEXTS=1024,4096; TILED_BATCHES=64,256; TESTS=tests/parity
 fi

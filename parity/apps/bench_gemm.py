@@ -1,7 +1,7 @@
 """`parity bench gemm`: the aligned Triton GEMM's candidate tiles at a model's weight shapes.
 
 The aligned GEMM's tile may depend on the weight's shape (N, K) and the dtype, and on M only
-through a ladder of tiles that gives every M the same bits (`triton_kernels.GEMM_TILES`): a
+through a ladder of tiles that gives every M the same bits (`triton_gemm.GEMM_TILES`): a
 decode step wants many small tiles (the 0.6B shape's o_proj and down_proj run 8 programs of the
 default 64x128 tile at batch 64, on a GPU of 132 SMs), a prefill wants large ones. For each
 distinct weight shape of a preset (fused q/k/v, o_proj, fused gate/up, down_proj, LM head) this
@@ -42,13 +42,14 @@ from .ui import status, table
 
 CANDIDATES = {
     "bfloat16": ["64x128x64x4x3", "64x64x64x4x4", "64x32x64x4x4", "64x16x64x4x6", "64x256x64x4x3",
-                 "128x128x64x8x3", "128x256x64x8x3"],
+                 "128x128x64x8x3", "128x256x64x8x3", "128x128x64x8x4+tma", "128x256x64x8x3+tma"],
     "float32": ["64x64x16x4x3", "32x64x16x4x3", "64x32x16x4x3", "32x32x16x4x3"],
 }
 """Tiles tried by default, BLOCK_M x BLOCK_N x BLOCK_K x warps x stages, the default first; each
 compiles for sm_90 without spills (docs/benchmarks.md). One BLOCK_K per dtype, so that on a GPU
 whose matrix instructions sum the same way at every tile width they can share a ladder: narrow
-tiles (64x16: 64 programs for the 0.6B shape's N = 1,024 weights) for decode, wide for prefill."""
+tiles (64x16: 64 programs for the 0.6B shape's N = 1,024 weights) for decode, wide for prefill,
+where the persistent TMA kernel (+tma, sm_90 and later) is the one built to approach cuBLAS."""
 
 
 @dataclass
@@ -86,16 +87,21 @@ class Ladder:
         return f"({self.dtype!r}, {self.n}, {self.k}): ({rungs},),"
 
 
-def parse_tiles(text: str, what: str = "--candidates") -> tuple[int, int, int, int, int]:
-    """'64x128x64x4x3' -> (64, 128, 64, 4, 3), with a one-line error naming `what` otherwise."""
+def parse_tiles(text: str, what: str = "--candidates") -> tuple:
+    """'64x128x64x4x3' -> (64, 128, 64, 4, 3) and '128x256x64x8x3+tma' -> (128, 256, 64, 8, 3,
+    'tma'), with a one-line error naming `what` otherwise."""
+    from ..ops.triton_gemm import KINDS
+
+    numbers, *kind = text.lower().split("+")
     try:
-        parts = tuple(int(p) for p in text.lower().split("x"))
+        parts = tuple(int(p) for p in numbers.split("x"))
     except ValueError:
         parts = ()
-    if len(parts) != 5 or any(p <= 0 for p in parts) or any(p & (p - 1) for p in parts[:3]):
-        raise ParityError(f"{what}: {text!r} is not BLOCK_MxBLOCK_NxBLOCK_Kxwarpsxstages "
-                          f"with power-of-two blocks (e.g. 64x128x64x4x3)")
-    return parts  # type: ignore[return-value]
+    if len(parts) != 5 or any(p <= 0 for p in parts) or any(p & (p - 1) for p in parts[:3]) \
+            or len(kind) > 1 or not set(kind) <= set(KINDS):
+        raise ParityError(f"{what}: {text!r} is not BLOCK_MxBLOCK_NxBLOCK_Kxwarpsxstages with "
+                          f"power-of-two blocks, optionally +{'/+'.join(KINDS)} (e.g. 64x128x64x4x3)")
+    return (*parts, *kind)
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -150,7 +156,7 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
     then timed per row count in rounds of cuBLAS and every candidate in turn (cuBLAS timed once a
     round, not once per candidate). `stopped` (a list) gets an entry if the run is interrupted
     (SIGTERM under `main`): the shapes finished by then are returned, the one under way dropped."""
-    from ..ops import triton_kernels as tk
+    from ..ops import triton_gemm as tg
 
     cfg = ModelConfig.preset(preset)
     dtype = dtype_from_name(dtype_name, "--dtype")
@@ -166,17 +172,17 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
             classes: list[torch.Tensor] = []  # one float32 product of `probe` per bits class
             shape_rows: list[TileRow] = []
             for t in tiles:
-                label = "x".join(map(str, t))
+                label = tg.tile_name(t)
                 if progress:
                     progress(f"{name} {n}x{k} tiles {label}: bits")
                 try:
-                    full = tk.matmul(x, w, tiles=t)
+                    full = tg.matmul(x, w, tiles=t)
                 except Exception as err:  # noqa: BLE001 - a tile this GPU (or the interpreter) refuses
                     msg = f"{type(err).__name__}: {err}".splitlines()[0][:160]
                     shape_rows.append(TileRow(name, n, k, dtype_name, label, {}, False, 0.0, msg))
                     continue
-                invariant = all(torch.equal(tk.matmul(x[:m], w, tiles=t), full[:m]) for m in rows)
-                sums = tk.matmul(probe, w, tiles=t, out_dtype=torch.float32)
+                invariant = all(torch.equal(tg.matmul(x[:m], w, tiles=t), full[:m]) for m in rows)
+                sums = tg.matmul(probe, w, tiles=t, out_dtype=torch.float32)
                 same = next((i for i, c in enumerate(classes) if torch.equal(c, sums)), None)
                 if same is None:
                     classes.append(sums)
@@ -189,7 +195,7 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
                     progress(f"{name} {n}x{k} M={m}: timing {len(runnable)} tiles beside cuBLAS")
                 fns = {"standard": partial(F.linear, x[:m], w)}
                 for r in runnable:
-                    fns[r.tiles] = partial(tk.matmul, x[:m], w, tiles=parse_tiles(r.tiles))
+                    fns[r.tiles] = partial(tg.matmul, x[:m], w, tiles=parse_tiles(r.tiles))
                 times: dict[str, list[float]] = {key: [] for key in fns}
                 for _ in range(reps):  # interleaved: standard, each candidate, standard, ...
                     for key, fn in fns.items():
@@ -243,7 +249,8 @@ def ladders(rows: list[TileRow]) -> dict[str, Ladder]:
 
 
 def table_entries(chosen: dict[str, Ladder]) -> list:
-    """The ladders as JSON-ready `GEMM_TILES` entries: [dtype, N, K, [[max_rows, [5 ints]], ...]]."""
+    """The ladders as JSON-ready `GEMM_TILES` entries: [dtype, N, K, [[max_rows, [5 ints
+    (and "tma")]], ...]]."""
     return [[lad.dtype, lad.n, lad.k, [[top, list(parse_tiles(t))] for top, t in lad.rungs]]
             for lad in chosen.values()]
 
@@ -252,7 +259,7 @@ def apply_tiles(path: str) -> int:
     """Load `gemm_tiles` from a `parity bench gemm --json` file into `GEMM_TILES` for this process
     (the benches' `--gemm-tiles`); returns the number of entries. One-line errors for a missing
     or malformed file."""
-    from ..ops import triton_kernels as tk
+    from ..ops import triton_gemm as tg
 
     try:
         with open(path) as f:
@@ -274,7 +281,9 @@ def apply_tiles(path: str) -> int:
             dtype, n, k, rungs = entry
             n, k = count(n), count(k)
             ladder = tuple((None if top is None else count(top),
-                            parse_tiles("x".join(str(count(v)) for v in t), f"--gemm-tiles ({path})"))
+                            parse_tiles("x".join(str(count(v)) for v in t[:5])
+                                        + "".join(f"+{v}" if isinstance(v, str) else f"x{v}" for v in t[5:]),
+                                        f"--gemm-tiles ({path})"))
                            for top, t in rungs)
             tops = [top for top, _ in ladder]
             if not ladder or tops[-1] is not None or None in tops[:-1] or tops[:-1] != sorted(tops[:-1]):
@@ -283,7 +292,7 @@ def apply_tiles(path: str) -> int:
             table_[(str(dtype), n, k)] = ladder
         except (TypeError, ValueError) as err:
             raise ParityError(f"--gemm-tiles: bad entry {entry!r} in {path}: {err}") from err
-    tk.GEMM_TILES.update(table_)
+    tg.GEMM_TILES.update(table_)
     return len(table_)
 
 

@@ -5,8 +5,9 @@ launches — the learner's forward (dense attention, log-sum-exp over the vocabu
 sizes, the engine's prefill, decode steps and sampling draws at two batch sizes, one decode step
 over several key splits (attention's split schedule) — with every Triton launch
 compiled for the chosen architecture and launched nowhere (`parity/ops/triton_target.py`). It
-prints one row per binary (registers, stack, shared memory, matrix instructions, launches), says
-whether one binary served every batch size, counts what one decode step's forward launches
+prints one row per binary (registers, stack, shared memory, matrix instructions, how it loads:
+TMA, cp.async or plain; launches), says whether one binary served every batch size, counts what
+one decode step's forward launches
 (Triton kernels, other PyTorch kernels, host syncs; the standard backend's too) and what the
 Triton launches cost the host here, and lists problems: spills, a bf16/fp16 GEMM or attention
 off the tensor cores, a kernel that does not fit or does not compile. Exit 1 when there is one.
@@ -27,7 +28,7 @@ from ..errors import ConfigError
 from ..ops import triton_target
 from .ui import status, table
 
-_MATRIX_KERNELS = ("_matmul_kernel", "_attention_kernel", "_split_partial_kernel")
+_MATRIX_KERNELS = ("_matmul_kernel", "_matmul_tma_kernel", "_attention_kernel", "_split_partial_kernel")
 """Kernels whose inner loop is a matrix product: in bf16/fp16 it must run on tensor cores."""
 
 
@@ -117,7 +118,7 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
             times.append(time.perf_counter() - t0)
             del model.forward  # back to the class's
             launches = sum(x.launches for x in driver.binaries) - before
-        gemms = [n for k, n in driver.grids[first:] if k == "_matmul_kernel"]
+        gemms = [n for k, n in driver.grids[first:] if k in _GEMM_KERNELS]
         return {"launches": launches, "torch_kernels": counter.kernels, "syncs": counter.syncs,
                 "host_ms": 1e3 * statistics.median(times), "gemm_programs": [min(gemms), max(gemms)]}
 
@@ -145,52 +146,73 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
             "one_binary_per_kernel": all(n == 0 for k, n in compiled.items() if k not in expected)}
 
 
+_GEMM_KERNELS = {"_matmul_kernel": (), "_matmul_tma_kernel": ("tma",)}
+"""The GEMM's kernels, and what marks a `GEMM_TILES` tile as the kernel's."""
+
+_GEMM_SHARED = ("b_ptr", "out_ptr", "M", "N", "K", "som", "son")
+"""The arguments both GEMM kernels take, bias and output pointers third and fourth; the others are
+x's and W's pointers and strides, or their TMA descriptors and the program count."""
+
+
 def _rung(binary: triton_target.Binary, earlier: list) -> bool:
     """Whether `binary` is the GEMM at a tile of a `GEMM_TILES` ladder compiled for the first time,
     the twin of an earlier GEMM binary but for its tile: another binary at another row count by
     design (the device's probe confirms its bits), not a batch-dependent argument specialised.
-    A tile compiled a second time, or with any other argument specialised, still counts."""
-    from ..ops import triton_kernels as tk
+    A twin in the other GEMM kernel (a ladder of pointer and TMA tiles) shares the arguments both
+    take, their specialisations, the bias and output types and the constants but the blocks, and
+    the TMA kernel's program count (it follows M) is not specialised. A tile compiled a second
+    time, or with any other argument specialised, still counts."""
+    from ..ops import triton_gemm as tg
 
     def tile(b) -> tuple:
-        return (*(b.constants.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), b.num_warps, b.num_stages)
+        return (*(b.constants.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), b.num_warps, b.num_stages,
+                *_GEMM_KERNELS[b.kernel])
 
-    def rest(b) -> tuple:
-        return (b.signature, b.specialised,
-                sorted((k, v) for k, v in b.constants.items() if not k.startswith("BLOCK_")))
+    def consts(b) -> list:
+        return sorted((k, v) for k, v in b.constants.items() if not k.startswith("BLOCK_"))
 
-    if binary.kernel != "_matmul_kernel":
+    def shared(b) -> tuple:
+        spec = sorted(s for s in b.specialised.split(",") if s.split("%")[0] in _GEMM_SHARED)
+        return b.signature.split(",")[2:4], spec, consts(b)
+
+    def twin(e) -> bool:
+        if e.kernel == binary.kernel:
+            return (e.signature, e.specialised, consts(e)) == (binary.signature, binary.specialised,
+                                                               consts(binary))
+        return shared(e) == shared(binary) and "PROGRAMS%" not in binary.specialised
+
+    if binary.kernel not in _GEMM_KERNELS:
         return False
-    rungs = {t for ladder in tk.GEMM_TILES.values() if len(ladder) > 1 for _, t in ladder}
-    gemms = [e for e in earlier if e.kernel == binary.kernel]
-    return (tile(binary) in rungs and all(tile(e) != tile(binary) for e in gemms)
-            and any(rest(e) == rest(binary) for e in gemms))
+    rungs = {t for ladder in tg.GEMM_TILES.values() if len(ladder) > 1 for _, t in ladder}
+    gemms = [e for e in earlier if e.kernel in _GEMM_KERNELS]
+    return tile(binary) in rungs and all(tile(e) != tile(binary) for e in gemms) and any(map(twin, gemms))
 
 
 def _gemm_launch_us(hidden: int, dtype: torch.dtype) -> float:
     """Host microseconds of one Triton GEMM launch (one row, [hidden, hidden] weight), median."""
-    from ..ops import triton_kernels as tk
+    from ..ops import triton_gemm as tg
 
     x = torch.zeros(1, hidden, dtype=dtype)
     w = torch.zeros(hidden, hidden, dtype=dtype)
-    tk.matmul(x, w)
+    tg.matmul(x, w)
     times = []
     for _ in range(200):
         t0 = time.perf_counter()
-        tk.matmul(x, w)
+        tg.matmul(x, w)
         times.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(times)
 
 
-def problems(binaries: list[triton_target.Binary], dtype_of: dict[str, str]) -> list[str]:
+def problems(binaries: list[triton_target.Binary]) -> list[str]:
     """What would hurt on the GPU: spills, matrix kernels off the tensor cores in 16-bit types."""
     out = []
     for b in binaries:
-        name = f"{b.kernel} ({b.signature.split(',')[0]}, {b.constants})"
+        first = b.signature.split(",")[0]  # '*bf16', or a TMA descriptor's 'tensordesc<bf16[64x64]>'
+        name = f"{b.kernel} ({first}, {b.constants})"
         if b.stack_bytes:
             out.append(f"{name}: {b.stack_bytes} bytes of stack per thread (register spills)")
-        if b.kernel in _MATRIX_KERNELS and dtype_of.get(b.signature.split(",")[0]) in ("bf16", "fp16") \
-                and b.tensor_cores == "none":
+        operand = first.removeprefix("*").removeprefix("tensordesc<").split("[")[0]
+        if b.kernel in _MATRIX_KERNELS and operand in ("bf16", "fp16") and b.tensor_cores == "none":
             out.append(f"{name}: a 16-bit matrix product without tensor-core instructions")
     return out
 
@@ -234,7 +256,7 @@ def main(args) -> int:
                        gemm_launch_us=_gemm_launch_us(run["hidden"], dtype))
             report["runs"].append(run)
     status("")
-    found = failed + problems(driver.binaries, {"*bf16": "bf16", "*fp16": "fp16", "*fp32": "fp32"})
+    found = failed + problems(driver.binaries)
     for run in report["runs"]:
         if not run["one_binary_per_kernel"]:
             again = {k: n for k, n in run["compiled_by_phase"].items() if n}
@@ -252,13 +274,13 @@ def main(args) -> int:
         print(f"\n{run['preset']} {run['dtype']}: learner 2 and 3 x {run['length']} tokens, "
               f"engine prefill + decode at batch 1 and {args.batch}")
         print(table(["kernel", "tiles", "warps", "stages", "regs", "stack B", "shared KiB",
-                     "matrix", "launches"],
+                     "matrix", "loads", "launches"],
                     [[b["kernel"].strip("_").removesuffix("_kernel"),
                       " ".join(f"{k}={v}" for k, v in b["constants"].items()
                                if k.isupper() and not isinstance(v, bool)),
                       str(b["num_warps"]), str(b["num_stages"]), str(b["registers"]),
                       str(b["stack_bytes"]), f"{b['shared_bytes'] / 1024:.1f}", b["tensor_cores"],
-                      str(b["launches"])] for b in run["binaries"]]))
+                      b["loads"], str(b["launches"])] for b in run["binaries"]]))
         one = "yes" if run["one_binary_per_kernel"] else "NO"
         print(f"binaries compiled by phase: {run['compiled_by_phase']}; one binary served every batch size "
               f"and decode as well as prefill: {one}")

@@ -159,9 +159,9 @@ def aligned_impl(device: torch.device | str | None = None) -> str:
 def describe_aligned(device: torch.device | str | None = None) -> str:
     """Which aligned implementation runs for `device`, in words (`parity check` prints it)."""
     if aligned_impl(device) == "triton":
-        from . import triton_kernels
-        where = "through Triton's interpreter on CPU tensors" if triton_kernels.INTERPRET else "on CUDA"
-        return f"Triton kernels {where}; {triton_kernels.describe_tiles()}"
+        from . import triton_gemm
+        where = "through Triton's interpreter on CPU tensors" if triton_gemm.INTERPRET else "on CUDA"
+        return f"Triton kernels {where}; {triton_gemm.describe_tiles()}"
     return f"{native.describe()}; {gemm.describe()}"
 
 

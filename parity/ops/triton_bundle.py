@@ -1,4 +1,4 @@
-"""The aligned backend on CUDA: `triton_kernels.py` behind the same `Kernels` fields as the CPU form.
+"""The aligned backend on CUDA: the Triton kernels behind the same `Kernels` fields as the CPU form.
 
 `get_kernels("aligned", device)` returns this bundle for CUDA tensors (and for CPU tensors under
 PARITY_ALIGNED_IMPL=triton, through Triton's interpreter). The learner's forward is these same
@@ -14,6 +14,7 @@ import torch
 
 from . import Kernels, aligned, unpadded
 from . import triton_attention as ta
+from . import triton_gemm as tg
 from . import triton_kernels as tk
 from . import triton_norm_rope as norm_rope
 from .common import compute_dtype, rope
@@ -35,7 +36,7 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return tk.matmul(x, weight, bias)
+        return tg.matmul(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -53,7 +54,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _needs_grad(x, weight, bias):
         y = _LinearFn.apply(x2, weight, bias)
     else:
-        y = tk.matmul(x2, weight, bias)
+        y = tg.matmul(x2, weight, bias)
     return y.view(*lead, weight.shape[0])
 
 

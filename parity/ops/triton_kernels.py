@@ -4,8 +4,8 @@ Each kernel fixes how an output element is reduced from the shapes that describe
 alone (K for a GEMM, the hidden size for a norm, the key position for attention, the vocabulary
 for a log-sum-exp), never from how many rows, queries or sequences share the launch:
 
-- `matmul`: a tile per (device kind, dtype, weight shape) with a fixed K step, no split-K and
-  no autotuning by M; a row of `x @ W.T` is reduced by the same sequence of tile products
+- the GEMM (`triton_gemm.py`): a tile per (dtype, weight shape) with a fixed K step, no split-K
+  and no autotuning by M; a row of `x @ W.T` is reduced by the same sequence of tile products
   whatever M is and whichever tile the row lands in. Tiles by row count (`GEMM_TILES` ladders)
   only where a probe on the device finds they give the same bits.
 - `rms_norm`: a fixed number of rows per program, the row's sum of squares in one block of
@@ -103,107 +103,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-Tile = tuple[int, int, int, int, int]
-"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMM."""
-
-GEMM_TILES: dict[tuple[str, int, int], tuple[tuple[int | None, Tile], ...]] = {}
-"""Tiles chosen for particular weight shapes, from `parity bench gemm` on a GPU: (dtype name, N, K)
--> rungs ((max_rows, tile), ..., (None, tile)); a product of M rows takes the first rung with
-M <= max_rows (None: any M). Other shapes take the default tile. One rung is a tile for every M.
-Several rungs (small tiles for decode, where many programs are wanted, large ones for prefill)
-keep a row's bits independent of M only if every rung's tile reduces an element the same way:
-same BLOCK_K, same matrix instruction. That is a property of the GPU, so it is never assumed: a
-probe on the device (`ladder_holds`) compares the rungs' products bit for bit at first use, and
-where they differ the last rung serves every M. Code, not configuration: the learner and every
-rollout worker read the same table."""
-
-
-def gemm_tiles(dtype: torch.dtype, n: int, k: int, m: int | None = None,
-               device: torch.device | None = None) -> Tile:
-    """The GEMM tile for a weight [n, k] and `m` rows: a function of the device kind, the dtype and
-    the weight's shape, and of M only through a ladder of `GEMM_TILES` that the device's probe
-    confirmed gives every M the same bits (that is the whole invariance argument for the GEMM: a
-    row is reduced by the same sequence of products whatever M is)."""
-    rungs = GEMM_TILES.get((str(dtype).removeprefix("torch."), n, k))
-    if rungs:
-        if m is None or len(rungs) == 1 or not ladder_holds(dtype, n, k, device):
-            return rungs[-1][1]
-        return next(t for top, t in rungs if top is None or m <= top)
-    if INTERPRET:
-        return 64, 128, 64, 4, 1  # big tiles: the interpreter's cost is per program, not per flop
-    if dtype == torch.float32:
-        return 64, 64, 16, 4, 3  # FMA in one chain over K whatever BLOCK_K; 32 spilled 16 bytes
-    return 64, 128, 64, 4, 3
-
-
-_LADDERS: dict[tuple, str] = {}
-"""(device, dtype, N, K, rungs) -> the probe's verdict: 'same bits' or why not."""
-
-
-def ladder_holds(dtype: torch.dtype, n: int, k: int, device: torch.device | None = None) -> bool:
-    """Whether every rung of the ladder for (dtype, n, k) gives the same bits on `device`: the
-    products of 192 rows by a weight of about min(n, 1024) outputs (N's divisibility by 16 kept,
-    so the probe runs the model's binaries), without and with a bias, entries spread over
-    2^-8..2^8 so that a different order of accumulation shows, under `torch.equal`, once per
-    process. During a CUDA graph's capture nothing can be compared: the last rung serves (right
-    either way) and the probe runs at the next eager call. Compiling without a GPU (`parity
-    compile`) launches nothing, so there every rung is taken as holding: that run checks
-    resources, not bits."""
-    rungs = GEMM_TILES[(str(dtype).removeprefix("torch."), n, k)]
-    if device is None or (device.type == "cuda" and device.index is None):  # a tensor's has one
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, dtype, n, k, rungs)  # on every launch: kept cheap
-    verdict = _LADDERS.get(key)
-    if verdict is None:
-        from . import triton_target
-
-        if triton_target.active() is not None:
-            return True
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False
-        verdict = _LADDERS[key] = _probe_ladder(dtype, n, k, rungs, device)
-    return verdict == "same bits"
-
-
-def _probe_ladder(dtype: torch.dtype, n: int, k: int, rungs, device: torch.device) -> str:
-    """'same bits', or why the ladder's rungs cannot share the rows (see `ladder_holds`)."""
-    gen = torch.Generator().manual_seed(n * 7919 + k)
-    name = "x".join
-
-    def spread(*shape: int) -> torch.Tensor:
-        scale = torch.exp2(torch.randint(-8, 9, shape, generator=gen).float())
-        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
-
-    first = None
-    with torch.no_grad():
-        for _, t in rungs:
-            try:  # the float32 sums too: a bf16 output hides most differences in them
-                if first is None:  # inside the try: no memory for the probe is a refusal too
-                    n_probe = min(n, 1024 + n % 16)
-                    x, w, b = spread(192, k), spread(n_probe, k), spread(n_probe)
-                out = torch.cat([matmul(x, w, tiles=t).float(), matmul(x, w, b, tiles=t).float(),
-                                 matmul(x, w, tiles=t, out_dtype=torch.float32)])
-            except Exception as err:  # noqa: BLE001 - a tile this GPU refuses (shared memory), no memory
-                return f"{name(map(str, t))} does not run here ({type(err).__name__})"
-            if first is None:
-                first = out
-            elif not torch.equal(out, first):
-                return f"{name(map(str, t))} differs from {name(map(str, rungs[0][1]))}"
-    return "same bits"
-
-
-def describe_tiles() -> str:
-    """The GEMM tiles in force, in words (`parity check` prints it)."""
-    if not GEMM_TILES:
-        return "GEMM: one default tile per dtype"
-    probed = [f"{dt} {n}x{k}: {v}" for (_dev, d, n, k, rungs), v in _LADDERS.items()
-              for dt in [str(d).removeprefix("torch.")] if GEMM_TILES.get((dt, n, k)) == rungs]
-    return (f"GEMM: tiles for {len(GEMM_TILES)} weight shapes"
-            + (f"; tiles by row count probed ({'; '.join(probed)})" if probed else ""))
-
-
 _ROWS = 64 if INTERPRET else 4
 """Rows per program of the row-wise kernels (norm, SwiGLU, log-sum-exp): a constant, so a row's
 reduction (over its own columns) is laid out the same whatever the row count."""
@@ -213,62 +112,15 @@ reduction (over its own columns) is laid out the same whatever the row count."""
 def _dot(a, b, acc, INTERP: tl.constexpr, IEEE: tl.constexpr):
     """acc + a @ b. On a GPU `tl.dot` (tensor cores; ieee for float32). In the interpreter an
     explicit float32 product-sum over K (numpy's BLAS, which `tl.dot` calls there, rounds a row
-    differently by where it sits in the tile; a GPU's MMA units do not)."""
+    differently by where it sits in the tile; a GPU's MMA units do not). numpy sums a product in
+    its memory order, which follows its operands': `b` must be laid out [K, N] row by row (as a
+    pointer load makes it), or the same values sum in another order."""
     if INTERP:
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     elif IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
-
-
-# ----------------------------------------------------------------------------- GEMM
-@triton.jit(do_not_specialize=["M"])
-def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
-                   sxm, sxk, swn, swk, som, son,
-                   HAS_BIAS: tl.constexpr, INTERP: tl.constexpr, IEEE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: logits reach 2^31 elements
-    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # one K order, from 0 up in fixed steps: no split-K
-        kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk,
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk,
-                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        acc = _dot(a, b, acc, INTERP, IEEE)
-    if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc.to(out_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: Tile | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` for 2-D x [M, K], weight [N, K]; float32 accumulation, output in
-    x's dtype (or `out_dtype`: float32 gives the sums unrounded). A row's bits do not depend on M
-    or on the other rows. `tiles` overrides `gemm_tiles` (`parity bench gemm` tries candidates,
-    the ladder probe compares rungs; the model never passes it)."""
-    x = _aligned(x)
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    if m == 0:
-        return out
-    bm, bn, bk, warps, stages = tiles or gemm_tiles(x.dtype, n, k, m, x.device)
-    grid = (_cdiv(m, bm), _cdiv(n, bn))
-    with _on(x, weight):
-        _matmul_kernel[grid](
-            x, weight, bias if bias is not None else x, out, m, n, k,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, INTERP=INTERPRET,
-            IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=warps, num_stages=stages, **LAUNCH)
-    return out
 
 
 # ----------------------------------------------------------------------------- RMSNorm

@@ -37,7 +37,8 @@ class Binary:
 
     kernel: str
     constants: dict
-    signature: str  # the argument types Triton compiled for, e.g. "*bf16,*bf16,i32,..."
+    signature: str  # the argument types Triton compiled for, e.g. "*bf16,*bf16,i32,..." (a TMA
+    # descriptor's block shape written 128x64: "tensordesc<bf16[128x64]>")
     specialised: str  # the arguments Triton specialised on ("N%16": divisible by 16), e.g. "x_ptr%16,K%16"
     num_warps: int
     num_stages: int
@@ -45,6 +46,7 @@ class Binary:
     registers: int = 0
     stack_bytes: int = 0  # per thread: register spills and local arrays
     matrix: dict = field(default_factory=dict)  # SASS matrix instruction -> count
+    loads: str = ""  # how global memory reaches the kernel: 'TMA', 'cp.async' (to shared) or 'plain'
     launches: int = 0
 
     @property
@@ -69,7 +71,7 @@ class _Utils:
     def load_binary(self, name, cubin, shared, device):
         pending = self.target.pending  # the launcher was made just before: the last of that name
         binary = pending.pop(max(i for i, b in enumerate(pending) if b.kernel == name))
-        binary.registers, binary.stack_bytes, binary.matrix = _inspect(cubin)
+        binary.registers, binary.stack_bytes, binary.matrix, binary.loads = _inspect(cubin)
         self.target.binaries.append(binary)
         return binary, None, binary.registers, 0, 1024
 
@@ -112,7 +114,7 @@ class CompileOnlyDriver:
             kernel=src.fn.__name__,
             constants={(k if isinstance(k, str) else src.fn.arg_names[k[0]]): _plain(v)
                        for k, v in consts.items()},
-            signature=",".join(str(v) for v in src.signature.values() if v != "constexpr"),
+            signature=",".join(str(v).replace(", ", "x") for v in src.signature.values() if v != "constexpr"),
             specialised=",".join(f"{src.fn.arg_names[path[0]]}%{a[1]}" for path, attrs in
                                  sorted((getattr(src, "attrs", None) or {}).items())
                                  for a in attrs if a[0] == "tt.divisibility"),
@@ -141,8 +143,10 @@ def _tool(name: str) -> str:
     return path
 
 
-def _inspect(cubin: bytes) -> tuple[int, int, dict]:
-    """(registers, stack bytes per thread, matrix instruction counts) of a cubin, by cuobjdump."""
+def _inspect(cubin: bytes) -> tuple[int, int, dict, str]:
+    """(registers, stack bytes per thread, matrix instruction counts, how it loads: 'TMA' for the
+    Tensor Memory Accelerator's UTMALDG, 'cp.async' for LDGSTS, else 'plain') of a cubin, by
+    cuobjdump."""
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -157,7 +161,8 @@ def _inspect(cubin: bytes) -> tuple[int, int, dict]:
     matrix: dict[str, int] = {}
     for op in re.findall(r"\b(HGMMA\.[\w.]+|HMMA\.[\w.]+)", sass):
         matrix[op] = matrix.get(op, 0) + 1
-    return int(regs.group(1)) if regs else 0, int(stack.group(1)) if stack else 0, matrix
+    loads = "TMA" if "UTMALDG" in sass else "cp.async" if "LDGSTS" in sass else "plain"
+    return int(regs.group(1)) if regs else 0, int(stack.group(1)) if stack else 0, matrix, loads
 
 
 def parse_arch(arch: str) -> int:

@@ -55,7 +55,7 @@ def test_the_switch_selects_triton(triton_impl):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemm_rows_do_not_depend_on_the_batch(triton_impl, dtype):
-    from parity.ops import triton_kernels as tk
+    from parity.ops import triton_gemm as tk
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(70, 96, generator=gen).to(dtype)
     w = torch.randn(200, 96, generator=gen).to(dtype)
@@ -76,7 +76,7 @@ def test_gemm_tiles_by_row_count_only_where_the_probe_finds_the_same_bits(triton
     """A ladder of tiles (small for few rows, large for many) serves by M only when the device's
     probe finds its rungs' products equal; the control: a rung with another BLOCK_K gives other
     bits (so row bits would depend on M), the probe says so, and the last rung serves every M."""
-    from parity.ops import triton_kernels as tk
+    from parity.ops import triton_gemm as tk
     gen = torch.Generator().manual_seed(1)
     spread = torch.exp2(torch.randint(-8, 9, (70, 96), generator=gen).float())  # orders show
     x = (torch.randn(70, 96, generator=gen) * spread).to(dtype)
@@ -100,6 +100,39 @@ def test_gemm_tiles_by_row_count_only_where_the_probe_finds_the_same_bits(triton
     assert "64x128x64x4x1 differs from 32x32x32x4x1" in tk.describe_tiles()
     for rows in (1, 3, 13):
         assert torch.equal(tk.matmul(x[-rows:], w, b), full[-rows:]), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tma_gemm_sums_as_the_pointer_kernel(triton_impl, monkeypatch, dtype):
+    """The persistent TMA kernel (3 programs walking 12 tiles here, K and rows past the ends read
+    as zeros): rows independent of M and of the other rows, float32 sums equal to the pointer
+    kernel's at the same BLOCK_K, so the two share a ladder (the probe agrees). The control: at
+    another BLOCK_K the sums differ and the probe refuses the ladder. Bad tiles: one-line errors."""
+    from parity.ops import triton_gemm as tg
+    gen = torch.Generator().manual_seed(4)
+    spread = torch.exp2(torch.randint(-8, 9, (70, 96), generator=gen).float())
+    x = (torch.randn(70, 96, generator=gen) * spread).to(dtype)
+    w, b = torch.randn(200, 96, generator=gen).to(dtype), torch.randn(200, generator=gen).to(dtype)
+    tma, ptr, other = (32, 64, 64, 4, 1, "tma"), (64, 128, 64, 4, 1), (32, 64, 32, 4, 1, "tma")
+    full = tg.matmul(x, w, b, tiles=tma)
+    perm = torch.randperm(70, generator=gen)
+    assert torch.equal(tg.matmul(x[perm], w, b, tiles=tma), full[perm])
+    for rows in (1, 3, 33):
+        assert torch.equal(tg.matmul(x[-rows:], w, b, tiles=tma), full[-rows:]), rows
+    sums = {t: tg.matmul(x, w, b, tiles=t, out_dtype=torch.float32) for t in (tma, ptr, other)}
+    assert torch.equal(sums[tma], sums[ptr]) and torch.equal(full, tg.matmul(x, w, b, tiles=ptr))
+    assert not torch.equal(sums[other], sums[ptr])  # the control
+    key = (str(dtype).removeprefix("torch."), 200, 96)
+    monkeypatch.setattr(tg, "_LADDERS", {})
+    monkeypatch.setattr(tg, "GEMM_TILES", {key: ((16, ptr), (None, tma))})
+    assert tg.gemm_tiles(dtype, 200, 96, 70) == tma and tg.gemm_tiles(dtype, 200, 96, 9) == ptr
+    monkeypatch.setattr(tg, "GEMM_TILES", {key: ((16, ptr), (None, other))})
+    assert tg.gemm_tiles(dtype, 200, 96, 9) == other
+    assert "32x64x32x4x1+tma differs from 64x128x64x4x1" in tg.describe_tiles()
+    with pytest.raises(ConfigError, match="rows of a multiple of 16 bytes; K = 90"):
+        tg.matmul(x[:, :90], w[:, :90], tiles=tma)
+    with pytest.raises(ConfigError, match="unknown GEMM kernel in tiles 32x64x64x4x1\\+wgmma"):
+        tg.matmul(x, w, tiles=(*tma[:5], "wgmma"))
 
 
 def test_attention_paged_equals_dense_equals_one_query(triton_impl):
@@ -209,7 +242,7 @@ def test_model_log_probs_are_invariant_with_gemm_tiles_by_row_count(triton_impl,
     another BLOCK_K forced past the probe makes the same checks find mismatches (float32: the
     sums' differences reach the log-probs, where bf16 rounding would hide most of them)."""
     from parity.apps.bench_gemm import weight_shapes
-    from parity.ops import triton_kernels as tk
+    from parity.ops import triton_gemm as tk
     model = _model("aligned", torch.float32)
     used = set()
     real = tk.gemm_tiles
@@ -273,7 +306,7 @@ def test_bench_gemm_checks_each_candidate_tiles_rows(triton_impl, monkeypatch):
     the control: a GEMM that switches path by M is caught."""
     from parity.apps.bench_gemm import bench_gemm, best, parse_tiles
     from parity.errors import ParityError
-    from parity.ops import triton_kernels as tk
+    from parity.ops import triton_gemm as tk
     candidates = ["64x128x64x4x3", "64x32x64x4x4", "64x64x32x4x3"]
     rows = bench_gemm("tiny", "float32", (4, 16), candidates, reps=1)
     assert len(rows) == 4 * 3 and all(r.rows_invariant for r in rows)
@@ -291,8 +324,10 @@ def test_bench_gemm_checks_each_candidate_tiles_rows(triton_impl, monkeypatch):
     monkeypatch.setattr(tk, "matmul", lambda x, w, b=None, tiles=None, out_dtype=None:
                         real(x, w, b, tiles, out_dtype) if x.shape[0] > 8 else F.linear(x, w))
     assert not any(r.rows_invariant for r in bench_gemm("tiny", "float32", (4, 16), candidates[:1], reps=1))
-    with pytest.raises(ParityError, match="is not BLOCK_MxBLOCK_N"):
-        parse_tiles("64x100x64x4x3")
+    assert parse_tiles("128x256x64x8x3+TMA") == (128, 256, 64, 8, 3, "tma")
+    for bad in ("64x100x64x4x3", "64x128x64x4x3+wgmma", "64x128x64x4x3+tma+tma"):
+        with pytest.raises(ParityError, match="is not BLOCK_MxBLOCK_N"):
+            parse_tiles(bad)
 
 
 def test_bench_gemm_ladders_stay_in_one_bits_class_and_load_as_the_table(monkeypatch, tmp_path):
@@ -301,7 +336,7 @@ def test_bench_gemm_ladders_stay_in_one_bits_class_and_load_as_the_table(monkeyp
     a malformed file is a one-line error."""
     from parity.apps.bench_gemm import TileRow, apply_tiles, ladders, table_entries
     from parity.errors import ParityError
-    from parity.ops import triton_kernels as tk
+    from parity.ops import triton_gemm as tk
 
     def row(tiles, r4, r16, bits):
         return TileRow("o_proj", 64, 128, "bfloat16", tiles, {4: r4, 16: r16}, True, 0.0, bits=bits)
@@ -320,12 +355,19 @@ def test_bench_gemm_ladders_stay_in_one_bits_class_and_load_as_the_table(monkeyp
     monkeypatch.setattr(tk, "GEMM_TILES", {})
     assert apply_tiles(str(path)) == 1
     assert tk.GEMM_TILES == {("bfloat16", 64, 128): ((4, (64, 32, 64, 4, 4)), (None, (64, 128, 64, 4, 3)))}
+    rows.append(row("128x128x64x8x4+tma", 0.5, 9.0, "A"))  # the TMA kernel: a tile like the others
+    tma = ladders(rows)["o_proj"]
+    assert tma.entry().endswith("(None, (128, 128, 64, 8, 4, 'tma')),),")
+    path.write_text(json.dumps({"gemm_tiles": table_entries({"o_proj": tma})}))
+    assert apply_tiles(str(path)) == 1 and tk.GEMM_TILES[("bfloat16", 64, 128)][-1][1][5:] == ("tma",)
     unordered = [[None, [64, 32, 64, 4, 4]], [4, [1, 1, 1, 1, 1]]]
     boolean = [[True, [64, 32, 64, 4, 4]], [None, [64, 32, 64, 4, 4]]]
     for bad in ({"rows": []}, {"gemm_tiles": [["bfloat16", 64, 128, unordered]]},
                 {"gemm_tiles": [["bfloat16", 64, 128, [[None, [64, 30, 64, 4, 4]]]]]},
                 {"gemm_tiles": [["bfloat16", 64.5, 128, [[None, [64, 32, 64, 4, 4]]]]]},
                 {"gemm_tiles": [["bfloat16", 64, 128, boolean]]},
+                {"gemm_tiles": [["bfloat16", 64, 128, [[None, [64, 32, 64, 4, 4, "wgmma"]]]]]},
+                {"gemm_tiles": [["bfloat16", 64, 128, [[None, [64, 32, 64, 4, 4, 7]]]]]},
                 {"gemm_tiles": [["int8", 64, 128, [[None, [64, 32, 64, 4, 4]]]]]}):
         path.write_text(json.dumps(bad))
         with pytest.raises(ParityError, match="gemm-tiles") as err:

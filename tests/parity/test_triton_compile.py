@@ -146,7 +146,7 @@ def test_control_a_spilling_tile_is_reported():
         q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
         kv = torch.zeros(1, 32, 1, 128, dtype=torch.bfloat16)
         ta.attention(q, kv, kv, torch.arange(8).view(1, 8), 32)
-        print(problems(drv.binaries, {"*bf16": "bf16"}))
+        print(problems(drv.binaries))
     """)
     proc = _run(code=code)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -161,7 +161,7 @@ def test_control_a_kernel_over_the_shared_memory_limit_is_refused():
         from parity.ops import triton_target
         drv = triton_target.enable("sm_86")
         from triton.runtime.errors import OutOfResources
-        from parity.ops import triton_kernels as tk
+        from parity.ops import triton_gemm as tk
         x, w = torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(256, 256, dtype=torch.bfloat16)
         tk.matmul(x, w)
         tk.gemm_tiles = lambda *shape: (128, 256, 64, 8, 4)
@@ -210,10 +210,12 @@ def test_an_interpreting_triton_is_refused_in_one_line():
 
 def test_a_ladders_tiles_compile_without_counting_as_specialisation(tmp_path):
     """A `GEMM_TILES` ladder (`--gemm-tiles`, as `bench gemm` writes it) gives decode at one row
-    another GEMM tile than the learner: that second binary is by design, not a batch-dependent
-    argument specialised, so the phase count lets it pass, and both tiles are compiled and checked.
-    The control: the same tile compiled a second time still counts."""
-    small, large = [64, 32, 64, 4, 4], [64, 128, 64, 4, 3]
+    another GEMM tile than the learner, here the pointer kernel below 5 rows and the persistent TMA
+    kernel above: that second binary is by design, not a batch-dependent argument specialised, so
+    the phase count lets it pass, and both are compiled and checked (TMA: descriptors, HGMMA, no
+    spills). The controls: the same tile compiled a second time, or a TMA binary with its program
+    count specialised, still count."""
+    small, large = [64, 32, 64, 4, 4], [128, 128, 64, 8, 4, "tma"]
     shapes = ((128, 64), (64, 64), (256, 64), (64, 128))  # the tiny preset's weights
     path = tmp_path / "tiles.json"
     path.write_text(json.dumps({"gemm_tiles": [["bfloat16", n, k, [[4, small], [None, large]]]
@@ -224,28 +226,64 @@ def test_a_ladders_tiles_compile_without_counting_as_specialisation(tmp_path):
     report = json.loads(proc.stdout)
     run = report["runs"][0]
     assert report["problems"] == [] and run["one_binary_per_kernel"]
-    gemms = {b["constants"]["BLOCK_N"] for b in run["binaries"] if b["kernel"] == "_matmul_kernel"}
-    assert gemms == {32, 128}
+    gemms = {(b["kernel"], b["constants"]["BLOCK_N"]): b for b in run["binaries"] if "matmul" in b["kernel"]}
+    assert set(gemms) == {("_matmul_kernel", 32), ("_matmul_tma_kernel", 128)}
+    tma = gemms[("_matmul_tma_kernel", 128)]
+    assert tma["signature"].startswith("tensordesc<bf16[128x64]>,tensordesc<bf16[128x64]>,*bf16")
+    assert tma["tensor_cores"] == "HGMMA" and tma["stack_bytes"] == 0 and tma["loads"] == "TMA"
+    assert gemms[("_matmul_kernel", 32)]["loads"] == "cp.async"
 
     code = textwrap.dedent(f"""
         from types import SimpleNamespace
         from parity.ops import triton_target
         triton_target.enable("sm_90")
         from parity.apps.compile import _rung
-        from parity.ops import triton_kernels as tk
-        tk.GEMM_TILES[("bfloat16", 64, 64)] = ((4, {tuple(small)}), (None, {tuple(large)}))
-        def binary(kernel="_matmul_kernel", bn=32, warps=4, stages=4, spec="x_ptr%16", **consts):
+        from parity.ops import triton_gemm as tg
+        tg.GEMM_TILES[("bfloat16", 64, 64)] = ((4, {tuple(small)}), (None, (64, 128, 64, 4, 3)))
+        tg.GEMM_TILES[("bfloat16", 64, 128)] = ((4, {tuple(small)}), (None, {tuple(large)}))
+        def binary(kernel="_matmul_kernel", bn=32, warps=4, stages=4, spec="x_ptr%16,out_ptr%16", **consts):
             consts = dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64, **consts)
-            return SimpleNamespace(kernel=kernel, constants=consts, signature="*bf16,*bf16",
+            return SimpleNamespace(kernel=kernel, constants=consts, signature="*bf16,*bf16,*bf16,*bf16",
                                    specialised=spec, num_warps=warps, num_stages=stages)
+        def tma(spec="out_ptr%16"):
+            b = binary("_matmul_tma_kernel", 128, 8, 4, spec)
+            b.constants["BLOCK_M"] = 128
+            b.signature = "tensordesc<bf16[128x64]>,tensordesc<bf16[128x64]>,*bf16,*bf16"
+            return b
         first, rung = binary(bn=128, stages=3), binary()
         print(_rung(rung, [first]),  # the ladder's other tile, the twin of the first: by design
+              _rung(tma(), [rung]),  # the TMA kernel's rung, the twin of a pointer binary: by design
               _rung(rung, [first, rung]),  # the same tile again
               _rung(binary(sxm=1), [first]),  # an argument specialised (Triton: == 1) on a rung tile
-              _rung(binary(spec="x_ptr%16,M%16"), [first]),  # another specialisation
+              _rung(binary(spec="x_ptr%16,out_ptr%16,M%16"), [first]),  # another specialisation
+              _rung(tma("out_ptr%16,PROGRAMS%16"), [rung]),  # the TMA program count specialised
               _rung(rung, []),  # no twin: nothing to be the rung of
               _rung(binary(kernel="_rms_norm_kernel"), [first]))
     """)
     proc = _run(code=code)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-6:] == ["True", "False", "False", "False", "False", "False"]
+    assert proc.stdout.split()[-8:] == ["True", "True", "False", "False", "False", "False", "False", "False"]
+
+
+def test_tma_tiles_are_refused_in_one_line_before_hopper():
+    """A +tma tile asked for by name on sm_80 is a one-line error; one in `GEMM_TILES` (measured
+    on another GPU kind) gives way to the default tile there."""
+    code = textwrap.dedent("""
+        import torch
+        from parity.errors import ConfigError
+        from parity.ops import triton_target
+        triton_target.enable("sm_80")
+        from parity.ops import triton_gemm as tg
+        x, w = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16)
+        try:
+            tg.matmul(x, w, tiles=(64, 64, 64, 4, 3, "tma"))
+        except ConfigError as err:
+            print("refused:", err)
+        tg.GEMM_TILES[("bfloat16", 64, 64)] = ((None, (64, 64, 64, 4, 3, "tma")),)
+        print("table:", tg.gemm_tiles(torch.bfloat16, 64, 64, 4, x.device))
+    """)
+    proc = _run(code=code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused: GEMM tiles marked +tma need the Tensor Memory Accelerator (sm_90 or later); " \
+           "this GPU is sm_80" in proc.stdout
+    assert "table: (64, 128, 64, 4, 3)" in proc.stdout  # a table's TMA tile: the default here
