@@ -192,12 +192,22 @@ def _matmul_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, K, som, son, PROGRA
             if INTERP:  # numpy sums in memory order: lay W's tile out as the pointer kernel's
                 b = tl.reshape(tl.reshape(b, (BLOCK_K * BLOCK_N,)), (BLOCK_K, BLOCK_N))
             acc = _dot(a, b, acc, INTERP, IEEE)
+        # stored in two column halves: the flattened pipeline keeps the epilogue's staging apart
+        # from the loads' buffers, and a whole 128x256 float32 tile (the probe's sums) would not fit
+        halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc.to(out_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)).to(tl.int64)
+        _store_half(halves[0], b_ptr, out_ptr, rm, rn, M, N, som, son, HAS_BIAS)
+        _store_half(halves[1], b_ptr, out_ptr, rm, rn + BLOCK_N // 2, M, N, som, son, HAS_BIAS)
+
+
+@triton.jit
+def _store_half(acc, b_ptr, out_ptr, rm, rn, M, N, som, son, HAS_BIAS: tl.constexpr):
+    """The pointer kernel's epilogue on columns `rn`: bias added in float32, one rounding."""
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 _TMA_PROGRAMS: dict[torch.device, int | str] = {}
