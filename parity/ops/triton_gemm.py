@@ -237,12 +237,15 @@ def _tma(device: torch.device) -> int | str:
 
 
 def _rows_for_tma(t: torch.Tensor) -> torch.Tensor:
-    """`t` as TMA reads it: unit stride along K, rows 16-byte aligned (a copy where not)."""
-    if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16:
-        t = t.contiguous()
-    if (t.shape[1] * t.element_size()) % 16:
+    """`t` as TMA reads it: unit stride along K, rows apart by at least a row and 16-byte aligned
+    (a dense copy where not: a transposed or expanded tensor, or one row viewed out of a column,
+    which PyTorch calls contiguous whatever its row stride)."""
+    rows, k = t.shape
+    if t.stride(1) != 1 or t.stride(0) < k or (t.stride(0) * t.element_size()) % 16:
+        t = torch.empty(rows, k, dtype=t.dtype, device=t.device).copy_(t)
+    if (k * t.element_size()) % 16:
         raise ConfigError(f"GEMM tiles marked +tma need rows of a multiple of 16 bytes; K = "
-                          f"{t.shape[1]} in {str(t.dtype).removeprefix('torch.')} is not")
+                          f"{k} in {str(t.dtype).removeprefix('torch.')} is not")
     return _aligned(t)
 
 
@@ -262,10 +265,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bm, bn, bk, warps, stages, *kind = tiles or gemm_tiles(x.dtype, n, k, m, x.device)
     consts = dict(HAS_BIAS=bias is not None, INTERP=INTERPRET, IEEE=x.dtype == torch.float32,
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **LAUNCH)
-    if kind:
-        if kind != ["tma"]:
-            raise ConfigError(f"unknown GEMM kernel in tiles {tile_name((bm, bn, bk, warps, stages, *kind))}"
-                              f" (known: {', '.join(KINDS)})")
+    if kind != ["tma"] and kind:
+        raise ConfigError(f"unknown GEMM kernel in tiles {tile_name((bm, bn, bk, warps, stages, *kind))}"
+                          f" (known: {', '.join(KINDS)})")
+    if kind and n and k:  # (no TMA descriptor has an empty side: the pointer kernel does those)
         x, weight = _rows_for_tma(x), _rows_for_tma(weight)
         programs = _tma(x.device)
         if isinstance(programs, str):

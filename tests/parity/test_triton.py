@@ -133,6 +133,14 @@ def test_tma_gemm_sums_as_the_pointer_kernel(triton_impl, monkeypatch, dtype):
         tg.matmul(x[:, :90], w[:, :90], tiles=tma)
     with pytest.raises(ConfigError, match="unknown GEMM kernel in tiles 32x64x64x4x1\\+wgmma"):
         tg.matmul(x, w, tiles=(*tma[:5], "wgmma"))
+    # layouts TMA cannot read as they are (one row out of a column, which PyTorch calls
+    # contiguous; rows expanded with stride 0) are copied; empty sides go to the pointer kernel
+    one, rows = x[7].reshape(96, 1).T, x[:1].expand(5, 96)
+    assert one.stride() == (1, 1) and one.is_contiguous()
+    assert torch.equal(tg.matmul(one, w, b, tiles=tma), full[7:8])
+    assert torch.equal(tg.matmul(rows, w, b, tiles=tma), full[:1].expand(5, 200))
+    assert tg.matmul(x, w[:0], tiles=tma).shape == (70, 0)
+    assert torch.equal(tg.matmul(x[:, :0], w[:, :0], b, tiles=tma), b.expand(70, 200))
 
 
 def test_attention_paged_equals_dense_equals_one_query(triton_impl):
