@@ -8,9 +8,10 @@ distinct weight shape of a preset (fused q/k/v, o_proj, fused gate/up, down_proj
 times every candidate tile at decode and prefill row counts beside `F.linear` (cuBLAS on a GPU),
 replayed from CUDA graphs on a GPU (as the engine's decode steps are: no launch cost in the
 figure), repetitions interleaved, medians; checks that each candidate's rows are the same bits at
-every row count (`torch.equal` against the rows of the largest; exit 1 if one's are not); sorts
-the candidates into classes of identical float32 sums (class A: the first candidate's, the
-default); reports a candidate the device refuses (shared memory) and goes on. Per shape it names
+every row count (`torch.equal` against the rows of the largest; exit 1 if one's are not) and its
+float32 sums against float32 arithmetic (a wrong tile is reported, never timed or chosen, exit
+1); sorts the candidates into classes of identical float32 sums (class A: the first candidate's,
+the default); reports a candidate the device refuses (shared memory) and goes on. Per shape it names
 the best single tile (geometric mean of aligned/standard over the row counts) and the best ladder
 within one class: the fastest tile of that class at each row count. `--json` writes the ladders
 as `gemm_tiles`, the table `GEMM_TILES` takes (`--gemm-tiles FILE` of `bench kernels` and `bench
@@ -66,6 +67,8 @@ class TileRow:
     """Why the candidate could not run here (e.g. more shared memory than the GPU has), if so."""
     bits: str = ""
     """Its class of identical float32 sums at this shape: 'A' the first candidate's, then 'B', ..."""
+    correct: bool = True
+    """False when its float32 sums are not the product's (beyond any order of summation)."""
 
 
 @dataclass
@@ -101,6 +104,9 @@ def parse_tiles(text: str, what: str = "--candidates") -> tuple:
             or len(kind) > 1 or not set(kind) <= set(KINDS):
         raise ParityError(f"{what}: {text!r} is not BLOCK_MxBLOCK_NxBLOCK_Kxwarpsxstages with "
                           f"power-of-two blocks, optionally +{'/+'.join(KINDS)} (e.g. 64x128x64x4x3)")
+    if kind and not all(16 <= p <= 256 for p in parts[:3]):  # a TMA box is 1..256 a side; dot needs 16
+        raise ParityError(f"{what}: {text!r}: a +tma tile's blocks must be 16 to 256 (the "
+                          f"Tensor Memory Accelerator's box)")
     return (*parts, *kind)
 
 
@@ -149,6 +155,31 @@ def _seconds(fn, device, target: float = 0.02) -> float:
     return (time.perf_counter() - t0) / calls
 
 
+def _check(tg, t: tuple, x: torch.Tensor, w: torch.Tensor, probe: torch.Tensor, rows: tuple[int, ...],
+           classes: list) -> TileRow:
+    """One candidate's checks (shape fields left for the caller): its float32 sums of all of `x`
+    against float32 arithmetic (a tile that computes something else — a TMA descriptor or a
+    persistent loop gone wrong — is reported and never timed or chosen), its rows at each row
+    count against those of the largest (`torch.equal`), and its bits class on `probe`."""
+    sums = tg.matmul(x, w, tiles=t, out_dtype=torch.float32)
+    xf, wf = x.float(), w.float()
+    err = (sums - xf @ wf.T).abs()
+    allowed = 1e-4 * (xf.abs() @ wf.abs().T) + 1e-30  # far above any order of float32 sums
+    if not bool((err <= allowed).all()):
+        worst = int((err / allowed).flatten().argmax())
+        r, c = divmod(worst, w.shape[0])
+        return TileRow("", 0, 0, "", "", {}, False, 0.0, f"wrong sums: row {r} column {c} off by "
+                       f"{float(err[r, c]):.3g} (allowed {float(allowed[r, c]):.3g})", correct=False)
+    full = tg.matmul(x, w, tiles=t)
+    invariant = all(torch.equal(tg.matmul(x[:m], w, tiles=t), full[:m]) for m in rows)
+    sums = tg.matmul(probe, w, tiles=t, out_dtype=torch.float32)
+    same = next((i for i, c in enumerate(classes) if torch.equal(c, sums)), None)
+    if same is None:
+        classes.append(sums)
+        same = len(classes) - 1
+    return TileRow("", 0, 0, "", "", {}, invariant, bits=chr(ord("A") + same))
+
+
 def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
                rows: tuple[int, ...] = (64, 256, 8192), candidates: list[str] | None = None,
                reps: int = 5, device: str = "cpu", progress=None, stopped=None) -> list[TileRow]:
@@ -176,19 +207,12 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
                 if progress:
                     progress(f"{name} {n}x{k} tiles {label}: bits")
                 try:
-                    full = tg.matmul(x, w, tiles=t)
+                    row = _check(tg, t, x, w, probe, rows, classes)
                 except Exception as err:  # noqa: BLE001 - a tile this GPU (or the interpreter) refuses
                     msg = f"{type(err).__name__}: {err}".splitlines()[0][:160]
-                    shape_rows.append(TileRow(name, n, k, dtype_name, label, {}, False, 0.0, msg))
-                    continue
-                invariant = all(torch.equal(tg.matmul(x[:m], w, tiles=t), full[:m]) for m in rows)
-                sums = tg.matmul(probe, w, tiles=t, out_dtype=torch.float32)
-                same = next((i for i, c in enumerate(classes) if torch.equal(c, sums)), None)
-                if same is None:
-                    classes.append(sums)
-                    same = len(classes) - 1
-                shape_rows.append(TileRow(name, n, k, dtype_name, label, {}, invariant,
-                                          bits=chr(ord("A") + same)))
+                    row = TileRow(name, n, k, dtype_name, label, {}, False, 0.0, msg)
+                row.shape, row.n, row.k, row.dtype, row.tiles = name, n, k, dtype_name, label
+                shape_rows.append(row)
             runnable = [r for r in shape_rows if not r.error]
             for m in rows:
                 if progress:
@@ -322,7 +346,7 @@ def main(args) -> int:
                           "best": {s: asdict(r) for s, r in chosen.items()},
                           "ladders": {s: asdict(r) for s, r in by_rows.items()},
                           "gemm_tiles": table_entries(by_rows), "stopped": stopped}, indent=2))
-        return 0 if all(r.rows_invariant or r.error for r in rows) else 1
+        return 0 if all(r.correct and (r.rows_invariant or r.error) for r in rows) else 1
     print(f"parity bench gemm: {args.preset} weight shapes, {args.dtype}, aligned/standard per row count "
           f"(medians of {args.reps} interleaved repetitions; {device})")
     print(f"machine: {hardware.line()}")
@@ -334,7 +358,7 @@ def main(args) -> int:
                  for r in rows]))
     for r in rows:
         if r.error:
-            print(f"{r.shape} {r.tiles}: could not run: {r.error}")
+            print(f"{r.shape} {r.tiles}: {'could not run: ' if r.correct else ''}{r.error}")
     for why in stopped:
         print(f"{why}: the shapes not listed were not measured")
     print("best single tile per shape: "
@@ -343,4 +367,4 @@ def main(args) -> int:
           "device's probe confirms the bits):")
     for lad in by_rows.values():
         print(f"    {lad.entry()}  # {lad.shape}, class {lad.bits}, geomean {lad.geomean:.3f}")
-    return 0 if all(r.rows_invariant or r.error for r in rows) else 1
+    return 0 if all(r.correct and (r.rows_invariant or r.error) for r in rows) else 1

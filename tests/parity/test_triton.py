@@ -332,9 +332,20 @@ def test_bench_gemm_checks_each_candidate_tiles_rows(triton_impl, monkeypatch):
     monkeypatch.setattr(tk, "matmul", lambda x, w, b=None, tiles=None, out_dtype=None:
                         real(x, w, b, tiles, out_dtype) if x.shape[0] > 8 else F.linear(x, w))
     assert not any(r.rows_invariant for r in bench_gemm("tiny", "float32", (4, 16), candidates[:1], reps=1))
+
+    def skewed(x, w, b=None, tiles=None, out_dtype=None):  # deterministic, row-invariant, wrong
+        y = real(x, w, b, tiles, out_dtype)
+        return y * 1.01 if tiles == (64, 32, 64, 4, 4) else y
+    monkeypatch.setattr(tk, "matmul", skewed)
+    wrong = bench_gemm("tiny", "float32", (4, 16), candidates[:2], reps=1)
+    assert [r.correct for r in wrong[:2]] == [True, False] and not wrong[1].ratios
+    assert wrong[1].error.startswith("wrong sums: row ") and best(wrong)["qkv"].tiles == candidates[0]
     assert parse_tiles("128x256x64x8x3+TMA") == (128, 256, 64, 8, 3, "tma")
     for bad in ("64x100x64x4x3", "64x128x64x4x3+wgmma", "64x128x64x4x3+tma+tma"):
         with pytest.raises(ParityError, match="is not BLOCK_MxBLOCK_N"):
+            parse_tiles(bad)
+    for bad in ("64x512x64x4x3+tma", "64x128x8x4x3+tma"):
+        with pytest.raises(ParityError, match="blocks must be 16 to 256"):
             parse_tiles(bad)
 
 
