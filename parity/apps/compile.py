@@ -149,56 +149,71 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
 _GEMM_KERNELS = {"_matmul_kernel": (), "_matmul_tma_kernel": ("tma",)}
 """The GEMM's kernels, and what marks a `GEMM_TILES` tile as the kernel's."""
 
-_GEMM_SHARED = ("b_ptr", "out_ptr", "M", "N", "K", "som", "son")
-"""The arguments both GEMM kernels take, bias and output pointers third and fourth; the others are
-x's and W's pointers and strides, or their TMA descriptors and the program count."""
+_GEMM_SHARED = ("b_ptr", "out_ptr", "M", "N", "K", "som", "son", "HAS_BIAS", "INTERP", "IEEE")
+"""The arguments both GEMM kernels take (the others: x's and W's pointers and strides, or their
+TMA descriptors and the program count; and the blocks)."""
+
+
+def _arguments(b) -> dict[str, tuple]:
+    """A GEMM binary's arguments, name -> (type or constant value, specialisations): its signature
+    lists the arguments that were not made constants, in order."""
+    from ..ops import triton_gemm as tg
+
+    names = getattr(tg, b.kernel).arg_names
+    types = iter(b.signature.split(","))
+    spec: dict[str, list] = {}
+    for s in filter(None, b.specialised.split(",")):
+        spec.setdefault(s.split("%")[0], []).append(s)
+    return {n: (("=", b.constants[n]) if n in b.constants else (next(types, "?"),), sorted(spec.get(n, [])))
+            for n in names if not n.startswith("BLOCK_")}
 
 
 def _rung(binary: triton_target.Binary, earlier: list) -> bool:
     """Whether `binary` is the GEMM at a tile of a `GEMM_TILES` ladder compiled for the first time,
     the twin of an earlier GEMM binary but for its tile: another binary at another row count by
     design (the device's probe confirms its bits), not a batch-dependent argument specialised.
-    A twin in the other GEMM kernel (a ladder of pointer and TMA tiles) shares the arguments both
-    take, their specialisations, the bias and output types and the constants but the blocks, and
-    the TMA kernel's program count (it follows M) is not specialised. A tile compiled a second
-    time, or with any other argument specialised, still counts."""
+    Twins agree on every argument's type, constant value and specialisation, blocks aside. Across
+    the two GEMM kernels (a ladder of pointer and TMA tiles) that holds for the arguments both
+    take; the kernel's own (x's and W's strides; the TMA program count, which follows M and must
+    never be specialised) must agree with an earlier binary of the same kernel where there is one.
+    A tile compiled a second time, or with any other argument specialised, still counts."""
     from ..ops import triton_gemm as tg
 
     def tile(b) -> tuple:
         return (*(b.constants.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), b.num_warps, b.num_stages,
                 *_GEMM_KERNELS[b.kernel])
 
-    def consts(b) -> list:
-        return sorted((k, v) for k, v in b.constants.items() if not k.startswith("BLOCK_"))
-
-    def shared(b) -> tuple:
-        spec = sorted(s for s in b.specialised.split(",") if s.split("%")[0] in _GEMM_SHARED)
-        return b.signature.split(",")[2:4], spec, consts(b)
-
-    def twin(e) -> bool:
-        if e.kernel == binary.kernel:
-            return (e.signature, e.specialised, consts(e)) == (binary.signature, binary.specialised,
-                                                               consts(binary))
-        return shared(e) == shared(binary) and "PROGRAMS%" not in binary.specialised
-
     if binary.kernel not in _GEMM_KERNELS:
         return False
+    mine = _arguments(binary)
+    own = {n: v for n, v in mine.items() if n not in _GEMM_SHARED}
+
+    def twin(e) -> bool:
+        theirs = _arguments(e)
+        if e.kernel == binary.kernel:
+            return theirs == mine
+        return all(theirs.get(n) == v for n, v in mine.items() if n in _GEMM_SHARED)
+
+    programs = own.get("PROGRAMS", ("i32", []))
     rungs = {t for ladder in tg.GEMM_TILES.values() if len(ladder) > 1 for _, t in ladder}
     gemms = [e for e in earlier if e.kernel in _GEMM_KERNELS]
-    return tile(binary) in rungs and all(tile(e) != tile(binary) for e in gemms) and any(map(twin, gemms))
+    kin = [{n: _arguments(e)[n] for n in own} for e in gemms if e.kernel == binary.kernel]
+    return (tile(binary) in rungs and all(tile(e) != tile(binary) for e in gemms) and any(map(twin, gemms))
+            and programs[0] != "=" and not programs[1] and (not kin or own in kin))
 
 
-def _gemm_launch_us(hidden: int, dtype: torch.dtype) -> float:
-    """Host microseconds of one Triton GEMM launch (one row, [hidden, hidden] weight), median."""
+def _gemm_launch_us(hidden: int, dtype: torch.dtype, tiles=None) -> float:
+    """Host microseconds of one Triton GEMM launch (one row, [hidden, hidden] weight; `tiles`:
+    the tile in force, or a TMA tile: its descriptors are built on the host each launch), median."""
     from ..ops import triton_gemm as tg
 
     x = torch.zeros(1, hidden, dtype=dtype)
     w = torch.zeros(hidden, hidden, dtype=dtype)
-    tg.matmul(x, w)
+    tg.matmul(x, w, tiles=tiles)
     times = []
     for _ in range(200):
         t0 = time.perf_counter()
-        tg.matmul(x, w)
+        tg.matmul(x, w, tiles=tiles)
         times.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(times)
 
@@ -252,8 +267,10 @@ def main(args) -> int:
                 failed.append(f"{preset} {dtype}: {_failure(err)}")
                 continue
             run.update(preset=preset, dtype=str(dtype).removeprefix("torch."),
-                       binaries=[b.as_dict() for b in driver.binaries[first:]],
                        gemm_launch_us=_gemm_launch_us(run["hidden"], dtype))
+            if driver.capability >= 90 and dtype != torch.float32:  # the prefill kernel's host cost
+                run["tma_gemm_launch_us"] = _gemm_launch_us(run["hidden"], dtype, (64, 128, 64, 4, 4, "tma"))
+            run["binaries"] = [b.as_dict() for b in driver.binaries[first:]]
             report["runs"].append(run)
     status("")
     found = failed + problems(driver.binaries)
@@ -285,6 +302,9 @@ def main(args) -> int:
         print(f"binaries compiled by phase: {run['compiled_by_phase']}; one binary served every batch size "
               f"and decode as well as prefill: {one}")
         us = run["gemm_launch_us"]
+        if "tma_gemm_launch_us" in run:
+            print(f"a TMA GEMM launch (prefill, the learner): {run['tma_gemm_launch_us']:.1f} us of host "
+                  f"time here (its two tensor descriptors built per launch)")
         for b, s in run["decode"].items():
             print(f"decode step at batch {b}: {s['launches']} Triton launches + {s['torch_kernels']} PyTorch "
                   f"kernels, {s['syncs']} host syncs in the model forward; the Triton launches at "

@@ -209,17 +209,19 @@ def test_an_interpreting_triton_is_refused_in_one_line():
 
 
 def test_a_ladders_tiles_compile_without_counting_as_specialisation(tmp_path):
-    """A `GEMM_TILES` ladder (`--gemm-tiles`, as `bench gemm` writes it) gives decode at one row
-    another GEMM tile than the learner, here the pointer kernel below 5 rows and the persistent TMA
-    kernel above: that second binary is by design, not a batch-dependent argument specialised, so
-    the phase count lets it pass, and both are compiled and checked (TMA: descriptors, HGMMA, no
-    spills). The controls: the same tile compiled a second time, or a TMA binary with its program
-    count specialised, still count."""
+    """A `GEMM_TILES` ladder (`--gemm-tiles`, as `bench gemm` writes it) gives decode another GEMM
+    tile than prefill and the learner: here the pointer kernel up to 4 rows, the persistent TMA
+    kernel above (the LM head's shape: TMA only), so decode at batch 1 compiles the pointer
+    kernel's first binary. That binary is by design, not a batch-dependent argument specialised:
+    the phase count lets it pass, and both kernels are compiled and checked (TMA: descriptors,
+    HGMMA, no spills). The controls, on copies of the real binaries: the same tile again, a TMA
+    binary with its program count specialised, a bias the twin lacks, one of x's strides
+    specialised otherwise than in an earlier binary of the same kernel, no twin at all."""
     small, large = [64, 32, 64, 4, 4], [128, 128, 64, 8, 4, "tma"]
-    shapes = ((128, 64), (64, 64), (256, 64), (64, 128))  # the tiny preset's weights
+    ladders = [["bfloat16", n, k, [[4, small], [None, large]]] for n, k in ((64, 64), (256, 64), (64, 128))]
+    ladders.append(["bfloat16", 128, 64, [[None, large]]])  # q/k/v and the LM head (tiny's shapes)
     path = tmp_path / "tiles.json"
-    path.write_text(json.dumps({"gemm_tiles": [["bfloat16", n, k, [[4, small], [None, large]]]
-                                               for n, k in shapes]}))
+    path.write_text(json.dumps({"gemm_tiles": ladders}))
     proc = _run("compile", "--arch", "sm_90", "--presets", "tiny", "--dtype", "bfloat16", "--batch", "8",
                 "--length", "32", "--json", "--gemm-tiles", str(path))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -234,35 +236,37 @@ def test_a_ladders_tiles_compile_without_counting_as_specialisation(tmp_path):
     assert gemms[("_matmul_kernel", 32)]["loads"] == "cp.async"
 
     code = textwrap.dedent(f"""
-        from types import SimpleNamespace
+        import json, sys
+        from dataclasses import replace
+        import torch
         from parity.ops import triton_target
-        triton_target.enable("sm_90")
-        from parity.apps.compile import _rung
-        from parity.ops import triton_gemm as tg
-        tg.GEMM_TILES[("bfloat16", 64, 64)] = ((4, {tuple(small)}), (None, (64, 128, 64, 4, 3)))
-        tg.GEMM_TILES[("bfloat16", 64, 128)] = ((4, {tuple(small)}), (None, {tuple(large)}))
-        def binary(kernel="_matmul_kernel", bn=32, warps=4, stages=4, spec="x_ptr%16,out_ptr%16", **consts):
-            consts = dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64, **consts)
-            return SimpleNamespace(kernel=kernel, constants=consts, signature="*bf16,*bf16,*bf16,*bf16",
-                                   specialised=spec, num_warps=warps, num_stages=stages)
-        def tma(spec="out_ptr%16"):
-            b = binary("_matmul_tma_kernel", 128, 8, 4, spec)
-            b.constants["BLOCK_M"] = 128
-            b.signature = "tensordesc<bf16[128x64]>,tensordesc<bf16[128x64]>,*bf16,*bf16"
-            return b
-        first, rung = binary(bn=128, stages=3), binary()
-        print(_rung(rung, [first]),  # the ladder's other tile, the twin of the first: by design
-              _rung(tma(), [rung]),  # the TMA kernel's rung, the twin of a pointer binary: by design
-              _rung(rung, [first, rung]),  # the same tile again
-              _rung(binary(sxm=1), [first]),  # an argument specialised (Triton: == 1) on a rung tile
-              _rung(binary(spec="x_ptr%16,out_ptr%16,M%16"), [first]),  # another specialisation
-              _rung(tma("out_ptr%16,PROGRAMS%16"), [rung]),  # the TMA program count specialised
-              _rung(rung, []),  # no twin: nothing to be the rung of
-              _rung(binary(kernel="_rms_norm_kernel"), [first]))
+        driver = triton_target.enable("sm_90")
+        from parity.apps.bench_gemm import apply_tiles
+        from parity.apps.compile import _passes, _rung
+        apply_tiles({str(path)!r})
+        run = _passes("tiny", torch.bfloat16, 8, 32, lambda m: None)
+        gemms = [b for b in driver.binaries if "matmul" in b.kernel]
+        ptr = next(b for b in gemms if b.kernel == "_matmul_kernel")
+        i = driver.binaries.index(ptr)
+        before = [b for b in driver.binaries[:i] if "matmul" in b.kernel]
+        tma = before[0]
+        other = replace(ptr, constants={{**ptr.constants, "BLOCK_N": 128}})  # another pointer tile
+        unspec = replace(ptr, specialised=ptr.specialised.replace("sxm%16,", ""))
+        only_tma = [b.kernel for b in before] == ["_matmul_tma_kernel"]
+        print(run["compiled_by_phase"]["decode batch 1"], only_tma,
+              _rung(ptr, before),  # the pointer rung, compiled first in decode, the TMA one's twin: by design
+              _rung(ptr, [tma, other]),  # the pointer kernel's own arguments as in its other tile: by design
+              _rung(ptr, [tma, ptr]),  # the same tile again
+              _rung(replace(tma, specialised=tma.specialised + ",PROGRAMS%16"), [ptr]),  # program count
+              _rung(ptr, [replace(tma, constants={{**tma.constants, "HAS_BIAS": True}})]),  # a bias
+              _rung(unspec, [tma, other]),  # x's row stride specialised otherwise than the other tile
+              _rung(ptr, []),  # no twin: nothing to be the rung of
+              _rung(replace(ptr, kernel="_rms_norm_kernel"), before))
     """)
     proc = _run(code=code)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-8:] == ["True", "True", "False", "False", "False", "False", "False", "False"]
+    assert proc.stdout.split()[-10:] == ["0", "True", "True", "True", "False", "False", "False", "False",
+                                         "False", "False"]
 
 
 def test_tma_tiles_are_refused_in_one_line_before_hopper():
