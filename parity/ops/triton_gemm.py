@@ -211,6 +211,8 @@ def _store_half(acc, b_ptr, out_ptr, rm, rn, M, N, som, son, HAS_BIAS: tl.conste
 
 
 _TMA_PROGRAMS: dict[torch.device, int | str] = {}
+"""device -> `_tma`'s answer, once per process (a CPU entry holds for the process: the interpreter
+and compile-only Triton for one architecture are each set up once, before the kernels' import)."""
 
 
 def _tma(device: torch.device) -> int | str:
