@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch", type=int, default=8, help="decode batch size besides 1 (default 8)")
     c.add_argument("--length", type=int, default=64, help="learner sequence length (default 64)")
     c.add_argument("--json", action="store_true", help="machine-readable output")
+    c.add_argument("--gemm-candidates", nargs="?", const="default", metavar="TILES",
+                   help="instead of the model's passes, compile `bench gemm`'s candidate tiles (default "
+                        "its list for the dtype, or comma-separated tiles) at the presets' weight shapes")
     _gemm_tiles_option(c)
 
     g = _command(sub, "generate", "generate", "sample completions with the rollout engine")

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..dtypes import dtype_from_name
 from ..errors import ConfigError
+from ..model import ModelConfig
 from ..ops import triton_target
 from .ui import status, table
 
@@ -202,6 +203,35 @@ def _rung(binary: triton_target.Binary, earlier: list) -> bool:
             and programs[0] != "=" and not programs[1] and (not kin or own in kin))
 
 
+def _candidates(preset: str, dtype: torch.dtype, tiles: str, progress) -> dict:
+    """`bench gemm`'s candidate tiles (`tiles`: "default" or a comma-separated list) at each weight
+    shape of `preset`, with the output in `dtype` and in float32 (the sums its checks read): their
+    binaries' resources, and the candidates the GPU would refuse. On a GPU machine this also fills
+    Triton's cache, so that `bench gemm` times tiles rather than waits for compiles."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    from ..ops import triton_gemm as tg
+    from .bench_gemm import CANDIDATES, parse_tiles, weight_shapes
+
+    name = str(dtype).removeprefix("torch.")
+    texts = CANDIDATES.get(name, CANDIDATES["float32"]) if tiles == "default" else tiles.split(",")
+    chosen = [parse_tiles(t, "--gemm-candidates") for t in texts]
+    refused: dict[tuple, str] = {}  # (tile, output dtype) -> why: the limits do not depend on the shape
+    for shape, (n, k) in weight_shapes(ModelConfig.preset(preset)).items():
+        x, w = torch.zeros(256, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
+        for t in chosen:
+            progress(f"{preset} {name} {shape} {tg.tile_name(t)}")
+            for out in (dtype, torch.float32):
+                if (t, out) not in refused:
+                    try:
+                        tg.matmul(x, w, tiles=t, out_dtype=out)
+                    except (CompilationError, OutOfResources, ConfigError) as err:
+                        refused[t, out] = (f"{tg.tile_name(t)} ({str(out).removeprefix('torch.')} out): "
+                                           f"{_failure(err)}")
+    return {"candidates": [tg.tile_name(t) for t in chosen], "refused": list(refused.values())}
+
+
 def _gemm_launch_us(hidden: int, dtype: torch.dtype, tiles=None) -> float:
     """Host microseconds of one Triton GEMM launch (one row, [hidden, hidden] weight; `tiles`:
     the tile in force, or a TMA tile: its descriptors are built on the host each launch), median."""
@@ -239,8 +269,6 @@ def _failure(err: Exception) -> str:
 
 
 def main(args) -> int:
-    from ..model import ModelConfig
-
     dtypes = [dtype_from_name(d, "--dtype") for d in args.dtype]
     for preset in args.presets:
         ModelConfig.preset(preset)
@@ -261,21 +289,29 @@ def main(args) -> int:
     for preset in args.presets:
         for dtype in dtypes:
             first = len(driver.binaries)
+            progress = lambda m: status(f"compile: {m}")  # noqa: E731
+            if args.gemm_candidates:
+                run = _candidates(preset, dtype, args.gemm_candidates, progress)
+                failed += [f"{preset} {dtype}: {why}" for why in run["refused"]]
+                run.update(preset=preset, dtype=str(dtype).removeprefix("torch."),
+                           binaries=[b.as_dict() for b in driver.binaries[first:]])
+                report["runs"].append(run)
+                continue
             try:
-                run = _passes(preset, dtype, args.batch, args.length, lambda m: status(f"compile: {m}"))
+                run = _passes(preset, dtype, args.batch, args.length, progress)
             except (CompilationError, OutOfResources) as err:  # the GPU would refuse it too
                 failed.append(f"{preset} {dtype}: {_failure(err)}")
                 continue
             run.update(preset=preset, dtype=str(dtype).removeprefix("torch."),
+                       binaries=[b.as_dict() for b in driver.binaries[first:]],  # the passes' own
                        gemm_launch_us=_gemm_launch_us(run["hidden"], dtype))
             if driver.capability >= 90 and dtype != torch.float32:  # the prefill kernel's host cost
                 run["tma_gemm_launch_us"] = _gemm_launch_us(run["hidden"], dtype, (64, 128, 64, 4, 4, "tma"))
-            run["binaries"] = [b.as_dict() for b in driver.binaries[first:]]
             report["runs"].append(run)
     status("")
     found = failed + problems(driver.binaries)
     for run in report["runs"]:
-        if not run["one_binary_per_kernel"]:
+        if not run.get("one_binary_per_kernel", True):
             again = {k: n for k, n in run["compiled_by_phase"].items() if n}
             found.append(f"{run['preset']} {run['dtype']}: kernels compiled again at another batch size or "
                          f"phase (a batch-dependent argument is specialised): {again}")
@@ -288,8 +324,10 @@ def main(args) -> int:
           f"{driver.max_shared // 1024} KiB), Triton {triton.__version__} and its ptxas, "
           f"{report['seconds']} s; nothing ran on a GPU")
     for run in report["runs"]:
-        print(f"\n{run['preset']} {run['dtype']}: learner 2 and 3 x {run['length']} tokens, "
-              f"engine prefill + decode at batch 1 and {args.batch}")
+        print(f"\n{run['preset']} {run['dtype']}: " + (
+            f"bench gemm's candidates {', '.join(run['candidates'])} at the weight shapes, output in "
+            f"{run['dtype']} and float32" if "candidates" in run else
+            f"learner 2 and 3 x {run['length']} tokens, engine prefill + decode at batch 1 and {args.batch}"))
         print(table(["kernel", "tiles", "warps", "stages", "regs", "stack B", "shared KiB",
                      "matrix", "loads", "launches"],
                     [[b["kernel"].strip("_").removesuffix("_kernel"),
@@ -298,6 +336,8 @@ def main(args) -> int:
                       str(b["num_warps"]), str(b["num_stages"]), str(b["registers"]),
                       str(b["stack_bytes"]), f"{b['shared_bytes'] / 1024:.1f}", b["tensor_cores"],
                       b["loads"], str(b["launches"])] for b in run["binaries"]]))
+        if "candidates" in run:
+            continue
         one = "yes" if run["one_binary_per_kernel"] else "NO"
         print(f"binaries compiled by phase: {run['compiled_by_phase']}; one binary served every batch size "
               f"and decode as well as prefill: {one}")

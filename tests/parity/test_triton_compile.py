@@ -222,12 +222,41 @@ def test_a_ladders_tiles_compile_without_counting_as_specialisation(tmp_path):
     ladders.append(["bfloat16", 128, 64, [[None, large]]])  # q/k/v and the LM head (tiny's shapes)
     path = tmp_path / "tiles.json"
     path.write_text(json.dumps({"gemm_tiles": ladders}))
-    proc = _run("compile", "--arch", "sm_90", "--presets", "tiny", "--dtype", "bfloat16", "--batch", "8",
-                "--length", "32", "--json", "--gemm-tiles", str(path))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    report = json.loads(proc.stdout)
+    code = textwrap.dedent(f"""
+        import contextlib, io, json
+        from dataclasses import replace
+        from parity.cli import main
+        from parity.ops import triton_target
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = main(["compile", "--arch", "sm_90", "--presets", "tiny", "--dtype", "bfloat16", "--batch",
+                       "8", "--length", "32", "--json", "--gemm-tiles", {str(path)!r}])
+        from parity.apps.compile import _rung
+        binaries = triton_target.active().binaries
+        ptr = next(b for b in binaries if b.kernel == "_matmul_kernel")
+        before = [b for b in binaries[:binaries.index(ptr)] if "matmul" in b.kernel]
+        tma = before[0]
+        other = replace(ptr, constants={{**ptr.constants, "BLOCK_N": 128}})  # another pointer tile
+        unspec = replace(ptr, specialised=ptr.specialised.replace("sxm%16,", ""))
+        rungs = [_rung(ptr, before),  # the pointer rung, compiled first in decode, the TMA one's twin
+                 _rung(ptr, [tma, other]),  # the pointer kernel's own arguments as in its other tile
+                 _rung(ptr, [tma, ptr]),  # the same tile again
+                 _rung(replace(tma, specialised=tma.specialised + ",PROGRAMS%16"), [ptr]),  # program count
+                 _rung(ptr, [replace(tma, constants={{**tma.constants, "HAS_BIAS": True}})]),  # a bias
+                 _rung(unspec, [tma, other]),  # x's row stride specialised otherwise than the other tile
+                 _rung(ptr, []),  # no twin: nothing to be the rung of
+                 _rung(replace(ptr, kernel="_rms_norm_kernel"), before)]
+        print(json.dumps({{"rc": rc, "report": json.loads(out.getvalue()), "rungs": rungs,
+                          "before": [b.kernel for b in before]}}))
+    """)
+    proc = _run(code=code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    report = result["report"]
     run = report["runs"][0]
-    assert report["problems"] == [] and run["one_binary_per_kernel"]
+    assert result["rc"] == 0 and report["problems"] == [] and run["one_binary_per_kernel"], report["problems"]
+    assert run["compiled_by_phase"]["decode batch 1"] == 0 and result["before"] == ["_matmul_tma_kernel"]
+    assert result["rungs"] == [True, True, False, False, False, False, False, False]
     gemms = {(b["kernel"], b["constants"]["BLOCK_N"]): b for b in run["binaries"] if "matmul" in b["kernel"]}
     assert set(gemms) == {("_matmul_kernel", 32), ("_matmul_tma_kernel", 128)}
     tma = gemms[("_matmul_tma_kernel", 128)]
@@ -235,38 +264,29 @@ def test_a_ladders_tiles_compile_without_counting_as_specialisation(tmp_path):
     assert tma["tensor_cores"] == "HGMMA" and tma["stack_bytes"] == 0 and tma["loads"] == "TMA"
     assert gemms[("_matmul_kernel", 32)]["loads"] == "cp.async"
 
-    code = textwrap.dedent(f"""
-        import json, sys
-        from dataclasses import replace
-        import torch
-        from parity.ops import triton_target
-        driver = triton_target.enable("sm_90")
-        from parity.apps.bench_gemm import apply_tiles
-        from parity.apps.compile import _passes, _rung
-        apply_tiles({str(path)!r})
-        run = _passes("tiny", torch.bfloat16, 8, 32, lambda m: None)
-        gemms = [b for b in driver.binaries if "matmul" in b.kernel]
-        ptr = next(b for b in gemms if b.kernel == "_matmul_kernel")
-        i = driver.binaries.index(ptr)
-        before = [b for b in driver.binaries[:i] if "matmul" in b.kernel]
-        tma = before[0]
-        other = replace(ptr, constants={{**ptr.constants, "BLOCK_N": 128}})  # another pointer tile
-        unspec = replace(ptr, specialised=ptr.specialised.replace("sxm%16,", ""))
-        only_tma = [b.kernel for b in before] == ["_matmul_tma_kernel"]
-        print(run["compiled_by_phase"]["decode batch 1"], only_tma,
-              _rung(ptr, before),  # the pointer rung, compiled first in decode, the TMA one's twin: by design
-              _rung(ptr, [tma, other]),  # the pointer kernel's own arguments as in its other tile: by design
-              _rung(ptr, [tma, ptr]),  # the same tile again
-              _rung(replace(tma, specialised=tma.specialised + ",PROGRAMS%16"), [ptr]),  # program count
-              _rung(ptr, [replace(tma, constants={{**tma.constants, "HAS_BIAS": True}})]),  # a bias
-              _rung(unspec, [tma, other]),  # x's row stride specialised otherwise than the other tile
-              _rung(ptr, []),  # no twin: nothing to be the rung of
-              _rung(replace(ptr, kernel="_rms_norm_kernel"), before))
-    """)
-    proc = _run(code=code)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-10:] == ["0", "True", "True", "True", "False", "False", "False", "False",
-                                         "False", "False"]
+
+def test_bench_gemms_candidates_compile_and_a_refused_one_is_named():
+    """`parity compile --gemm-candidates` compiles `bench gemm`'s tiles at a preset's weight shapes
+    with both outputs its checks use (`gpu_check.sh` warms Triton's cache with it), one binary per
+    tile and output whatever the shape, and names a tile the GPU would refuse: the control,
+    128x256 at 4 stages with a float32 output (256 KiB of shared memory, over sm_90's 227)."""
+    proc = _run("compile", "--arch", "sm_90", "--presets", "tiny", "--dtype", "bfloat16", "--json",
+                "--gemm-candidates", "64x32x64x4x4,128x256x64x8x4+tma")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    run = report["runs"][0]
+    assert run["candidates"] == ["64x32x64x4x4", "128x256x64x8x4+tma"]
+    built = sorted((b["kernel"], b["constants"]["BLOCK_N"], b["signature"].split(",")[3])
+                   for b in run["binaries"])
+    assert built == [("_matmul_kernel", 32, "*bf16"), ("_matmul_kernel", 32, "*fp32"),
+                     ("_matmul_tma_kernel", 256, "*bf16")]
+    assert len(report["problems"]) == 1
+    assert report["problems"][0].startswith("tiny torch.bfloat16: 128x256x64x8x4+tma (float32 out): "
+                                            "OutOfResources: out of resource: shared memory")
+    bad = _run("compile", "--presets", "tiny", "--gemm-candidates", "64x100x64x4x3")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "parity: error: --gemm-candidates: '64x100x64x4x3' is not BLOCK_MxBLOCK_NxBLOCK_Kxwarpsxstages with "
+        "power-of-two blocks, optionally +tma (e.g. 64x128x64x4x3)"]
 
 
 def test_tma_tiles_are_refused_in_one_line_before_hopper():
