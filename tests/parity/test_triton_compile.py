@@ -176,13 +176,47 @@ def test_control_a_kernel_over_the_shared_memory_limit_is_refused():
     assert proc.stdout.split()[-2:] == ["refused", "True"]
 
 
-def test_ampere_gets_warp_level_tensor_cores():
-    proc = _run("compile", "--arch", "sm_80", "--presets", "tiny", "--dtype", "bfloat16",
-                "--batch", "2", "--length", "16", "--json")
+@pytest.fixture(scope="module")
+def ampere() -> dict:
+    """One compile-only process for sm_80: `parity compile`, then a +tma tile asked for by name and
+    one in `GEMM_TILES`."""
+    code = textwrap.dedent("""
+        import contextlib, io, json
+        import torch
+        from parity.cli import main
+        from parity.errors import ConfigError
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = main(["compile", "--arch", "sm_80", "--presets", "tiny", "--dtype", "bfloat16",
+                       "--batch", "2", "--length", "16", "--json"])
+        from parity.ops import triton_gemm as tg
+        x, w = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16)
+        try:
+            tg.matmul(x, w, tiles=(64, 64, 64, 4, 3, "tma"))
+            refused = None
+        except ConfigError as err:
+            refused = str(err)
+        tg.GEMM_TILES[("bfloat16", 64, 64)] = ((None, (64, 64, 64, 4, 3, "tma")),)
+        print(json.dumps({"rc": rc, "report": json.loads(out.getvalue()), "refused": refused,
+                          "table": list(tg.gemm_tiles(torch.bfloat16, 64, 64, 4, x.device))}))
+    """)
+    proc = _run(code=code)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout)
-    gemm = [b for b in report["runs"][0]["binaries"] if b["kernel"] == "_matmul_kernel"]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_ampere_gets_warp_level_tensor_cores(ampere):
+    assert ampere["rc"] == 0, ampere["report"]["problems"]
+    gemm = [b for b in ampere["report"]["runs"][0]["binaries"] if b["kernel"] == "_matmul_kernel"]
     assert gemm and all(b["tensor_cores"] == "HMMA" for b in gemm)
+
+
+def test_tma_tiles_are_refused_in_one_line_before_hopper(ampere):
+    """A +tma tile asked for by name on sm_80 is a one-line error; one in `GEMM_TILES` (measured
+    on another GPU kind) gives way to the default tile there."""
+    assert ampere["refused"] == ("GEMM tiles marked +tma need the Tensor Memory Accelerator (sm_90 or "
+                                 "later); this GPU is sm_80")
+    assert ampere["table"] == [64, 128, 64, 4, 3]  # a table's TMA tile: the default here
 
 
 @pytest.mark.parametrize("arch", ["sm_42", "hopper"])
@@ -208,7 +242,55 @@ def test_an_interpreting_triton_is_refused_in_one_line():
     assert proc.returncode == 0 and "refused: Triton was imported with its interpreter on" in proc.stdout
 
 
-def test_a_ladders_tiles_compile_without_counting_as_specialisation(tmp_path):
+@pytest.fixture(scope="module")
+def gemm_runs(tmp_path_factory) -> dict:
+    """One compile-only process: `parity compile` with a GEMM ladder (then `_rung` on copies of its
+    binaries), then with `--gemm-candidates` (good tiles and bad)."""
+    small, large = [64, 32, 64, 4, 4], [128, 128, 64, 8, 4, "tma"]
+    ladders = [["bfloat16", n, k, [[4, small], [None, large]]] for n, k in ((64, 64), (256, 64), (64, 128))]
+    ladders.append(["bfloat16", 128, 64, [[None, large]]])  # q/k/v and the LM head (tiny's shapes)
+    path = tmp_path_factory.mktemp("tiles") / "tiles.json"
+    path.write_text(json.dumps({"gemm_tiles": ladders}))
+    code = textwrap.dedent(f"""
+        import contextlib, io, json
+        from dataclasses import replace
+        from parity.cli import main
+        from parity.ops import triton_target
+
+        def compile_(*args):
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                rc = main(["compile", "--arch", "sm_90", "--presets", "tiny", "--dtype", "bfloat16", *args])
+            return {{"rc": rc, "report": json.loads(out.getvalue() or "null"), "stderr": err.getvalue()}}
+
+        ladder = compile_("--batch", "8", "--length", "32", "--json", "--gemm-tiles", {str(path)!r})
+        from parity.apps.compile import _rung
+        binaries = triton_target.active().binaries
+        ptr = next(b for b in binaries if b.kernel == "_matmul_kernel")
+        before = [b for b in binaries[:binaries.index(ptr)] if "matmul" in b.kernel]
+        tma = before[0]
+        other = replace(ptr, constants={{**ptr.constants, "BLOCK_N": 128}})  # another pointer tile
+        unspec = replace(ptr, specialised=ptr.specialised.replace("sxm%16,", ""))
+        ladder["rungs"] = [
+            _rung(ptr, before),  # the pointer rung, compiled first in decode, the TMA one's twin
+            _rung(ptr, [tma, other]),  # the pointer kernel's own arguments as in its other tile
+            _rung(ptr, [tma, ptr]),  # the same tile again
+            _rung(replace(tma, specialised=tma.specialised + ",PROGRAMS%16"), [ptr]),  # program count
+            _rung(ptr, [replace(tma, constants={{**tma.constants, "HAS_BIAS": True}})]),  # a bias
+            _rung(unspec, [tma, other]),  # x's row stride specialised otherwise than the other tile
+            _rung(ptr, []),  # no twin: nothing to be the rung of
+            _rung(replace(ptr, kernel="_rms_norm_kernel"), before)]
+        ladder["before"] = [b.kernel for b in before]
+        tiles = "64x16x64x4x6,128x256x64x8x4+tma"
+        print(json.dumps({{"ladder": ladder, "candidates": compile_("--json", "--gemm-candidates", tiles),
+                          "bad": compile_("--gemm-candidates", "64x100x64x4x3")}}))
+    """)
+    proc = _run(code=code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_a_ladders_tiles_compile_without_counting_as_specialisation(gemm_runs):
     """A `GEMM_TILES` ladder (`--gemm-tiles`, as `bench gemm` writes it) gives decode another GEMM
     tile than prefill and the learner: here the pointer kernel up to 4 rows, the persistent TMA
     kernel above (the LM head's shape: TMA only), so decode at batch 1 compiles the pointer
@@ -217,41 +299,7 @@ def test_a_ladders_tiles_compile_without_counting_as_specialisation(tmp_path):
     HGMMA, no spills). The controls, on copies of the real binaries: the same tile again, a TMA
     binary with its program count specialised, a bias the twin lacks, one of x's strides
     specialised otherwise than in an earlier binary of the same kernel, no twin at all."""
-    small, large = [64, 32, 64, 4, 4], [128, 128, 64, 8, 4, "tma"]
-    ladders = [["bfloat16", n, k, [[4, small], [None, large]]] for n, k in ((64, 64), (256, 64), (64, 128))]
-    ladders.append(["bfloat16", 128, 64, [[None, large]]])  # q/k/v and the LM head (tiny's shapes)
-    path = tmp_path / "tiles.json"
-    path.write_text(json.dumps({"gemm_tiles": ladders}))
-    code = textwrap.dedent(f"""
-        import contextlib, io, json
-        from dataclasses import replace
-        from parity.cli import main
-        from parity.ops import triton_target
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            rc = main(["compile", "--arch", "sm_90", "--presets", "tiny", "--dtype", "bfloat16", "--batch",
-                       "8", "--length", "32", "--json", "--gemm-tiles", {str(path)!r}])
-        from parity.apps.compile import _rung
-        binaries = triton_target.active().binaries
-        ptr = next(b for b in binaries if b.kernel == "_matmul_kernel")
-        before = [b for b in binaries[:binaries.index(ptr)] if "matmul" in b.kernel]
-        tma = before[0]
-        other = replace(ptr, constants={{**ptr.constants, "BLOCK_N": 128}})  # another pointer tile
-        unspec = replace(ptr, specialised=ptr.specialised.replace("sxm%16,", ""))
-        rungs = [_rung(ptr, before),  # the pointer rung, compiled first in decode, the TMA one's twin
-                 _rung(ptr, [tma, other]),  # the pointer kernel's own arguments as in its other tile
-                 _rung(ptr, [tma, ptr]),  # the same tile again
-                 _rung(replace(tma, specialised=tma.specialised + ",PROGRAMS%16"), [ptr]),  # program count
-                 _rung(ptr, [replace(tma, constants={{**tma.constants, "HAS_BIAS": True}})]),  # a bias
-                 _rung(unspec, [tma, other]),  # x's row stride specialised otherwise than the other tile
-                 _rung(ptr, []),  # no twin: nothing to be the rung of
-                 _rung(replace(ptr, kernel="_rms_norm_kernel"), before)]
-        print(json.dumps({{"rc": rc, "report": json.loads(out.getvalue()), "rungs": rungs,
-                          "before": [b.kernel for b in before]}}))
-    """)
-    proc = _run(code=code)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.splitlines()[-1])
+    result = gemm_runs["ladder"]
     report = result["report"]
     run = report["runs"][0]
     assert result["rc"] == 0 and report["problems"] == [] and run["one_binary_per_kernel"], report["problems"]
@@ -265,49 +313,24 @@ def test_a_ladders_tiles_compile_without_counting_as_specialisation(tmp_path):
     assert gemms[("_matmul_kernel", 32)]["loads"] == "cp.async"
 
 
-def test_bench_gemms_candidates_compile_and_a_refused_one_is_named():
+def test_bench_gemms_candidates_compile_and_a_refused_one_is_named(gemm_runs):
     """`parity compile --gemm-candidates` compiles `bench gemm`'s tiles at a preset's weight shapes
     with both outputs its checks use (`gpu_check.sh` warms Triton's cache with it), one binary per
     tile and output whatever the shape, and names a tile the GPU would refuse: the control,
-    128x256 at 4 stages with a float32 output (256 KiB of shared memory, over sm_90's 227)."""
-    proc = _run("compile", "--arch", "sm_90", "--presets", "tiny", "--dtype", "bfloat16", "--json",
-                "--gemm-candidates", "64x32x64x4x4,128x256x64x8x4+tma")
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    report = json.loads(proc.stdout)
+    128x256 at 4 stages with a float32 output (256 KiB of shared memory, over sm_90's 227). A
+    malformed tile is a one-line error."""
+    result = gemm_runs["candidates"]
+    report = result["report"]
     run = report["runs"][0]
-    assert run["candidates"] == ["64x32x64x4x4", "128x256x64x8x4+tma"]
+    assert result["rc"] == 1 and run["candidates"] == ["64x16x64x4x6", "128x256x64x8x4+tma"]
     built = sorted((b["kernel"], b["constants"]["BLOCK_N"], b["signature"].split(",")[3])
                    for b in run["binaries"])
-    assert built == [("_matmul_kernel", 32, "*bf16"), ("_matmul_kernel", 32, "*fp32"),
+    assert built == [("_matmul_kernel", 16, "*bf16"), ("_matmul_kernel", 16, "*fp32"),
                      ("_matmul_tma_kernel", 256, "*bf16")]
     assert len(report["problems"]) == 1
     assert report["problems"][0].startswith("tiny torch.bfloat16: 128x256x64x8x4+tma (float32 out): "
                                             "OutOfResources: out of resource: shared memory")
-    bad = _run("compile", "--presets", "tiny", "--gemm-candidates", "64x100x64x4x3")
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+    bad = gemm_runs["bad"]
+    assert bad["rc"] == 2 and bad["stderr"].strip().splitlines() == [
         "parity: error: --gemm-candidates: '64x100x64x4x3' is not BLOCK_MxBLOCK_NxBLOCK_Kxwarpsxstages with "
         "power-of-two blocks, optionally +tma (e.g. 64x128x64x4x3)"]
-
-
-def test_tma_tiles_are_refused_in_one_line_before_hopper():
-    """A +tma tile asked for by name on sm_80 is a one-line error; one in `GEMM_TILES` (measured
-    on another GPU kind) gives way to the default tile there."""
-    code = textwrap.dedent("""
-        import torch
-        from parity.errors import ConfigError
-        from parity.ops import triton_target
-        triton_target.enable("sm_80")
-        from parity.ops import triton_gemm as tg
-        x, w = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16)
-        try:
-            tg.matmul(x, w, tiles=(64, 64, 64, 4, 3, "tma"))
-        except ConfigError as err:
-            print("refused:", err)
-        tg.GEMM_TILES[("bfloat16", 64, 64)] = ((None, (64, 64, 64, 4, 3, "tma")),)
-        print("table:", tg.gemm_tiles(torch.bfloat16, 64, 64, 4, x.device))
-    """)
-    proc = _run(code=code)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "refused: GEMM tiles marked +tma need the Tensor Memory Accelerator (sm_90 or later); " \
-           "this GPU is sm_80" in proc.stdout
-    assert "table: (64, 128, 64, 4, 3)" in proc.stdout  # a table's TMA tile: the default here
