@@ -137,6 +137,7 @@ def test_train_runs_and_rejects_bad_config(tmp_path):
     proc = run("train", *[x for s in sets for x in ("--set", s)])
     assert proc.returncode == 0, proc.stderr
     assert "step    2/2" in proc.stdout and (tmp_path / "metrics.jsonl").exists()
+    assert (tmp_path / "report.md").exists() and (tmp_path / "report.png").exists()  # the app's report
     assert (tmp_path / "config.toml").read_text().startswith("steps = 2")
     bad = run("train", "--set", "rollout.group_size=0")
     assert bad.returncode == 2 and bad.stderr.startswith("parity: error: rollout.group_size")

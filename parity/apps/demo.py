@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import LearnerConfig, ModelSection, RolloutSection, TaskSection, TrainConfig, with_overrides
+from ..metrics.report import write_report
 from ..metrics.summary import demo_rows, step_line
 from ..rl.controller import Controller
 from .sft import get_base_policy
@@ -82,6 +83,7 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
         metrics = controller.run(progress=lambda step, m: bar.update(step, step_line(m)))
     finally:
         bar.close()
+    write_report(cfg.run_dir)
     return {"metrics": metrics, "summary": demo_rows(metrics), "base": str(base),
             "seconds": time.perf_counter() - t0, "run_dir": cfg.run_dir}
 

@@ -36,7 +36,7 @@ from .. import hardware
 from ..config import LOSS_NAMES, TrainConfig, config_from_dict, read_toml, set_dotted
 from ..dtypes import DTYPE_NAMES
 from ..errors import ConfigError, ParityError
-from ..metrics.report import write_study_report
+from ..metrics.report import write_report, write_study_report
 from ..metrics.sinks import read_metrics
 from ..metrics.summary import aggregate, row_figures, step_line, study_table_markdown
 from ..ops import check_backend
@@ -216,6 +216,7 @@ def _train(cfg: TrainConfig, name: str, progress: bool) -> None:
     finally:
         if bar is not None:
             bar.close()
+    write_report(cfg.run_dir)  # the run's own report.md: also what marks it finished
 
 
 def run_study(study: StudyConfig, progress: bool = True, train: bool = True) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 from .. import hardware
 from ..config import load_config
 from ..errors import ParityError
+from ..metrics.report import write_report
 from ..metrics.summary import run_rows, step_line
 from ..ops.common import gemm_linear
 from ..rl.controller import Controller, Interrupted
@@ -38,6 +39,7 @@ def main(args) -> int:
         return 143 if stop.signal_name == "SIGTERM" else 130
     finally:
         bar.close()
+    write_report(cfg.run_dir)
     print(table(["figure", "value"], [list(r) for r in run_rows(metrics)]))
     print(f"done: {cfg.run_dir}/metrics.jsonl, report.md, report.png, checkpoint-{cfg.steps}/")
     return 0

@@ -8,7 +8,9 @@ worker enforces the lag bound), runs one learner update on it, publishes the new
 to the backend and records the step's metrics, weight-sync figures included (`sync/...`). The learner
 consumes batch s at step s, so every sampled token's lag is <= max_policy_lag; `max_policy_lag
 = 0` is synchronous on-policy training (strict alternation). Ctrl-C finishes the step and saves
-a checkpoint.
+a checkpoint. It writes metrics.jsonl and checkpoints; the run's report (report.md, report.png:
+`metrics.report.write_report`) is written by the apps that want one (`parity train`, demo, study),
+not by benchmarks and sweeps that only read the metrics.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from pathlib import Path
 
 from ..config import TrainConfig, to_toml
 from ..errors import ParityError
-from ..metrics.report import write_report
 from ..metrics.sinks import MetricsSink
 from . import checkpoint
 from .build import build_env, build_model, tokenizer_path
@@ -142,8 +143,7 @@ class Controller:
                 final = self.evaluate()
                 self.metrics[-1].update({k + "_final": v for k, v in final.items()})
                 sink.rewrite(self.metrics)
-            self.save_checkpoint(cfg.steps)
-            write_report(self.run_dir)
+            self.save_checkpoint(cfg.steps)  # the report (plots) is the apps' to write: write_report
         finally:
             self.rollout.close()
             sink.close()
