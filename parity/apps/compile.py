@@ -17,6 +17,7 @@ It proves compilation and resources, not bits or speed on the GPU (that is `scri
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 
@@ -161,7 +162,7 @@ def _arguments(b) -> dict[str, tuple]:
     from ..ops import triton_gemm as tg
 
     names = getattr(tg, b.kernel).arg_names
-    types = iter(b.signature.split(","))
+    types = iter(re.sub(r"\[[0-9x]+\]", "", b.signature).split(","))  # a descriptor's block: the tile's
     spec: dict[str, list] = {}
     for s in filter(None, b.specialised.split(",")):
         spec.setdefault(s.split("%")[0], []).append(s)
@@ -169,15 +170,36 @@ def _arguments(b) -> dict[str, tuple]:
             for n in names if not n.startswith("BLOCK_")}
 
 
+def _canonical(kernel: str, args: dict) -> bool:
+    """Whether a GEMM binary's own arguments are specialised as dense operands make them: x and W
+    16-byte aligned with unit stride along K, their row strides specialised as K is (the pointer
+    kernel); the program count neither specialised nor constant (the TMA kernel: it follows M)."""
+    if kernel == "_matmul_tma_kernel":
+        return _programs_free(args)
+    k = args["K"][1]
+    rows = all(args[n][1] == [s.replace("K%", f"{n}%") for s in k] and args[n][0][0] != "="
+               for n in ("sxm", "swn"))
+    return (args["sxk"] == args["swk"] == (("=", 1), []) and "x_ptr%16" in args["x_ptr"][1]
+            and "w_ptr%16" in args["w_ptr"][1] and rows)
+
+
+def _programs_free(own: dict) -> bool:
+    """The TMA kernel's program count (it follows M) neither a constant nor specialised."""
+    return "PROGRAMS" not in own or (own["PROGRAMS"][0][0] != "=" and not own["PROGRAMS"][1])
+
+
 def _rung(binary: triton_target.Binary, earlier: list) -> bool:
-    """Whether `binary` is the GEMM at a tile of a `GEMM_TILES` ladder compiled for the first time,
-    the twin of an earlier GEMM binary but for its tile: another binary at another row count by
-    design (the device's probe confirms its bits), not a batch-dependent argument specialised.
-    Twins agree on every argument's type, constant value and specialisation, blocks aside. Across
-    the two GEMM kernels (a ladder of pointer and TMA tiles) that holds for the arguments both
-    take; the kernel's own (x's and W's strides; the TMA program count, which follows M and must
-    never be specialised) must agree with an earlier binary of the same kernel where there is one.
-    A tile compiled a second time, or with any other argument specialised, still counts."""
+    """Whether `binary` is the GEMM at a tile of a `GEMM_TILES` ladder compiled for the first time
+    with these arguments, the twin of an earlier GEMM binary but for its tile: another binary at
+    another row count by design (the device's probe confirms its bits), not a batch-dependent
+    argument specialised. Twins agree on every argument's type, constant value and
+    specialisation, blocks aside. Across the two GEMM kernels (a ladder of pointer and TMA tiles)
+    that holds for the arguments both take (bias, output, M, N, K, ...); the kernel's own (x's and
+    W's strides; the TMA program count) must agree with an earlier binary of the same kernel, or,
+    where there is none, be what dense operands give (`_canonical`). The same tile compiled again
+    with the same shared arguments (so another specialisation of its own) still counts; again
+    with another bias or output type (another layer, another phase's first use) it is judged as
+    a twin."""
     from ..ops import triton_gemm as tg
 
     def tile(b) -> tuple:
@@ -187,20 +209,22 @@ def _rung(binary: triton_target.Binary, earlier: list) -> bool:
     if binary.kernel not in _GEMM_KERNELS:
         return False
     mine = _arguments(binary)
+    shared = {n: v for n, v in mine.items() if n in _GEMM_SHARED}
     own = {n: v for n, v in mine.items() if n not in _GEMM_SHARED}
 
     def twin(e) -> bool:
         theirs = _arguments(e)
         if e.kernel == binary.kernel:
             return theirs == mine
-        return all(theirs.get(n) == v for n, v in mine.items() if n in _GEMM_SHARED)
+        return all(theirs.get(n) == v for n, v in shared.items())
 
-    programs = own.get("PROGRAMS", ("i32", []))
     rungs = {t for ladder in tg.GEMM_TILES.values() if len(ladder) > 1 for _, t in ladder}
     gemms = [e for e in earlier if e.kernel in _GEMM_KERNELS]
+    again = [e for e in gemms if tile(e) == tile(binary)
+             and all(_arguments(e).get(n) == v for n, v in shared.items())]
     kin = [{n: _arguments(e)[n] for n in own} for e in gemms if e.kernel == binary.kernel]
-    return (tile(binary) in rungs and all(tile(e) != tile(binary) for e in gemms) and any(map(twin, gemms))
-            and programs[0] != "=" and not programs[1] and (not kin or own in kin))
+    return (tile(binary) in rungs and not again and any(map(twin, gemms)) and _programs_free(own)
+            and (own in kin if kin else _canonical(binary.kernel, mine)))
 
 
 def _candidates(preset: str, dtype: torch.dtype, tiles: str, progress) -> dict:

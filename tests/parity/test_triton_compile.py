@@ -280,6 +280,20 @@ def gemm_runs(tmp_path_factory) -> dict:
             _rung(unspec, [tma, other]),  # x's row stride specialised otherwise than the other tile
             _rung(ptr, []),  # no twin: nothing to be the rung of
             _rung(replace(ptr, kernel="_rms_norm_kernel"), before)]
+        from parity.ops import triton_gemm as tg
+        tg.GEMM_TILES[("bfloat16", 512, 64)] = ((4, {tuple(large)}), (None, (128, 256, 64, 8, 4, "tma")))
+        wide = replace(tma, constants={{**tma.constants, "BLOCK_N": 256}},  # W's descriptor block too
+                       signature=tma.signature.replace("[128x64]>,*", "[256x64]>,*", 1))
+        biased = replace(ptr, constants={{**ptr.constants, "HAS_BIAS": True}})
+        tma_biased = replace(tma, constants={{**tma.constants, "HAS_BIAS": True}})
+        one_row = replace(ptr, constants={{**ptr.constants, "sxm": 1}},
+                          signature=ptr.signature.rsplit(",", 1)[0],
+                          specialised=ptr.specialised.replace("sxm%16,", ""))
+        ladder["rungs"] += [
+            _rung(wide, [tma]),  # a ladder of two TMA tiles: by design
+            _rung(biased, [tma_biased, ptr]),  # the rung tile again for a layer with a bias
+            _rung(one_row, [tma]),  # the pointer kernel's first binary with x's row stride a constant 1
+            _rung(replace(ptr, specialised=ptr.specialised.replace("x_ptr%16,", "")), [tma])]  # x unaligned
         ladder["before"] = [b.kernel for b in before]
         tiles = "64x16x64x4x6,128x256x64x8x4+tma"
         print(json.dumps({{"ladder": ladder, "candidates": compile_("--json", "--gemm-candidates", tiles),
@@ -298,13 +312,16 @@ def test_a_ladders_tiles_compile_without_counting_as_specialisation(gemm_runs):
     the phase count lets it pass, and both kernels are compiled and checked (TMA: descriptors,
     HGMMA, no spills). The controls, on copies of the real binaries: the same tile again, a TMA
     binary with its program count specialised, a bias the twin lacks, one of x's strides
-    specialised otherwise than in an earlier binary of the same kernel, no twin at all."""
+    specialised otherwise than in an earlier binary of the same kernel, no twin at all, and, for
+    the pointer kernel's first binary, x's row stride made a constant or x unaligned. By design
+    too: a ladder of two TMA tiles (their descriptors' blocks differ), and a rung tile compiled
+    again for a layer with a bias."""
     result = gemm_runs["ladder"]
     report = result["report"]
     run = report["runs"][0]
     assert result["rc"] == 0 and report["problems"] == [] and run["one_binary_per_kernel"], report["problems"]
     assert run["compiled_by_phase"]["decode batch 1"] == 0 and result["before"] == ["_matmul_tma_kernel"]
-    assert result["rungs"] == [True, True, False, False, False, False, False, False]
+    assert result["rungs"] == [True, True, False, False, False, False, False, False, True, True, False, False]
     gemms = {(b["kernel"], b["constants"]["BLOCK_N"]): b for b in run["binaries"] if "matmul" in b["kernel"]}
     assert set(gemms) == {("_matmul_kernel", 32), ("_matmul_tma_kernel", 128)}
     tma = gemms[("_matmul_tma_kernel", 128)]
