@@ -135,6 +135,7 @@ WARM_T0=$SECONDS
 timeout -k 5 300 "$PY" -m parity.cli compile --arch "$ARCH" --presets $BIG --dtype bfloat16 --json \
     --gemm-candidates ${GEMM_TILES#--candidates=} > "$OUT_DIR/warm_gemm.log" 2> "$OUT_DIR/warm_gemm.err" &
 WARM=$!
+trap 'kill "$WARM" 2>/dev/null' EXIT  # never outlives the script
 step bitwise 130 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -v -p no:cacheprovider $TESTS \
     --ignore=tests/parity/test_triton_compile.py --durations=15 --junitxml="$OUT_DIR/bitwise.xml"
 step check 40 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
@@ -145,7 +146,9 @@ step bench_rollout 55 "$PY" -m parity.cli bench rollout --device "$DEVICE" --pre
     --num-seqs $NSEQ --max-num-seqs $NSEQ --reps 2 --json
 step bench_learner 45 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \
     --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
-if kill -0 "$WARM" 2>/dev/null; then warm_rc=198; else wait "$WARM"; warm_rc=$?; fi  # 198: still at it
+# warm_gemm's row: rc (198: still compiling when bench gemm began) and the seconds from its start
+# to then (its own compile time is the "seconds" of its JSON)
+if kill -0 "$WARM" 2>/dev/null; then warm_rc=198; else wait "$WARM"; warm_rc=$?; fi
 printf 'warm_gemm\t%s\t%s\n' "$warm_rc" "$((SECONDS - WARM_T0))" >> "$STEPS_FILE"
 step bench_gemm 60 "$PY" -m parity.cli bench gemm --device "$DEVICE" --preset $BIG --dtype bfloat16 \
     --rows $GEMM_ROWS --reps 2 $GEMM_TILES --json
@@ -168,7 +171,8 @@ if grep -q '"gemm_tiles"' "$OUT_DIR/bench_gemm.log" 2>/dev/null; then  # step 5,
         --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json --gemm-tiles "$OUT_DIR/bench_gemm.log"
 fi
 
-kill "$WARM" 2>/dev/null
+if [ "$warm_rc" = 198 ]; then kill "$WARM" 2>/dev/null; wait "$WARM" 2>/dev/null; fi
+trap - EXIT
 
 summarize
 if [ -n "${OUT:-}" ] && [ "$OUT_DIR" != "$OUT" ]; then  # what comes back from a device call

@@ -158,21 +158,30 @@ def _seconds(fn, device, target: float = 0.02) -> float:
 def _check(tg, t: tuple, x: torch.Tensor, w: torch.Tensor, probe: torch.Tensor, rows: tuple[int, ...],
            classes: list) -> TileRow:
     """One candidate's checks (shape fields left for the caller): its float32 sums of all of `x`
-    against float32 arithmetic (a tile that computes something else — a TMA descriptor or a
-    persistent loop gone wrong — is reported and never timed or chosen), its rows at each row
-    count against those of the largest (`torch.equal`), and its bits class on `probe`."""
-    sums = tg.matmul(x, w, tiles=t, out_dtype=torch.float32)
-    xf, wf = x.float(), w.float()
-    err = (sums - xf @ wf.T).abs()
-    allowed = 1e-4 * (xf.abs() @ wf.abs().T) + 1e-30  # far above any order of float32 sums
-    if not bool((err <= allowed).all()):
-        worst = int((err / allowed).flatten().argmax())
-        r, c = divmod(worst, w.shape[0])
-        return TileRow("", 0, 0, "", "", {}, False, 0.0, f"wrong sums: row {r} column {c} off by "
-                       f"{float(err[r, c]):.3g} (allowed {float(allowed[r, c]):.3g})", correct=False)
-    full = tg.matmul(x, w, tiles=t)
-    invariant = all(torch.equal(tg.matmul(x[:m], w, tiles=t), full[:m]) for m in rows)
-    sums = tg.matmul(probe, w, tiles=t, out_dtype=torch.float32)
+    against float32 arithmetic (a tile that computes something else, or leaves elements unwritten
+    — outputs start as NaN, not as a freed buffer that may hold the last candidate's right answer
+    — is reported and never timed or chosen), its rows at each row count against those of the
+    largest (`torch.equal`), and its bits class on `probe`."""
+    def product(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((a.shape[0], w.shape[0]), float("nan"), dtype=dtype, device=a.device)
+        return tg.matmul(a, w, tiles=t, out=out)
+
+    sums = product(x, torch.float32)
+    wf = w.float()
+    step = max(1, (1 << 26) // max(1, w.shape[0]))  # rows per reference chunk: <= 256 MiB a tensor
+    for r0 in range(0, x.shape[0], step):
+        xf = x[r0:r0 + step].float()
+        err = (sums[r0:r0 + step] - xf @ wf.T).abs()
+        allowed = 1e-4 * (xf.abs() @ wf.abs().T) + 1e-30  # far above any order of float32 sums
+        bad = ~(err <= allowed)  # NaN (an element never written) fails too
+        if bool(bad.any()):
+            r, c = divmod(int(bad.flatten().nonzero()[0]), w.shape[0])
+            return TileRow("", 0, 0, "", "", {}, False, 0.0, f"wrong sums: row {r0 + r} column {c} is "
+                           f"{float(sums[r0 + r, c]):.6g}, float32 arithmetic {float((xf @ wf.T)[r, c]):.6g}",
+                           correct=False)
+    full = product(x, x.dtype)
+    invariant = all(torch.equal(product(x[:m], x.dtype), full[:m]) for m in rows)
+    sums = product(probe, torch.float32)
     same = next((i for i, c in enumerate(classes) if torch.equal(c, sums)), None)
     if same is None:
         classes.append(sums)

@@ -246,13 +246,15 @@ def _candidates(preset: str, dtype: torch.dtype, tiles: str, progress) -> dict:
         x, w = torch.zeros(256, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
         for t in chosen:
             progress(f"{preset} {name} {shape} {tg.tile_name(t)}")
-            for out in (dtype, torch.float32):
-                if (t, out) not in refused:
+            for out in dict.fromkeys((dtype, torch.float32)):
+                if (t, out) not in refused and (t, out, shape) not in refused:
                     try:
                         tg.matmul(x, w, tiles=t, out_dtype=out)
-                    except (CompilationError, OutOfResources, ConfigError) as err:
+                    except (CompilationError, OutOfResources) as err:  # the GPU's limits: any shape
                         refused[t, out] = (f"{tg.tile_name(t)} ({str(out).removeprefix('torch.')} out): "
                                            f"{_failure(err)}")
+                    except ConfigError as err:  # this shape's (e.g. rows TMA cannot read)
+                        refused[t, out, shape] = f"{tg.tile_name(t)} ({shape}): {_failure(err)}"
     return {"candidates": [tg.tile_name(t) for t in chosen], "refused": list(refused.values())}
 
 
@@ -350,7 +352,7 @@ def main(args) -> int:
     for run in report["runs"]:
         print(f"\n{run['preset']} {run['dtype']}: " + (
             f"bench gemm's candidates {', '.join(run['candidates'])} at the weight shapes, output in "
-            f"{run['dtype']} and float32" if "candidates" in run else
+            f"{run['dtype']}{'' if run['dtype'] == 'float32' else ' and float32'}" if "candidates" in run else
             f"learner 2 and 3 x {run['length']} tokens, engine prefill + decode at batch 1 and {args.batch}"))
         print(table(["kernel", "tiles", "warps", "stages", "regs", "stack B", "shared KiB",
                      "matrix", "loads", "launches"],

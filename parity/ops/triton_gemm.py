@@ -252,25 +252,32 @@ def _rows_for_tma(t: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: Tile | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           tiles: Tile | None = None, out_dtype: torch.dtype | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for 2-D x [M, K], weight [N, K]; float32 accumulation, output in
     x's dtype (or `out_dtype`: float32 gives the sums unrounded). A row's bits do not depend on M
     or on the other rows. `tiles` overrides `gemm_tiles` (`parity bench gemm` tries candidates,
     the ladder probe compares rungs; the model never passes it); a tile ending in "tma" runs the
-    persistent TMA kernel (sm_90 and later, and the interpreter)."""
+    persistent TMA kernel (sm_90 and later, and the interpreter). `out`: a dense [M, N] tensor to
+    write into (checks pass one filled with NaN, so that an element no program wrote shows)."""
     x = _aligned(x)
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    if m == 0:
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride() != (n, 1) or out.data_ptr() % 16:
+        raise ConfigError(f"matmul: out must be a dense, 16-byte aligned [{m}, {n}] tensor")
+    if m == 0 or n == 0:
         return out
+    if k == 0:  # no products: the bias (or zeros) rounded to the output, as the kernels would
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     bm, bn, bk, warps, stages, *kind = tiles or gemm_tiles(x.dtype, n, k, m, x.device)
     consts = dict(HAS_BIAS=bias is not None, INTERP=INTERPRET, IEEE=x.dtype == torch.float32,
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **LAUNCH)
     if kind != ["tma"] and kind:
         raise ConfigError(f"unknown GEMM kernel in tiles {tile_name((bm, bn, bk, warps, stages, *kind))}"
                           f" (known: {', '.join(KINDS)})")
-    if kind and n and k:  # (no TMA descriptor has an empty side: the pointer kernel does those)
+    if kind:
         x, weight = _rows_for_tma(x), _rows_for_tma(weight)
         programs = _tma(x.device)
         if isinstance(programs, str):

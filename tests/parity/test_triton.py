@@ -141,6 +141,8 @@ def test_tma_gemm_sums_as_the_pointer_kernel(triton_impl, monkeypatch, dtype):
     assert torch.equal(tg.matmul(rows, w, b, tiles=tma), full[:1].expand(5, 200))
     assert tg.matmul(x, w[:0], tiles=tma).shape == (70, 0)
     assert torch.equal(tg.matmul(x[:, :0], w[:, :0], b, tiles=tma), b.expand(70, 200))
+    with pytest.raises(ConfigError, match="out must be a dense, 16-byte aligned \\[70, 200\\]"):
+        tg.matmul(x, w, tiles=tma, out=torch.empty(200, 70, dtype=dtype).T)
 
 
 def test_attention_paged_equals_dense_equals_one_query(triton_impl):
@@ -329,17 +331,25 @@ def test_bench_gemm_checks_each_candidate_tiles_rows(triton_impl, monkeypatch):
     assert {r.shape for r in done} == {"qkv"} and all(len(r.ratios) == 2 for r in done)
     assert stopped == ["interrupted: 1 of 4 shapes done"]
     real = tk.matmul
-    monkeypatch.setattr(tk, "matmul", lambda x, w, b=None, tiles=None, out_dtype=None:
-                        real(x, w, b, tiles, out_dtype) if x.shape[0] > 8 else F.linear(x, w))
+    monkeypatch.setattr(tk, "matmul", lambda x, w, b=None, tiles=None, out_dtype=None, out=None:
+                        real(x, w, b, tiles, out_dtype, out) if x.shape[0] > 8 else F.linear(x, w))
     assert not any(r.rows_invariant for r in bench_gemm("tiny", "float32", (4, 16), candidates[:1], reps=1))
 
-    def skewed(x, w, b=None, tiles=None, out_dtype=None):  # deterministic, row-invariant, wrong
-        y = real(x, w, b, tiles, out_dtype)
-        return y * 1.01 if tiles == (64, 32, 64, 4, 4) else y
-    monkeypatch.setattr(tk, "matmul", skewed)
-    wrong = bench_gemm("tiny", "float32", (4, 16), candidates[:2], reps=1)
-    assert [r.correct for r in wrong[:2]] == [True, False] and not wrong[1].ratios
-    assert wrong[1].error.startswith("wrong sums: row ") and best(wrong)["qkv"].tiles == candidates[0]
+    def skewed(x, w, b=None, tiles=None, out_dtype=None, out=None):  # deterministic, row-invariant, wrong
+        y = real(x, w, b, tiles, out_dtype, out)
+        return y.mul_(1.01) if tiles == (64, 32, 64, 4, 4) else y
+
+    def skipping(x, w, b=None, tiles=None, out_dtype=None, out=None):  # never writes the last columns
+        if tiles != (64, 32, 64, 4, 4) or out is None:
+            return real(x, w, b, tiles, out_dtype, out)
+        keep = out.shape[1] - 8
+        out[:, :keep] = real(x, w[:keep], None if b is None else b[:keep], tiles, out_dtype)
+        return out
+    for wrong_kernel in (skewed, skipping):
+        monkeypatch.setattr(tk, "matmul", wrong_kernel)
+        wrong = bench_gemm("tiny", "float32", (4, 16), candidates[:2], reps=1)
+        assert [r.correct for r in wrong[:2]] == [True, False] and not wrong[1].ratios, wrong_kernel
+        assert wrong[1].error.startswith("wrong sums: row ") and best(wrong)["qkv"].tiles == candidates[0]
     assert parse_tiles("128x256x64x8x3+TMA") == (128, 256, 64, 8, 3, "tma")
     for bad in ("64x100x64x4x3", "64x128x64x4x3+wgmma", "64x128x64x4x3+tma+tma"):
         with pytest.raises(ParityError, match="is not BLOCK_MxBLOCK_N"):

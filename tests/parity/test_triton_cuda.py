@@ -4,7 +4,8 @@ In the interpreter the TMA kernel runs 3 programs; on an H100/H200 it runs one p
 probe of 192 rows never makes a program walk more than one tile. These tests force the program
 count down so that every program walks many tiles (the software pipeline flattened across tiles,
 the epilogue of one overlapping the next one's loads) and check that nothing changes a bit: rows
-the same whatever M, whatever the number of programs, and the float32 sums the product's. The
+the same whatever M, whatever the number of programs, and the float32 sums the product's (each
+output starts as NaN, so a tile no program wrote cannot pass on a reused buffer's old values). The
 control: the same sums in another order (K split in two halves, added after) differ, so the
 float32 comparison can see an order change. Run by `scripts/gpu_check.sh` (PARITY_TEST_DEVICE=cuda);
 skipped elsewhere.
@@ -34,15 +35,19 @@ def test_tma_gemm_bits_whatever_the_program_count(tile, monkeypatch):
     x = (torch.randn(m, k, generator=gen) * spread).to(torch.bfloat16).to(device)
     w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).to(device)
     b = torch.randn(n, generator=gen).to(torch.bfloat16).to(device)
-    full = tg.matmul(x, w, b, tiles=tile)  # one program per SM
-    sums = tg.matmul(x, w, tiles=tile, out_dtype=torch.float32)
+    def product(a, bias=None, dtype=torch.bfloat16):  # into NaN: an element no program wrote shows
+        out = torch.full((a.shape[0], n), float("nan"), dtype=dtype, device=device)
+        return tg.matmul(a, w, bias, tiles=tile, out=out)
+
+    full = product(x, b)  # one program per SM
+    sums = product(x, dtype=torch.float32)
     for programs in (1, 3, 7):  # every program walks many tiles
         monkeypatch.setitem(tg._TMA_PROGRAMS, device, programs)
-        assert torch.equal(tg.matmul(x, w, b, tiles=tile), full), programs
-        assert torch.equal(tg.matmul(x, w, tiles=tile, out_dtype=torch.float32), sums), programs
+        assert torch.equal(product(x, b), full), programs
+        assert torch.equal(product(x, dtype=torch.float32), sums), programs
     monkeypatch.undo()
     for rows in (1, 7, 129, 999):
-        assert torch.equal(tg.matmul(x[-rows:], w, b, tiles=tile), full[-rows:]), rows
+        assert torch.equal(product(x[-rows:], b), full[-rows:]), rows
     xf, wf = x.float(), w.float()
     assert bool(((sums - xf @ wf.T).abs() <= 1e-4 * (xf.abs() @ wf.abs().T) + 1e-30).all())
     half = k // 2  # the control: the same products summed in another order
