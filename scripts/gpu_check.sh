@@ -135,7 +135,16 @@ WARM_T0=$SECONDS
 timeout -k 5 300 "$PY" -m parity.cli compile --arch "$ARCH" --presets $BIG --dtype bfloat16 --json \
     --gemm-candidates ${GEMM_TILES#--candidates=} > "$OUT_DIR/warm_gemm.log" 2> "$OUT_DIR/warm_gemm.err" &
 WARM=$!
-trap 'kill "$WARM" 2>/dev/null' EXIT  # never outlives the script
+finish() {  # on every exit, a signal's too: the background compile stopped, the results copied out
+    kill "$WARM" 2>/dev/null
+    summarize > /dev/null
+    if [ -n "${OUT:-}" ] && [ "$OUT_DIR" != "$OUT" ]; then  # what comes back from a device call
+        cp "$OUT_DIR/gpu_summary.json" "$OUT/"
+        tar -czf "$OUT/logs.tgz" -C "$OUT_DIR" --exclude='*.safetensors' --exclude='*.pt' .
+    fi
+}
+trap finish EXIT
+trap 'exit 143' TERM; trap 'exit 130' INT  # (bash runs these once the current step has ended)
 step bitwise 130 env PARITY_TEST_DEVICE="$DEVICE" "$PY" -m pytest -v -p no:cacheprovider $TESTS \
     --ignore=tests/parity/test_triton_compile.py --durations=15 --junitxml="$OUT_DIR/bitwise.xml"
 step check 40 "$PY" -m parity.cli check --device "$DEVICE" --preset $SMALL --dtype bfloat16,float32 \
@@ -172,10 +181,4 @@ if grep -q '"gemm_tiles"' "$OUT_DIR/bench_gemm.log" 2>/dev/null; then  # step 5,
 fi
 
 if [ "$warm_rc" = 198 ]; then kill "$WARM" 2>/dev/null; wait "$WARM" 2>/dev/null; fi
-trap - EXIT
-
-summarize
-if [ -n "${OUT:-}" ] && [ "$OUT_DIR" != "$OUT" ]; then  # what comes back from a device call
-    cp "$OUT_DIR/gpu_summary.json" "$OUT/"
-    tar -czf "$OUT/logs.tgz" -C "$OUT_DIR" --exclude='*.safetensors' --exclude='*.pt' .
-fi
+summarize  # the steps' rc and seconds on stdout; finish (the EXIT trap) copies the results out
