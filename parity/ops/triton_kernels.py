@@ -61,6 +61,38 @@ change with the installed Triton's default, and element-wise math rounds as PyTo
 ops and the interpreter do. Matrix products are unaffected (MMA, or explicit FMA for IEEE fp32)."""
 
 
+@triton.jit
+def _probe_kernel(out_ptr, n):
+    acc = tl.zeros((1,), tl.float32)
+    for _ in range(0, n):  # a loop bound read from an argument, as the GEMM's K loop is
+        acc += 1.0
+    tl.store(out_ptr + tl.arange(0, 1), acc)
+
+
+def _probe_interpreter(kernel=_probe_kernel) -> None:
+    """Launch one trivial kernel through the interpreter; a ConfigError if it cannot run there.
+
+    Triton 3.6's interpreter turns a kernel's integer argument into a one-element numpy array and
+    calls int() on it, which numpy 2.4 made an error: every kernel here would then fail deep inside
+    the interpreter on its first launch. Found here, once, it is one line naming the versions."""
+    import numpy
+
+    out = torch.zeros(1)
+    try:
+        kernel[(1,)](out, 2)
+    except Exception as err:  # whatever the interpreter raises, reported in one line
+        raise ConfigError(f"Triton {triton.__version__}'s interpreter (the Triton kernels' CPU path) "
+                          f"cannot run a kernel under numpy {numpy.__version__}: {err}; install "
+                          "'numpy<2.4' or a newer Triton (3.9 works)") from None
+    if out.item() != 2.0:
+        raise ConfigError(f"Triton {triton.__version__}'s interpreter computed {out.item()} for 1 + 1 "
+                          "in a probe kernel: its CPU path cannot be trusted here")
+
+
+if INTERPRET:
+    _probe_interpreter()
+
+
 def _cdiv(a: int, b: int) -> int:
     """ceil(a / b) in plain Python (`triton.cdiv` called from the host costs microseconds a launch)."""
     return -(-a // b)

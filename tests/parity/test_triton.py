@@ -53,6 +53,34 @@ def test_the_switch_selects_triton(triton_impl):
     assert _model("aligned", torch.float32).kernels.impl == "triton"
 
 
+class _FakeKernel:
+    """Stands in for a jitted kernel: `kernel[grid](out, n)` raises `error` or writes `value`."""
+
+    def __init__(self, error=None, value=2.0):
+        self.error, self.value = error, value
+
+    def __getitem__(self, grid):
+        def launch(out, n):
+            if self.error is not None:
+                raise self.error
+            out.fill_(self.value)
+        return launch
+
+
+def test_an_interpreter_that_cannot_run_kernels_is_a_one_line_error():
+    """Triton 3.6's interpreter under numpy >= 2.4 fails every launch deep inside itself (seen in
+    a venv with both); the import-time probe turns that into one ConfigError naming the versions.
+    The real probe kernel passes on this stack; stand-ins play the broken interpreters."""
+    from parity.ops import triton_kernels
+    triton_kernels._probe_interpreter()
+    bad = TypeError("only 0-dimensional arrays can be converted to Python scalars")
+    with pytest.raises(ConfigError, match=r"interpreter .*cannot run a kernel under numpy .*numpy<2.4"):
+        triton_kernels._probe_interpreter(_FakeKernel(error=bad))
+    with pytest.raises(ConfigError, match="cannot be trusted"):
+        triton_kernels._probe_interpreter(_FakeKernel(value=3.0))
+    triton_kernels._probe_interpreter(_FakeKernel())  # the control: a stand-in that works passes
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemm_rows_do_not_depend_on_the_batch(triton_impl, dtype):
     from parity.ops import triton_gemm as tk
