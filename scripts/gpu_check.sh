@@ -137,7 +137,7 @@ timeout -k 5 300 "$PY" -m parity.cli compile --arch "$ARCH" --presets $BIG --dty
 WARM=$!
 finish() {  # on every exit, a signal's too: the background compile stopped, the results copied out
     kill "$WARM" 2>/dev/null
-    summarize > /dev/null
+    summarize  # the steps' rc and seconds, on stdout
     if [ -n "${OUT:-}" ] && [ "$OUT_DIR" != "$OUT" ]; then  # what comes back from a device call
         cp "$OUT_DIR/gpu_summary.json" "$OUT/"
         tar -czf "$OUT/logs.tgz" -C "$OUT_DIR" --exclude='*.safetensors' --exclude='*.pt' .
@@ -181,4 +181,4 @@ if grep -q '"gemm_tiles"' "$OUT_DIR/bench_gemm.log" 2>/dev/null; then  # step 5,
 fi
 
 if [ "$warm_rc" = 198 ]; then kill "$WARM" 2>/dev/null; wait "$WARM" 2>/dev/null; fi
-summarize  # the steps' rc and seconds on stdout; finish (the EXIT trap) copies the results out
+# finish (the EXIT trap) writes the summary once more and copies the results out
