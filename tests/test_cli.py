@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from parity.cli import main
 
 
@@ -23,6 +25,41 @@ def test_check_json_passes_and_shows_standard_gap():
     aligned = [r for r in out["results"] if r["kernels"] == "aligned"]
     assert aligned and all(r["mismatches"] == 0 and r["comparisons"] > 0 for r in aligned)
     assert sum(r["mismatches"] for r in out["results"] if r["kernels"] == "standard") > 0
+
+
+@pytest.mark.parametrize("failing", ["standard", "aligned"])
+def test_a_case_that_cannot_run_is_recorded_and_the_others_still_report(failing, monkeypatch, capsys):
+    """A decode graph that fails to capture (as a GPU's standard SDPA path might) stops that case
+    on that backend only: its error is in the JSON, every other case and backend still reports,
+    and the check fails only when the aligned backend could not run a case."""
+    from parity import invariance
+    from parity.errors import ParityError
+
+    real = invariance.case_graphs
+
+    def graphs(model, *args, **kwargs):
+        pairs = real(model, *args, **kwargs)
+        if model.kernels.name == failing:
+            raise ParityError("check 'graphs': decode graph capture failed: stand-in")
+        return pairs
+
+    monkeypatch.setattr(invariance, "case_graphs", graphs)
+    code = main(["check", "--json", "--preset", "tiny", "--rounds", "2", "--dtype", "float32",
+                 "--cases", "batch,graphs"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == (0 if failing == "standard" else 1) and out["passed"] is (failing == "standard")
+    by = {(r["kernels"], r["case"]): r for r in out["results"]}
+    assert by[(failing, "graphs")]["error"].endswith("capture failed: stand-in")
+    assert by[(failing, "graphs")]["comparisons"] == 0  # it failed in its first round
+    other = "aligned" if failing == "standard" else "standard"
+    assert by[(other, "graphs")]["error"] == "" and by[(other, "graphs")]["comparisons"] > 0
+    assert all(by[(k, "batch")]["comparisons"] > 0 and not by[(k, "batch")]["error"]
+               for k in ("aligned", "standard"))
+    assert main(["check", "--preset", "tiny", "--rounds", "1", "--dtype", "float32",
+                 "--cases", "graphs"]) == code
+    text = capsys.readouterr().out
+    assert f"graphs ({failing}, float32) stopped: check 'graphs'" in text
+    assert ("cases stopped by an error" in text) is (failing == "aligned")
 
 
 def test_check_covers_moe(capsys):

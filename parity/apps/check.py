@@ -49,12 +49,14 @@ def main(args) -> int:
                 results.append({"dtype": dtype_name, **r.as_dict(), "seconds": seconds})
     status("")
     aligned_bad = sum(r["mismatches"] for r in results if r["kernels"] == "aligned")
+    aligned_errors = [r for r in results if r["kernels"] == "aligned" and r["error"]]
+    passed = aligned_bad == 0 and not aligned_errors  # a case that could not run is not a pass
     if args.json:
         print(json.dumps({"model": label, "machine": hardware.describe(), "threads": torch.get_num_threads(),
                           "aligned_implementation": describe_aligned(device), "device": str(device),
                           "torch": torch.__version__,
-                          "passed": aligned_bad == 0, "results": results}, indent=2))
-        return 0 if aligned_bad == 0 else 1
+                          "passed": passed, "results": results}, indent=2))
+        return 0 if passed else 1
     print(f"parity check: {label}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds per case, device {device}; aligned kernels: {describe_aligned(device)}")
     print(f"machine: {hardware.line()}")
@@ -63,6 +65,10 @@ def main(args) -> int:
                   f"{r['max_abs_diff']:.3g}"] for r in results]))
     total = sum(r["comparisons"] for r in results if r["kernels"] == "aligned")
     std_bad = sum(r["mismatches"] for r in results if r["kernels"] == "standard")
-    print(f"{'PASS' if aligned_bad == 0 else 'FAIL'}: aligned kernels {aligned_bad} mismatches in {total} "
-          f"comparisons; standard kernels {std_bad} mismatches (the gap parity removes)")
-    return 0 if aligned_bad == 0 else 1
+    for r in results:  # cases stopped by an error (their comparisons up to then are counted above)
+        if r["error"]:
+            print(f"{r['case']} ({r['kernels']}, {r['dtype']}) stopped: {r['error']}")
+    print(f"{'PASS' if passed else 'FAIL'}: aligned kernels {aligned_bad} mismatches in {total} "
+          f"comparisons{f', {len(aligned_errors)} cases stopped by an error' if aligned_errors else ''}; "
+          f"standard kernels {std_bad} mismatches (the gap parity removes)")
+    return 0 if passed else 1
