@@ -73,7 +73,9 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # not drawn here: `reset_parameters` (or a checkpoint) sets every weight, and nn.Embedding's
+        # own N(0, 1) draw would cost ~3 s of the 0.6B shape's ~10 s seeded construction
+        self.embed_tokens = nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = _Weight(cfg.hidden_size)
 
@@ -136,7 +138,7 @@ class Model(nn.Module):
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std))
 
     def twin(self, kernels: str) -> Model:
         """A second model with these weights on backend `kernels`, on the same device, without a
