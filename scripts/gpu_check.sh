@@ -158,7 +158,7 @@ step bench_kernels 100 "$PY" -m parity.cli bench kernels --device "$DEVICE" --pr
     --dtypes bfloat16 --batches $BATCHES --prefill-len $PREFILL --reps $REPS --eager-decode --json
 step bench_rollout 45 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $SMALL --dtypes bfloat16 \
     --num-seqs $NSEQ --max-num-seqs $NSEQ --reps 2 --json
-step bench_learner 45 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $SMALL,$BIG \
+step bench_learner 45 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $BIG,$SMALL \
     --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
 # warm_gemm's row: rc (198: still compiling when bench gemm began) and the seconds from its start
 # to then (its own compile time is the "seconds" of its JSON)

@@ -107,6 +107,44 @@ def test_bench_learner_json_reports_the_gemm_fraction():
     assert row["aligned_tok_s"] > 0 and row["gemm_gflops"] > 0 and 0 < row["gemm_fraction"] < 1
 
 
+def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, capsys):
+    """A time limit's SIGTERM (as `timeout` sends it) mid-run: bench kernels and bench learner
+    print the rows measured so far and say they were stopped, instead of dying with nothing."""
+    import os
+    import signal
+
+    from parity import hardware
+    from parity.apps import bench_kernels
+
+    def after(n, fn):  # fn, but SIGTERM to this process on its n-th call
+        calls = []
+
+        def wrapped(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(bench_kernels, "interleaved", after(3, bench_kernels.interleaved))
+    assert main(["bench", "kernels", "--json", "--presets", "tiny", "--dtypes", "float32", "--batches", "1,8",
+                 "--reps", "1", "--decode-steps", "2", "--prefill-len", "16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["phase"], r["batch"]) for r in out["rows"]] == [("prefill", 1), ("decode", 1)]
+    assert out["stopped"] == ["interrupted: 2 rows done"]
+    monkeypatch.setattr(hardware, "gemm_rate", after(2, hardware.gemm_rate))
+    assert main(["bench", "learner", "--presets", "tiny", "--dtypes", "float32,bfloat16", "--batch", "2",
+                 "--length", "16", "--reps", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "interrupted: 1 rows done: the rows not listed were not measured" in text
+    assert "tiny    float32" in text and "bfloat16" not in text.split("---")[-1]
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
+    with pytest.raises(KeyboardInterrupt):  # without a `stopped` list the interrupt goes on up
+        bench_kernels.bench_kernels(presets=["tiny"], dtypes=["float32"], batches=[1],
+                                    progress=lambda m: (_ for _ in ()).throw(KeyboardInterrupt))
+
+
 def test_flops_per_token_counts_the_parameters_and_attention():
     from parity.model import ModelConfig
 

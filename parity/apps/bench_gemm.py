@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -39,7 +38,7 @@ from .. import hardware
 from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import ModelConfig
-from .ui import status, table
+from .ui import status, table, term_as_interrupt
 
 CANDIDATES = {
     "bfloat16": ["64x128x64x4x3", "64x64x64x4x4", "64x32x64x4x4", "64x16x64x4x6", "64x256x64x4x3",
@@ -337,16 +336,9 @@ def main(args) -> int:
         parse_tiles(c)
     device = str(hardware.check_device(args.device, "--device"))
     stopped: list[str] = []
-
-    def interrupt(signum, frame):  # a time limit's SIGTERM: report the shapes done so far
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
+    with term_as_interrupt():  # a time limit's SIGTERM: report the shapes done so far
         rows = bench_gemm(args.preset, args.dtype, tuple(args.rows), args.candidates, args.reps, device,
                           progress=lambda m: status(f"bench gemm: {m}"), stopped=stopped)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     status("")
     chosen, by_rows = best(rows), ladders(rows)
     if args.json:

@@ -25,7 +25,7 @@ from ..engine import Decoder
 from ..errors import ParityError
 from ..model import ForwardBatch, Model, ModelConfig
 from ..ops import BACKENDS, describe_aligned
-from .ui import RateRow, gemm_line, interleaved, status, table
+from .ui import RateRow, gemm_line, interleaved, status, table, term_as_interrupt
 
 
 @dataclass
@@ -106,8 +106,23 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
                   batches: Sequence[int] = (1, 8, 64, 256), prefill_len: int = 64, decode_prompt: int = 32,
                   decode_steps: int = 16, reps: int = 5,
                   progress: Callable[[str], None] | None = None, device: str = "cpu",
-                  eager_decode: bool = False) -> list[BenchRow]:
+                  eager_decode: bool = False, stopped: list[str] | None = None) -> list[BenchRow]:
+    """One row per preset, dtype, phase and batch. Interrupted (Ctrl-C, or SIGTERM under
+    `term_as_interrupt`) with a `stopped` list, it returns the rows finished so far and says so there."""
     rows: list[BenchRow] = []
+    try:
+        for row in _rows(presets, dtypes, batches, prefill_len, decode_prompt, decode_steps, reps, progress,
+                         device, eager_decode):
+            rows.append(row)
+    except KeyboardInterrupt:
+        if stopped is None:
+            raise
+        stopped.append(f"interrupted: {len(rows)} rows done")
+    return rows
+
+
+def _rows(presets, dtypes, batches, prefill_len, decode_prompt, decode_steps, reps, progress, device,
+          eager_decode):
     for preset in presets:
         cfg = ModelConfig.preset(preset)
         for dtype_name in dtypes:
@@ -126,8 +141,8 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
                 for k, m in models.items():
                     fns[k], ntok = _prefill_fn(m, batch, prefill_len, cfg.vocab_size)
                 med = interleaved(fns, reps, timed_inside=False)
-                rows.append(BenchRow(preset, dtype_name, "prefill", batch,
-                                     ntok / med["aligned"], ntok / med["standard"], prefill_flops, gemm))
+                yield BenchRow(preset, dtype_name, "prefill", batch, ntok / med["aligned"],
+                               ntok / med["standard"], prefill_flops, gemm)
                 modes = [("decode", "auto")]
                 if eager_decode and torch.device(device).type == "cuda":
                     modes.append(("decode-eager", "off"))
@@ -139,9 +154,8 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
                     how = {k: _steps(fn.decoder) for k, fn in fns.items()}
                     steps_text = how["aligned"] if len(set(how.values())) == 1 else \
                         "; ".join(f"{k}: {v}" for k, v in how.items())
-                    rows.append(BenchRow(preset, dtype_name, phase, batch, ntok / med["aligned"],
-                                         ntok / med["standard"], decode_flops, gemm, steps_text))
-    return rows
+                    yield BenchRow(preset, dtype_name, phase, batch, ntok / med["aligned"],
+                                   ntok / med["standard"], decode_flops, gemm, steps_text)
 
 
 def main(args) -> int:
@@ -158,17 +172,19 @@ def main(args) -> int:
     if args.gemm_tiles:
         from .bench_gemm import apply_tiles
         status(f"GEMM tiles: {apply_tiles(args.gemm_tiles)} weight shapes from {args.gemm_tiles}")
-    rows = bench_kernels(presets=args.presets, dtypes=args.dtypes, batches=args.batches,
-                         prefill_len=args.prefill_len, decode_steps=args.decode_steps, reps=args.reps,
-                         progress=lambda m: status(f"bench kernels: {m}"),
-                         device=str(hardware.check_device(args.device, "--device")),
-                         eager_decode=args.eager_decode)
+    device = str(hardware.check_device(args.device, "--device"))
+    stopped: list[str] = []
+    with term_as_interrupt():  # a time limit's SIGTERM: report the rows done so far
+        rows = bench_kernels(presets=args.presets, dtypes=args.dtypes, batches=args.batches,
+                             prefill_len=args.prefill_len, decode_steps=args.decode_steps, reps=args.reps,
+                             progress=lambda m: status(f"bench kernels: {m}"), device=device,
+                             eager_decode=args.eager_decode, stopped=stopped)
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "aligned_kernels": describe_aligned(args.device),
-                          "rows": [r.as_dict() for r in rows]}, indent=2))
+                          "rows": [r.as_dict() for r in rows], "stopped": stopped}, indent=2))
         return 0
     print(f"parity bench kernels: medians of {args.reps} interleaved repetitions, "
           f"{torch.get_num_threads()} threads; prefill {args.prefill_len} tokens/seq, "
@@ -180,4 +196,6 @@ def main(args) -> int:
                   f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}", f"{r.aligned_gflops:,.1f}",
                   f"{r.gemm_fraction:.0%}", r.steps] for r in rows]))
     print(gemm_line(rows))
+    for why in stopped:
+        print(f"{why}: the rows not listed were not measured")
     return 0

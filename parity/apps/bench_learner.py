@@ -24,7 +24,7 @@ from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import Model, ModelConfig, sequence_logprobs
 from ..ops import BACKENDS, describe_aligned
-from .ui import RateRow, gemm_line, status, table
+from .ui import RateRow, gemm_line, status, table, term_as_interrupt
 
 
 @dataclass
@@ -51,8 +51,22 @@ def _step_fn(model: Model, seqs: list[torch.Tensor]) -> Callable[[], None]:
 
 def bench_learner(presets: Sequence[str] = ("small",), dtypes: Sequence[str] = ("float32", "bfloat16"),
                   batch: int = 8, length: int = 128, reps: int = 5,
-                  progress: Callable[[str], None] | None = None, device: str = "cpu") -> list[LearnerRow]:
-    rows = []
+                  progress: Callable[[str], None] | None = None, device: str = "cpu",
+                  stopped: list[str] | None = None) -> list[LearnerRow]:
+    """One row per preset and dtype. Interrupted (Ctrl-C, or SIGTERM under `term_as_interrupt`)
+    with a `stopped` list, it returns the rows finished so far and says so there."""
+    rows: list[LearnerRow] = []
+    try:
+        for row in _rows(presets, dtypes, batch, length, reps, progress, device):
+            rows.append(row)
+    except KeyboardInterrupt:
+        if stopped is None:
+            raise
+        stopped.append(f"interrupted: {len(rows)} rows done")
+    return rows
+
+
+def _rows(presets, dtypes, batch, length, reps, progress, device):
     for preset in presets:
         cfg = ModelConfig.preset(preset)
         gen = torch.Generator().manual_seed(0)
@@ -75,12 +89,10 @@ def bench_learner(presets: Sequence[str] = ("small",), dtypes: Sequence[str] = (
             if progress:
                 progress(f"learner {dtype_name} GEMM rate")
             gemm = hardware.gemm_rate(dtype_from_name(dtype_name), device=device)
-            rows.append(LearnerRow(preset, dtype_name, batch, length,
-                                   tokens / statistics.median(times["aligned"]),
-                                   tokens / statistics.median(times["standard"]),
-                                   3 * cfg.forward_flops_per_token((length - 1) / 2), gemm))
             del models, fns
-    return rows
+            yield LearnerRow(preset, dtype_name, batch, length, tokens / statistics.median(times["aligned"]),
+                             tokens / statistics.median(times["standard"]),
+                             3 * cfg.forward_flops_per_token((length - 1) / 2), gemm)
 
 
 def main(args) -> int:
@@ -94,14 +106,17 @@ def main(args) -> int:
     if args.gemm_tiles:
         from .bench_gemm import apply_tiles
         status(f"GEMM tiles: {apply_tiles(args.gemm_tiles)} weight shapes from {args.gemm_tiles}")
-    rows = bench_learner(args.presets, args.dtypes, args.batch, args.length, args.reps,
-                         progress=lambda m: status(f"bench {m}"), device=device)
+    stopped: list[str] = []
+    with term_as_interrupt():  # a time limit's SIGTERM: report the rows done so far
+        rows = bench_learner(args.presets, args.dtypes, args.batch, args.length, args.reps,
+                             progress=lambda m: status(f"bench {m}"), device=device, stopped=stopped)
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(),
                           "threads": torch.get_num_threads(), "aligned_kernels": describe_aligned(device),
                           "rows": [{**asdict(r), "ratio": r.ratio, "aligned_gflops": r.aligned_gflops,
-                                    "gemm_fraction": r.gemm_fraction} for r in rows]}, indent=2))
+                                    "gemm_fraction": r.gemm_fraction} for r in rows],
+                          "stopped": stopped}, indent=2))
         return 0
     print(f"parity bench learner: forward+backward of {args.batch} x {args.length} tokens, medians of "
           f"{args.reps} interleaved repetitions, {torch.get_num_threads()} threads")
@@ -111,4 +126,6 @@ def main(args) -> int:
                 [[r.preset, r.dtype, f"{r.aligned_tok_s:,.0f}", f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}",
                   f"{r.aligned_gflops:,.1f}", f"{r.gemm_fraction:.0%}"] for r in rows]))
     print(gemm_line(rows))
+    for why in stopped:
+        print(f"{why}: the rows not listed were not measured")
     return 0

@@ -8,8 +8,25 @@ stderr as `parity: <message>`, so machine-readable stdout (`--json`) stays clean
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import sys
+
+
+@contextlib.contextmanager
+def term_as_interrupt():
+    """While the block runs, SIGTERM (what `timeout` and schedulers send at a time limit) raises
+    KeyboardInterrupt in the main thread, as Ctrl-C does: a bench catches it and reports the rows
+    it measured instead of dying with none."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
