@@ -274,28 +274,37 @@ def _run_case(c: str, model, seqs, refs, rng: random.Random, temperature: float,
 
 def run_checks(model, rounds: int = 4, seed: int = 0, max_len: int = 96,
                cases: Sequence[str] = CASES, temperature: float = 1.0,
-               progress: Callable[[str], None] | None = None) -> list[CaseResult]:
-    """Run `rounds` random rounds of every case; return one aggregated result per case."""
+               progress: Callable[[str], None] | None = None,
+               stopped: list[str] | None = None) -> list[CaseResult]:
+    """Run `rounds` random rounds of every case; return one aggregated result per case.
+    Interrupted (Ctrl-C, or SIGTERM under `term_as_interrupt`) with a `stopped` list, it returns
+    the comparisons made so far and says so there."""
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     max_len = min(max_len, model.config.max_position_embeddings)
     totals = {c: [0, 0, 0.0] for c in cases}
     errors: dict[str, str] = {}  # a case that raised is recorded and not run again; the others go on
-    for r in range(rounds):
-        seqs = random_sequences(rng, vocab, rng.randint(2, 8), max_len)
-        refs = reference(model, seqs, temperature)
-        for c in cases:
-            if c in errors or (c == "process" and r > 0):  # one child process per run is enough
-                continue
-            if progress:
-                progress(f"round {r + 1}/{rounds}: {c}")
-            try:
-                pairs = _run_case(c, model, seqs, refs, rng, temperature, max_len)
-            except ParityError as err:
-                errors[c] = str(err)
-                continue
-            n, bad, worst = compare(pairs)
-            totals[c][0] += n
-            totals[c][1] += bad
-            totals[c][2] = max(totals[c][2], worst)
+    r = 0
+    try:
+        for r in range(rounds):
+            seqs = random_sequences(rng, vocab, rng.randint(2, 8), max_len)
+            refs = reference(model, seqs, temperature)
+            for c in cases:
+                if c in errors or (c == "process" and r > 0):  # one child process per run is enough
+                    continue
+                if progress:
+                    progress(f"round {r + 1}/{rounds}: {c}")
+                try:
+                    pairs = _run_case(c, model, seqs, refs, rng, temperature, max_len)
+                except ParityError as err:
+                    errors[c] = str(err)
+                    continue
+                n, bad, worst = compare(pairs)
+                totals[c][0] += n
+                totals[c][1] += bad
+                totals[c][2] = max(totals[c][2], worst)
+    except KeyboardInterrupt:
+        if stopped is None:
+            raise
+        stopped.append(f"interrupted in round {r + 1} of {rounds} ({model.kernels.name} kernels)")
     return [CaseResult(c, model.kernels.name, *totals[c], errors.get(c, "")) for c in cases]

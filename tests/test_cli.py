@@ -108,8 +108,8 @@ def test_bench_learner_json_reports_the_gemm_fraction():
 
 
 def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, capsys):
-    """A time limit's SIGTERM (as `timeout` sends it) mid-run: bench kernels and bench learner
-    print the rows measured so far and say they were stopped, instead of dying with nothing."""
+    """A time limit's SIGTERM (as `timeout` sends it) mid-run: bench kernels, bench learner and
+    check print the rows measured so far and say they were stopped, instead of dying with nothing."""
     import os
     import signal
 
@@ -139,6 +139,16 @@ def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, ca
     text = capsys.readouterr().out
     assert "interrupted: 1 rows done: the rows not listed were not measured" in text
     assert "tiny    float32" in text and "bfloat16" not in text.split("---")[-1]
+    from parity import invariance  # parity check: the comparisons made so far, and not a pass
+
+    monkeypatch.setattr(invariance, "compare", after(3, invariance.compare))
+    assert main(["check", "--json", "--preset", "tiny", "--rounds", "2", "--dtype", "float32",
+                 "--cases", "batch,decode"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] is False and out["stopped"] == ["interrupted in round 2 of 2 (aligned kernels)"]
+    assert [(r["kernels"], r["case"]) for r in out["results"]] == [("aligned", "batch"),
+                                                                   ("aligned", "decode")]
+    assert all(r["comparisons"] > 0 and r["mismatches"] == 0 for r in out["results"])
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
     with pytest.raises(KeyboardInterrupt):  # without a `stopped` list the interrupt goes on up
         bench_kernels.bench_kernels(presets=["tiny"], dtypes=["float32"], batches=[1],

@@ -19,7 +19,7 @@ from ..errors import ParityError
 from ..invariance import CASES, run_checks
 from ..model import Model, ModelConfig, load_model
 from ..ops import BACKENDS, describe_aligned
-from .ui import status, table
+from .ui import status, table, term_as_interrupt
 
 
 def main(args) -> int:
@@ -35,27 +35,38 @@ def main(args) -> int:
     if args.gemm_tiles:  # ladders from `bench gemm`: the rows checked across M with them in force
         from .bench_gemm import apply_tiles
         apply_tiles(args.gemm_tiles)
-    for dtype_name, dtype in dtypes.items():
-        for kernels in BACKENDS:
-            if args.model:
-                model = load_model(args.model, kernels=kernels, dtype=dtype, device=device)
-            else:
-                model = Model(ModelConfig.preset(args.preset), kernels=kernels, dtype=dtype, seed=args.seed,
-                              device=device)
+    stopped: list[str] = []
+    runs = [(d, k) for d in dtypes for k in BACKENDS]
+    with term_as_interrupt():  # a time limit's SIGTERM: report the comparisons made so far
+        for dtype_name, kernels in runs:
+            if stopped:
+                break
+            dtype = dtypes[dtype_name]
+            try:
+                if args.model:
+                    model = load_model(args.model, kernels=kernels, dtype=dtype, device=device)
+                else:
+                    model = Model(ModelConfig.preset(args.preset), kernels=kernels, dtype=dtype,
+                                  seed=args.seed, device=device)
+            except KeyboardInterrupt:
+                stopped.append(f"interrupted loading the {kernels} {dtype_name} model")
+                break
             t0 = time.perf_counter()
             for r in run_checks(model, rounds=args.rounds, seed=args.seed, max_len=args.max_len, cases=cases,
-                                progress=lambda m, k=kernels, d=dtype_name: status(f"check {k} {d}: {m}")):
+                                progress=lambda m, k=kernels, d=dtype_name: status(f"check {k} {d}: {m}"),
+                                stopped=stopped):
                 seconds = round(time.perf_counter() - t0, 2)
                 results.append({"dtype": dtype_name, **r.as_dict(), "seconds": seconds})
     status("")
     aligned_bad = sum(r["mismatches"] for r in results if r["kernels"] == "aligned")
     aligned_errors = [r for r in results if r["kernels"] == "aligned" and r["error"]]
-    passed = aligned_bad == 0 and not aligned_errors  # a case that could not run is not a pass
+    # a case that could not run, or a run cut short, is not a pass
+    passed = aligned_bad == 0 and not aligned_errors and not stopped
     if args.json:
         print(json.dumps({"model": label, "machine": hardware.describe(), "threads": torch.get_num_threads(),
                           "aligned_implementation": describe_aligned(device), "device": str(device),
                           "torch": torch.__version__,
-                          "passed": passed, "results": results}, indent=2))
+                          "passed": passed, "results": results, "stopped": stopped}, indent=2))
         return 0 if passed else 1
     print(f"parity check: {label}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds per case, device {device}; aligned kernels: {describe_aligned(device)}")
@@ -68,6 +79,8 @@ def main(args) -> int:
     for r in results:  # cases stopped by an error (their comparisons up to then are counted above)
         if r["error"]:
             print(f"{r['case']} ({r['kernels']}, {r['dtype']}) stopped: {r['error']}")
+    for why in stopped:
+        print(f"{why}: the checks not listed did not run")
     print(f"{'PASS' if passed else 'FAIL'}: aligned kernels {aligned_bad} mismatches in {total} "
           f"comparisons{f', {len(aligned_errors)} cases stopped by an error' if aligned_errors else ''}; "
           f"standard kernels {std_bad} mismatches (the gap parity removes)")
