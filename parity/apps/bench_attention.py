@@ -52,8 +52,8 @@ def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: in
 
     cfg = ModelConfig.preset(preset)
     hq, hkv, d, bs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 32
-    # caches drawn on the device: the grid's (batch 64 x 4K keys and the rest) are some 770M
-    # normals, ~12 s for one CPU thread and a blink for a GPU
+    # caches drawn on the device: the grid's (batch 64 x 4K keys and the rest) are 766M
+    # normals, 6-12 s for one CPU thread and a blink for a GPU
     gen = torch.Generator(device).manual_seed(0)
     rows = []
 
