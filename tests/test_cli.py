@@ -108,8 +108,9 @@ def test_bench_learner_json_reports_the_gemm_fraction():
 
 
 def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, capsys):
-    """A time limit's SIGTERM (as `timeout` sends it) mid-run: bench kernels, bench learner and
-    check print the rows measured so far and say they were stopped, instead of dying with nothing."""
+    """A time limit's SIGTERM (as `timeout` sends it) mid-run: bench kernels, learner and rollout
+    and check print what they measured so far and say they were stopped, instead of dying with
+    nothing."""
     import os
     import signal
 
@@ -139,6 +140,18 @@ def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, ca
     text = capsys.readouterr().out
     assert "interrupted: 1 rows done: the rows not listed were not measured" in text
     assert "tiny    float32" in text and "bfloat16" not in text.split("---")[-1]
+    from parity.apps import bench_rollout  # the rounds both backends finished, paired
+
+    for n, rounds in ((5, 1), (2, 0)):  # runs 1-2 warm up, 3-4 are round 1, 5 starts round 2
+        monkeypatch.setattr(bench_rollout, "_run_engine", after(n, bench_rollout._run_engine))
+        assert main(["bench", "rollout", "--json", "--preset", "tiny", "--dtypes", "float32,bfloat16",
+                     "--num-seqs", "4", "--max-num-seqs", "4", "--mean-len", "4", "--max-len", "8",
+                     "--reps", "3"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["stopped"] == [f"interrupted: float32 after {rounds} of 3 timed rounds"]
+        assert [r["system"] for r in out["rows"]] == ["parity-aligned", "parity-standard"][:2 * rounds]
+        assert list(out["ratios"]) == ["float32/aligned_over_standard"][:rounds]
+        monkeypatch.undo()
     from parity import invariance  # parity check: the comparisons made so far, and not a pass
 
     monkeypatch.setattr(invariance, "compare", after(3, invariance.compare))

@@ -26,7 +26,7 @@ from ..errors import ParityError
 from ..model import Model, ModelConfig
 from ..ops import BACKENDS
 from ..rl.rollout_worker import geometric_lengths
-from .ui import gemm_line, status, table
+from .ui import gemm_line, status, table, term_as_interrupt
 
 
 @dataclass
@@ -118,8 +118,10 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
                   max_num_seqs: int = 64, mean_len: float = 48, max_len: int = 256, reps: int = 3,
                   vs_transformers: bool = False,
                   progress: Callable[[str], None] | None = None,
-                  device: str = "cpu") -> tuple[list[RolloutRow], dict]:
-    """Engine output tokens/s, aligned vs standard (interleaved), optionally vs HF generate()."""
+                  device: str = "cpu", stopped: list[str] | None = None) -> tuple[list[RolloutRow], dict]:
+    """Engine output tokens/s, aligned vs standard (interleaved), optionally vs HF generate().
+    Interrupted (Ctrl-C, or SIGTERM under `term_as_interrupt`) with a `stopped` list, it reports
+    the rounds every system finished (none: that dtype is left out) and says so there."""
     cfg = ModelConfig.preset(preset)
     work = RolloutWorkload.make(num_seqs, cfg.vocab_size, mean_len, max_len)
     rows: list[RolloutRow] = []
@@ -139,17 +141,27 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
             steps: dict[str, list[float]] = {k: [] for k in systems}
             engines = {k: Engine(models[k], max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
                        for k in models}
-            for r in range(reps + 1):  # round 0 warms up; systems take turns in every round
-                for k in systems:
-                    if progress:
-                        progress(f"rollout {dtype_name} {k} round {r}/{reps}")
-                    if k == "transformers":
-                        elapsed, step_times = _run_transformers(hf, work, max_num_seqs), []
-                    else:
-                        elapsed, step_times = _run_engine(engines[k], work)
-                    if r > 0:
-                        times[k].append(elapsed)
-                        steps[k] += step_times
+            try:
+                for r in range(reps + 1):  # round 0 warms up; systems take turns in every round
+                    for k in systems:
+                        if progress:
+                            progress(f"rollout {dtype_name} {k} round {r}/{reps}")
+                        if k == "transformers":
+                            elapsed, step_times = _run_transformers(hf, work, max_num_seqs), []
+                        else:
+                            elapsed, step_times = _run_engine(engines[k], work)
+                        if r > 0:
+                            times[k].append(elapsed)
+                            steps[k] += step_times
+            except KeyboardInterrupt:
+                if stopped is None:
+                    raise
+                done = min(len(v) for v in times.values())
+                stopped.append(f"interrupted: {dtype_name} after {done} of {reps} timed rounds")
+                if not done:
+                    break
+                for k in systems:  # the rounds every system finished, so the ratio stays paired
+                    times[k] = times[k][:done]
         med = {k: statistics.median(v) for k, v in times.items()}
         if progress:
             progress(f"rollout {dtype_name} GEMM rate")
@@ -163,6 +175,8 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
         ratios[f"{dtype_name}/aligned_over_standard"] = med["standard"] / med["aligned"]
         if vs_transformers:
             ratios[f"{dtype_name}/aligned_over_transformers"] = med["transformers"] / med["aligned"]
+        if stopped:
+            break
     return rows, ratios
 
 
@@ -182,16 +196,19 @@ def main(args) -> int:
         except ImportError:
             raise ParityError("--vs-transformers needs the transformers package "
                               "(pip install transformers)") from None
-    rows, ratios = bench_rollout(args.preset, args.dtypes, args.num_seqs, args.max_num_seqs, args.mean_len,
-                                 args.max_len, args.reps, args.vs_transformers,
-                                 progress=lambda m: status(f"bench rollout: {m}"),
-                                 device=str(hardware.check_device(args.device, "--device")))
+    device = str(hardware.check_device(args.device, "--device"))
+    stopped: list[str] = []
+    with term_as_interrupt():  # a time limit's SIGTERM: report the rounds done so far
+        rows, ratios = bench_rollout(args.preset, args.dtypes, args.num_seqs, args.max_num_seqs,
+                                     args.mean_len, args.max_len, args.reps, args.vs_transformers,
+                                     progress=lambda m: status(f"bench rollout: {m}"), device=device,
+                                     stopped=stopped)
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(),
                           "threads": torch.get_num_threads(),
                           "rows": [{**asdict(r), "gemm_fraction": r.gemm_fraction} for r in rows],
-                          "ratios": ratios}, indent=2))
+                          "ratios": ratios, "stopped": stopped}, indent=2))
         return 0
     print(f"parity bench rollout: {args.preset}, {args.num_seqs} requests, geometric response lengths "
           f"(mean {args.mean_len}, max {args.max_len}), max_num_seqs {args.max_num_seqs}, "
@@ -209,4 +226,6 @@ def main(args) -> int:
     print(gemm_line(rows) + "; GFLOP/s counts every prompt and generated token's forward")
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}")
+    for why in stopped:
+        print(why)
     return 0
