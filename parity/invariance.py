@@ -275,10 +275,12 @@ def _run_case(c: str, model, seqs, refs, rng: random.Random, temperature: float,
 def run_checks(model, rounds: int = 4, seed: int = 0, max_len: int = 96,
                cases: Sequence[str] = CASES, temperature: float = 1.0,
                progress: Callable[[str], None] | None = None,
-               stopped: list[str] | None = None) -> list[CaseResult]:
+               stopped: list[str] | None = None, record_errors: bool = False) -> list[CaseResult]:
     """Run `rounds` random rounds of every case; return one aggregated result per case.
-    Interrupted (Ctrl-C, or SIGTERM under `term_as_interrupt`) with a `stopped` list, it returns
-    the comparisons made so far and says so there."""
+    A case that cannot run raises ParityError, or with `record_errors` is reported in its
+    result's `error` and not run again while the other cases go on. Interrupted (Ctrl-C, or
+    SIGTERM under `term_as_interrupt`) with a `stopped` list, it returns the comparisons made so
+    far and says so there."""
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     max_len = min(max_len, model.config.max_position_embeddings)
@@ -297,6 +299,8 @@ def run_checks(model, rounds: int = 4, seed: int = 0, max_len: int = 96,
                 try:
                     pairs = _run_case(c, model, seqs, refs, rng, temperature, max_len)
                 except ParityError as err:
+                    if not record_errors:
+                        raise
                     errors[c] = str(err)
                     continue
                 n, bad, worst = compare(pairs)

@@ -60,6 +60,11 @@ def test_a_case_that_cannot_run_is_recorded_and_the_others_still_report(failing,
     text = capsys.readouterr().out
     assert f"graphs ({failing}, float32) stopped: check 'graphs'" in text
     assert ("cases stopped by an error" in text) is (failing == "aligned")
+    import parity  # the bitwise suite's run_checks: an error still raises (a test cannot pass on it)
+
+    with pytest.raises(ParityError, match="capture failed: stand-in"):
+        invariance.run_checks(parity.Model(parity.ModelConfig.preset("tiny"), kernels=failing), rounds=1,
+                              cases=("graphs",))
 
 
 def test_check_covers_moe(capsys):

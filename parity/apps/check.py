@@ -54,7 +54,7 @@ def main(args) -> int:
             t0 = time.perf_counter()
             for r in run_checks(model, rounds=args.rounds, seed=args.seed, max_len=args.max_len, cases=cases,
                                 progress=lambda m, k=kernels, d=dtype_name: status(f"check {k} {d}: {m}"),
-                                stopped=stopped):
+                                stopped=stopped, record_errors=True):
                 seconds = round(time.perf_counter() - t0, 2)
                 results.append({"dtype": dtype_name, **r.as_dict(), "seconds": seconds})
     status("")
