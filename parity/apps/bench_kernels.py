@@ -25,7 +25,7 @@ from ..engine import Decoder
 from ..errors import ParityError
 from ..model import ForwardBatch, Model, ModelConfig
 from ..ops import BACKENDS, describe_aligned
-from .ui import RateRow, gemm_line, interleaved, status, table, term_as_interrupt
+from .ui import RateRow, collect, gemm_line, interleaved, status, table, term_as_interrupt
 
 
 @dataclass
@@ -109,16 +109,8 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
                   eager_decode: bool = False, stopped: list[str] | None = None) -> list[BenchRow]:
     """One row per preset, dtype, phase and batch. Interrupted (Ctrl-C, or SIGTERM under
     `term_as_interrupt`) with a `stopped` list, it returns the rows finished so far and says so there."""
-    rows: list[BenchRow] = []
-    try:
-        for row in _rows(presets, dtypes, batches, prefill_len, decode_prompt, decode_steps, reps, progress,
-                         device, eager_decode):
-            rows.append(row)
-    except KeyboardInterrupt:
-        if stopped is None:
-            raise
-        stopped.append(f"interrupted: {len(rows)} rows done")
-    return rows
+    return collect(_rows(presets, dtypes, batches, prefill_len, decode_prompt, decode_steps, reps, progress,
+                         device, eager_decode), stopped)
 
 
 def _rows(presets, dtypes, batches, prefill_len, decode_prompt, decode_steps, reps, progress, device,

@@ -24,7 +24,7 @@ from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import Model, ModelConfig, sequence_logprobs
 from ..ops import BACKENDS, describe_aligned
-from .ui import RateRow, gemm_line, status, table, term_as_interrupt
+from .ui import RateRow, collect, gemm_line, status, table, term_as_interrupt
 
 
 @dataclass
@@ -55,15 +55,7 @@ def bench_learner(presets: Sequence[str] = ("small",), dtypes: Sequence[str] = (
                   stopped: list[str] | None = None) -> list[LearnerRow]:
     """One row per preset and dtype. Interrupted (Ctrl-C, or SIGTERM under `term_as_interrupt`)
     with a `stopped` list, it returns the rows finished so far and says so there."""
-    rows: list[LearnerRow] = []
-    try:
-        for row in _rows(presets, dtypes, batch, length, reps, progress, device):
-            rows.append(row)
-    except KeyboardInterrupt:
-        if stopped is None:
-            raise
-        stopped.append(f"interrupted: {len(rows)} rows done")
-    return rows
+    return collect(_rows(presets, dtypes, batch, length, reps, progress, device), stopped)
 
 
 def _rows(presets, dtypes, batch, length, reps, progress, device):

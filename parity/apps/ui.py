@@ -29,6 +29,21 @@ def term_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+def collect(rows, stopped: list[str] | None) -> list:
+    """The items of the iterator `rows` until it ends or is interrupted (Ctrl-C, or SIGTERM under
+    `term_as_interrupt`): with a `stopped` list the interrupt is noted there and the rows so far
+    returned; without one it goes on up."""
+    out: list = []
+    try:
+        for row in rows:
+            out.append(row)
+    except KeyboardInterrupt:
+        if stopped is None:
+            raise
+        stopped.append(f"interrupted: {len(out)} rows done")
+    return out
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A fixed-width table: the first column left-aligned, the others right-aligned."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
