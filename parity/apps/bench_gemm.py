@@ -38,7 +38,7 @@ from .. import hardware
 from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import ModelConfig
-from .ui import status, table, term_as_interrupt
+from .ui import collect, status, table, term_as_interrupt
 
 CANDIDATES = {
     "bfloat16": ["64x128x64x4x3", "64x64x64x4x4", "64x32x64x4x4", "64x16x64x4x6", "64x256x64x4x3",
@@ -201,48 +201,49 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
     dtype = dtype_from_name(dtype_name, "--dtype")
     tiles = [parse_tiles(c) for c in (candidates or CANDIDATES.get(dtype_name, CANDIDATES["float32"]))]
     gen = torch.Generator().manual_seed(0)
-    out: list[TileRow] = []
-    try:
-        for name, (n, k) in weight_shapes(cfg).items():
-            w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype).to(device)
-            x = torch.randn(max(rows), k, generator=gen).to(dtype).to(device)
-            spread = torch.exp2(torch.randint(-8, 9, (64, k), generator=gen).float())  # orders show
-            probe = (torch.randn(64, k, generator=gen) * spread).to(dtype).to(device)
-            classes: list[torch.Tensor] = []  # one float32 product of `probe` per bits class
-            shape_rows: list[TileRow] = []
-            for t in tiles:
-                label = tg.tile_name(t)
-                if progress:
-                    progress(f"{name} {n}x{k} tiles {label}: bits")
-                try:
-                    row = _check(tg, t, x, w, probe, rows, classes)
-                except Exception as err:  # noqa: BLE001 - a tile this GPU (or the interpreter) refuses
-                    msg = f"{type(err).__name__}: {err}".splitlines()[0][:160]
-                    row = TileRow(name, n, k, dtype_name, label, {}, False, 0.0, msg)
-                row.shape, row.n, row.k, row.dtype, row.tiles = name, n, k, dtype_name, label
-                shape_rows.append(row)
-            runnable = [r for r in shape_rows if not r.error]
-            for m in rows:
-                if progress:
-                    progress(f"{name} {n}x{k} M={m}: timing {len(runnable)} tiles beside cuBLAS")
-                fns = {"standard": partial(F.linear, x[:m], w)}
-                for r in runnable:
-                    fns[r.tiles] = partial(tg.matmul, x[:m], w, tiles=parse_tiles(r.tiles))
-                times: dict[str, list[float]] = {key: [] for key in fns}
-                for _ in range(reps):  # interleaved: standard, each candidate, standard, ...
-                    for key, fn in fns.items():
-                        times[key].append(_seconds(fn, device))
-                standard = statistics.median(times["standard"])
-                for r in runnable:
-                    r.ratios[m] = standard / statistics.median(times[r.tiles])
+    shapes = weight_shapes(cfg)
+    done = collect(_shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progress, gen),
+                   stopped, "shapes", len(shapes))
+    return [r for shape_rows in done for r in shape_rows]
+
+
+def _shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progress, gen):
+    """Per weight shape, its candidates' rows (checked, then timed)."""
+    for name, (n, k) in shapes.items():
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype).to(device)
+        x = torch.randn(max(rows), k, generator=gen).to(dtype).to(device)
+        spread = torch.exp2(torch.randint(-8, 9, (64, k), generator=gen).float())  # orders show
+        probe = (torch.randn(64, k, generator=gen) * spread).to(dtype).to(device)
+        classes: list[torch.Tensor] = []  # one float32 product of `probe` per bits class
+        shape_rows: list[TileRow] = []
+        for t in tiles:
+            label = tg.tile_name(t)
+            if progress:
+                progress(f"{name} {n}x{k} tiles {label}: bits")
+            try:
+                row = _check(tg, t, x, w, probe, rows, classes)
+            except Exception as err:  # noqa: BLE001 - a tile this GPU (or the interpreter) refuses
+                msg = f"{type(err).__name__}: {err}".splitlines()[0][:160]
+                row = TileRow(name, n, k, dtype_name, label, {}, False, 0.0, msg)
+            row.shape, row.n, row.k, row.dtype, row.tiles = name, n, k, dtype_name, label
+            shape_rows.append(row)
+        runnable = [r for r in shape_rows if not r.error]
+        for m in rows:
+            if progress:
+                progress(f"{name} {n}x{k} M={m}: timing {len(runnable)} tiles beside cuBLAS")
+            fns = {"standard": partial(F.linear, x[:m], w)}
             for r in runnable:
-                r.geomean = math.exp(statistics.fmean(math.log(v) for v in r.ratios.values()))
-            out.extend(shape_rows)
-    except KeyboardInterrupt:
-        if stopped is None:
-            raise
-        stopped.append(f"interrupted: {len({r.shape for r in out})} of {len(weight_shapes(cfg))} shapes done")
-    return out
+                fns[r.tiles] = partial(tg.matmul, x[:m], w, tiles=parse_tiles(r.tiles))
+            times: dict[str, list[float]] = {key: [] for key in fns}
+            for _ in range(reps):  # interleaved: standard, each candidate, standard, ...
+                for key, fn in fns.items():
+                    times[key].append(_seconds(fn, device))
+            standard = statistics.median(times["standard"])
+            for r in runnable:
+                r.ratios[m] = standard / statistics.median(times[r.tiles])
+        for r in runnable:
+            r.geomean = math.exp(statistics.fmean(math.log(v) for v in r.ratios.values()))
+        yield shape_rows
 
 
 def best(rows: list[TileRow]) -> dict[str, TileRow]:

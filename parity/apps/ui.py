@@ -29,10 +29,10 @@ def term_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def collect(rows, stopped: list[str] | None) -> list:
+def collect(rows, stopped: list[str] | None, what: str = "rows", total: int | None = None) -> list:
     """The items of the iterator `rows` until it ends or is interrupted (Ctrl-C, or SIGTERM under
-    `term_as_interrupt`): with a `stopped` list the interrupt is noted there and the rows so far
-    returned; without one it goes on up."""
+    `term_as_interrupt`): with a `stopped` list the interrupt is noted there ("interrupted: 3 of
+    7 shapes done") and the items so far returned; without one it goes on up."""
     out: list = []
     try:
         for row in rows:
@@ -40,7 +40,7 @@ def collect(rows, stopped: list[str] | None) -> list:
     except KeyboardInterrupt:
         if stopped is None:
             raise
-        stopped.append(f"interrupted: {len(out)} rows done")
+        stopped.append(f"interrupted: {len(out)}{'' if total is None else f' of {total}'} {what} done")
     return out
 
 
