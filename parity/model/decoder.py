@@ -75,7 +75,7 @@ class Backbone(nn.Module):
         super().__init__()
         # not drawn here: `reset_parameters` (or a checkpoint) sets every weight, and nn.Embedding's
         # own N(0, 1) draw would cost ~1-3 s of the 0.6B shape's seeded construction. (Not
-        # nn.utils.skip_init: its meta device costs each new process a 1.7 s import.)
+        # nn.utils.skip_init: its meta device costs each new process over a second of imports.)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
