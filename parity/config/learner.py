@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..dtypes import dtype_from_name
+from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES
 from ..errors import ConfigError
 
 LOSS_NAMES: tuple[str, ...] = ("reinforce_zero", "tis", "icepop", "mis", "seq_gate", "ppo_clip", "on_policy")
@@ -71,8 +71,10 @@ class LearnerConfig:
     micro_batch_tokens: int = 0
     """Also cap a micro-batch at this many tokens (prompt + response; a longer sequence goes
     alone): memory then follows the tokens, not the response count (0 = by count only)."""
-    compute_dtype: str = "float32"
-    """'float32', or 'bfloat16' with float32 master weights (in a TrainConfig: model.dtype)."""
+    compute_dtype: str = "auto"
+    """'auto' (the dtype of the model the learner is given, left as it is), 'float32', or
+    'bfloat16' with float32 master weights; a model in another dtype is cast to it in place (in
+    a TrainConfig: model.dtype)."""
     temperature: float = 1.0
     """Sampling temperature the rollouts used, log-probs are of softmax(logits / T) (in a
     TrainConfig: rollout.temperature)."""
@@ -107,7 +109,9 @@ class LearnerConfig:
             raise ConfigError("LearnerConfig.micro_batch_size and total_steps must be >= 1")
         if not self.max_grad_norm > 0:
             raise ConfigError("LearnerConfig.max_grad_norm must be > 0")
-        dtype_from_name(self.compute_dtype, "LearnerConfig.compute_dtype")
+        if self.compute_dtype != "auto" and self.compute_dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"LearnerConfig.compute_dtype must be 'auto' or one of "
+                              f"{', '.join(DTYPE_NAMES)}, got {self.compute_dtype!r}")
         if not self.temperature > 0:
             raise ConfigError("LearnerConfig.temperature must be > 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

@@ -74,7 +74,7 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
         if tokenizer is not None and Path(tokenizer).exists():
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         checkpoint_fault(step)
-        separate = learner.config.compute_dtype != "float32"
+        separate = learner.compute_dtype != torch.float32
         # streamed to the file through Python writes (not serialised in memory first: at a real
         # size the optimizer state alone is several GB), which keep an OS error (a full disk) as
         # it is instead of torch's own writer's "[enforce fail ...]"

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..config.learner import LearnerConfig
-from ..dtypes import dtype_from_name
+from ..dtypes import dtype_from_name, dtype_name
 from ..metrics.diagnostics import (
     bucketed_stats,
     importance_weight_stats,
@@ -54,10 +54,15 @@ def micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -> lis
 class Learner:
     def __init__(self, model, config: LearnerConfig | None = None):
         self.config = cfg = config or LearnerConfig()
-        self.model = model.to(dtype_from_name(cfg.compute_dtype))
+        auto = cfg.compute_dtype == "auto"
+        # the dtype the forward runs in ('auto': the given model's); unless it is float32, float32
+        # master weights take the optimizer step
+        self.compute_dtype = dtype_from_name(dtype_name(model.dtype) if auto else cfg.compute_dtype,
+                                             "the learner's compute dtype")
+        self.model = model.to(self.compute_dtype)
         self.loss_fn = get_loss(cfg.loss)
         params = list(self.model.parameters())
-        if cfg.compute_dtype == "float32":
+        if self.compute_dtype == torch.float32:
             self.master = params
         else:
             self.master = [p.detach().float().clone().requires_grad_() for p in params]
@@ -224,7 +229,7 @@ class Learner:
             self._advance_version()
             metrics["train/policy_version"] = float(self.version)
             return metrics
-        if cfg.compute_dtype != "float32":  # float32 master weights take the step
+        if self.compute_dtype != torch.float32:  # float32 master weights take the step
             for m, p in zip(self.master, self.model.parameters()):
                 m.grad = None if p.grad is None else p.grad.float()
         if cfg.decompose_every and self.steps % cfg.decompose_every == 0:
@@ -235,7 +240,7 @@ class Learner:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        if cfg.compute_dtype != "float32":
+        if self.compute_dtype != torch.float32:
             with torch.no_grad():
                 for m, p in zip(self.master, self.model.parameters()):
                     p.copy_(m)

@@ -103,6 +103,23 @@ def test_standard_kernels_show_kernel_mismatch_under_load():
     assert max(r["mismatch/kernel_max_abs"] for r in results) > 0
 
 
+@pytest.mark.parametrize("kernels", ["aligned", "standard"])
+def test_the_readme_example_one_bf16_model_shared_with_the_default_config(kernels):
+    """README's Public API: one bf16 model for the engine and the learner, LearnerConfig's
+    default compute dtype ('auto'): the model keeps its dtype (the engine samples in bf16 still)
+    and the kernel mismatch is exactly 0 on aligned kernels; the standard control shows one."""
+    m = model(kernels, torch.bfloat16, seed=3)
+    engine = parity.Engine(m, max_num_seqs=6, max_num_batched_tokens=24)
+    learner = Learner(m, LearnerConfig(loss="reinforce_zero", lr=1e-3, micro_batch_size=4))
+    assert m.dtype == torch.bfloat16 and learner.master[0].dtype == torch.float32
+    mismatch = []
+    for step in range(2):
+        mismatch.append(learner.step(rollout(engine, seed=step))["mismatch/kernel_max_abs"])
+        engine.update_weights(*learner.publish(), mode="drain")
+    assert m.dtype == torch.bfloat16
+    assert (max(mismatch) == 0.0) == (kernels == "aligned"), mismatch
+
+
 @pytest.mark.parametrize("field, bad, message", [
     ("loss_mask", lambda t: t.loss_mask[:-1], "loss_mask has"),
     ("loss_mask", lambda t: [0] * len(t.loss_mask), "selects no token"),
