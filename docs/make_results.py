@@ -65,14 +65,19 @@ def cell(xs: list[float], fmt: str) -> str:
 
 def worse(standard: list[float], aligned: list[float]) -> str:
     """'yes' when the standard row is worse (larger) than the aligned row beyond both seed spreads,
-    'reversed' when it is better beyond them, else 'no (within seed spread)'."""
+    'reversed' when it is better beyond them, else 'no (within seed spread)'; 'no (equal to 3
+    digits)' when the means agree as the table shows them; ', one seed' when either row has a
+    single seed (no spread to compare against)."""
     (sm, ss), (am, as_) = stat(standard), stat(aligned)
     if math.isnan(sm) or math.isnan(am):
         return "-"
+    one = " (one seed)" if min(len(standard), len(aligned)) < 2 else ""
+    if f"{sm:.3g}" == f"{am:.3g}":
+        return "no (equal to 3 digits)"
     if sm - ss > am + as_:
-        return "yes"
+        return "yes" + one
     if sm + ss < am - as_:
-        return "reversed"
+        return "reversed" + one
     return "no (within seed spread)"
 
 
@@ -99,7 +104,7 @@ def comparison(r: dict) -> list[str]:
             and min(vals(r, "std-fixed-64", "kernel_mismatch_max")) > 0 else "no")
     d_std, d_al = delta(r, "std-fixed-64"), delta(r, "fixed-64")
     acc_v = worse([-x for x in d_std], [-x for x in d_al])
-    if acc_v == "yes" and stat(d_std)[0] >= 0:
+    if acc_v.startswith("yes") and stat(d_std)[0] >= 0:
         acc_v = "partly: standard gains less, but does not fall"
     header = ("| figure | published: aligned / standard | "
               + " | ".join(h for h, _ in COLUMNS) + " | standard worse than aligned? |")
@@ -206,7 +211,7 @@ def reasons(r: dict, rollout_ratio: float | None, async_ratio: float | None) -> 
         "computed against numbers the sampler never used, so the correction itself is off by the "
         "kernel part, which is largest on exactly the tokens with the largest weights.")
     gn = worse(vals(r, "std-fixed-64", "grad_norm_max"), vals(r, "fixed-64", "grad_norm_max"))
-    if gn != "yes":
+    if not gn.startswith("yes"):
         out.append(
             f"- **Gradient norms.** The largest gradient norm (aligned "
             f"{fig(r, 'fixed-64', 'grad_norm_max')}, standard {fig(r, 'std-fixed-64', 'grad_norm_max')}; "

@@ -1,4 +1,4 @@
-"""The `parity` command: demo, study, sft, eval, train, check, generate,
+"""The `parity` command: demo, study, sft, eval, train, check, compile, generate,
 bench kernels|rollout|learner|gemm|attention|sampler|memory|async.
 
 This module is the parser and the dispatch; each command's body is `main(args)` in its module
@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import re
 import sys
 
 from .config import BASE_CHECKPOINTS
 from .dtypes import DTYPE_NAMES
 from .errors import ParityError
+from .model.config import PRESET_NAMES
 from .ops import BACKENDS
 
 _POSITIVE = ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_seqs", "max_num_seqs", "steps",
@@ -25,22 +25,16 @@ _POSITIVE = ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_se
 """Integer options that must be at least 1."""
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
 def _memory(text: str) -> float:
     """'0.25' (a fraction of available memory), '4GiB', '512MiB', '1e9' -> a number for
     `kv_cache_memory`."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
+    from .engine.engine import memory_size
+
     try:
-        value = float(m.group(1)) * _UNITS[unit] if m and unit in _UNITS else None
-    except ValueError:
-        value = None
-    if value is None or not value > 0 or (unit and value <= 1):
-        raise argparse.ArgumentTypeError(f"expected a fraction of available memory or a size like 4GiB, "
-                                         f"got {text!r}")
-    return value
+        return memory_size(text)
+    except ParityError:
+        raise argparse.ArgumentTypeError(f"expected a fraction of available memory or a size like "
+                                         f"4GiB, got {text!r}") from None
 
 
 def _csv(kind):
@@ -72,7 +66,7 @@ def _bench_options(parser: argparse.ArgumentParser, reps: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="parity", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="parity", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True)
     all_dtypes = list(DTYPE_NAMES)
 
@@ -123,11 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="TOML config (defaults when omitted)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start over in a run_dir that holds an earlier run (its checkpoints are deleted)")
 
     p = _command(sub, "check", "check", "prove the aligned kernels give bitwise-identical log-probs here")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint directory (config.json + model.safetensors)")
-    src.add_argument("--preset", default="tiny", help="random model preset when no --model (tiny|small)")
+    src.add_argument("--preset", default="tiny",
+                     help=f"random model preset when no --model ({'|'.join(PRESET_NAMES)}; default tiny)")
     p.add_argument("--dtype", type=_csv(str), default=all_dtypes,
                    help="comma-separated dtypes (default float32,bfloat16)")
     p.add_argument("--rounds", type=int, default=4, help="random rounds per case (default 4)")
@@ -153,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = _command(sub, "generate", "generate", "sample completions with the rollout engine")
     gsrc = g.add_mutually_exclusive_group()
-    gsrc.add_argument("--model", help="checkpoint directory")
+    gsrc.add_argument("--model",
+                      help="checkpoint directory, or base / base-math (parity sft's cached base policies)")
     gsrc.add_argument("--preset", default="tiny", help="random model preset when no --model")
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")

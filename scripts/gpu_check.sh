@@ -175,7 +175,7 @@ step bench_attention 30 "$PY" -m parity.cli bench attention --device "$DEVICE" -
 step bench_sampler 20 "$PY" -m parity.cli bench sampler --device "$DEVICE" --preset $BIG \
     --batches $BATCHES --reps 3 --json
 for k in aligned standard; do
-    step "train_$k" 25 "$PY" -m parity.cli train configs/toy_async.toml --set steps=$STEPS \
+    step "train_$k" 25 "$PY" -m parity.cli train configs/toy_async.toml --overwrite --set steps=$STEPS \
         --set model.device="$DEVICE" --set model.preset=$SMALL --set model.dtype=bfloat16 \
         --set model.kernels=$k --set run_dir="$OUT_DIR/train_$k"
 done

@@ -147,6 +147,28 @@ def test_generate_chat_with_a_checkpoint_that_brings_its_tokenizer(bpe_dir, tmp_
     assert torch.tensor(out["logprobs"]).isfinite().all()
 
 
+def test_generate_chat_in_paritys_own_turn_format(tmp_path, capsys):
+    """A checkpoint with parity's character tokenizer (as `parity sft` writes) has no chat
+    template: --chat gives the tasks' turn format, whose markers are single tokens; a checkpoint
+    with neither a template nor the turn tokens is a one-line error."""
+    from parity.model.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    cfg = parity.ModelConfig.preset("tiny", vocab_size=tok.get_vocab_size())
+    parity.Model(cfg, seed=0).save_pretrained(tmp_path / "char")
+    tok.save(str(tmp_path / "char" / "tokenizer.json"))
+    assert main(["generate", "--model", str(tmp_path / "char"), "--prompt", "What is 2*3?", "--chat",
+                 "--json", "--max-tokens", "3"]) == 0
+    ids = json.loads(capsys.readouterr().out)[0]["prompt_token_ids"]
+    char = HFTokenizer(tmp_path / "char" / "tokenizer.json")
+    assert ids[0] == char.token_id("<|user|>") and ids[-1] == char.token_id("<|assistant|>")
+    assert char.decode(ids) == "<|user|>What is 2*3?<|assistant|>"
+    parity.Model(cfg, seed=0).save_pretrained(tmp_path / "bare")  # UTF-8 bytes, no turn tokens
+    assert main(["generate", "--model", str(tmp_path / "bare"), "--prompt", "hi", "--chat"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no chat template" in err
+
+
 def test_eval_and_train_accept_a_brought_checkpoint(bpe_dir, tmp_path, capsys):
     """A Qwen2 checkpoint written by transformers, with its own BPE tokenizer and chat template."""
     cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -37,7 +37,11 @@ class AsyncRow:
     steps: int
     steps_per_hour: float
     learner_wait_frac: float
+    """Share of the steady wall time the learner spent waiting for batches."""
     rollout_wait_frac: float
+    """Share of the rollout workers' time (waiting + generating, summed over their batches) spent
+    waiting for weights: a per-worker share, so it stays <= 1 with several workers and when a
+    batch's wait began before the timed steps."""
     observed_lag_max: float
     publish_s: float
     """Median seconds the learner spent publishing one version to the workers."""
@@ -56,12 +60,17 @@ class AsyncRow:
         return self.gflops / self.gemm_gflops if self.gemm_gflops else 0.0
 
 
+def _share(wait: float, busy: float) -> float:
+    return wait / (wait + busy) if wait + busy > 0 else 0.0
+
+
 def _measure(cfg: TrainConfig) -> tuple[float, ...]:
     metrics = Controller(cfg).run()
     steady = metrics[-1]["time/wall_s"] - metrics[0]["time/wall_s"]
     rest = metrics[1:]  # the first step includes process / actor start-up
     return (3600 * len(rest) / steady, sum(m["time/wait_s"] for m in rest) / steady,
-            sum(m["time/rollout_wait_s"] for m in rest) / steady, max(m["lag/max"] for m in metrics),
+            _share(sum(m["time/rollout_wait_s"] for m in rest), sum(m["time/generate_s"] for m in rest)),
+            max(m["lag/max"] for m in metrics),
             statistics.median(m["sync/publish_s"] for m in rest),
             statistics.median(m["sync/rollout_pause_s"] for m in rest), rest[-1]["sync/bytes_moved"],
             sum(m["throughput/model_flops"] for m in rest) / steady / 1e9)

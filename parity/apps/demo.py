@@ -69,15 +69,16 @@ def demo_config(opts: DemoOptions, base: str, overrides: list[str] = ()) -> Trai
 
 
 def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
-    """Run the demo; returns {'metrics', 'summary', 'base', 'seconds', 'run_dir'}."""
+    """Run the demo; returns {'metrics', 'summary', 'base', 'seconds', 'run_dir', 'max_policy_lag'}."""
     t0 = time.perf_counter()
     base = opts.base or get_base_policy()
     log.info("base policy %s (%.0f s)", base, time.perf_counter() - t0)
     cfg = demo_config(opts, str(base), overrides)
-    controller = Controller(cfg)
+    controller = Controller(cfg, overwrite=True)  # the demo's own run dir: a new demo replaces it
     log.info("%s", controller.task_description)
-    log.info("asynchronous REINFORCE Zero, %s kernels, policy lag %d, %d steps x %d episodes (run dir %s)",
-             cfg.model.kernels, cfg.max_policy_lag, cfg.steps, cfg.rollout.batch_size, cfg.run_dir)
+    log.info("%s REINFORCE Zero, %s kernels, policy lag %d, %d steps x %d episodes (run dir %s)",
+             "asynchronous" if cfg.max_policy_lag else "synchronous", cfg.model.kernels,
+             cfg.max_policy_lag, cfg.steps, cfg.rollout.batch_size, cfg.run_dir)
     bar = Progress("train", cfg.steps, every=5)
     try:
         metrics = controller.run(progress=lambda step, m: bar.update(step, step_line(m)))
@@ -85,7 +86,7 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
         bar.close()
     write_report(cfg.run_dir)
     return {"metrics": metrics, "summary": demo_rows(metrics), "base": str(base),
-            "seconds": time.perf_counter() - t0, "run_dir": cfg.run_dir}
+            "seconds": time.perf_counter() - t0, "run_dir": cfg.run_dir, "max_policy_lag": cfg.max_policy_lag}
 
 
 def main(args) -> int:
@@ -94,7 +95,8 @@ def main(args) -> int:
                        eval_prompts=args.eval_prompts, seed=args.seed, base=args.model)
     result = run_demo(opts, args.set or [])
     print()
-    print(table(["parity demo: tool-use task, async REINFORCE Zero", "value"],
+    mode = "async" if result["max_policy_lag"] else "synchronous"
+    print(table([f"parity demo: tool-use task, {mode} REINFORCE Zero", "value"],
                 [list(r) for r in result["summary"]]))
     run_dir = result["run_dir"]
     print(f"done in {result['seconds']:.0f} s: {run_dir}/report.md, {run_dir}/report.png, "

@@ -1,7 +1,7 @@
 """`parity generate`: sample completions with the rollout engine.
 
 Prompts come as text (`--prompt`, encoded with the checkpoint's tokenizer.json or UTF-8 bytes;
-with `--chat` as a user turn of the checkpoint's chat template),
+with `--chat` as a user turn: in the checkpoint's chat template, or parity's turn format),
 as token ids (`--prompt-ids`) or from a file (one prompt per line, or JSONL with `prompt` /
 `prompt_ids`). `--json` prints token ids, float32 log-probs and the policy version of each token.
 """
@@ -14,18 +14,23 @@ import sys
 from .. import hardware
 from ..dtypes import dtype_from_name
 from ..engine import Engine, SamplingParams
+from ..envs import chat
 from ..errors import ParityError
 from ..model import Model, ModelConfig, load_model
 from ..model.tokenizer import load_tokenizer
 from ..ops.common import gemm_linear
+from .sft import RECIPES, get_base_policy
 
 
 def _text_prompt(args, tokenizer, text: str) -> list[int]:
-    """A text prompt: a user turn of the checkpoint's chat template with --chat, else raw text."""
+    """A text prompt: with --chat a user turn, in the checkpoint's chat template or (parity's own
+    tokenizers, whose turn markers are special tokens) in the tasks' format; else raw text."""
     if args.chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ParityError("--chat: this checkpoint has no chat template (tokenizer_config.json)")
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        own = getattr(tokenizer, "token_id", lambda _: None)(chat.USER) is not None
+        if not getattr(tokenizer, "chat_template", None) and not own:
+            raise ParityError("--chat: this checkpoint has no chat template (tokenizer_config.json "
+                              "or chat_template.jinja) and no <|user|> turn token")
+        return chat.prompt_ids(tokenizer, text)
     return tokenizer.encode_prompt(text)
 
 
@@ -75,6 +80,8 @@ def main(args) -> int:
     warning = hardware.bf16_warning(args.dtype, "--dtype", linear=gemm_linear)
     if warning:
         print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
+    if args.model in RECIPES:  # a cached base policy of `parity sft` by name, as `parity eval` takes it
+        args.model = str(get_base_policy(RECIPES[args.model]))
     if args.model:
         model = load_model(args.model, kernels=args.kernels, dtype=dtype, device=args.device)
     else:

@@ -202,7 +202,6 @@ def run_config(study: StudyConfig, run: StudyRun, seed: int) -> TrainConfig:
         **({"steps": run.steps} if run.steps and not study.quick else {}),
     }.items():
         set_dotted(data, key, value)
-    data.setdefault("task", {}).setdefault("level", 1)  # the level the base policies learned
     if study.task == "math" and data.get("model", {}).get("checkpoint") == "base":
         data["model"]["checkpoint"] = "base-math"  # the base that learned column-sum addition
     return config_from_dict(data)
@@ -212,7 +211,9 @@ def run_config(study: StudyConfig, run: StudyRun, seed: int) -> TrainConfig:
 def _train(cfg: TrainConfig, name: str, progress: bool) -> None:
     bar = Progress(name, cfg.steps, every=max(1, cfg.steps // 4)) if progress else None
     try:
-        Controller(cfg).run(progress=(lambda step, m: bar.update(step, step_line(m))) if bar else None)
+        # an unfinished run (no report.md) starts over: its checkpoints are cleared first
+        Controller(cfg, overwrite=True).run(
+            progress=(lambda step, m: bar.update(step, step_line(m))) if bar else None)
     finally:
         if bar is not None:
             bar.close()
@@ -285,5 +286,7 @@ def main(args) -> int:
         print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
     results = run_study(study, train=not args.report_only)
     print(study_table_markdown(results))
-    print(f"done in {results['seconds']:.0f} s: {study.out_dir}/report.md, study.png, results.json")
+    written = [name for name in ("report.md", "study.png", "mechanism.png", "results.json")
+               if (Path(study.out_dir) / name).exists()]
+    print(f"done in {results['seconds']:.0f} s: {study.out_dir}/{', '.join(written)}")
     return 0

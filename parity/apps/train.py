@@ -19,13 +19,13 @@ from .ui import Progress, table
 
 def main(args) -> int:
     if args.resume:
-        if args.config:
-            raise ParityError("give either a config or --resume RUN_DIR, not both")
+        if args.config or args.overwrite:
+            raise ParityError("give either a config (or --overwrite) or --resume RUN_DIR, not both")
         cfg = load_config(Path(args.resume) / "config.toml", (args.set or []) + [f'run_dir="{args.resume}"'])
         controller = Controller(resolve_base(cfg), resume=True)
     else:
         cfg = resolve_base(load_config(args.config, args.set or []))
-        controller = Controller(cfg)
+        controller = Controller(cfg, overwrite=args.overwrite)
     warning = hardware.bf16_warning(cfg.model.dtype, linear=gemm_linear)
     if warning:
         print(f"parity: warning: {warning}", file=sys.stderr, flush=True)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from .. import hardware
 from ..dtypes import DTYPE_NAMES
-from ..errors import ConfigError
+from ..engine.engine import memory_size
+from ..errors import ConfigError, InputError
 from ..model.config import PRESET_NAMES
 from ..ops import check_backend
 from .learner import LearnerConfig
@@ -82,10 +83,11 @@ class RolloutSection:
     """Sampling temperature (the learner scores at the same temperature)."""
     max_num_seqs: int = 64
     """Sequences in flight in the engine."""
-    kv_cache_memory: float = 0.25
+    kv_cache_memory: float | str = 0.25
     """The engine's KV cache budget: a fraction of the memory available when a worker starts
-    (0 < x <= 1) or a number of bytes (> 1). The cache never holds more than max_num_seqs full
-    sequences; the capacity is logged at start-up."""
+    (0 < x <= 1) or a number of bytes (> 1), or a size with its unit ("4GiB", "512MiB", "2GB").
+    The cache never holds more than max_num_seqs full sequences; the capacity is logged at
+    start-up."""
     cuda_graphs: bool = True
     """On a GPU, replay each decode step (every sequence one new token) from a CUDA graph captured
     once per batch-size bucket instead of launching its kernels one by one (dense models; MoE
@@ -124,9 +126,10 @@ class RolloutSection:
             raise ConfigError("rollout.max_held_versions must be >= 0")
         if not self.temperature > 0:
             raise ConfigError("rollout.temperature must be > 0")
-        if isinstance(self.kv_cache_memory, bool) or not 0 < self.kv_cache_memory < float("inf"):
-            raise ConfigError("rollout.kv_cache_memory must be a fraction of available memory in "
-                              f"(0, 1] or a number of bytes, got {self.kv_cache_memory!r}")
+        try:  # kept as given ("4GiB" stays readable in the run's config.toml)
+            memory_size(self.kv_cache_memory, "rollout.kv_cache_memory")
+        except InputError as exc:
+            raise ConfigError(str(exc)) from None
         if self.heartbeat_timeout_s < 0:
             raise ConfigError("rollout.heartbeat_timeout_s must be >= 0")
         if self.lengths not in LENGTH_MODES:
@@ -178,8 +181,9 @@ class TaskSection:
     """target_tokens: prompt length in tokens."""
     kinds: list[str] = field(default_factory=lambda: ["mul", "sum"])
     """tool: problem kinds ('mul': large products, 'sum': sums of many numbers)."""
-    level: int = 2
-    """tool (1..3) or math (1..5): difficulty."""
+    level: int = 1
+    """tool (1..3) or math (1..5): difficulty (1 is the level `parity sft`'s base policies
+    learned, so `parity eval --model base` scores them where they were trained)."""
     max_tool_calls: int = 3
     """tool: tool calls allowed per episode."""
     math_task: str = "add"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
@@ -49,18 +50,40 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def memory_budget(value: float | int) -> int:
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def memory_size(value: float | int | str, what: str = "kv_cache_memory") -> float:
+    """A memory budget as given: a fraction of available memory (0 < x <= 1) or a number of bytes
+    (> 1), as a number or a string ('0.25', '1e9', '4GiB', '512MiB', '2GB'); InputError otherwise."""
+    number = None
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+        unit = m.group(2).lower() if m else None
+        try:
+            number = float(m.group(1)) * _UNITS[unit] if m and unit in _UNITS else None
+        except ValueError:
+            number = None
+        if unit and number is not None and number <= 1:
+            number = None  # '1B' or '0.5GiB'-style slips that would read as a fraction
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    if number is None or not 0 < number < float("inf"):
+        raise InputError(f"{what} must be a fraction of available memory in (0, 1] or a size in "
+                         f"bytes (a number, or like 4GiB / 512MiB), got {value!r}")
+    return number
+
+
+def memory_budget(value: float | int | str) -> int:
     """A memory budget in bytes: a fraction of available memory (0 < value <= 1) or bytes (> 1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise InputError(f"kv_cache_memory must be a fraction of available memory in (0, 1] or "
-                         f"a number of bytes, got {value!r}")
+    value = memory_size(value)
     return int(value * available_memory()) if value <= 1 else int(value)
 
 
 class Engine:
     def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_tokens: int | None = None, tokenizer=None, seed: int = 0,
-                 kv_cache_memory: float | int = DEFAULT_KV_CACHE_MEMORY, graphs: str = "auto"):
+                 kv_cache_memory: float | int | str = DEFAULT_KV_CACHE_MEMORY, graphs: str = "auto"):
         """`kv_cache_tokens` fixes the cache size; otherwise it holds what `kv_cache_memory` (a
         fraction of available memory, or bytes) allows, and never more than `max_num_seqs`
         sequences of min(max_position_embeddings, 2048) tokens can use. `graphs`: decode steps

@@ -34,6 +34,11 @@ STUDY_PLOTS = [
 ]
 
 
+def cell(text) -> str:
+    """`text` as a Markdown table cell: a `|` in it (|Δ|) would end the cell."""
+    return str(text).replace("|", "&#124;")
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -84,7 +89,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path | None]:
 
 def summary_markdown(metrics: list[dict]) -> str:
     lines = ["# Run report", "", "| figure | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in run_rows(metrics)]
+    lines += [f"| {cell(k)} | {cell(v)} |" for k, v in run_rows(metrics)]
     return "\n".join(lines) + "\n"
 
 

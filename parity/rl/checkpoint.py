@@ -99,15 +99,33 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
     return final
 
 
+def found(run_dir: Path) -> list[Path]:
+    """The checkpoint directories in `run_dir` by step (none when it does not exist)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in run_dir.iterdir()
+                   if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir())
+    return [p for _, p in steps]
+
+
 def latest(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such run directory")
-    found = sorted((int(m.group(1)), p) for p in run_dir.iterdir()
-                   if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir())
-    if not found:
+    paths = found(run_dir)
+    if not paths:
         raise CheckpointError(f"{run_dir}: no checkpoint to resume from")
-    return found[-1][1]
+    return paths[-1]
+
+
+def clear(run_dir: Path) -> None:
+    """Remove an earlier run's checkpoints (unfinished ones too) and metrics from `run_dir`, so a
+    run started over there cannot be mixed with them (a resume would take the newest)."""
+    run_dir = Path(run_dir)
+    for path in found(run_dir) + sorted(run_dir.glob(".checkpoint-*.tmp")):
+        shutil.rmtree(path)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
 
 
 def verify(path: Path) -> dict:

@@ -56,7 +56,9 @@ def make_rollout(cfg: TrainConfig, model_config, versions):
 class Controller:
     """Runs `cfg.steps` learner updates on batches from a rollout backend; writes the run dir."""
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False):
+    def __init__(self, cfg: TrainConfig, resume: bool = False, overwrite: bool = False):
+        """`resume`: continue from the run dir's latest checkpoint. Otherwise a run dir that holds
+        an earlier run's checkpoints is refused, or with `overwrite` cleared of them first."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.start_step = 0
@@ -66,11 +68,18 @@ class Controller:
         if resume:
             self._resume()
         else:
+            earlier = checkpoint.found(self.run_dir)
+            if earlier and not overwrite:
+                raise ParityError(f"{self.run_dir} holds {earlier[-1].name} of an earlier run: continue "
+                                  f"it with `parity train --resume {self.run_dir}`, start over there "
+                                  f"with --overwrite, or choose another run_dir")
             self.model = build_model(cfg)
             self.learner = Learner(self.model, cfg.learner)
         self.env = build_env(cfg, self.model.config.vocab_size)  # a bad task fails here, not in a worker
         self.task_description = self.env.describe()
         self.rollout = make_rollout(cfg, self.model.config, lambda: self.learner.history)
+        if overwrite and not resume:  # only once the run is known to start
+            checkpoint.clear(self.run_dir)
 
     def _resume(self) -> None:
         path = checkpoint.latest(self.run_dir)

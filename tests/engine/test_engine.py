@@ -340,6 +340,12 @@ def test_the_kv_cache_is_sized_from_a_memory_budget(monkeypatch):
     assert out.error is None and len(out.token_ids) == 4
     with pytest.raises(InputError, match="kv_cache_memory: 100 bytes hold no cache block"):
         parity.Engine(model, kv_cache_memory=100)
-    for bad in (0, -1, True, "lots", float("inf")):
+    for bad in (0, -1, True, "lots", float("inf"), "0GiB", "4XB"):
         with pytest.raises(InputError, match="kv_cache_memory must be"):
             parity.Engine(model, kv_cache_memory=bad)
+    # a size with its unit, as the CLI's --kv-cache-memory and a config's rollout.kv_cache_memory take it
+    eng = parity.Engine(model, max_num_seqs=64, kv_cache_memory="1MiB")
+    assert eng.cache_info["tokens"] == 2**20 // per_token // bs * bs
+    from parity.config import load_config
+
+    assert load_config(None, ['rollout.kv_cache_memory="4GiB"']).rollout.kv_cache_memory == "4GiB"

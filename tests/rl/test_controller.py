@@ -119,6 +119,28 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
         Controller(config(tmp_path, "steps=4"), resume=True)
 
 
+def test_a_new_run_into_an_earlier_runs_dir_is_refused_or_starts_over(tmp_path, capsys):
+    """An earlier run's checkpoints must not mix with a new run's (a resume takes the newest):
+    `parity train` into its run dir is a one-line error that deletes nothing; --overwrite clears
+    them first."""
+    from parity.cli import main
+
+    def train(*extra):
+        sets = BASE + [f"run_dir=\"{tmp_path}\"", "eval_every=0", *extra]
+        return [x for s in sets for x in ("--set", s)]
+
+    assert main(["train", *train("steps=2")]) == 0
+    capsys.readouterr()
+    assert main(["train", *train("steps=1")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds checkpoint-2 of an earlier run" in err and "--resume" in err
+    assert (tmp_path / "checkpoint-2").is_dir()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert main(["train", "--overwrite", *train("steps=1")]) == 0
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
 def test_inflight_weight_updates_keep_the_bound(tmp_path):
     cfg = config(tmp_path, "steps=6", "max_policy_lag=1", "rollout.weight_update=\"inflight\"",
                  "rollout.max_tokens=24")
