@@ -16,7 +16,7 @@ import sys
 
 from .config import BASE_CHECKPOINTS
 from .dtypes import DTYPE_NAMES
-from .errors import ParityError
+from .errors import Interrupted, ParityError
 from .model.config import PRESET_NAMES
 from .ops import BACKENDS
 
@@ -263,8 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         return importlib.import_module(f".apps.{args.module}", __package__).main(args)
+    except Interrupted as stop:  # a training run inside demo, study, bench async...: its checkpoint
+        print(f"parity: interrupted ({stop.signal_name}); checkpoint saved to {stop.path}", file=sys.stderr)
+        return 143 if stop.signal_name == "SIGTERM" else 130
     except (ParityError, ValueError, OverflowError, MemoryError, OSError, RuntimeError) as exc:
-        if os.environ.get("PARITY_DEBUG"):
+        if os.environ.get("PARITY_DEBUG", "0") not in ("", "0"):
             raise
         text = str(exc).strip()
         print(f"parity: error: {text.splitlines()[0] if text else type(exc).__name__}"

@@ -15,3 +15,13 @@ class CheckpointError(ParityError):
 
 class InputError(ParityError, ValueError):
     """A token sequence or request is invalid (out-of-vocab id, too long, empty, ...)."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM during training: a checkpoint was saved at `path` (not a ParityError:
+    the input was fine; the CLI reports it with exit status 130 or 143)."""
+
+    def __init__(self, path, signal_name: str = "SIGINT"):
+        super().__init__(str(path))
+        self.path = path
+        self.signal_name = signal_name

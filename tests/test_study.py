@@ -63,9 +63,35 @@ def test_study_config_errors_are_one_line(tmp_path):
     bad.write_text('[[runs]]\nname = "x"\nstaleness = "sometimes"\n')
     with pytest.raises(ConfigError, match="staleness"):
         load_study(str(bad))
+    for text, message in (("runs = 5\n", "expected \\[\\[runs\\]\\] tables"),
+                          ('[[runs]]\nkernels = "aligned"\n', "table 1 has no name"),
+                          ('[[runs]]\nname = "x"\ncolour = 1\n', "x: unknown key colour")):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load_study(str(bad))
     names = ["sync", "async-8", "fixed-64", "std-fixed-64", "std-fixed-64-tis", "std-fixed-64-gate",
              "fixed-64-fp32", "std-fixed-64-fp32"]
     assert [r.name for r in DEFAULT_GRID] == names
+
+
+def test_an_interrupted_study_run_goes_on_from_its_checkpoint(tmp_path):
+    """A run with checkpoints but no report.md resumes from a sound checkpoint short of its end;
+    one at its end, or a corrupt one, starts over (its checkpoints cleared, never mixed)."""
+    from parity.apps.study import _restart
+    from parity.config import load_config
+    from parity.rl.controller import Controller
+
+    def cfg(steps):
+        return load_config(None, ['model.preset="tiny"', "rollout.prompts_per_step=2", "rollout.group_size=2",
+                                  "rollout.max_tokens=4", "eval_every=0", f"steps={steps}",
+                                  f'run_dir="{tmp_path}"'])
+
+    assert _restart(cfg(2)) == {"overwrite": True}  # nothing there yet
+    Controller(cfg(2)).run()
+    assert _restart(cfg(4)) == {"resume": True}
+    assert _restart(cfg(2)) == {"overwrite": True}
+    (tmp_path / "checkpoint-2" / "manifest.json").write_text("{")
+    assert _restart(cfg(4)) == {"overwrite": True}
 
 
 def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):

@@ -24,6 +24,7 @@ written beside them. Nothing in the report is typed by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -35,12 +36,13 @@ from typing import Any
 from .. import hardware
 from ..config import LOSS_NAMES, TrainConfig, config_from_dict, read_toml, set_dotted
 from ..dtypes import DTYPE_NAMES
-from ..errors import ConfigError, ParityError
+from ..errors import CheckpointError, ConfigError, ParityError
 from ..metrics.report import write_report, write_study_report
 from ..metrics.sinks import read_metrics
 from ..metrics.summary import aggregate, row_figures, step_line, study_table_markdown
 from ..ops import check_backend
 from ..ops.common import gemm_linear
+from ..rl import checkpoint
 from ..rl.controller import Controller
 from .sft import SFTConfig, is_built, resolve_base, train_sft
 from .ui import Progress
@@ -162,10 +164,16 @@ def load_study(
         raise ConfigError(f"unknown study key {unknown[0]}")
     runs = data.get("runs")
     if runs is not None:
-        try:
-            runs = [StudyRun(**r) for r in runs]
-        except TypeError as exc:
-            raise ConfigError(f"study runs: {exc}") from None
+        if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+            raise ConfigError("study runs: expected [[runs]] tables, each with a name")
+        fields = {f.name for f in dataclasses.fields(StudyRun)}
+        for i, r in enumerate(runs, 1):
+            if "name" not in r:
+                raise ConfigError(f"study runs: [[runs]] table {i} has no name")
+            if set(r) - fields:
+                raise ConfigError(f"study runs: {r['name']}: unknown key {sorted(set(r) - fields)[0]} "
+                                  f"(known: {', '.join(sorted(fields))})")
+        runs = [StudyRun(**r) for r in runs]
     train = {**DEFAULT_TRAIN, **data.get("train", {})}
     if quick:
         train.update(QUICK_TRAIN)
@@ -208,11 +216,24 @@ def run_config(study: StudyConfig, run: StudyRun, seed: int) -> TrainConfig:
 
 
 # --------------------------------------------------------------------------- running
+def _restart(cfg: TrainConfig) -> dict:
+    """How an unfinished run (no report.md) goes on: from its latest checkpoint when it has a
+    sound one short of the end (an interrupted study continues where it stopped), else over from
+    the start with its old checkpoints cleared."""
+    earlier = checkpoint.found(cfg.run_dir)
+    if earlier and int(earlier[-1].name.split("-")[1]) < cfg.steps:
+        try:
+            checkpoint.verify(earlier[-1])
+            return {"resume": True}
+        except CheckpointError as exc:
+            log.warning("%s; starting the run over", exc)
+    return {"overwrite": True}
+
+
 def _train(cfg: TrainConfig, name: str, progress: bool) -> None:
     bar = Progress(name, cfg.steps, every=max(1, cfg.steps // 4)) if progress else None
     try:
-        # an unfinished run (no report.md) starts over: its checkpoints are cleared first
-        Controller(cfg, overwrite=True).run(
+        Controller(cfg, **_restart(cfg)).run(
             progress=(lambda step, m: bar.update(step, step_line(m))) if bar else None)
     finally:
         if bar is not None:

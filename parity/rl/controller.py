@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from ..config import TrainConfig, to_toml
-from ..errors import ParityError
+from ..errors import Interrupted, ParityError  # noqa: F401 - Interrupted: raised here, imported from here
 from ..metrics.sinks import MetricsSink
 from . import checkpoint
 from .build import build_env, build_model, tokenizer_path
@@ -33,15 +33,6 @@ from .local import LocalRollout
 from .trajectory import TrajectoryBatch
 
 log = logging.getLogger(__name__)
-
-
-class Interrupted(Exception):
-    """Ctrl-C or SIGTERM during training: a checkpoint was saved at `path`."""
-
-    def __init__(self, path: Path, signal_name: str = "SIGINT"):
-        super().__init__(str(path))
-        self.path = path
-        self.signal_name = signal_name
 
 
 def make_rollout(cfg: TrainConfig, model_config, versions):
