@@ -40,9 +40,12 @@ def _memory(text: str) -> float:
 def _csv(kind):
     def parse(text: str):
         try:
-            return [kind(x) for x in text.split(",") if x]
+            items = [kind(x.strip()) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got nothing ({text!r})")
+        return items
     return parse
 
 
@@ -256,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in _POSITIVE:
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("k", "eval_problems"):
+        if getattr(args, name, 0) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0 (0 = skip)")
+    if getattr(args, "vocab", None) is not None and args.vocab < 2:
+        parser.error("--vocab must be at least 2")
+    if getattr(args, "seed", None) is not None and not 0 <= args.seed < 2**63:
+        parser.error("--seed must be in 0..2**63-1")
     if args.command == "check" and args.max_len < 2:
         parser.error("--max-len must be at least 2")
     from .apps.ui import setup_logging

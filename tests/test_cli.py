@@ -93,6 +93,48 @@ def test_bad_input_is_one_line_no_traceback(tmp_path):
         assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("parity: error:")
 
 
+def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
+    """Found by a hostile-input review: each of these used to give a traceback, an unnamed
+    error, a hang, an out-of-memory kill, or a silent reinterpretation. All are refused in one line
+    naming the input, before anything is trained or computed, and nothing is written or deleted."""
+    (tmp_path / "not-utf8.toml").write_bytes(b"steps = 3\n\xff\n")
+    (tmp_path / "prompts.txt").write_bytes(b"ok\n\xff\n")
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "notes.txt").write_text("mine")
+    toy = ["--set", 'model.preset="tiny"', "--set", f'run_dir="{tmp_path / "run"}"']
+    cases = [
+        (["bench", "kernels", "--presets", ""], "got nothing"),
+        (["check", "--cases", ","], "got nothing"),
+        (["eval", "-k", "-1"], "--k must be >= 0"),
+        (["generate", "--seed", str(10**23), "--prompt", "x"], "--seed"),
+        (["generate", "--prompts-file", str(tmp_path / "prompts.txt")], "prompts.txt: not UTF-8"),
+        (["train", str(tmp_path / "not-utf8.toml")], "not-utf8.toml: not UTF-8"),
+        (["train", *toy, "--set", "steps=1000000000"], "steps must be in 1..10,000,000"),
+        (["train", *toy, "--set", "eval_prompts=100000000"], "at most task.heldout_size"),
+        (["train", *toy, "--set", "rollout.temperature=inf"], "temperature must be > 0 and finite"),
+        (["train", *toy, "--set", "learner.weight_decay=nan"], "weight_decay must be finite"),
+        (["train", "--set", 'run_dir=""'], "run_dir must name a directory"),
+        (["train", "--set", f'run_dir="{tmp_path / "not-utf8.toml"}"'], "is not a directory"),
+        (["train", *toy, "--set", 'learner.dump_dir="/proc/nope"'], "learner.dump_dir /proc/nope"),
+        (["train", *toy, "--set", 'rollout.backend="ray"', "--set", 'ray.address="127.0.0.1:1"'],
+         "cannot reach the Ray head at 127.0.0.1:1"),
+        (["train", "--resume", str(tmp_path), "--set", "model.preset=small"], "model.preset is fixed"),
+        (["sft", "--out", str(tmp_path / "keep"), "--steps", "1"], "with other files in it"),
+        (["sft", "--out", str(tmp_path / "not-utf8.toml"), "--steps", "1"], "is not a directory"),
+    ]
+    for argv, message in cases:
+        try:
+            code = main(argv)
+        except SystemExit as stop:  # argparse's own errors
+            code = stop.code
+        err = capsys.readouterr().err.strip()
+        assert code == 2, (argv, err)
+        if err.startswith("usage:"):  # argparse's usage lines, then its one error line
+            err = err.splitlines()[-1]
+        assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err, (argv, err)
+    assert (tmp_path / "keep" / "notes.txt").read_text() == "mine" and not (tmp_path / "run").exists()
+
+
 def test_bench_kernels_json_reports_ratios():
     proc = run("bench", "kernels", "--json", "--presets", "tiny", "--dtypes", "float32",
                "--batches", "8", "--reps", "1", "--decode-steps", "2", "--prefill-len", "16")

@@ -37,6 +37,10 @@ def _text_prompt(args, tokenizer, text: str) -> list[int]:
 def _read_prompts(args, tokenizer) -> list[list[int]]:
     prompts: list[list[int]] = []
     for text in args.prompt or []:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8
+            raise ParityError(f"--prompt: not UTF-8 text: {text!r}") from None
         prompts.append(_text_prompt(args, tokenizer, text))
     for ids in args.prompt_ids or []:
         try:
@@ -48,6 +52,8 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
             lines = open(args.prompts_file, encoding="utf-8").read().splitlines()
         except OSError as exc:
             raise ParityError(f"{args.prompts_file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ParityError(f"{args.prompts_file}: not UTF-8 text (byte {exc.start})") from None
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue

@@ -43,7 +43,7 @@ from ..config import TrainConfig, with_overrides
 from ..envs.chat import EOS, prompt_text
 from ..envs.math import MathTask, Problem, worked_answer
 from ..envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
-from ..errors import ConfigError
+from ..errors import ConfigError, ParityError
 from .ui import Progress, table
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,13 @@ def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
 
     cfg = cfg or SFTConfig()
     out_dir = Path(out_dir)
+    # checked before training, since the finished policy replaces out_dir: never a file, nor a
+    # directory holding anything but an earlier base policy
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ParityError(f"{out_dir} exists and is not a directory: choose another --out")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "sft.json").exists():
+        raise ParityError(f"{out_dir} is a directory with other files in it (not a base policy "
+                          f"parity sft wrote), which a new base policy would replace: choose another --out")
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

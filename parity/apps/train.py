@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .. import hardware
 from ..config import load_config
+from ..config.loading import parse_override
 from ..errors import ParityError
 from ..metrics.report import write_report
 from ..metrics.summary import run_rows, step_line
@@ -16,12 +17,20 @@ from ..rl.controller import Controller, Interrupted
 from .sft import resolve_base
 from .ui import Progress, table
 
+RESUMABLE_MODEL_KEYS = ("model.device", "model.kernels")
+"""The model fields a resumed run may change (`--set`); the rest are the checkpoint's."""
+
 
 def main(args) -> int:
     if args.resume:
         if args.config or args.overwrite:
             raise ParityError("give either a config (or --overwrite) or --resume RUN_DIR, not both")
-        cfg = load_config(Path(args.resume) / "config.toml", (args.set or []) + [f'run_dir="{args.resume}"'])
+        overrides = dict(parse_override(o) for o in args.set or [])
+        fixed = sorted(k for k in overrides if k.startswith("model.") and k not in RESUMABLE_MODEL_KEYS)
+        if fixed:
+            raise ParityError(f"--resume: {fixed[0]} is fixed by the checkpoint; only "
+                              f"{', '.join(RESUMABLE_MODEL_KEYS)} of the model can change on resume")
+        cfg = load_config(Path(args.resume) / "config.toml", {**overrides, "run_dir": args.resume})
         controller = Controller(resolve_base(cfg), resume=True)
     else:
         cfg = resolve_base(load_config(args.config, args.set or []))

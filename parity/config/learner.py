@@ -6,6 +6,8 @@ These dataclasses live with the other configs (the `rl` package imports them, ne
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES
@@ -94,6 +96,11 @@ class LearnerConfig:
     """Parameters of the objectives."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # nan / inf would pass every comparison below
+            value = getattr(self, f.name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                raise ConfigError(f"LearnerConfig.{f.name} must be finite, got {value!r}")
         if self.loss not in LOSS_NAMES:
             raise ConfigError(f"unknown loss {self.loss!r}: expected one of {', '.join(LOSS_NAMES)}")
         if not self.lr > 0:

@@ -136,15 +136,21 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
         return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such {what}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text (a TOML {what} is)") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML ({exc})") from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """Read a TOML file (or start from defaults when None) and apply `key=value` overrides."""
+def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] = ()) -> TrainConfig:
+    """Read a TOML file (or start from defaults when None) and apply overrides: `key=value`
+    strings as on the command line, or a {dotted key: value} dict."""
     data: dict[str, Any] = read_toml(path) if path is not None else {}
-    for item in overrides:
-        set_dotted(data, *parse_override(item))
+    items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides]
+    for key, value in items:
+        set_dotted(data, key, value)
     return config_from_dict(data)
 
 

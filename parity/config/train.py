@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .. import hardware
 from ..dtypes import DTYPE_NAMES
@@ -30,6 +31,9 @@ BASE_CHECKPOINTS: tuple[str, ...] = ("base", "base-math")
 LENGTH_MODES: tuple[str, ...] = ("fixed", "geometric")
 WEIGHT_UPDATE_MODES: tuple[str, ...] = ("drain", "inflight")
 ROLLOUT_BACKENDS: tuple[str, ...] = ("local", "ray")
+
+MAX_STEPS = 10_000_000
+"""The most learner steps a run may plan (the rollout side lists every batch index ahead)."""
 
 DERIVED_LEARNER_FIELDS: dict[str, str] = {
     "temperature": "rollout.temperature", "compute_dtype": "model.dtype", "max_policy_lag": "max_policy_lag"}
@@ -124,8 +128,8 @@ class RolloutSection:
             raise ConfigError(f"rollout.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.max_held_versions < 0:
             raise ConfigError("rollout.max_held_versions must be >= 0")
-        if not self.temperature > 0:
-            raise ConfigError("rollout.temperature must be > 0")
+        if not 0 < self.temperature < float("inf"):
+            raise ConfigError(f"rollout.temperature must be > 0 and finite, got {self.temperature!r}")
         try:  # kept as given ("4GiB" stays readable in the run's config.toml)
             memory_size(self.kv_cache_memory, "rollout.kv_cache_memory")
         except InputError as exc:
@@ -232,12 +236,19 @@ class TrainConfig:
     ray: RaySection = field(default_factory=RaySection)
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ConfigError("steps must be >= 1")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise ConfigError(f"steps must be in 1..{MAX_STEPS:,}, got {self.steps}")
+        if not str(self.run_dir).strip():
+            raise ConfigError("run_dir must name a directory, got an empty string")
+        if Path(self.run_dir).exists() and not Path(self.run_dir).is_dir():
+            raise ConfigError(f"run_dir {self.run_dir} exists and is not a directory")
         if self.max_policy_lag < 0:
             raise ConfigError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
         if self.checkpoint_every < 0 or self.eval_every < 0 or self.eval_prompts < 1 or self.eval_samples < 0:
             raise ConfigError("checkpoint_every, eval_every and eval_samples must be >= 0, eval_prompts >= 1")
+        if self.eval_prompts > self.task.heldout_size:
+            raise ConfigError(f"eval_prompts ({self.eval_prompts}) must be at most task.heldout_size "
+                              f"({self.task.heldout_size}): evaluation uses the held-out set's first ones")
         if self.task.name != "target_tokens" and not self.model.checkpoint:
             raise ConfigError(f"task {self.task.name!r} needs model.checkpoint with a tokenizer.json "
                               "(\"base\" = the base policy of parity sft)")

@@ -23,6 +23,7 @@ import torch
 
 from ..config.learner import LearnerConfig
 from ..dtypes import dtype_from_name, dtype_name
+from ..errors import ConfigError
 from ..metrics.diagnostics import (
     bucketed_stats,
     importance_weight_stats,
@@ -54,6 +55,11 @@ def micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -> lis
 class Learner:
     def __init__(self, model, config: LearnerConfig | None = None):
         self.config = cfg = config or LearnerConfig()
+        if cfg.dump_dir:  # checked now, not at the first non-finite step
+            try:
+                Path(cfg.dump_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"learner.dump_dir {cfg.dump_dir}: {exc.strerror or exc}") from None
         auto = cfg.compute_dtype == "auto"
         # the dtype the forward runs in ('auto': the given model's); unless it is float32, float32
         # master weights take the optimizer step

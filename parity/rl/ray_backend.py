@@ -27,6 +27,7 @@ import os
 import queue
 import re
 import secrets
+import socket
 import subprocess
 import sys
 import tempfile
@@ -184,6 +185,23 @@ class RolloutActor:
         return ray.get_runtime_context().get_node_id()
 
 
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A one-line error now when nothing answers at a Ray head's `host:port` (or `ray://host:port`):
+    `ray.init` itself retries a wrong address for many minutes. 'auto' and 'local' are Ray's own
+    lookups and are left to it."""
+    m = re.fullmatch(r"(?:ray://)?\[?([^\]\s]+?)\]?:(\d+)", address.strip())
+    if not m:
+        if address.strip() in ("auto", "local"):
+            return
+        raise ConfigError(f"ray.address must be host:port, ray://host:port, 'auto' or 'local', "
+                          f"got {address!r}")
+    try:
+        socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout_s).close()
+    except (OSError, ValueError, OverflowError) as exc:
+        raise ParityError(f"cannot reach the Ray head at {address}: "
+                          f"{getattr(exc, 'strerror', None) or exc or type(exc).__name__}") from None
+
+
 class RayRollout:
     """Rollout on Ray actors, with the local backend's interface: start, publish, next_batch, close."""
 
@@ -194,6 +212,8 @@ class RayRollout:
                  versions: Callable[[], dict[int, State]]):
         if cfg.ray.address is None and "ray" not in sys.modules:
             _private_head_auth()
+        elif cfg.ray.address is not None:
+            check_reachable(cfg.ray.address)  # before the run writes anything
         self.ray = require_ray()
         self.cfg, self.model_config, self.versions = cfg, model_config, versions
         self.n = cfg.rollout.workers
