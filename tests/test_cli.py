@@ -135,6 +135,22 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
     assert (tmp_path / "keep" / "notes.txt").read_text() == "mine" and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("signal_name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_training_interrupted_inside_any_command_is_one_line(monkeypatch, capsys, signal_name, code):
+    """The checkpoint a stopped run saved is named in one line with the signal's exit status,
+    whichever command ran the training (demo here; train has its own line with a resume hint)."""
+    import parity.apps.demo as demo
+    from parity.errors import Interrupted
+
+    def stopped(args):
+        raise Interrupted("runs/demo/checkpoint-3", signal_name)
+
+    monkeypatch.setattr(demo, "main", stopped)
+    assert main(["demo"]) == code
+    err = capsys.readouterr().err.strip()
+    assert err == f"parity: interrupted ({signal_name}); checkpoint saved to runs/demo/checkpoint-3"
+
+
 def test_bench_kernels_json_reports_ratios():
     proc = run("bench", "kernels", "--json", "--presets", "tiny", "--dtypes", "float32",
                "--batches", "8", "--reps", "1", "--decode-steps", "2", "--prefill-len", "16")
