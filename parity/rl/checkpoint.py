@@ -120,12 +120,14 @@ def latest(run_dir: Path) -> Path:
 
 
 def clear(run_dir: Path) -> None:
-    """Remove an earlier run's checkpoints (unfinished ones too) and metrics from `run_dir`, so a
-    run started over there cannot be mixed with them (a resume would take the newest)."""
+    """Remove an earlier run's checkpoints (unfinished ones too), metrics and report from
+    `run_dir`, so a run started over there cannot be mixed with them (a resume would take the
+    newest checkpoint; a study takes a report.md for a finished run)."""
     run_dir = Path(run_dir)
     for path in found(run_dir) + sorted(run_dir.glob(".checkpoint-*.tmp")):
         shutil.rmtree(path)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    for name in ("metrics.jsonl", "report.md", "report.png"):
+        (run_dir / name).unlink(missing_ok=True)
 
 
 def verify(path: Path) -> dict:

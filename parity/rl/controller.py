@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from ..config import TrainConfig, to_toml
-from ..errors import Interrupted, ParityError  # noqa: F401 - Interrupted: raised here, imported from here
+from ..errors import Interrupted, ParityError
 from ..metrics.sinks import MetricsSink
 from . import checkpoint
 from .build import build_env, build_model, tokenizer_path
