@@ -105,6 +105,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
     cases = [
         (["bench", "kernels", "--presets", ""], "got nothing"),
         (["check", "--cases", ","], "got nothing"),
+        (["bench", "kernels", "--presets", "qwen3-0.6b", "--batches", "100000"], "GiB is available"),
         (["eval", "-k", "-1"], "--k must be >= 0"),
         (["generate", "--seed", str(10**23), "--prompt", "x"], "--seed"),
         (["generate", "--prompts-file", str(tmp_path / "prompts.txt")], "prompts.txt: not UTF-8"),

@@ -22,8 +22,9 @@ import torch
 from .. import hardware
 from ..dtypes import dtype_from_name
 from ..engine import Decoder
+from ..engine.engine import available_memory
 from ..errors import ParityError
-from ..model import ForwardBatch, Model, ModelConfig
+from ..model import ForwardBatch, KVCache, Model, ModelConfig
 from ..ops import BACKENDS, describe_aligned
 from .ui import RateRow, collect, gemm_line, interleaved, status, table, term_as_interrupt
 
@@ -150,6 +151,17 @@ def _rows(presets, dtypes, batches, prefill_len, decode_prompt, decode_steps, re
                                    ntok / med["standard"], decode_flops, gemm, steps_text)
 
 
+def memory_floor(cfg: ModelConfig, dtype: torch.dtype, batch: int, prefill_len: int, decode_steps: int,
+                 decode_prompt: int = 32, block_size: int = 16) -> int:
+    """Bytes a batch's rows hold at least at once: both backends' decode KV caches (as the
+    Decoders allocate them), and the prefill's MLP activations and the standard backend's float32
+    logits over the vocabulary with their log-softmax."""
+    item = torch.empty((), dtype=dtype).element_size()
+    kv = 2 * KVCache.bytes_per_token(cfg, dtype) * batch * (decode_prompt + decode_steps + 2 * block_size)
+    rows = batch * prefill_len
+    return kv + rows * 2 * cfg.intermediate_size * item + 2 * rows * cfg.vocab_size * 4
+
+
 def main(args) -> int:
     """`parity bench kernels`."""
     for p in args.presets:
@@ -161,10 +173,18 @@ def main(args) -> int:
         raise ParityError("--batches must be positive integers")
     for name in args.dtypes:
         dtype_from_name(name, "--dtypes")
+    device = str(hardware.check_device(args.device, "--device"))
+    if torch.device(device).type == "cpu":  # a refusal now, not the kernel's OOM kill mid-run
+        free = available_memory()
+        for p, name in ((p, n) for p in args.presets for n in args.dtypes):
+            need = memory_floor(ModelConfig.preset(p), dtype_from_name(name), max(args.batches),
+                                args.prefill_len, args.decode_steps)
+            if need > free:
+                raise ParityError(f"--batches {max(args.batches)}: the {p} {name} rows need at least "
+                                  f"{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB is available")
     if args.gemm_tiles:
         from .bench_gemm import apply_tiles
         status(f"GEMM tiles: {apply_tiles(args.gemm_tiles)} weight shapes from {args.gemm_tiles}")
-    device = str(hardware.check_device(args.device, "--device"))
     stopped: list[str] = []
     with term_as_interrupt():  # a time limit's SIGTERM: report the rows done so far
         rows = bench_kernels(presets=args.presets, dtypes=args.dtypes, batches=args.batches,
