@@ -25,7 +25,7 @@
 #    figure is exactly 0 on aligned kernels and > 0 on standard ones
 # 5. with the time left, the GEMM tiles by row count that bench gemm proposed (--gemm-tiles; used
 #    only where the device's probe finds a ladder's tiles give the same bits, as the JSON's
-#    aligned_kernels / aligned_implementation line reports): parity check on the 0.6B shape (the
+#    aligned_kernels line reports): parity check on the 0.6B shape (the
 #    rows across batch sizes, decode steps, graphs and the engine, bit for bit with them in force),
 #    then bench kernels and bench learner on that shape again
 # Each step runs under its own time limit (570 s for steps 0-4) and no step runs past DEADLINE

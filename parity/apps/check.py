@@ -64,7 +64,7 @@ def main(args) -> int:
     passed = aligned_bad == 0 and not aligned_errors and not stopped
     if args.json:
         print(json.dumps({"model": label, "machine": hardware.describe(), "threads": torch.get_num_threads(),
-                          "aligned_implementation": describe_aligned(device), "device": str(device),
+                          "aligned_kernels": describe_aligned(device), "device": str(device),
                           "torch": torch.__version__,
                           "passed": passed, "results": results, "stopped": stopped}, indent=2))
         return 0 if passed else 1
