@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=40, help="learner steps (default 40)")
     d.add_argument("--lag", type=int, default=8, help="max policy lag (default 8)")
     d.add_argument("--kernels", default="aligned", choices=BACKENDS)
-    d.add_argument("--run-dir", default="runs/demo")
+    d.add_argument("--run-dir", default="runs/demo", help="its directory (an earlier run in it is replaced)")
     d.add_argument("--model", help="start from this checkpoint instead of the cached base policy")
     d.add_argument("--eval-prompts", type=int, default=200, help="held-out problems per evaluation")
     d.add_argument("--seed", type=int, default=0)

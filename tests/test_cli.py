@@ -134,6 +134,9 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
             err = err.splitlines()[-1]
         assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err, (argv, err)
     assert (tmp_path / "keep" / "notes.txt").read_text() == "mine" and not (tmp_path / "run").exists()
+    from parity.config import load_config
+
+    assert load_config(None, ["eval_prompts=256"]).eval_prompts == 256  # target_tokens makes its own
 
 
 @pytest.mark.parametrize("signal_name, code", [("SIGINT", 130), ("SIGTERM", 143)])

@@ -75,21 +75,27 @@ def test_study_config_errors_are_one_line(tmp_path):
 
 
 def test_an_interrupted_study_run_goes_on_from_its_checkpoint(tmp_path):
-    """A run with checkpoints but no report.md resumes from a sound checkpoint short of its end;
-    one at its end, or a corrupt one, starts over (its checkpoints cleared, never mixed)."""
+    """A run with no report.md, written with the same config, resumes from a sound checkpoint
+    short of its end; another config's run (a --quick study's, say), a finished one or a corrupt
+    checkpoint starts over (its checkpoints cleared, never mixed)."""
     from parity.apps.study import _restart
     from parity.config import load_config
     from parity.rl.controller import Controller
 
     def cfg(steps):
         return load_config(None, ['model.preset="tiny"', "rollout.prompts_per_step=2", "rollout.group_size=2",
-                                  "rollout.max_tokens=4", "eval_every=0", f"steps={steps}",
-                                  f'run_dir="{tmp_path}"'])
+                                  "rollout.max_tokens=4", "eval_every=0", "checkpoint_every=2",
+                                  f"steps={steps}", f'run_dir="{tmp_path}"'])
 
     assert _restart(cfg(2)) == {"overwrite": True}  # nothing there yet
-    Controller(cfg(2)).run()
+    Controller(cfg(4)).run()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    shutil.rmtree(tmp_path / "checkpoint-4")  # as if stopped after its checkpoint at step 2
     assert _restart(cfg(4)) == {"resume": True}
-    assert _restart(cfg(2)) == {"overwrite": True}
+    assert _restart(cfg(3)) == {"overwrite": True}  # another config (steps): never continued
+    (tmp_path / "report.md").write_text("finished")
+    assert _restart(cfg(4)) == {"overwrite": True}  # a report: that run had finished
+    (tmp_path / "report.md").unlink()
     (tmp_path / "checkpoint-2" / "manifest.json").write_text("{")
     assert _restart(cfg(4)) == {"overwrite": True}
 

@@ -7,6 +7,7 @@ import sys
 import time
 
 from ..config import ModelSection, TaskSection, TrainConfig, with_overrides
+from ..config.loading import parse_override
 from ..model import load_model
 from ..rl.build import build_env
 from ..rl.evaluate import evaluate
@@ -17,9 +18,10 @@ from .ui import table
 def main(args) -> int:
     task = TaskSection(name=args.task, **({"level": args.level} if args.level else {}),
                        **({"math_task": args.math_task} if args.math_task else {}))
-    cfg = TrainConfig(task=task, eval_prompts=args.n,
-                      model=ModelSection(checkpoint=args.model, kernels=args.kernels))
-    cfg = resolve_base(with_overrides(cfg, args.set or []))
+    cfg = TrainConfig(task=task, model=ModelSection(checkpoint=args.model, kernels=args.kernels))
+    # --n with the --set overrides in one step (--set task.heldout_size=300 --n 300 is valid)
+    cfg = resolve_base(with_overrides(cfg, {**dict(parse_override(o) for o in args.set or []),
+                                            "eval_prompts": args.n}))
     model = load_model(cfg.model.checkpoint, kernels=cfg.model.kernels)
     env = build_env(cfg, model.config.vocab_size)
     print(f"parity: {env.describe()}", file=sys.stderr if args.json else sys.stdout, flush=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import hardware
-from ..config import LOSS_NAMES, TrainConfig, config_from_dict, read_toml, set_dotted
+from ..config import LOSS_NAMES, TrainConfig, config_from_dict, read_toml, set_dotted, to_toml
 from ..dtypes import DTYPE_NAMES
 from ..errors import CheckpointError, ConfigError, ParityError
 from ..metrics.report import write_report, write_study_report
@@ -217,11 +217,16 @@ def run_config(study: StudyConfig, run: StudyRun, seed: int) -> TrainConfig:
 
 # --------------------------------------------------------------------------- running
 def _restart(cfg: TrainConfig) -> dict:
-    """How an unfinished run (no report.md) goes on: from its latest checkpoint when it has a
-    sound one short of the end (an interrupted study continues where it stopped), else over from
-    the start with its old checkpoints cleared."""
-    earlier = checkpoint.found(cfg.run_dir)
-    if earlier and int(earlier[-1].name.split("-")[1]) < cfg.steps:
+    """How an unfinished run goes on: from its latest checkpoint when that is sound and short of
+    the end, and the run has no report.md and wrote the very config it is asked for (an
+    interrupted study continues where it stopped); else over from the start, its old checkpoints
+    cleared (another study's run in the same directory, a --quick one say, is never continued)."""
+    run_dir = Path(cfg.run_dir)
+    earlier = checkpoint.found(run_dir)
+    written = run_dir / "config.toml"
+    same = written.exists() and written.read_text() == to_toml(cfg)
+    if earlier and same and not (run_dir / "report.md").exists() \
+            and int(earlier[-1].name.split("-")[1]) < cfg.steps:
         try:
             checkpoint.verify(earlier[-1])
             return {"resume": True}

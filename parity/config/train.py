@@ -246,7 +246,7 @@ class TrainConfig:
             raise ConfigError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
         if self.checkpoint_every < 0 or self.eval_every < 0 or self.eval_prompts < 1 or self.eval_samples < 0:
             raise ConfigError("checkpoint_every, eval_every and eval_samples must be >= 0, eval_prompts >= 1")
-        if self.eval_prompts > self.task.heldout_size:
+        if self.task.name in ("tool", "math") and self.eval_prompts > self.task.heldout_size:
             raise ConfigError(f"eval_prompts ({self.eval_prompts}) must be at most task.heldout_size "
                               f"({self.task.heldout_size}): evaluation uses the held-out set's first ones")
         if self.task.name != "target_tokens" and not self.model.checkpoint:

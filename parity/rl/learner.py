@@ -63,8 +63,8 @@ class Learner:
         auto = cfg.compute_dtype == "auto"
         # the dtype the forward runs in ('auto': the given model's); unless it is float32, float32
         # master weights take the optimizer step
-        self.compute_dtype = dtype_from_name(dtype_name(model.dtype) if auto else cfg.compute_dtype,
-                                             "the learner's compute dtype")
+        what = "LearnerConfig.compute_dtype" + (" ('auto': the model's dtype)" if auto else "")
+        self.compute_dtype = dtype_from_name(dtype_name(model.dtype) if auto else cfg.compute_dtype, what)
         self.model = model.to(self.compute_dtype)
         self.loss_fn = get_loss(cfg.loss)
         params = list(self.model.parameters())
