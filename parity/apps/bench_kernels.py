@@ -24,7 +24,7 @@ from ..dtypes import dtype_from_name
 from ..engine import Decoder
 from ..engine.engine import available_memory
 from ..errors import ParityError
-from ..model import ForwardBatch, KVCache, Model, ModelConfig
+from ..model import DEFAULT_BLOCK_SIZE, ForwardBatch, KVCache, Model, ModelConfig
 from ..ops import BACKENDS, describe_aligned
 from .ui import RateRow, collect, gemm_line, interleaved, status, table, term_as_interrupt
 
@@ -152,7 +152,7 @@ def _rows(presets, dtypes, batches, prefill_len, decode_prompt, decode_steps, re
 
 
 def memory_floor(cfg: ModelConfig, dtype: torch.dtype, batch: int, prefill_len: int, decode_steps: int,
-                 decode_prompt: int = 32, block_size: int = 16) -> int:
+                 decode_prompt: int = 32, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """Bytes a batch's rows hold at least at once: both backends' decode KV caches (as the
     Decoders allocate them), and the prefill's MLP activations and the standard backend's float32
     logits over the vocabulary with their log-softmax."""

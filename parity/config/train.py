@@ -35,9 +35,9 @@ ROLLOUT_BACKENDS: tuple[str, ...] = ("local", "ray")
 MAX_STEPS = 10_000_000
 """The most learner steps a run may plan (the rollout side lists every batch index ahead)."""
 
-MAX_EVAL_PROMPTS = 100_000
-"""The most prompts one evaluation may take (target_tokens draws them on demand, all at once; the
-text tasks are bounded by their held-out set, `task.heldout_size`)."""
+MAX_PROBLEMS = 100_000
+"""The most problems a held-out set or one evaluation may hold (each is generated up front, all
+at once; the text tasks' evaluations are also bounded by `task.heldout_size`)."""
 
 DERIVED_LEARNER_FIELDS: dict[str, str] = {
     "temperature": "rollout.temperature", "compute_dtype": "model.dtype", "max_policy_lag": "max_policy_lag"}
@@ -207,8 +207,9 @@ class TaskSection:
             raise ConfigError("task.prompt_len must be >= 1 and task.targets non-empty")
         if self.heldout_size < 1 or self.max_tool_calls < 1:
             raise ConfigError("task.heldout_size and task.max_tool_calls must be >= 1")
-        if self.heldout_size > 100_000:  # the set is generated up front
-            raise ConfigError(f"task.heldout_size must be at most 100,000, got {self.heldout_size:,}")
+        if self.heldout_size > MAX_PROBLEMS:
+            raise ConfigError(f"task.heldout_size must be at most {MAX_PROBLEMS:,}, "
+                              f"got {self.heldout_size:,}")
 
 
 @dataclass
@@ -252,8 +253,8 @@ class TrainConfig:
             raise ConfigError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
         if self.checkpoint_every < 0 or self.eval_every < 0 or self.eval_prompts < 1 or self.eval_samples < 0:
             raise ConfigError("checkpoint_every, eval_every and eval_samples must be >= 0, eval_prompts >= 1")
-        if self.eval_prompts > MAX_EVAL_PROMPTS:
-            raise ConfigError(f"eval_prompts must be at most {MAX_EVAL_PROMPTS:,}, got {self.eval_prompts:,}")
+        if self.eval_prompts > MAX_PROBLEMS:
+            raise ConfigError(f"eval_prompts must be at most {MAX_PROBLEMS:,}, got {self.eval_prompts:,}")
         if self.task.name in ("tool", "math") and self.eval_prompts > self.task.heldout_size:
             raise ConfigError(f"eval_prompts ({self.eval_prompts}) must be at most task.heldout_size "
                               f"({self.task.heldout_size}): evaluation uses the held-out set's first ones")
