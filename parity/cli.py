@@ -13,6 +13,7 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
 from .config import BASE_CHECKPOINTS
 from .dtypes import DTYPE_NAMES
@@ -77,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=40, help="learner steps (default 40)")
     d.add_argument("--lag", type=int, default=8, help="max policy lag (default 8)")
     d.add_argument("--kernels", default="aligned", choices=BACKENDS)
-    d.add_argument("--run-dir", default="runs/demo", help="its directory (an earlier run in it is replaced)")
+    d.add_argument("--run-dir", default="runs/demo",
+                   help="its directory (a demo's earlier run there is replaced; another's: --overwrite)")
+    d.add_argument("--overwrite", action="store_true", help="replace another command's run in --run-dir")
     d.add_argument("--model", help="start from this checkpoint instead of the cached base policy")
     d.add_argument("--eval-prompts", type=int, default=200, help="held-out problems per evaluation")
     d.add_argument("--seed", type=int, default=0)
@@ -274,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return importlib.import_module(f".apps.{args.module}", __package__).main(args)
     except Interrupted as stop:  # a training run inside demo, study, bench async...: its checkpoint
-        print(f"parity: interrupted ({stop.signal_name}); checkpoint saved to {stop.path}", file=sys.stderr)
+        kept = f"checkpoint saved to {stop.path}" if Path(stop.path).exists() else \
+            "nothing kept (the run was a benchmark's, in a temporary directory)"
+        print(f"parity: interrupted ({stop.signal_name}); {kept}", file=sys.stderr)
         return 143 if stop.signal_name == "SIGTERM" else 130
     except (ParityError, ValueError, OverflowError, MemoryError, OSError, RuntimeError) as exc:
         if os.environ.get("PARITY_DEBUG", "0") not in ("", "0"):

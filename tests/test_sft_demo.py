@@ -123,6 +123,19 @@ def test_cli_demo_runs_end_to_end(base, tmp_path, capsys):
     assert "eval/pass@1" in metrics[0] and "eval/pass@1_final" in metrics[-1]
     assert all(m["mismatch/kernel_max_abs"] == 0.0 for m in metrics if "mismatch/kernel_max_abs" in m)
 
+    # a later demo replaces its own earlier run; another command's run only with --overwrite
+    other = tmp_path / "trained"
+    (other / "checkpoint-5").mkdir(parents=True)
+    small = ["--model", str(base), "--steps", "1", "--eval-prompts", "2", "--set",
+             "rollout.prompts_per_step=2", "--set", "rollout.group_size=2", "--set", "rollout.max_tokens=8"]
+    assert main(["demo", "--run-dir", str(other), *small]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity: error:")]
+    assert len(err) == 1 and "holds checkpoint-5 of an earlier run" in err[0] and "--overwrite" in err[0]
+    assert (other / "checkpoint-5").is_dir()
+    for run_dir, extra in ((run, []), (other, ["--overwrite"])):
+        assert main(["demo", "--run-dir", str(run_dir), *small, *extra]) == 0, capsys.readouterr().err
+        assert [p.name for p in sorted(run_dir.glob("checkpoint-*"))] == ["checkpoint-1"]
+
 
 @given(st.integers(0, 10**6), st.integers(0, 10**6))
 @settings(max_examples=200, deadline=None)

@@ -43,6 +43,13 @@ class DemoOptions:
     """Seed of prompts and sampling."""
     base: str | None = None
     """A base checkpoint to start from instead of the cached `parity sft` policy."""
+    overwrite: bool = False
+    """Replace another command's run found in `run_dir` (a demo's own earlier run, marked by
+    `DEMO_MARK` or in the default run dir, is always replaced)."""
+
+
+DEMO_MARK = ".parity-demo"
+"""The file a demo leaves in its run dir: a later demo may replace that run without asking."""
 
 
 def _recipe(base: str) -> dict:
@@ -74,7 +81,11 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
     base = opts.base or get_base_policy()
     log.info("base policy %s (%.0f s)", base, time.perf_counter() - t0)
     cfg = demo_config(opts, str(base), overrides)
-    controller = Controller(cfg, overwrite=True)  # the demo's own run dir: a new demo replaces it
+    run_dir = Path(cfg.run_dir)
+    own = (run_dir / DEMO_MARK).exists() or run_dir.resolve() == Path(DemoOptions.run_dir).resolve()
+    controller = Controller(cfg, overwrite=own or opts.overwrite)  # else refuses a run it would mix with
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / DEMO_MARK).touch()
     log.info("%s", controller.task_description)
     log.info("%s REINFORCE Zero, %s kernels, policy lag %d, %d steps x %d episodes (run dir %s)",
              "asynchronous" if cfg.max_policy_lag else "synchronous", cfg.model.kernels,
@@ -92,7 +103,8 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
 def main(args) -> int:
     """`parity demo`."""
     opts = DemoOptions(steps=args.steps, max_policy_lag=args.lag, kernels=args.kernels, run_dir=args.run_dir,
-                       eval_prompts=args.eval_prompts, seed=args.seed, base=args.model)
+                       eval_prompts=args.eval_prompts, seed=args.seed, base=args.model,
+                       overwrite=args.overwrite)
     result = run_demo(opts, args.set or [])
     print()
     mode = "async" if result["max_policy_lag"] else "synchronous"

@@ -120,12 +120,15 @@ def latest(run_dir: Path) -> Path:
 
 
 def clear(run_dir: Path) -> None:
-    """Remove an earlier run's checkpoints (unfinished ones too), metrics and report from
-    `run_dir`, so a run started over there cannot be mixed with them (a resume would take the
-    newest checkpoint; a study takes a report.md for a finished run)."""
+    """Remove an earlier run's checkpoints (unfinished ones too), metrics, TensorBoard events and
+    report from `run_dir`, so a run started over there cannot be mixed with them (a resume would
+    take the newest checkpoint; a study takes a report.md for a finished run; TensorBoard would
+    draw both runs' curves as one)."""
     run_dir = Path(run_dir)
     for path in found(run_dir) + sorted(run_dir.glob(".checkpoint-*.tmp")):
         shutil.rmtree(path)
+    if (run_dir / "tensorboard").is_dir():
+        shutil.rmtree(run_dir / "tensorboard")
     for name in ("metrics.jsonl", "report.md", "report.png"):
         (run_dir / name).unlink(missing_ok=True)
 

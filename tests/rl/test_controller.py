@@ -136,8 +136,11 @@ def test_a_new_run_into_an_earlier_runs_dir_is_refused_or_starts_over(tmp_path, 
     assert len(err.splitlines()) == 1 and "holds checkpoint-2 of an earlier run" in err and "--resume" in err
     assert (tmp_path / "checkpoint-2").is_dir()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    (tmp_path / "tensorboard").mkdir(exist_ok=True)  # the earlier run's events (when installed)
+    (tmp_path / "tensorboard" / "events.out.tfevents.1.earlier").write_bytes(b"x")
     assert main(["train", "--overwrite", *train("steps=1")]) == 0
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert not (tmp_path / "tensorboard" / "events.out.tfevents.1.earlier").exists()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
 
 
