@@ -201,7 +201,7 @@ class Learner:
         adv_std = cfg.loss == "ppo_clip" and cfg.loss_config.ppo_std_adv
         adv = group_advantages(batch.rewards, batch.group_ids, normalize_std=adv_std)
         bsz = len(batch)
-        lps, entropies, losses, routes, extra = [], [], [], [], {}
+        lps, entropies, losses, routes, extra, ratios = [], [], [], [], {}, {}
         aux_coef = cfg.router_aux_loss_coef if self.model.config.is_moe else 0.0
         for idx in micro_batches([len(x) for x in batch.sequences], cfg.micro_batch_size,
                                  cfg.micro_batch_tokens):
@@ -210,17 +210,19 @@ class Learner:
             routes += scored_routing(self.model, sub.sequences) or []
             lp_pad = sub.pad(lp)
             loss, stats = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config)
-            if aux_coef:  # the router's load-balancing loss over this micro-batch's tokens
-                aux = load_balancing_loss(self.model.last_router_logits,
+            for k, (num, den) in stats.items():  # fractions of the whole batch: sums, divided below
+                ratios[k] = (ratios.get(k, (0.0, 0.0))[0] + num, ratios.get(k, (0.0, 0.0))[1] + den)
+            if aux_coef:  # the router's load-balancing loss over this micro-batch's tokens, weighted
+                aux = load_balancing_loss(self.model.last_router_logits,  # as the objective weighs it
                                           self.model.config.num_experts_per_tok)
                 loss = loss + aux_coef * aux
-                stats = {**stats, "train/router_aux_loss": float(aux.detach())}
-            for k, v in stats.items():  # response-weighted over micro-batches
-                extra[k] = extra.get(k, 0.0) + v * len(idx) / bsz
+                extra["train/router_aux_loss"] = extra.get("train/router_aux_loss", 0.0) + \
+                    float(aux.detach()) * len(idx) / bsz
             (loss * (len(idx) / bsz)).backward()
             losses.append(float(loss.detach()) * len(idx) / bsz)
             lps += [x.detach() for x in lp]
             entropies += ent
+        extra.update({k: num / den if den else 0.0 for k, (num, den) in ratios.items()})
         learner_lp = batch.pad(lps)
         learner_routing = pad_routing(batch, routes)
         loss_value = sum(losses)

@@ -5,7 +5,14 @@ advantage of response i, |y_i| its number of sampled (masked-in) tokens, N the n
 responses. Every loss has the shape L = −(1/N) Σ_i (1/|y_i|) Σ_t f_it, tokens averaged within a
 response, responses averaged in the batch. Inputs are padded [B, L] tensors: `logprobs` (learner,
 differentiable), `rollout_logprobs`, `mask` (1 on sampled tokens) and `advantages` [B].
-Each returns (loss, stats) where stats are detached floats (`loss/...` keys).
+Each returns (loss, stats): stats map `loss/...` keys to (numerator, denominator) pairs of floats,
+which the learner sums over micro-batches before dividing, so a fraction is the whole batch's
+whatever the micro-batching.
+
+A token that an objective drops (a zero advantage, a mask, a gate, a binding clip) contributes
+exactly 0 to the loss and its gradient even when its weight overflows (log w > 88 in float32):
+its log-weight is replaced by 0 before the exponential, never multiplied by 0 after it (inf * 0
+is NaN, and a NaN skips the whole step).
 """
 
 from __future__ import annotations
@@ -20,11 +27,16 @@ from ..errors import ConfigError
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False,
                      eps: float = 1e-6) -> torch.Tensor:
-    """A_i = R_i − mean(R over i's group) (optionally divided by the group's std + eps)."""
+    """A_i = R_i − mean(R over i's group) (optionally divided by the group's std + eps); exactly 0
+    for a group whose rewards are all equal (in float32 the mean of n equal rewards such as 0.1
+    may round off them, and the std division would blow that up to a signal)."""
     adv = torch.empty_like(rewards)
     for g in group_ids.unique():
         sel = group_ids == g
         r = rewards[sel]
+        if bool((r == r[0]).all()):
+            adv[sel] = 0.0
+            continue
         a = r - r.mean()
         if normalize_std:
             a = a / (r.std(unbiased=False) + eps)
@@ -55,14 +67,26 @@ def _objective(per_token: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor) -
     return -(_response_mean(per_token, mask) * adv).mean()
 
 
-def _weights(lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.exp((lp - rollout_lp) * mask)  # exactly 1 on masked-out positions
+def _weights(log_w: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """exp(log w) on the `live` tokens, exactly 1 elsewhere (its gradient there exactly 0)."""
+    return torch.exp(torch.where(live, log_w, torch.zeros_like(log_w)))
+
+
+def _log_weights(lp, rollout_lp, mask, adv) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log w, live): log w = (lp − rollout_lp) on sampled tokens, 0 elsewhere; live marks the
+    sampled tokens of responses with a non-zero advantage (the others contribute 0 whatever w)."""
+    live = (mask > 0) & (adv != 0).unsqueeze(1)
+    return (lp - rollout_lp) * mask, live
+
+
+def _ratio(count: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    return float(count), float(mask.sum())
 
 
 def reinforce_zero(lp, rollout_lp, mask, adv, cfg: LossConfig):
     """L = −(1/N) Σ_i (1/|y_i|) Σ_t w_it A_i, w unclipped: gradient w·A·∇log π. No gates."""
-    w = _weights(lp, rollout_lp, mask)
-    return _objective(w, mask, adv), {}
+    log_w, live = _log_weights(lp, rollout_lp, mask, adv)
+    return _objective(_weights(log_w, live), mask, adv), {}
 
 
 def on_policy(lp, rollout_lp, mask, adv, cfg: LossConfig):
@@ -72,41 +96,48 @@ def on_policy(lp, rollout_lp, mask, adv, cfg: LossConfig):
 
 def tis(lp, rollout_lp, mask, adv, cfg: LossConfig):
     """Truncated IS: L = −(1/N) Σ_i (1/|y_i|) Σ_t sg(min(w_it, C)) log π_it A_i."""
-    w = _weights(lp, rollout_lp, mask).detach()
+    log_w, live = _log_weights(lp, rollout_lp, mask, adv)
+    w = torch.exp(log_w.detach())  # no gradient flows through it: inf is clamped to C
     capped = torch.clamp(w, max=cfg.tis_cap)
-    frac = float(((w > cfg.tis_cap).float() * mask).sum() / mask.sum())
+    frac = _ratio(((w > cfg.tis_cap).float() * mask).sum(), mask)
     return _objective(capped * lp, mask, adv), {"loss/frac_truncated": frac}
 
 
 def icepop(lp, rollout_lp, mask, adv, cfg: LossConfig):
     """Token masking (IcePop / MIS): L = −(1/N) Σ_i (1/|y_i|) Σ_t 1[α ≤ w_it ≤ β] w_it A_i."""
-    w = _weights(lp, rollout_lp, mask)
-    keep = ((w.detach() >= cfg.icepop_low) & (w.detach() <= cfg.icepop_high)).float()
-    frac = float(((1 - keep) * mask).sum() / mask.sum())
-    return _objective(w * keep, mask, adv), {"loss/frac_masked": frac}
+    log_w, live = _log_weights(lp, rollout_lp, mask, adv)
+    w_all = torch.exp(log_w.detach())
+    keep = (w_all >= cfg.icepop_low) & (w_all <= cfg.icepop_high)
+    frac = _ratio(((~keep).float() * mask).sum(), mask)
+    return _objective(_weights(log_w, live & keep) * keep, mask, adv), {"loss/frac_masked": frac}
 
 
 def seq_gate(lp, rollout_lp, mask, adv, cfg: LossConfig):
     """Sequence gate: response i is dropped unless gate_low ≤ exp(mean_t log w) ≤ gate_high and
     mean_t k3 ≤ gate_max_k3 (k3 = w − 1 − log w); kept ones use the REINFORCE Zero term.
     L = −(1/N) Σ_i g_i (1/|y_i|) Σ_t w_it A_i."""
-    log_w = (lp - rollout_lp) * mask
-    w = torch.exp(log_w)
+    log_w, live = _log_weights(lp, rollout_lp, mask, adv)
     with torch.no_grad():
         seq_ratio = torch.exp(_response_mean(log_w, mask))
-        k3 = _response_mean(w - 1 - log_w, mask)
-        gate = ((seq_ratio >= cfg.gate_low) & (seq_ratio <= cfg.gate_high) & (k3 <= cfg.gate_max_k3)).float()
-    return _objective(w, mask, adv * gate), {"loss/frac_rejected": float(1 - gate.mean())}
+        k3 = _response_mean(torch.exp(log_w) - 1 - log_w, mask)
+        gate = (seq_ratio >= cfg.gate_low) & (seq_ratio <= cfg.gate_high) & (k3 <= cfg.gate_max_k3)
+    w = _weights(log_w, live & gate.unsqueeze(1))
+    rejected = (float((~gate).sum()), float(gate.numel()))
+    return _objective(w, mask, adv * gate.float()), {"loss/frac_rejected": rejected}
 
 
 def ppo_clip(lp, rollout_lp, mask, adv, cfg: LossConfig):
     """GRPO-style PPO clip on the ratio to the rollout policy:
     L = −(1/N) Σ_i (1/|y_i|) Σ_t min(w_it A_i, clip(w_it, 1 − ε, 1 + ε) A_i)."""
-    w = _weights(lp, rollout_lp, mask)
+    log_w, live = _log_weights(lp, rollout_lp, mask, adv)
     a = adv.unsqueeze(1)
-    clipped = torch.clamp(w, 1 - cfg.ppo_eps, 1 + cfg.ppo_eps)
-    per_token = torch.minimum(w * a, clipped * a)
-    frac = float((((w.detach() - clipped.detach()).abs() > 0).float() * mask).sum() / mask.sum())
+    with torch.no_grad():
+        w_all = torch.exp(log_w)
+        clipped = torch.clamp(w_all, 1 - cfg.ppo_eps, 1 + cfg.ppo_eps)
+        binds = clipped * a < w_all * a  # the min takes the clipped term: no gradient
+    w = _weights(log_w, live & ~binds)
+    per_token = torch.where(binds, clipped * a, w * a)
+    frac = _ratio(((w_all != clipped).float() * mask).sum(), mask)
     ones = torch.ones_like(adv)
     return _objective(per_token, mask, ones), {"loss/frac_clipped": frac}
 

@@ -40,7 +40,11 @@ class Trajectory:
 
     @staticmethod
     def from_output(out, reward: float, group_id: int, **metadata) -> Trajectory:
-        """From an engine `RequestOutput` (prompt tokens get mask 0, version -1)."""
+        """From an engine `RequestOutput` (prompt tokens get mask 0, version -1). The rollout
+        log-prob μ of a token is the one of the distribution it was drawn from: under top-k /
+        top-p that is the truncated one (`sampled_logprobs`), so the importance weights correct
+        the truncation too (and the mismatch figures include it); without truncation the two are
+        the same numbers."""
         p = len(out.prompt_token_ids)
         routing = None
         if out.routing is not None:
@@ -50,7 +54,7 @@ class Trajectory:
                 if r is not None:
                     routing[p + t] = r
         return Trajectory(out.full_token_ids, [0] * p + list(out.loss_mask),
-                          [0.0] * p + list(out.logprobs), [-1] * p + list(out.policy_versions),
+                          [0.0] * p + list(out.sampled_logprobs), [-1] * p + list(out.policy_versions),
                           float(reward), group_id, dict(metadata), routing)
 
     def validate(self, index: int) -> None:

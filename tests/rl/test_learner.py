@@ -63,6 +63,38 @@ def test_learner_logprobs_do_not_depend_on_micro_batch_size():
         assert torch.equal(learner.logprobs(batch, micro_batch_size=mb), ref)
 
 
+def test_a_top_k_sample_is_weighted_against_the_distribution_it_was_drawn_from():
+    """μ of a token drawn under top-k is the truncated distribution's probability: with the full
+    one every weight at lag 0 would be exactly 1 and the truncation uncorrected."""
+    m = model(seed=5)
+    outs = parity.Engine(m, max_num_seqs=4).generate(
+        [[1, 2, 3]] * 4, [SamplingParams(max_tokens=10, top_k=2, seed=k) for k in range(4)])
+    batch = TrajectoryBatch([Trajectory.from_output(o, float(i % 2), 0) for i, o in enumerate(outs)])
+    assert [t.rollout_logprobs[3:] for t in batch.trajectories] == [o.sampled_logprobs for o in outs]
+    assert any(o.sampled_logprobs != o.logprobs for o in outs)  # the control: the two differ
+    w = torch.exp(batch.pad(parity.sequence_logprobs(m, batch.sequences)) - batch.rollout_logprobs)
+    assert bool((w[batch.mask.bool()] <= 1).all()) and bool((w[batch.mask.bool()] < 1).any())
+
+
+@pytest.mark.parametrize("loss, key, cfg", [("tis", "frac_truncated", {"tis_cap": 1.0}),
+                                             ("icepop", "frac_masked", {"icepop_low": 0.99}),
+                                             ("ppo_clip", "frac_clipped", {"ppo_eps": 0.01})])
+def test_loss_fractions_are_the_whole_batchs_whatever_the_micro_batches(loss, key, cfg):
+    """A token fraction is Σ tokens counted / Σ tokens over the batch: averaging the micro-batches'
+    fractions by response count gave 0.0645, 0.0634 and 0.0536 for one batch at 12, 5 and 1."""
+    batch = rollout(parity.Engine(model(seed=3), max_num_seqs=8), seed=3)  # another policy sampled it
+    learner_lp = batch.pad(parity.sequence_logprobs(model(seed=4), batch.sequences))
+    w = torch.exp(learner_lp - batch.rollout_logprobs)
+    bound = {"tis": lambda: w > 1.0, "icepop": lambda: (w < 0.99) | (w > 5.0),
+             "ppo_clip": lambda: (w < 0.99) | (w > 1.01)}[loss]()
+    expected = float((bound.float() * batch.mask).sum()) / float(batch.mask.sum())
+    assert 0 < expected < 1
+    for mb in (len(batch), 5, 1):
+        config = LearnerConfig(loss=loss, micro_batch_size=mb, loss_config=LossConfig(**cfg),
+                               decompose_every=0)
+        assert Learner(model(seed=4), config).step(batch)[f"loss/{key}"] == pytest.approx(expected, abs=1e-12)
+
+
 def _train_with_lag(kernels, dtype="float32", lags=(0, 1, 2, 3)):
     """Generate a batch at each version, then train on batches that are `lag` versions old."""
     m = model(kernels, getattr(torch, dtype), seed=2)

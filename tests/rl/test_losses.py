@@ -42,6 +42,11 @@ def w(i, t):
     return math.exp(LP[i][t] - RLP[i][t])
 
 
+def frac(pair):
+    numerator, denominator = pair
+    return numerator / denominator
+
+
 def close(a, b):
     assert a == pytest.approx(b, rel=1e-12, abs=1e-14)
 
@@ -72,7 +77,7 @@ def test_tis_truncates_and_detaches():
     close(value, v)
     grads_close(grad, g)
     capped = sum(1 for i in range(2) for t in range(3) if MASK[i][t] and w(i, t) > 1.2)
-    assert stats["loss/frac_truncated"] == pytest.approx(capped / 5) and capped > 0
+    assert frac(stats["loss/frac_truncated"]) == pytest.approx(capped / 5) and capped > 0
 
 
 def test_icepop_masks_tokens_outside_band():
@@ -81,7 +86,7 @@ def test_icepop_masks_tokens_outside_band():
     v, g = hand(lambda i, t: keep(i, t) * w(i, t), lambda i, t: keep(i, t) * w(i, t))
     close(value, v)
     grads_close(grad, g)
-    assert stats["loss/frac_masked"] == pytest.approx(2 / 5)
+    assert frac(stats["loss/frac_masked"]) == pytest.approx(2 / 5)
 
 
 def test_seq_gate_rejects_whole_responses():
@@ -92,7 +97,7 @@ def test_seq_gate_rejects_whole_responses():
     v, g = hand(lambda i, t: gate[i] * w(i, t), lambda i, t: gate[i] * w(i, t))
     close(value, v)
     grads_close(grad, g)
-    assert stats["loss/frac_rejected"] == pytest.approx(1 - sum(gate) / 2)
+    assert frac(stats["loss/frac_rejected"]) == pytest.approx(1 - sum(gate) / 2)
     assert 0 < sum(gate) < 2  # the example exercises both outcomes
 
 
@@ -118,6 +123,34 @@ def test_group_advantages():
     g = torch.tensor([0, 0, 0, 1, 1])
     assert group_advantages(r, g).tolist() == pytest.approx([1 / 3, -2 / 3, 1 / 3, -1.0, 1.0])
     assert group_advantages(r, g, normalize_std=True)[3:].tolist() == pytest.approx([-1.0, 1.0], rel=1e-5)
+
+
+def test_a_group_of_equal_rewards_has_exactly_zero_advantages():
+    """In float32 the mean of eight rewards of 0.9 is not 0.9: R − mean is ~6e-8, which GRPO's std
+    division turns into a 0.06 push with no information behind it."""
+    r, g = torch.full((8,), 0.9), torch.zeros(8, dtype=torch.long)
+    assert not torch.equal(r - r.mean(), torch.zeros(8))  # control: the formula as written misses 0
+    for std in (False, True):
+        assert torch.equal(group_advantages(r, g, normalize_std=std), torch.zeros(8))
+    mixed = group_advantages(torch.tensor([0.9, 0.9, 0.1, 0.1]), torch.tensor([0, 0, 1, 1]))
+    assert torch.equal(mixed, torch.zeros(4))
+
+
+@pytest.mark.parametrize("name", ["reinforce_zero", "tis", "icepop", "seq_gate", "ppo_clip"])
+def test_a_dropped_token_whose_weight_overflows_adds_exactly_nothing(name):
+    """Token 0 was sampled at log-prob −95 (w = e^94: inf in float32). Each objective drops it
+    (reinforce_zero: its response has advantage 0; icepop masks, seq_gate rejects, ppo_clip clips)
+    or caps it (tis: weight C): the loss and gradient stay finite and that token's gradient is
+    exactly 0 (tis: −C·A/(|y|·N)), instead of inf * 0 = NaN skipping the whole step."""
+    lp = torch.tensor([[-1.0, -0.5, -1.0], [-0.2, -0.3, -0.4]], requires_grad=True)
+    rollout_lp = torch.tensor([[-95.0, -0.5, -1.0], [-0.2, -0.2, -0.5]])
+    adv = torch.tensor([0.0 if name == "reinforce_zero" else 1.0, -1.0])
+    assert torch.isinf(torch.exp(lp.detach() - rollout_lp)).any()  # the weight does overflow
+    loss, _ = get_loss(name)(lp, rollout_lp, torch.ones(2, 3), adv, LossConfig())
+    loss.backward()
+    assert math.isfinite(float(loss.detach())) and torch.isfinite(lp.grad).all(), (loss, lp.grad)
+    assert lp.grad[0, 0] == (-LossConfig().tis_cap / 3 / 2 if name == "tis" else 0)
+    assert lp.grad[1].abs().sum() > 0
 
 
 def test_unknown_loss_and_bad_config():
