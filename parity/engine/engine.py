@@ -195,8 +195,12 @@ class Engine:
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int,
                        mode: str = "inflight") -> None:
         """Load new weights tagged `version`. `inflight`: running sequences continue on them from
-        their next token, KV cache kept. `drain`: no new request starts until the running ones
-        finish on the old weights; then the new weights are loaded."""
+        their next token, KV cache kept (the tokens sampled over keys and values of older weights
+        say so in `cache_versions`). `drain`: no new turn starts until the turns under way
+        (running, or preempted mid-turn) finish on the old weights; then the new weights are
+        loaded and every other cache (paused or continued turns) is recomputed under them. An
+        update while another waits is merged into it (a partial state keeps the earlier one's
+        other tensors)."""
         if mode not in WEIGHT_MODES:
             raise InputError(f"unknown weight update mode {mode!r}: expected one of {WEIGHT_MODES}")
         params = dict(self.model.named_parameters())
@@ -208,7 +212,10 @@ class Engine:
                                  f"the model's is {tuple(params[name].shape)}")
             if not torch.isfinite(value).all():
                 raise InputError(f"update_weights: tensor {name} contains NaN or inf")
-        if mode == "inflight" or not self.scheduler.running:
+        if self._pending is not None:  # one waits already: nothing of it may be lost
+            pending, _ = self._pending
+            state = {**pending, **state}
+        if mode == "inflight" or not self.scheduler.started():
             self._load(state, version, drained=mode == "drain")
         else:
             self._pending = (state, version)
@@ -220,8 +227,8 @@ class Engine:
             for name, value in state.items():
                 params[name].copy_(value)
         self.model.invalidate_fused()
-        if drained:  # paused multi-turn caches were built by the old weights
-            self.scheduler.drop_paused_caches()
+        if drained:  # the caches of turns not under way were built by the old weights
+            self.scheduler.drop_caches()
         self.policy_version = version
         self._pending = None
         self.scheduler.admit = True
@@ -250,7 +257,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward and sample; return requests that finished or paused."""
-        if self._pending is not None and not self.scheduler.running:
+        if self._pending is not None and not self.scheduler.started():
             self._load(*self._pending, drained=True)
         t0 = time.perf_counter()
         try:
@@ -266,6 +273,9 @@ class Engine:
             return [out]
         if not batch:
             return []
+        for seq, _ in batch:
+            if seq.num_computed == 0:  # its cache starts (again) under the weights loaded now
+                seq.cache_version = self.policy_version
         ready, logits, routing = self.runner.run(batch, self.blocks)
         done: list[RequestOutput] = []
         if ready:
@@ -291,7 +301,13 @@ class Engine:
                  before_step=None) -> list[RequestOutput]:
         """Run prompts to completion. A bad prompt gets an output with `error` set while the
         others complete. `params` is one SamplingParams for all or one per prompt.
-        `before_step(engine)`, if given, runs before every step (e.g. to load new weights)."""
+        `before_step(engine)`, if given, runs before every step (e.g. to load new weights).
+        Requests added earlier with `add_request` must be finished first (generate would step
+        them along and have nowhere to return their outputs)."""
+        if self.scheduler.has_work():
+            busy = len(self.scheduler.waiting) + len(self.scheduler.running)
+            raise InputError(f"generate: {busy} earlier request(s) from add_request are unfinished; "
+                             f"run step() until has_unfinished() is False first")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):

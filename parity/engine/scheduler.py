@@ -2,9 +2,14 @@
 
 Every step it picks, under `max_num_seqs` and a token budget, what each sequence feeds to the
 model: running sequences first (one token when decoding, a chunk when still prefilling), then
-waiting ones in arrival order. When the KV cache cannot grow, paused multi-turn sequences and
-then the most recently arrived running sequences are preempted: their blocks are freed and their
-tokens recomputed later (with aligned kernels the recomputed cache holds the same bits).
+waiting ones in arrival order. When the KV cache cannot grow, paused multi-turn sequences, then
+waiting ones that still hold a cache (continued turns not yet admitted), then the most recently
+arrived running sequences are preempted: their blocks are freed and their tokens recomputed later
+(with aligned kernels the recomputed cache holds the same bits).
+
+While a drain-mode weight update waits (`admit` False), no new turn starts, but a sequence that
+has sampled tokens in its current turn (a running one, or one preempted mid-turn) is *started*:
+it is still admitted and finishes its turn on the old weights before they are replaced.
 """
 
 from __future__ import annotations
@@ -48,11 +53,22 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
-    def drop_paused_caches(self) -> None:
-        """Free paused sequences' caches (built by old weights): they recompute when continued."""
-        for seq in self.paused.values():
+    def drop_caches(self) -> None:
+        """Free the caches of sequences not running (paused, or continued and waiting): built by
+        old weights, they are recomputed under the new ones when the sequences run again."""
+        for seq in [*self.paused.values(), *self.waiting]:
             self.blocks.release(seq.request_id)
             seq.num_computed = 0
+
+    def started(self) -> bool:
+        """Whether a sequence is in the middle of a turn (running, or preempted mid-turn): a
+        drain-mode update waits for these."""
+        return bool(self.running) or any(s.turn_tokens for s in self.waiting)
+
+    def _cached_idle(self, exclude: Sequence) -> list[Sequence]:
+        """Sequences holding cache blocks without running: paused ones, then waiting ones."""
+        return [s for s in [*self.paused.values(), *self.waiting]
+                if s is not exclude and self.blocks.owns(s.request_id)]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -61,8 +77,8 @@ class Scheduler:
         self.blocks.release(seq.request_id)
         seq.num_computed = 0
         self.num_preemptions += 1
-        if seq.request_id in self.paused:
-            return  # stays paused; recomputed when continued
+        if seq.request_id in self.paused or seq.status is Status.WAITING:
+            return  # stays paused or waiting; recomputed when it runs
         seq.status = Status.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
@@ -70,7 +86,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, length: int) -> bool:
         """Free blocks until `seq` can grow to `length` tokens; False if impossible."""
         while not self.blocks.can_grow(seq.request_id, length):
-            victims = [s for s in self.paused.values() if self.blocks.owns(s.request_id)]
+            victims = self._cached_idle(seq)
             if victims:
                 self._preempt(victims[0])
                 continue
@@ -109,19 +125,21 @@ class Scheduler:
                 batch.append((seq, n))
                 budget -= n
         batch = [(s, n) for s, n in batch if s.status is Status.RUNNING]
-        while self.admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0] if self.admit else next((s for s in self.waiting if s.turn_tokens), None)
+            if seq is None:  # a drain waits: only turns already started go on
+                break
             n = min(seq.num_pending, budget)
             if not self.blocks.can_grow(seq.request_id, seq.num_computed + n):
-                victims = [s for s in self.paused.values() if self.blocks.owns(s.request_id)]
+                victims = self._cached_idle(seq)
                 if victims:
                     self._preempt(victims[0])
                     continue
                 if not self.running and not batch:  # nothing else could free memory
-                    self.waiting.popleft()
+                    self.waiting.remove(seq)
                     raise CacheFull(seq)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.blocks.grow(seq.request_id, seq.num_computed + n)
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -4,6 +4,9 @@ A `Sequence` holds every token of one request (prompt, sampled tokens, environme
 with per-token `loss_mask`, recorded log-probs and the `policy_version` of the weights that
 produced each sampled token. `num_computed` counts the tokens whose keys/values are in the KV
 cache; the scheduler feeds the rest (prefill chunks, or the one newest token when decoding).
+`cache_version` is the version of the weights that computed the oldest of those keys/values:
+a token sampled by newer weights (an in-flight update kept the cache) records it in
+`cache_versions`, since no single version's weights sampled it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, (str, bytes)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise InputError("SamplingParams.stop_token_ids must be a list of integers")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed < 2**63):
+            raise InputError(f"SamplingParams.seed must be an integer in 0..2**63-1 or None, got {seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -79,10 +86,12 @@ class Sequence:
     multi_turn: bool = False
     status: Status = Status.WAITING
     num_computed: int = 0
+    cache_version: int | None = None  # weights that computed the oldest cached keys/values
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # per token; 0.0 where not sampled
     sampled_logprobs: list[float] = field(default_factory=list)  # under the truncated dist
     policy_versions: list[int] = field(default_factory=list)  # per token; -1 where not sampled
+    cache_versions: list[int] = field(default_factory=list)  # per token: cache_version when sampled
     routing: list = field(default_factory=list)  # MoE: per token, experts [layers, k] of the forward
     # that produced it (None where not sampled, and for dense models)
     turn_tokens: int = 0  # tokens sampled in the current turn
@@ -98,6 +107,7 @@ class Sequence:
         self.logprobs = [0.0] * n
         self.sampled_logprobs = [0.0] * n
         self.policy_versions = [-1] * n
+        self.cache_versions = [-1] * n
         self.routing = [None] * n
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
@@ -119,6 +129,7 @@ class Sequence:
         self.logprobs.append(logprob)
         self.sampled_logprobs.append(sampled_logprob)
         self.policy_versions.append(version)
+        self.cache_versions.append(version if self.cache_version is None else self.cache_version)
         self.turn_tokens += 1
 
     def append_environment(self, tokens: list[int]) -> None:
@@ -127,6 +138,7 @@ class Sequence:
         self.logprobs.extend([0.0] * len(tokens))
         self.sampled_logprobs.extend([0.0] * len(tokens))
         self.policy_versions.extend([-1] * len(tokens))
+        self.cache_versions.extend([-1] * len(tokens))
         self.routing.extend([None] * len(tokens))
 
 
@@ -145,6 +157,8 @@ class RequestOutput:
     error: str | None = None
     text: str | None = None
     routing: list | None = None  # MoE: per completion token, experts [layers, k] (None: not sampled)
+    cache_versions: list[int] | None = None  # per completion token: the version of the oldest
+    # keys/values it attended (< its policy version after an in-flight update; -1 for env tokens)
 
     @property
     def full_token_ids(self) -> list[int]:
@@ -156,4 +170,4 @@ class RequestOutput:
         routing = seq.routing[p:] if any(r is not None for r in seq.routing[p:]) else None
         return RequestOutput(seq.request_id, seq.token_ids[:p], seq.token_ids[p:], seq.logprobs[p:],
                              seq.sampled_logprobs[p:], seq.policy_versions[p:], seq.loss_mask[p:],
-                             seq.finish_reason, routing=routing)
+                             seq.finish_reason, routing=routing, cache_versions=seq.cache_versions[p:])

@@ -135,11 +135,15 @@ class Learner:
         this step's own log-prob for tokens of the current version, else the rollout worker's
         `sampled_learner_logprobs` (the learner path run where θ_old was loaded), else computed
         here from a kept version; tokens with none of the three are left out
-        (`mismatch/decomposed_frac` says how many were split). For MoE models also the share of
+        (`mismatch/decomposed_frac` says how many were split), and so are tokens sampled over an
+        older version's keys/values (in-flight updates): no θ_old alone sampled those, so their
+        gap is reported apart (`mismatch/stale_cache_frac`, `mismatch/stale_cache_max_abs`:
+        |learner(θ of the token's version) − rollout|). For MoE models also the share of
         sampled tokens routed to a different expert set by the learner at θ_old
         (`mismatch/routing_flip_frac`, a kernel mismatch too)."""
         stats: dict[str, float] = {}
-        mask = batch.mask.bool()
+        stale = batch.stale_cache
+        mask = batch.mask.bool() & ~stale
         lp_old = batch.sampled_learner_logprobs.clone()
         now = mask & (batch.versions == self.version)  # this step's weights: already computed
         lp_old[now] = learner_lp[now]
@@ -180,6 +184,13 @@ class Learner:
             stats[f"mismatch/kernel_max_abs/lag_{bucket}"] = float(kernel[sel].abs().max())
             stats[f"mismatch/weight_lag_mean_abs/lag_{bucket}"] = float(lag_part[sel].abs().mean())
         self.last_kernel_delta = kernel.masked_fill(~covered, float("nan"))  # for the mechanism buckets
+        if stale.any():
+            stats["mismatch/stale_cache_frac"] = float(stale.sum() / batch.mask.sum())
+            have = stale & ~batch.sampled_learner_logprobs.isnan()
+            have_now = stale & (batch.versions == self.version)
+            gap = torch.where(have_now, learner_lp, batch.sampled_learner_logprobs) - batch.rollout_logprobs
+            if (have | have_now).any():
+                stats["mismatch/stale_cache_max_abs"] = float(gap[have | have_now].abs().max())
         if covered.any():
             stats["mismatch/kernel_max_abs"] = float(kernel[covered].abs().max())
             stats["mismatch/kernel_mean_abs"] = float(kernel[covered].abs().mean())
@@ -187,7 +198,7 @@ class Learner:
             stats["mismatch/kernel_k3"] = float((d.exp() - 1 - d).mean())
             stats["mismatch/weight_lag_max_abs"] = float(lag_part[covered].abs().max())
             stats["mismatch/weight_lag_mean_abs"] = float(lag_part[covered].abs().mean())
-            stats["mismatch/decomposed_frac"] = float(covered.sum() / mask.sum())
+            stats["mismatch/decomposed_frac"] = float(covered.sum() / batch.mask.sum())
         if routed:
             stats["mismatch/routing_flip_frac"] = flips / routed
         return stats

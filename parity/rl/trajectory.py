@@ -5,7 +5,10 @@ model-sampled tokens, 0 on prompt and environment tokens), `rollout_logprobs` an
 `policy_version` of every sampled token, a scalar reward and a group id (responses to the same
 prompt). Per-token lists are aligned with `token_ids`; entry t describes token t. The rollout
 worker may add `sampled_learner_logprobs`: the learner path's log-probs under the very weights
-that sampled each token (so the learner can split its gap without keeping old weights).
+that sampled each token (so the learner can split its gap without keeping old weights), and
+the engine `cache_versions`: per token the version of the oldest keys/values its forward read
+(older than its own version when an in-flight update kept the cache: no single version's
+weights sampled such a token, so the decomposition leaves it out of the kernel figures).
 `TrajectoryBatch` pads them into tensors over the scored positions 1..n-1.
 """
 
@@ -37,6 +40,10 @@ class Trajectory:
     """The learner path's (`sequence_logprobs`) log-prob of token t under the weights that sampled
     it, computed by the rollout worker right after sampling; NaN where not computed. The learner's
     kernel/lag decomposition uses it instead of a kept copy of those weights; None: not computed."""
+    cache_versions: list[int] | None = None
+    """Per token, the version of the weights that computed the oldest keys/values the forward
+    sampling token t attended (-1 where not sampled); below policy_versions[t] after an in-flight
+    update that kept the cache. None: every token's cache was its own version's."""
 
     @staticmethod
     def from_output(out, reward: float, group_id: int, **metadata) -> Trajectory:
@@ -53,9 +60,10 @@ class Trajectory:
             for t, r in enumerate(out.routing):
                 if r is not None:
                     routing[p + t] = r
+        cache = None if out.cache_versions is None else [-1] * p + list(out.cache_versions)
         return Trajectory(out.full_token_ids, [0] * p + list(out.loss_mask),
                           [0.0] * p + list(out.sampled_logprobs), [-1] * p + list(out.policy_versions),
-                          float(reward), group_id, dict(metadata), routing)
+                          float(reward), group_id, dict(metadata), routing, cache_versions=cache)
 
     def validate(self, index: int) -> None:
         where = f"response {index}"
@@ -77,9 +85,10 @@ class Trajectory:
                 raise InputError(f"{where}: rollout_logprobs[{t}] = {lp!r} is not a finite log-prob")
             if m and self.policy_versions[t] < 0:
                 raise InputError(f"{where}: policy_versions[{t}] is missing for a sampled token")
-        old = self.sampled_learner_logprobs
-        if old is not None and len(old) != n:
-            raise InputError(f"{where}: sampled_learner_logprobs has {len(old)} entries, token_ids has {n}")
+        for name in ("sampled_learner_logprobs", "cache_versions"):
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise InputError(f"{where}: {name} has {len(values)} entries, token_ids has {n}")
         if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
             raise InputError(f"{where}: reward {self.reward!r} is not a finite number")
         r = self.rollout_routing
@@ -92,8 +101,9 @@ class TrajectoryBatch:
 
     Tensors: `mask`, `rollout_logprobs` [B, L] float32, `versions` [B, L] int64 (-1 where
     masked out), `rewards` [B] float32, `group_ids` [B] int64, `sampled_learner_logprobs` [B, L]
-    float32 (NaN where the worker did not compute them) and for MoE models `routing`
-    [B, L, moe layers, k] (the rollout's experts; -1 where not recorded).
+    float32 (NaN where the worker did not compute them), `stale_cache` [B, L] bool (sampled tokens
+    whose forward read keys/values of an older version than their own) and for MoE models
+    `routing` [B, L, moe layers, k] (the rollout's experts; -1 where not recorded).
     """
 
     def __init__(self, trajectories: Sequence[Trajectory], validate: bool = True):
@@ -109,6 +119,7 @@ class TrajectoryBatch:
         self.rollout_logprobs = torch.zeros(bsz, width)
         self.versions = torch.full((bsz, width), -1, dtype=torch.long)
         self.sampled_learner_logprobs = torch.full((bsz, width), float("nan"))
+        cache = torch.full((bsz, width), -1, dtype=torch.long)
         for i, t in enumerate(trajectories):
             n = len(t.token_ids) - 1
             self.mask[i, :n] = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
@@ -117,7 +128,10 @@ class TrajectoryBatch:
             if t.sampled_learner_logprobs is not None:
                 self.sampled_learner_logprobs[i, :n] = torch.tensor(t.sampled_learner_logprobs[1:],
                                                                     dtype=torch.float32)
+            own = t.policy_versions if t.cache_versions is None else t.cache_versions
+            cache[i, :n] = torch.tensor(own[1:])
         self.versions[self.mask == 0] = -1
+        self.stale_cache = (self.mask > 0) & (cache < self.versions)
         self.sampled_learner_logprobs[self.mask == 0] = float("nan")
         self.routing = None  # MoE: [B, L, moe layers, k] rollout experts per scored position
         routed = [t.rollout_routing for t in trajectories if t.rollout_routing is not None]
