@@ -204,6 +204,21 @@ class Learner:
         return stats
 
     # ------------------------------------------------------------------ step
+    def _accumulate(self) -> None:
+        """After a micro-batch's backward in a compute dtype other than float32: add its gradients
+        to the float32 master weights' (the sum over micro-batches is then float32, as the step
+        is, instead of rounded to bf16 at every micro-batch) and free the low-precision ones."""
+        if self.compute_dtype == torch.float32:
+            return
+        with torch.no_grad():
+            for m, p in zip(self.master, self.model.parameters()):
+                if p.grad is not None:
+                    if m.grad is None:
+                        m.grad = p.grad.float()
+                    else:
+                        m.grad.add_(p.grad)
+                    p.grad = None
+
     def step(self, batch: TrajectoryBatch) -> dict[str, float]:
         """One optimizer step on `batch`; returns its metrics. A NaN/inf loss or gradient skips
         the update (weights untouched), saves the batch to `dump_dir`, and says so."""
@@ -230,6 +245,7 @@ class Learner:
                 extra["train/router_aux_loss"] = extra.get("train/router_aux_loss", 0.0) + \
                     float(aux.detach()) * len(idx) / bsz
             (loss * (len(idx) / bsz)).backward()
+            self._accumulate()
             losses.append(float(loss.detach()) * len(idx) / bsz)
             lps += [x.detach() for x in lp]
             entropies += ent
@@ -237,20 +253,18 @@ class Learner:
         learner_lp = batch.pad(lps)
         learner_routing = pad_routing(batch, routes)
         loss_value = sum(losses)
-        grads = [p.grad for p in self.model.parameters()]
+        grads = [p.grad for p in self.master]
         finite = math.isfinite(loss_value) and all(g is None or bool(torch.isfinite(g).all()) for g in grads)
         metrics: dict[str, float] = {"train/loss": loss_value, "train/step": float(self.steps),
                                      "train/lr": float(self.scheduler.get_last_lr()[0])}
         if not finite:  # skip: the same weights are published again under the next version
+            self.optimizer.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
             metrics["train/skipped_nonfinite"] = 1.0
             self.last_dump = self._dump(batch)
             self._advance_version()
             metrics["train/policy_version"] = float(self.version)
             return metrics
-        if self.compute_dtype != torch.float32:  # float32 master weights take the step
-            for m, p in zip(self.master, self.model.parameters()):
-                m.grad = None if p.grad is None else p.grad.float()
         if cfg.decompose_every and self.steps % cfg.decompose_every == 0:
             metrics.update(self.decompose(batch, learner_lp, learner_routing))  # pre-update weights
         grad_norm = torch.nn.utils.clip_grad_norm_(self.master, cfg.max_grad_norm)
