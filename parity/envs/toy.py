@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 from .base import Env, Episode, Turn
+from .math import HELDOUT_SEED, _stable_seed
 
 
 class TargetTokensTask(Env):
@@ -28,13 +29,15 @@ class TargetTokensTask(Env):
         self.prompt_len = prompt_len
         self.seed = seed
 
-    def prompts(self, batch_index: int, n: int) -> list[list[int]]:
-        rnd = random.Random(self.seed * 1_000_003 + batch_index)
+    def prompts(self, batch_index: int, n: int, rnd: random.Random | None = None) -> list[list[int]]:
+        rnd = rnd or random.Random(self.seed * 1_000_003 + batch_index)
         return [[rnd.randrange(self.vocab_size) for _ in range(self.prompt_len)] for _ in range(n)]
 
     def heldout(self, n: int | None = None) -> list[list[int]]:
-        """A fixed evaluation set, disjoint in seed space from the training prompts."""
-        return self.prompts(-1 - self.seed, 32 if n is None else n)
+        """A fixed evaluation set, the same for every run seed, from a generator no training batch
+        uses (it was batch 1's at seed 0: `Random(-1)` seeds like `Random(1)`)."""
+        rnd = random.Random(_stable_seed("target_tokens", HELDOUT_SEED, "heldout"))
+        return self.prompts(-1, 32 if n is None else n, rnd)
 
     def problems(self, batch_index: int, n: int) -> list[list[int]]:
         return self.prompts(batch_index, n)

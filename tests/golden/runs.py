@@ -17,7 +17,8 @@ steps, the bfloat16 run's near-zero losses drifted up to 1.5%), and once more wh
 embedding/LM-head weight got its gradient in one dense tensor (`model/tied.py`; bit for bit
 autograd's sum since the lookup's rows are summed from zero first) and AdamW became the fused
 (one pass per tensor) form. Projection weights sharing one buffer (`model/fused.py`)
-changed nothing: with the previous optimizer the recording matched bit for bit.
+changed nothing: with the previous optimizer the recording matched bit for bit. Regenerated on
+2026-12-03 when the toy task's held-out set moved off training batch 1 (only `eval/...` changed).
 
 `tests/test_golden.py` re-runs them and compares bit for bit where the fingerprint matches,
 within a stated tolerance where it does not (native kernels and MKL follow the CPU's
