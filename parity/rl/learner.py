@@ -225,7 +225,7 @@ class Learner:
         cfg, t0 = self.config, time.perf_counter()
         self.last_kernel_delta = None  # set by this step's decomposition, if it runs
         adv_std = cfg.loss == "ppo_clip" and cfg.loss_config.ppo_std_adv
-        adv = group_advantages(batch.rewards, batch.group_ids, normalize_std=adv_std)
+        adv = group_advantages(batch.rewards, batch.group_ids, normalize_std=adv_std, included=batch.included)
         bsz = len(batch)
         lps, entropies, losses, routes, extra, ratios = [], [], [], [], {}, {}
         aux_coef = cfg.router_aux_loss_coef if self.model.config.is_moe else 0.0
@@ -286,6 +286,8 @@ class Learner:
         metrics.update(lag_stats(batch.versions, batch.mask, self.version))
         metrics.update(response_stats(batch.mask, batch.rewards, batch.pad(entropies)))
         metrics.update(extra)
+        if not batch.included.all():  # responses the objective left out (engine errors)
+            metrics["train/excluded_frac"] = float(1 - batch.included.float().mean())
         self._advance_version()
         metrics["train/policy_version"] = float(self.version)
         metrics["time/train_s"] = time.perf_counter() - t0

@@ -26,13 +26,18 @@ from ..errors import ConfigError
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False,
-                     eps: float = 1e-6) -> torch.Tensor:
+                     eps: float = 1e-6, included: torch.Tensor | None = None) -> torch.Tensor:
     """A_i = R_i − mean(R over i's group) (optionally divided by the group's std + eps); exactly 0
     for a group whose rewards are all equal (in float32 the mean of n equal rewards such as 0.1
-    may round off them, and the std division would blow that up to a signal)."""
-    adv = torch.empty_like(rewards)
+    may round off them, and the std division would blow that up to a signal). Responses not
+    `included` (a bool [B]) get 0 and are left out of their group's mean and std."""
+    adv = torch.zeros_like(rewards)
     for g in group_ids.unique():
         sel = group_ids == g
+        if included is not None:
+            sel &= included
+            if not sel.any():
+                continue
         r = rewards[sel]
         if bool((r == r[0]).all()):
             adv[sel] = 0.0

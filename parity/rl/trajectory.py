@@ -44,6 +44,10 @@ class Trajectory:
     """Per token, the version of the weights that computed the oldest keys/values the forward
     sampling token t attended (-1 where not sampled); below policy_versions[t] after an in-flight
     update that kept the cache. None: every token's cache was its own version's."""
+    excluded: str | None = None
+    """Why the objective leaves this response out (`from_output`: the engine failed it, e.g. its
+    KV cache ran out), or None. It stays in the batch, for the diagnostics, with advantage 0; its
+    group's baseline is the mean of the others (a sizing failure must not push the policy)."""
 
     @staticmethod
     def from_output(out, reward: float, group_id: int, **metadata) -> Trajectory:
@@ -63,7 +67,8 @@ class Trajectory:
         cache = None if out.cache_versions is None else [-1] * p + list(out.cache_versions)
         return Trajectory(out.full_token_ids, [0] * p + list(out.loss_mask),
                           [0.0] * p + list(out.sampled_logprobs), [-1] * p + list(out.policy_versions),
-                          float(reward), group_id, dict(metadata), routing, cache_versions=cache)
+                          float(reward), group_id, dict(metadata), routing, cache_versions=cache,
+                          excluded=f"engine error: {out.error}" if out.finish_reason == "error" else None)
 
     def validate(self, index: int) -> None:
         where = f"response {index}"
@@ -141,6 +146,7 @@ class TrajectoryBatch:
                 if t.rollout_routing is not None:
                     self.routing[i, :len(t.token_ids) - 1] = t.rollout_routing[1:]
         self.rewards = torch.tensor([float(t.reward) for t in trajectories])
+        self.included = torch.tensor([t.excluded is None for t in trajectories])
         self.group_ids = torch.tensor([int(t.group_id) for t in trajectories])
 
     def __len__(self) -> int:

@@ -247,3 +247,22 @@ def test_a_token_budget_changes_the_micro_batches_but_not_a_bit_of_the_log_probs
     metrics = budget.step(batch)
     assert math.isfinite(metrics["train/loss"])
     assert any(not torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+def test_a_response_the_engine_failed_is_left_out_of_the_objective():
+    """A response whose KV cache ran out (finish_reason 'error') used to be trained on as a wrong
+    answer (reward 0, advantage -0.5 here). It stays in the batch for the diagnostics, with
+    advantage 0, and its group's baseline is the others' mean."""
+    m = model(seed=8)
+    outs = parity.Engine(m, max_num_seqs=2, kv_cache_tokens=64).generate(
+        [[1, 2, 3], [4, 5, 6], [7, 8, 9]],
+        [SamplingParams(max_tokens=200, ignore_eos=True, seed=1), SamplingParams(max_tokens=4, seed=2),
+         SamplingParams(max_tokens=4, seed=3)])
+    assert outs[0].finish_reason == "error" and outs[1].error is None and outs[2].error is None
+    batch = TrajectoryBatch([Trajectory.from_output(o, r, 0) for o, r in zip(outs, (0.0, 1.0, 0.5))])
+    assert batch.trajectories[0].excluded.startswith("engine error: ") and batch.mask[0].sum() > 0
+    adv = group_advantages(batch.rewards, batch.group_ids, included=batch.included)
+    assert adv.tolist() == [0.0, 0.25, -0.25]
+    assert group_advantages(batch.rewards, batch.group_ids).tolist()[0] == pytest.approx(-0.5)  # control
+    metrics = Learner(m, LearnerConfig(decompose_every=0)).step(batch)
+    assert metrics["train/excluded_frac"] == pytest.approx(1 / 3)
