@@ -155,3 +155,22 @@ def test_the_protections_are_reported() -> None:
     for protection in ("seccomp filter", "own session keyring", "no SysV IPC", "output through pipes"):
         assert protection in text or f"NO {protection.split()[0]}" in text, protection
     assert ("whole-run cgroup" in text) != ("NO whole-run limits" in text)
+
+
+def test_the_verdict_cannot_be_forged_through_the_run_directory_in_a_degraded_mode(monkeypatch) -> None:
+    """Without namespaces (a machine that allows none) the code's working directory's parent is
+    the run's directory, where the launcher's status file was: rewritten, it judged a busy loop
+    'ok', and a garbage status made `Sandbox.run` raise. The verdict now comes over a pipe the
+    code never holds; the code's file there decides nothing."""
+    import parity.envs.sandbox as sandbox_module
+
+    forced = sandbox_module._Probe("plain-keep-uid", "forced by the test")
+    monkeypatch.setattr(sandbox_module, "_PROBE", forced)
+    box = Sandbox(SandboxLimits(wall_s=2.0, cpu_s=1))
+    write = ('import os\nfd = os.open("../status", os.O_WRONLY | os.O_CREAT, 0o600)\n'
+             'os.write(fd, b"#" * 400 + {!r})\n')
+    forged = box.run(write.format(b"\nstatus 0\ncpu 0.0\ntimeout 0\noutput_exceeded 0\n")
+                     + 'print("written", flush=True)\nwhile True:\n    pass\n')
+    assert forged.stdout == "written\n" and not forged.ok and forged.limit in ("cpu", "time"), forged
+    garbage = box.run(write.format(b"\nstatus not-a-number\n") + 'print("written")\n')
+    assert garbage.ok and garbage.stdout == "written\n", garbage

@@ -193,15 +193,31 @@ def _read_tail(path: str, limit: int) -> tuple[bytes, int]:
         return b"", 0
 
 
-def _read_status(path: str) -> dict[str, str]:
-    info: dict[str, str] = {}
+_STATUS_KEYS = {"status", "cpu", "timeout", "out_bytes", "err_bytes", "output_exceeded", "protections",
+                "setup"}
+
+
+def _read_status(fd: int) -> dict[str, str]:
+    """The launcher's "key value" lines from the read end of its status pipe (non-blocking: a
+    launcher killed before writing leaves it empty). Unknown keys and malformed numbers are
+    dropped, so the verdict falls to 'launcher failed' rather than an exception."""
+    os.set_blocking(fd, False)
+    data = b""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.rstrip("\n").partition(" ")
-                info[key] = value
-    except OSError:
+        while len(data) < 1 << 16 and (chunk := os.read(fd, 4096)):
+            data += chunk
+    except BlockingIOError:
         pass
+    info: dict[str, str] = {}
+    for line in data.decode("utf-8", "replace").splitlines():
+        key, _, value = line.partition(" ")
+        if key in _STATUS_KEYS:
+            info[key] = value
+    for key in ("status", "cpu", "out_bytes", "err_bytes"):
+        try:
+            float(info[key]) if key == "cpu" else int(info[key])
+        except (KeyError, ValueError):
+            info.pop(key, None)
     return info
 
 
@@ -283,32 +299,40 @@ def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
         exe, _ = python_paths()
         argv = [exe, "-I", "-S", "-B", str(LAUNCHER), tmp, mode, exe, repr(float(limits.wall_s))]
         numbers = (limits.cpu_s, limits.memory_mb, limits.output_bytes, limits.nproc, limits.fs_mb)
-        argv += [str(v) for v in numbers] + [",".join(group.paths) if group else "-"]
-        if not mode.startswith("plain"):
-            for triple in mount_plan():
-                argv += triple
-        with open(os.path.join(tmp, "launcher.log"), "wb") as log:
-            proc = subprocess.Popen(argv, env={}, cwd=tmp, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    close_fds=True, start_new_session=True)
-        exited = reaped = False
+        plan = [] if mode.startswith("plain") else [x for triple in mount_plan() for x in triple]
+        status_r, status_w = os.pipe()  # the verdict's channel: out of the code's reach
+        argv += [str(v) for v in numbers] + [",".join(group.paths) if group else "-", str(status_w), *plan]
         try:
-            exited, reaped = _wait_exit(proc, float(limits.wall_s) + _HOST_MARGIN_S)
+            with open(os.path.join(tmp, "launcher.log"), "wb") as log:
+                proc = subprocess.Popen(argv, env={}, cwd=tmp, stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=log, close_fds=True, pass_fds=(status_w,),
+                                        start_new_session=True)
+            os.close(status_w)
+            status_w = -1
+            exited = reaped = False
+            try:
+                exited, reaped = _wait_exit(proc, float(limits.wall_s) + _HOST_MARGIN_S)
+            finally:
+                if not reaped:
+                    _kill_group(proc.pid)  # leftovers of the group; the launcher itself when it is late
+                proc.wait()
+            oom = group is not None and group.oom_killed()
+            info = _read_status(status_r)
+            return _collect(tmp, limits, info, host_timeout=not exited, start=start, oom=oom)
         finally:
-            if not reaped:
-                _kill_group(proc.pid)  # leftovers of the group; the launcher itself when it is late
-            proc.wait()
-        oom = group is not None and group.oom_killed()
-        return _collect(tmp, limits, host_timeout=not exited, start=start, oom=oom)
+            for fd in (status_r, status_w):
+                if fd >= 0:
+                    os.close(fd)
     finally:
         if group is not None:
             group.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _collect(tmp: str, limits: SandboxLimits, host_timeout: bool, start: float, oom: bool) -> ToolResult:
-    """The result, its verdict decided by the launcher's status and the kernel (cgroup OOM kills,
-    signals, byte counts, timers) only; stderr supplies the error text of a failing program."""
-    info = _read_status(os.path.join(tmp, "status"))
+def _collect(tmp: str, limits: SandboxLimits, info: dict[str, str], host_timeout: bool, start: float,
+             oom: bool) -> ToolResult:
+    """The result, its verdict decided by the launcher's status `info` and the kernel (cgroup OOM
+    kills, signals, byte counts, timers) only; stderr supplies the error text of a failing program."""
     out, out_size = _read_head(os.path.join(tmp, "out"), limits.output_bytes)
     err, _ = _read_tail(os.path.join(tmp, "err"), _ERR_TAIL_BYTES)
     if int(info.get("out_bytes", out_size) or 0) > len(out):  # cut at the cap: drop a split character

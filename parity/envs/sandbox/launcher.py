@@ -3,7 +3,7 @@
 The host (`parity.envs.sandbox`) never imports this file; it runs it as a script, in an empty
 environment, with an isolated interpreter that sees no site-packages:
 
-    python -I -S -B launcher.py TMP MODE EXE WALL CPU MEM OUT NPROC FS_MB CGROUPS [KIND SRC ARG]...
+    python -I -S -B launcher.py TMP MODE EXE WALL CPU MEM OUT NPROC FS_MB CGROUPS STATUS_FD [KIND SRC ARG]...
 
 MODE is "root" (namespaces, per-run uid), "user" (a user namespace too), "plain" (no
 namespaces; per-run uid when root) or "plain-keep-uid" (no namespaces, uid unchanged). The
@@ -18,10 +18,13 @@ interpreter on TMP/work/main.py. Before anything else the launcher joins the run
 whole-run memory, process and CPU limits; in the new IPC namespace it sets the SysV IPC limits to
 zero. The code's stdout and stderr are pipes: the launcher keeps at most OUT bytes of each and
 kills the run when either goes beyond, so nothing the code does grows a file on the host disk.
-The launcher writes TMP/status as "key value" lines: status (wait status of the child), cpu (its
-cpu seconds), timeout (1 when the wall limit killed it), out_bytes / err_bytes (what the code
-wrote), output_exceeded, protections (the ones in force), setup (why the sandbox could not be
-built, when it could not). Only these lines decide a verdict; what the code prints never does.
+The launcher writes its verdict to STATUS_FD, a pipe to the host that no file names and the code
+never holds (it is closed when the code's interpreter is exec'd; a status *file* in TMP could be
+rewritten by the code in the plain modes, where TMP is within its reach), as "key value" lines:
+status (wait status of the child), cpu (its cpu seconds), timeout (1 when the wall limit killed
+it), out_bytes / err_bytes (what the code wrote), output_exceeded, protections (the ones in
+force), setup (why the sandbox could not be built, when it could not). Only these lines decide a
+verdict; what the code prints never does.
 
 Only modules that are built in or cheap to import are used, to keep start-up fast: no json, no re.
 """
@@ -218,10 +221,10 @@ def main():
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     out = os.open(T + "/out", flags, 0o600)
     err = os.open(T + "/err", flags, 0o600)
-    status_fd = os.open(T + "/status", flags, 0o600)
+    os.set_inheritable(STATUS_FD, False)  # closed at the exec of the code's interpreter
 
     def write_status(lines):
-        os.write(status_fd, ("\n".join(lines) + "\n").encode("utf-8", "replace"))
+        os.write(STATUS_FD, ("\n".join(lines) + "\n").encode("utf-8", "replace"))
 
     try:
         if not PLAIN:
@@ -292,14 +295,15 @@ def main():
 
 def configure(argv):
     """Read the host's arguments (see the module docstring) into this module's settings."""
-    global T, MODE, EXE, PLAIN, DROP_UID, WALL, CPU, MEM, OUTB, NPROC, FS_MB, CGROUPS, PLAN, UID
+    global T, MODE, EXE, PLAIN, DROP_UID, WALL, CPU, MEM, OUTB, NPROC, FS_MB, CGROUPS, PLAN, UID, STATUS_FD
     T, MODE, EXE = argv[1:4]
     PLAIN = MODE.startswith("plain")
     DROP_UID = os.geteuid() == 0 and MODE in ("root", "plain")
     WALL = float(argv[4])
     CPU, MEM, OUTB, NPROC, FS_MB = (int(a) for a in argv[5:10])
     CGROUPS = [] if argv[10] == "-" else argv[10].split(",")
-    rest = argv[11:]
+    STATUS_FD = int(argv[11])
+    rest = argv[12:]
     PLAN = [tuple(rest[i:i + 3]) for i in range(0, len(rest), 3)]
     # a fresh random uid per run: no kernel state keyed by uid carries over from an earlier run
     UID = 1500000000 + int.from_bytes(os.urandom(4), "little") % (1 << 28)
