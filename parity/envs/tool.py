@@ -128,7 +128,11 @@ class ToolEnv(Env):
                 f"{self.sandbox.describe()}")
 
     def _observe(self, episode: Episode, text: str) -> Turn:
-        return Turn(self.tokenizer.encode(text), done=False)
+        """The observation block's tokens: its markers as themselves, what the code printed as plain
+        characters (a printed `</result>` or end-of-sequence text does not forge those tokens)."""
+        inner = text[len(RESULT_OPEN):len(text) - len(RESULT_CLOSE)]
+        tok = self.tokenizer
+        return Turn(tok.encode(RESULT_OPEN) + tok.encode_plain(inner) + tok.encode(RESULT_CLOSE), done=False)
 
     def step(self, episode: Episode, turn_ids: list[int]) -> Turn:
         episode.turns += 1

@@ -23,6 +23,9 @@ class ByteTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         return self.encode(text)
 
+    def encode_plain(self, text: str) -> list[int]:
+        return self.encode(text)  # bytes have no special tokens
+
     def encode(self, text: str) -> list[int]:
         ids = list(text.encode("utf-8"))
         bad = [b for b in ids if b >= self.vocab_size]
@@ -75,6 +78,19 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without the special tokens the tokenizer would add around it."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` as plain characters: the text of an added (special) token inside it,
+        an end-of-sequence or turn marker say, does not become that token (the earliest such
+        occurrence is split after its first character, repeatedly). For text that is not the
+        model's own, such as a tool's output."""
+        added = [t.content for t in self._tok.get_added_tokens_decoder().values() if len(t.content) > 1]
+        ids: list[int] = []
+        while hits := [i for t in added if (i := text.find(t)) >= 0]:
+            cut = min(hits) + 1  # text[:cut] holds no whole added token: none starts earlier
+            ids += self.encode(text[:cut])
+            text = text[cut:]
+        return ids + self.encode(text)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a raw prompt, with the tokenizer's own additions (a BOS token, say)."""

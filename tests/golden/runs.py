@@ -18,7 +18,9 @@ embedding/LM-head weight got its gradient in one dense tensor (`model/tied.py`; 
 autograd's sum since the lookup's rows are summed from zero first) and AdamW became the fused
 (one pass per tensor) form. Projection weights sharing one buffer (`model/fused.py`)
 changed nothing: with the previous optimizer the recording matched bit for bit. Regenerated on
-2026-12-03 when the toy task's held-out set moved off training batch 1 (only `eval/...` changed).
+2026-12-03 when the toy task's held-out set moved off training batch 1 (only `eval/...` changed),
+and for the tool run when tool output became plain characters (the random model's code echoes
+special-token text in its tracebacks, which were those tokens before).
 
 `tests/test_golden.py` re-runs them and compares bit for bit where the fingerprint matches,
 within a stated tolerance where it does not (native kernels and MKL follow the CPU's
