@@ -137,6 +137,10 @@ def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
     partial = json.loads((out / "results.json").read_text())
     assert "std-fixed-64-gate" not in partial["runs"] and not (out / "std-fixed-64-gate-seed0").exists()
     assert partial["runs"]["sync"]["figures"] == results["runs"]["sync"]["figures"]
+    # the same directory asked for the math task: the tool runs there are not its runs (they were
+    # reported under a math heading before)
+    assert main(["study", "--quick", "--task", "math", "--out", str(out), "--report-only"]) == 2
+    assert "no finished study runs" in capsys.readouterr().err
     shutil.rmtree(out)
     out.mkdir()
     assert main(["study", "--quick", "--out", str(out), "--report-only"]) == 2

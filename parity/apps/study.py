@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import hardware
-from ..config import LOSS_NAMES, TrainConfig, config_from_dict, read_toml, set_dotted, to_toml
+from ..config import LOSS_NAMES, TrainConfig, config_from_dict, read_toml, set_dotted, to_toml, with_overrides
 from ..dtypes import DTYPE_NAMES
 from ..errors import CheckpointError, ConfigError, ParityError
 from ..metrics.report import write_report, write_study_report
@@ -44,7 +44,7 @@ from ..ops import check_backend
 from ..ops.common import gemm_linear
 from ..rl import checkpoint
 from ..rl.controller import Controller
-from .sft import SFTConfig, is_built, resolve_base, train_sft
+from .sft import RECIPES, SFTConfig, base_dir, is_built, resolve_base, train_sft
 from .ui import Progress
 
 log = logging.getLogger(__name__)
@@ -235,6 +235,20 @@ def _restart(cfg: TrainConfig) -> dict:
     return {"overwrite": True}
 
 
+def _finished(cfg: TrainConfig) -> bool:
+    """Whether the run in cfg.run_dir is this very run, finished: its report.md written, every step
+    recorded, and its config.toml the one asked for (the base policy named by its directory, as the
+    run wrote it). A run of another study in the same directory (other settings, the other task)
+    is not this one's, and runs again."""
+    run_dir = Path(cfg.run_dir)
+    name = cfg.model.checkpoint
+    if name in RECIPES:
+        cfg = with_overrides(cfg, {"model.checkpoint": str(base_dir(RECIPES[name]))})
+    written = run_dir / "config.toml"
+    return (run_dir / "report.md").exists() and len(read_metrics(run_dir)) == cfg.steps \
+        and written.exists() and written.read_text() == to_toml(cfg)
+
+
 def _train(cfg: TrainConfig, name: str, progress: bool) -> None:
     bar = Progress(name, cfg.steps, every=max(1, cfg.steps // 4)) if progress else None
     try:
@@ -269,8 +283,7 @@ def run_study(study: StudyConfig, progress: bool = True, train: bool = True) -> 
         for run in study.runs:
             k += 1
             cfg = run_config(study, run, seed)
-            done_marker = Path(cfg.run_dir) / "report.md"
-            if done_marker.exists() and len(read_metrics(cfg.run_dir)) == cfg.steps:
+            if _finished(cfg):
                 log.info("[%d/%d] %s seed %d: already done (%s)", k, total, run.name, seed, cfg.run_dir)
             elif not train:
                 continue
