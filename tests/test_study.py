@@ -127,6 +127,8 @@ def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr
     text = (page / "results.md").read_text()
     assert "| importance-weight peak/median | 1.5 / 442.54 |" in text
+    assert results["code"] and f"Code: {results['code']}." in text  # which code produced the page
+    assert "The premise holds exactly" in text  # aligned rows at 0 and sync's weights at 1 here
     assert "| fixed-64 | 64 |" in text and "exactly the bound?" in text
     assert "**kernel mismatch: mean |Δ log-prob| at the sampling version**" in text
     assert (page / "study.png").exists()

@@ -235,6 +235,26 @@ def _restart(cfg: TrainConfig) -> dict:
     return {"overwrite": True}
 
 
+def code_version() -> str:
+    """Which code ran: the git commit of the checkout parity runs from ('-dirty' with uncommitted
+    changes), else the package version."""
+    import subprocess
+
+    from .. import __version__
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "parity"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return f"parity {__version__}"
+    if rev.returncode != 0:
+        return f"parity {__version__}"
+    return f"commit {rev.stdout.strip()}" + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
 def _finished(cfg: TrainConfig) -> bool:
     """Whether the run in cfg.run_dir is this very run, finished: its report.md written, every step
     recorded, and its config.toml the one asked for (the base policy named by its directory, as the
@@ -274,7 +294,8 @@ def run_study(study: StudyConfig, progress: bool = True, train: bool = True) -> 
         for run in study.runs:
             run_config(study, run, study.seeds[0])
     t0 = time.perf_counter()
-    results: dict[str, Any] = {"config": asdict(study), "machine": hardware.describe(), "runs": {}}
+    results: dict[str, Any] = {"config": asdict(study), "machine": hardware.describe(),
+                               "code": code_version(), "runs": {}}
     total = len(study.runs) * len(study.seeds)
     k = 0
     figures: dict[str, list[dict[str, float]]] = {run.name: [] for run in study.runs}
