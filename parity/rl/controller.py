@@ -96,7 +96,12 @@ class Controller:
         try:
             self.rollout.start(self.start_step, ready=self.ready)
             self.ready = []  # the backend holds them now
-            t_start, tokens = time.perf_counter(), 0
+            # a resumed run's clock and counts go on from its last record (wall time of training:
+            # the time between the interrupt and the resume is not counted)
+            prior = self.metrics[-1] if self.metrics else {}
+            wall0 = float(prior.get("time/wall_s", 0.0))
+            t_start = time.perf_counter() - wall0
+            tokens = round(float(prior.get("throughput/tokens_per_s", 0.0)) * wall0)
             for step in range(self.start_step, cfg.steps):
                 evaluation = self.evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
                 t0 = time.perf_counter()
@@ -118,7 +123,7 @@ class Controller:
                 model_flops = 4 * sum(len(s) * shape.forward_flops_per_token((len(s) - 1) / 2)
                                       for s in batch.sequences)
                 elapsed = time.perf_counter() - t_start
-                done = step + 1 - self.start_step
+                done = step + 1
                 m.update({"time/generate_s": rollout.generate_s, "time/wait_s": wait_s,
                           "sync/versions_kept": float(kept),
                           "time/rollout_wait_s": rollout.wait_s, "time/wall_s": elapsed,

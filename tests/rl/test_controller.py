@@ -3,6 +3,7 @@ worker is restarted without losing or repeating samples, configs are validated."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -104,6 +105,12 @@ def test_interrupt_and_resume_match_an_uninterrupted_run(tmp_path):
     assert timeless(again) == timeless(whole)
     lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 6
+    # its clock goes on from the interrupted part (it restarted at 0: wall time went backwards
+    # and steps/hour counted only the resumed steps)
+    walls = [json.loads(x)["time/wall_s"] for x in lines]
+    assert walls == sorted(walls) and walls[3] > walls[2]
+    rate = json.loads(lines[-1])["throughput/steps_per_hour"]
+    assert rate == pytest.approx(3600 * 6 / walls[-1])
 
 
 def test_corrupt_checkpoint_is_refused(tmp_path):
