@@ -25,3 +25,9 @@ class Interrupted(Exception):
         super().__init__(str(path))
         self.path = path
         self.signal_name = signal_name
+
+
+class SandboxFailure(OSError):
+    """The sandbox itself failed (it could not be set up, or its launcher left no verdict), not
+    the model's code: the tool call cannot be judged, so its episode must not be scored (the
+    rollout worker fails and its batch is sampled again)."""

@@ -253,3 +253,27 @@ def test_printed_marker_text_stays_text_in_the_observation(tokenizer):
     assert [t for t in obs if t in specials] == [opens, closes] and obs[0] == opens and obs[-1] == closes
     assert tokenizer.decode(obs) == format_result(printed, None)
     assert tokenizer.token_id("<|eos|>") in tokenizer.encode(printed)  # control: plain encode forges it
+
+
+def test_a_sandbox_that_fails_itself_is_no_tool_error_of_the_policy(tokenizer):
+    """A run the sandbox could not set up (here: a mode this host cannot start, as root the
+    'user' mode without a reachable interpreter) reached the policy as its own tool error, with the
+    host's paths in it, and was trained on. It now fails the episode as an infrastructure error."""
+    import os
+
+    from parity.envs.sandbox import Sandbox, execute
+    from parity.errors import SandboxFailure
+
+    result = execute("user", b'print("answer:", 2*3)\n', Sandbox().limits)
+    if result.ok:
+        pytest.skip("the 'user' mode starts on this host: no failing sandbox to show")
+    assert result.infra and result.error.startswith("sandbox"), (result, os.geteuid())
+    from types import SimpleNamespace
+
+    env, _ = _env(tokenizer)
+    env._sandbox = SimpleNamespace(run=lambda code: result, describe=lambda: "failing")
+    problem = env.problems(0, 1)[0]
+    episode = env.start(problem)
+    with pytest.raises(SandboxFailure, match="tool call not run"):
+        env.step(episode, tokenizer.encode(tool_call_text(problem)))
+    assert episode.tool_errors == 0

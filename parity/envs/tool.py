@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import threading
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SandboxFailure
 from .base import Env, Episode, Turn
 from .chat import PY_CLOSE, PY_OPEN, RESULT_CLOSE, RESULT_OPEN, prompt_ids, turn_text
 from .math import HELDOUT_SEED, Problem, _stable_seed, distinct, score
@@ -158,6 +158,8 @@ class ToolEnv(Env):
                 return self._observe(episode, format_result("", "tool call after the answer"))
             code = text[start + len(PY_OPEN): -len(PY_CLOSE)]
             result = self.sandbox.run(code)
+            if getattr(result, "infra", False):  # the sandbox failed, not the code: never a reward
+                raise SandboxFailure(f"tool call not run: {result.error}")
             if not result.ok:
                 episode.tool_errors += 1
             return self._observe(episode, format_result(result.stdout, result.error, self.result_chars))

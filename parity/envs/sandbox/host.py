@@ -84,6 +84,9 @@ class ToolResult:
     status and the kernel alone, never from anything the code printed; None otherwise."""
     protections: tuple[str, ...] = ()
     """What the launcher reports in force for this run (cgroup, ipc-limits, session-keyring, seccomp)."""
+    infra: bool = False
+    """True when the sandbox itself failed (it could not be set up, or its launcher left no
+    verdict): nothing is known about the code, so it must not be judged as the code's failure."""
 
 
 _PLAN: list[tuple[str, str, str]] | None = None
@@ -344,12 +347,12 @@ def _collect(tmp: str, limits: SandboxLimits, info: dict[str, str], host_timeout
     if last.lower().startswith("sandbox"):  # the code's words never read as a verdict
         last = "stderr: " + last
 
-    def done(error: str | None, limit: str | None = None) -> ToolResult:
+    def done(error: str | None, limit: str | None = None, infra: bool = False) -> ToolResult:
         return ToolResult(ok=error is None, stdout=stdout, error=error, elapsed_s=time.monotonic() - start,
-                          limit=limit, protections=tuple(info.get("protections", "").split()))
+                          limit=limit, protections=tuple(info.get("protections", "").split()), infra=infra)
 
     if "setup" in info:
-        return done(_one_line(f"sandbox setup failed: {info['setup']}"))
+        return done(_one_line(f"sandbox setup failed: {info['setup']}"), infra=True)
     code = os.waitstatus_to_exitcode(int(info["status"])) if "status" in info else None
     if info.get("output_exceeded") == "1" or code == -signal.SIGXFSZ:
         return done(f"sandbox: output limit exceeded ({limits.output_bytes} bytes)", "output")
@@ -359,7 +362,7 @@ def _collect(tmp: str, limits: SandboxLimits, info: dict[str, str], host_timeout
         return done(f"sandbox: memory limit exceeded ({limits.memory_mb} MiB for the whole run)", "memory")
     if code is None:
         log, _ = _read_tail(os.path.join(tmp, "launcher.log"), _ERR_TAIL_BYTES)
-        return done(_one_line(f"sandbox launcher failed: {_last_line(log) or 'no status'}"))
+        return done(_one_line(f"sandbox launcher failed: {_last_line(log) or 'no status'}"), infra=True)
     if code < 0:
         sig = -code
         cpu = float(info.get("cpu", "0") or 0)
