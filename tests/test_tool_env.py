@@ -277,3 +277,20 @@ def test_a_sandbox_that_fails_itself_is_no_tool_error_of_the_policy(tokenizer):
     with pytest.raises(SandboxFailure, match="tool call not run"):
         env.step(episode, tokenizer.encode(tool_call_text(problem)))
     assert episode.tool_errors == 0
+
+
+def test_a_runaway_call_reads_the_same_whichever_time_limit_fired(tokenizer):
+    """A busy loop alone hits the CPU limit; four at once on two cores hit the wall-clock limit
+    first. The policy saw two texts for the same code, so a deterministic run's observations
+    depended on the machine's load; it now sees one."""
+    from types import SimpleNamespace
+
+    seen = []
+    for limit, error in (("cpu", "sandbox: cpu time limit exceeded (4 s)"),
+                         ("time", "sandbox: time limit exceeded (5.0 s wall)")):
+        env, _ = _env(tokenizer)
+        env._sandbox = SimpleNamespace(describe=lambda: "stub", run=lambda code, limit=limit, error=error:
+                                       SimpleNamespace(ok=False, stdout="", error=error, limit=limit))
+        problem = env.problems(0, 1)[0]
+        seen.append(env.step(env.start(problem), tokenizer.encode(tool_call_text(problem))).observation)
+    assert seen[0] == seen[1] and "time limit exceeded" in tokenizer.decode(seen[0])

@@ -162,7 +162,10 @@ class ToolEnv(Env):
                 raise SandboxFailure(f"tool call not run: {result.error}")
             if not result.ok:
                 episode.tool_errors += 1
-            return self._observe(episode, format_result(result.stdout, result.error, self.result_chars))
+            error = result.error
+            if getattr(result, "limit", None) in ("time", "cpu"):  # which of the two fires first
+                error = "sandbox: time limit exceeded"  # depends on the machine's load: one text
+            return self._observe(episode, format_result(result.stdout, error, self.result_chars))
         if PY_OPEN in text and PY_CLOSE not in text[text.rfind(PY_OPEN):]:
             episode.tool_errors += 1  # an unterminated tool call: no answer
             episode.info["ended"] = "unterminated tool call"
