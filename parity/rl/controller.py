@@ -102,8 +102,12 @@ class Controller:
             wall0 = float(prior.get("time/wall_s", 0.0))
             t_start = time.perf_counter() - wall0
             tokens = round(float(prior.get("throughput/tokens_per_s", 0.0)) * wall0)
+            eval_s = float(prior.get("time/eval_s", 0.0))  # in-loop evaluations so far
+            first = self.metrics[0] if self.metrics else None  # step 0's record: start-up included
             for step in range(self.start_step, cfg.steps):
+                t_eval = time.perf_counter()
                 evaluation = self.evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
+                eval_s += time.perf_counter() - t_eval
                 t0 = time.perf_counter()
                 rollout = self.rollout.next_batch(step)
                 wait_s = time.perf_counter() - t0
@@ -128,13 +132,15 @@ class Controller:
                           "sync/versions_kept": float(kept),
                           "time/rollout_wait_s": rollout.wait_s, "time/wall_s": elapsed,
                           "throughput/tokens_per_s": tokens / elapsed,
-                          "throughput/steps_per_hour": 3600 * done / elapsed,
+                          "throughput/steps_per_hour": 3600 * done / elapsed, "time/eval_s": eval_s,
+                          **self._steady(step, elapsed, eval_s, first),
                           "throughput/model_flops": model_flops,
                           "sync/publish_s": publish_s, "sync/rollout_pause_s": rollout.load_s,
                           "sync/version_bytes": float(version_bytes),
                           "sync/bytes_moved": float(version_bytes * cfg.rollout.workers),
                           "lag/bound": float(cfg.max_policy_lag), **rollout.stats, **evaluation})
                 record = {"step": step, **m}
+                first = first or record
                 self.metrics.append(record)
                 sink.write(record)
                 if progress:
@@ -191,6 +197,15 @@ class Controller:
         if scored:
             self.learner.retain(self.rollout.needed_versions() or ())
         return len(self.learner.history)
+
+    @staticmethod
+    def _steady(step: int, elapsed: float, eval_s: float, first: dict | None) -> dict[str, float]:
+        """Training steps/hour after the first step (start-up: processes, the first batch) with
+        the in-loop evaluations' time taken out: the training-step throughput to compare runs by."""
+        if first is None or step == 0:
+            return {}
+        span = elapsed - first["time/wall_s"] - (eval_s - first.get("time/eval_s", 0.0))
+        return {"throughput/steady_steps_per_hour": 3600 * step / span} if span > 0 else {}
 
     def save_checkpoint(self, step: int) -> Path:
         """The model, the learner's state, the versions a restarted worker could need and the

@@ -307,3 +307,23 @@ def test_a_fixed_lag_run_resumed_past_its_end_trains_on(tmp_path, caplog):
     assert "batches 3..4 are sampled by version 3" in caplog.text
     assert [m["step"] for m in more[-3:]] == [3, 4, 5]
     assert [m["lag/max"] for m in more[-3:]] == [0, 1, 2]  # versions 3, 3, 3: back to the lag
+
+
+def test_steady_throughput_leaves_out_start_up_and_evaluations(tmp_path, monkeypatch):
+    """The study's steps/hour counted the first step (process start-up, the first batch) and the
+    in-loop evaluations: `throughput/steady_steps_per_hour` takes them out."""
+    import time
+
+    def slow_evaluation(self):
+        time.sleep(0.3)
+        return {}
+
+    monkeypatch.setattr(Controller, "evaluate", slow_evaluation)
+    metrics = Controller(config(tmp_path, "steps=4", "eval_every=1")).run()
+    assert "throughput/steady_steps_per_hour" not in metrics[0]
+    assert metrics[-1]["time/eval_s"] >= 4 * 0.3  # before steps 0..3 (the final one is after them)
+    first = metrics[0]
+    for step, m in enumerate(metrics[1:], 1):
+        span = m["time/wall_s"] - first["time/wall_s"] - (m["time/eval_s"] - first["time/eval_s"])
+        assert m["throughput/steady_steps_per_hour"] == pytest.approx(3600 * step / span)
+        assert span < m["time/wall_s"] - 0.3 * step  # each evaluation's 0.3 s is out of it
