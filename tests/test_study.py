@@ -42,6 +42,21 @@ def test_row_figures_follow_the_published_definitions():
     assert f["kernel_mismatch_max"] == 0.0 and f["lag_max"] == 3.0 and f["wall_s"] == 200.0
 
 
+def test_lag_figures_leave_out_the_warm_up_of_a_bound():
+    """A fixed-64 row's lag is the step number during its first 64 steps: its KL's first 10% and
+    its weight-lag mean were taken over those, so they measured the run's length, not lag 64."""
+    rows = _metrics(100)
+    for r in rows:
+        r["lag/bound"] = 64.0
+        r["mismatch/k3"] = 0.01 * min(r["step"], 64)  # KL grows with the lag, then stays
+        r["mismatch/weight_lag_mean_abs"] = 0.001 * min(r["step"], 64)
+    f = row_figures(rows)
+    assert f["kl_last_over_first"] == pytest.approx(1.0) and f["weight_lag_mean_abs"] == pytest.approx(0.064)
+    for r in rows:
+        r["lag/bound"] = 0.0  # the control: counted from step 0, the same run reads x3.6
+    assert row_figures(rows)["kl_last_over_first"] > 3
+
+
 def test_lag_zero_aligned_weights_give_exactly_one():
     rows = _metrics()
     for r in rows:

@@ -154,10 +154,13 @@ def row_figures(metrics: Metrics) -> dict[str, float]:
 
     - is_peak_over_median: peak over median of the per-step max importance weight;
     - kl_last_over_first: rollout-to-learner KL (k3), mean of the last 10% of updates over the
-      mean of the first 10%;
+      mean of the first 10%, both past the warm-up (steps >= `lag/bound`, where a fixed-staleness
+      row's lag is the bound: from step 0 the first 10% would compare lag 64 with lags 0-34);
+    - kernel_kl_mean: the kernel part of that KL alone (`mismatch/kernel_k3`), past the warm-up;
     - kernel_mismatch_max: max |Δ log-prob| between rollout and learner at the same weights;
     - kernel_mismatch_mean / weight_lag_mean_abs: mean over steps of the per-token mean |Δ log-prob|
-      due to kernels (same weights) and due to weight lag (sampling vs current weights);
+      due to kernels (same weights) and due to weight lag (sampling vs current weights; past the
+      warm-up);
     - grad_norm_max: largest gradient norm before clipping;
     - reward_first5 / reward_last5: mean reward over the first / last 5% of updates;
     - pass1_start / pass1_peak / pass1_end: held-out greedy pass@1;
@@ -165,9 +168,13 @@ def row_figures(metrics: Metrics) -> dict[str, float]:
       hour after the first step, evaluation time taken out (`throughput/steady_steps_per_hour`;
       runs recorded before it: all steps over the wall time); lag_mean, lag_max: observed lag.
     """
-    w, k3 = series(metrics, "is_weight/max"), series(metrics, "mismatch/k3")
-    kl_first = mean(k3[:edge_count(len(metrics), 0.10)])
-    kl_last = mean(k3[-edge_count(len(metrics), 0.10):])
+    w = series(metrics, "is_weight/max")
+    bound = int(metrics[-1].get("lag/bound", 0))
+    held = [m for m in metrics if m["step"] >= bound]  # past the warm-up, where the lag is the bound's
+    held = held if len(held) >= 10 else metrics  # (smoke runs shorter than their bound: every step)
+    k3 = series(held, "mismatch/k3")
+    kl_first = mean(k3[:edge_count(len(held), 0.10)])
+    kl_last = mean(k3[-edge_count(len(held), 0.10):])
     rewards = series(metrics, "reward/mean")
     evals = pass_at_1_track(metrics)
     last = metrics[-1]
@@ -179,7 +186,8 @@ def row_figures(metrics: Metrics) -> dict[str, float]:
         "kl_last_over_first": kl_last / kl_first if kl_first > 0 else (1.0 if kl_last == 0 else float("inf")),
         "kernel_mismatch_max": max(series(metrics, "mismatch/kernel_max_abs"), default=NAN),
         "kernel_mismatch_mean": mean(series(metrics, "mismatch/kernel_mean_abs")),
-        "weight_lag_mean_abs": mean(series(metrics, "mismatch/weight_lag_mean_abs")),
+        "weight_lag_mean_abs": mean(series(held, "mismatch/weight_lag_mean_abs")),
+        "kernel_kl_mean": mean(series(held, "mismatch/kernel_k3")),
         "grad_norm_max": max(series(metrics, "train/grad_norm"), default=NAN),
         "reward_first5": mean(rewards[:edge_count(len(metrics), 0.05)]),
         "reward_last5": mean(rewards[-edge_count(len(metrics), 0.05):]),
