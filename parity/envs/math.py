@@ -199,25 +199,21 @@ _MAX_MISSES = 20_000
 """Draws in a row that bring no new problem before a task is taken to have run out of them."""
 
 
-def distinct(make, n: int, skip: set[str], what: str) -> list[Problem]:
-    """`n` problems `make(i)` (i: how many are drawn so far) whose prompts differ from each other
-    and from `skip`; a ConfigError when the task has no more (a held-out set as large as the
-    level's problem space, or one that leaves nothing to train on)."""
+def off_heldout(make, n: int, heldout: set[str], what: str) -> list[Problem]:
+    """`n` problems `make(i)` (i: how many are drawn so far) whose prompts are not in `heldout`; a
+    ConfigError when the held-out set leaves none (a held-out set as large as the level's problem
+    space: the loop never ended)."""
     out: list[Problem] = []
-    seen, misses = set(skip), 0
+    misses = 0
     while len(out) < n:
         problem = make(len(out))
-        if problem.prompt in seen:
+        if problem.prompt in heldout:
             misses += 1
             if misses > _MAX_MISSES:
-                raise ConfigError(f"{what}: found only {len(out)} of {n} distinct problems; this task "
-                                  f"and level has too few (lower task.heldout_size or raise the level)")
+                raise ConfigError(f"{what}: the held-out set leaves no problem of this task and level to "
+                                  f"train on (lower task.heldout_size or raise the level)")
             continue
         misses = 0
-        if skip:  # the training stream may repeat its own problems, never a held-out one
-            out.append(problem)
-            continue
-        seen.add(problem.prompt)
         out.append(problem)
     return out
 
@@ -229,16 +225,17 @@ class MathTask:
         make_problem(task, level, random.Random(0))  # validates task and level
         self.task, self.level, self.seed = task, level, seed
         rnd = random.Random(_stable_seed(task, level, HELDOUT_SEED, "heldout"))
-        self._heldout = distinct(lambda i: make_problem(task, level, rnd), heldout_size, set(),
-                                 f"math {task} level {level} held-out set")
+        # i.i.d. draws from the task's distribution (a repeat counts twice, as it would in any
+        # sample of the distribution the accuracy is estimated over)
+        self._heldout = [make_problem(task, level, rnd) for _ in range(heldout_size)]
         self._heldout_prompts = {p.prompt for p in self._heldout}
         self.problems(0, 1)  # a held-out set that leaves nothing to train on fails now
 
     def problems(self, batch_index: int, n: int) -> list[Problem]:
         """Training problems of one batch; never a held-out prompt."""
         rnd = random.Random(_stable_seed(self.task, self.level, self.seed, batch_index))
-        return distinct(lambda i: make_problem(self.task, self.level, rnd), n, self._heldout_prompts,
-                        f"math {self.task} level {self.level} training problems")
+        return off_heldout(lambda i: make_problem(self.task, self.level, rnd), n, self._heldout_prompts,
+                           f"math {self.task} level {self.level} training problems")
 
     def heldout(self, n: int | None = None) -> list[Problem]:
         """The fixed evaluation set (or its first n problems)."""

@@ -23,7 +23,7 @@ import threading
 from ..errors import ConfigError, SandboxFailure
 from .base import Env, Episode, Turn
 from .chat import PY_CLOSE, PY_OPEN, RESULT_CLOSE, RESULT_OPEN, prompt_ids, turn_text
-from .math import HELDOUT_SEED, Problem, _stable_seed, distinct, score
+from .math import HELDOUT_SEED, Problem, _stable_seed, off_heldout, score
 
 KINDS = ("mul", "sum")
 
@@ -87,8 +87,7 @@ class ToolEnv(Env):
         close = tokenizer.encode(PY_CLOSE)  # one special token in parity's tokenizer, text elsewhere
         self._close_id = close[0] if len(close) == 1 else None
         rnd = random.Random(_stable_seed("tool", self.kinds, level, HELDOUT_SEED, "heldout"))
-        self._heldout = distinct(lambda i: self._make(i, rnd), heldout_size, set(),
-                                 f"tool task level {level} held-out set")
+        self._heldout = [self._make(i, rnd) for i in range(heldout_size)]
         self._heldout_prompts = {p.prompt for p in self._heldout}
         self.problems(0, 1)  # a held-out set that leaves nothing to train on fails now
 
@@ -114,8 +113,8 @@ class ToolEnv(Env):
 
     def problems(self, batch_index: int, n: int) -> list[Problem]:
         rnd = random.Random(_stable_seed("tool", self.kinds, self.level, self.seed, batch_index))
-        return distinct(lambda i: self._make(i, rnd), n, self._heldout_prompts,
-                        f"tool task level {self.level} training problems")
+        return off_heldout(lambda i: self._make(i, rnd), n, self._heldout_prompts,
+                           f"tool task level {self.level} training problems")
 
     def heldout(self, n: int | None = None) -> list[Problem]:
         return list(self._heldout[:n])
