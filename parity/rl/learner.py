@@ -237,7 +237,8 @@ class Learner:
             lp_pad = sub.pad(lp)
             loss, stats = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config)
             for k, (num, den) in stats.items():  # fractions of the whole batch: sums, divided below
-                ratios[k] = (ratios.get(k, (0.0, 0.0))[0] + num, ratios.get(k, (0.0, 0.0))[1] + den)
+                num0, den0 = ratios.get(k, (0.0, 0.0))
+                ratios[k] = (num0 + num, den0 + den)
             if aux_coef:  # the router's load-balancing loss over this micro-batch's tokens, weighted
                 aux = load_balancing_loss(self.model.last_router_logits,  # as the objective weighs it
                                           self.model.config.num_experts_per_tok)
