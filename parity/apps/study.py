@@ -236,8 +236,8 @@ def _restart(cfg: TrainConfig) -> dict:
 
 
 def code_version() -> str:
-    """Which code ran: the git commit of the checkout parity runs from ('-dirty' with uncommitted
-    changes), else the package version."""
+    """Which code ran: the git commit of the checkout parity runs from (saying so when the package
+    has uncommitted changes), else the package version."""
     import subprocess
 
     from .. import __version__

@@ -196,7 +196,8 @@ of seed 0, which leaves this set out) contain none of them. (A held-out set draw
 seed was, for math at seeds 1 and 2, 45-81% inside the base policies' demonstrations.)"""
 
 _MAX_MISSES = 20_000
-"""Draws in a row that bring no new problem before a task is taken to have run out of them."""
+"""Draws in a row that are all held-out problems before the training stream is taken to have none
+left (a held-out set that covers the level's whole problem space)."""
 
 
 def off_heldout(make, n: int, heldout: set[str], what: str) -> list[Problem]:
