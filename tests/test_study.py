@@ -171,3 +171,6 @@ def test_study_runs_at_the_base_policies_level_and_math_uses_base_math():
         study = load_study(None, task=task)
         cfg = run_config(study, study.runs[0], 0)
         assert cfg.task.level == 1 and cfg.model.checkpoint == base and cfg.task.name == task
+        quick = load_study(None, task=task, quick=True, out_dir="/tmp/q")  # its smoke base: the task's
+        expected = {"tool": "/tmp/q/quick-base", "math": "/tmp/q/quick-base-math"}[task]
+        assert quick.train["model.checkpoint"] == expected

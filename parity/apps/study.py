@@ -44,7 +44,7 @@ from ..ops import check_backend
 from ..ops.common import gemm_linear
 from ..rl import checkpoint
 from ..rl.controller import Controller
-from .sft import RECIPES, SFTConfig, base_dir, is_built, resolve_base, train_sft
+from .sft import RECIPES, base_dir, is_built, resolve_base, train_sft
 from .ui import Progress
 
 log = logging.getLogger(__name__)
@@ -177,8 +177,9 @@ def load_study(
     train = {**DEFAULT_TRAIN, **data.get("train", {})}
     if quick:
         train.update(QUICK_TRAIN)
-        if train.get("model.checkpoint") == "base":
-            train["model.checkpoint"] = str(Path(out_dir or data.get("out_dir", "runs/study")) / "quick-base")
+        if train.get("model.checkpoint") == "base":  # a smoke base of the task's own recipe
+            name = "quick-base-math" if (task or data.get("task", "tool")) == "math" else "quick-base"
+            train["model.checkpoint"] = str(Path(out_dir or data.get("out_dir", "runs/study")) / name)
     cfg = StudyConfig(quick=quick,
         out_dir=out_dir or data.get("out_dir", "runs/study"),
         seeds=seeds or ([0] if quick else data.get("seeds", [0, 1, 2])),
@@ -290,7 +291,9 @@ def run_study(study: StudyConfig, progress: bool = True, train: bool = True) -> 
         quick_base = Path(study.train.get("model.checkpoint", out / "quick-base"))
         if not is_built(quick_base):
             log.info("--quick: building a smoke base policy (10 SFT steps) in %s", quick_base)
-            train_sft(quick_base, SFTConfig(steps=10, batch_size=8, warmup_steps=2), eval_problems=0)
+            recipe = RECIPES["base-math" if study.task == "math" else "base"]
+            train_sft(quick_base, dataclasses.replace(recipe, steps=10, batch_size=8, warmup_steps=2),
+                      eval_problems=0)
         for run in study.runs:
             run_config(study, run, study.seeds[0])
     t0 = time.perf_counter()
