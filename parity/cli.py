@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lag", type=int, default=8, help="max policy lag (default 8)")
     d.add_argument("--kernels", default="aligned", choices=BACKENDS)
     d.add_argument("--run-dir", default="runs/demo",
-                   help="its directory (a demo's earlier run there is replaced; another's: --overwrite)")
+                   help="its directory (runs/demo is the demo's; elsewhere another run needs --overwrite)")
     d.add_argument("--overwrite", action="store_true", help="replace another command's run in --run-dir")
     d.add_argument("--model", help="start from this checkpoint instead of the cached base policy")
     d.add_argument("--eval-prompts", type=int, default=200, help="held-out problems per evaluation")

@@ -28,6 +28,6 @@ class Interrupted(Exception):
 
 
 class SandboxFailure(OSError):
-    """The sandbox itself failed (it could not be set up, or its launcher left no verdict), not
-    the model's code: the tool call cannot be judged, so its episode must not be scored (the
-    rollout worker fails and its batch is sampled again)."""
+    """The sandbox could not be set up, before any of the model's code ran: the tool call cannot
+    be judged, so its episode must not be scored. The rollout fails (a local worker is restarted
+    and its batch sampled again, up to its restart limit; elsewhere the run stops with this line)."""

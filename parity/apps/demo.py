@@ -20,6 +20,7 @@ from pathlib import Path
 from ..config import LearnerConfig, ModelSection, RolloutSection, TaskSection, TrainConfig, with_overrides
 from ..metrics.report import write_report
 from ..metrics.summary import demo_rows, step_line
+from ..rl.checkpoint import DEMO_MARK
 from ..rl.controller import Controller
 from .sft import get_base_policy
 from .ui import Progress, table
@@ -48,8 +49,6 @@ class DemoOptions:
     `DEMO_MARK` or in the default run dir, is always replaced)."""
 
 
-DEMO_MARK = ".parity-demo"
-"""The file a demo leaves in its run dir: a later demo may replace that run without asking."""
 
 
 def _recipe(base: str) -> dict:

@@ -99,6 +99,11 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
     return final
 
 
+DEMO_MARK = ".parity-demo"
+"""The file `parity demo` leaves in its run dir: a later demo may replace that run without
+asking. Any other run started there removes it."""
+
+
 def found(run_dir: Path) -> list[Path]:
     """The checkpoint directories in `run_dir` by step (none when it does not exist)."""
     run_dir = Path(run_dir)

@@ -71,6 +71,8 @@ class Controller:
         self.rollout = make_rollout(cfg, self.model.config, lambda: self.learner.history)
         if overwrite and not resume:  # only once the run is known to start
             checkpoint.clear(self.run_dir)
+        if not resume:  # a new run here is no demo's (the demo marks its own after this)
+            (self.run_dir / checkpoint.DEMO_MARK).unlink(missing_ok=True)
 
     def _resume(self) -> None:
         path = checkpoint.latest(self.run_dir)
@@ -99,6 +101,7 @@ class Controller:
             # a resumed run's clock and counts go on from its last record (wall time of training:
             # the time between the interrupt and the resume is not counted)
             prior = self.metrics[-1] if self.metrics else {}
+            counted_from = 0 if prior else self.start_step  # steps the clock below covers
             wall0 = float(prior.get("time/wall_s", 0.0))
             t_start = time.perf_counter() - wall0
             tokens = round(float(prior.get("throughput/tokens_per_s", 0.0)) * wall0)
@@ -127,7 +130,7 @@ class Controller:
                 model_flops = 4 * sum(len(s) * shape.forward_flops_per_token((len(s) - 1) / 2)
                                       for s in batch.sequences)
                 elapsed = time.perf_counter() - t_start
-                done = step + 1
+                done = step + 1 - counted_from
                 m.update({"time/generate_s": rollout.generate_s, "time/wait_s": wait_s,
                           "sync/versions_kept": float(kept),
                           "time/rollout_wait_s": rollout.wait_s, "time/wall_s": elapsed,
@@ -202,10 +205,10 @@ class Controller:
     def _steady(step: int, elapsed: float, eval_s: float, first: dict | None) -> dict[str, float]:
         """Training steps/hour after the first step (start-up: processes, the first batch) with
         the in-loop evaluations' time taken out: the training-step throughput to compare runs by."""
-        if first is None or step == 0:
+        if first is None or step == first["step"]:
             return {}
         span = elapsed - first["time/wall_s"] - (eval_s - first.get("time/eval_s", 0.0))
-        return {"throughput/steady_steps_per_hour": 3600 * step / span} if span > 0 else {}
+        return {"throughput/steady_steps_per_hour": 3600 * (step - first["step"]) / span} if span > 0 else {}
 
     def save_checkpoint(self, step: int) -> Path:
         """The model, the learner's state, the versions a restarted worker could need and the

@@ -143,11 +143,13 @@ def test_a_new_run_into_an_earlier_runs_dir_is_refused_or_starts_over(tmp_path, 
     assert len(err.splitlines()) == 1 and "holds checkpoint-2 of an earlier run" in err and "--resume" in err
     assert (tmp_path / "checkpoint-2").is_dir()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    (tmp_path / ".parity-demo").touch()  # as if a demo had run here: this run is no demo's
     (tmp_path / "tensorboard").mkdir(exist_ok=True)  # the earlier run's events (when installed)
     (tmp_path / "tensorboard" / "events.out.tfevents.1.earlier").write_bytes(b"x")
     assert main(["train", "--overwrite", *train("steps=1")]) == 0
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
     assert not (tmp_path / "tensorboard" / "events.out.tfevents.1.earlier").exists()
+    assert not (tmp_path / ".parity-demo").exists()  # a later demo would have replaced it unasked
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
 
 
@@ -327,3 +329,17 @@ def test_steady_throughput_leaves_out_start_up_and_evaluations(tmp_path, monkeyp
         span = m["time/wall_s"] - first["time/wall_s"] - (m["time/eval_s"] - first["time/eval_s"])
         assert m["throughput/steady_steps_per_hour"] == pytest.approx(3600 * step / span)
         assert span < m["time/wall_s"] - 0.3 * step  # each evaluation's 0.3 s is out of it
+
+
+def test_a_run_resumed_without_its_metrics_counts_only_the_steps_it_timed(tmp_path):
+    """With metrics.jsonl gone, a resumed run's clock starts at 0: its steps/hour must count the
+    steps since the resume, not every step since 0 (that read 51x too fast at step 50)."""
+    Controller(config(tmp_path, "steps=2", "checkpoint_every=2", "eval_every=0")).run()
+    (tmp_path / "metrics.jsonl").unlink()
+    metrics = Controller(config(tmp_path, "steps=5", "eval_every=0"), resume=True).run()
+    last = metrics[-1]
+    assert last["step"] == 4
+    assert last["throughput/steps_per_hour"] == pytest.approx(3600 * 3 / last["time/wall_s"])
+    first = metrics[0]
+    span = last["time/wall_s"] - first["time/wall_s"]
+    assert last["throughput/steady_steps_per_hour"] == pytest.approx(3600 * 2 / span, rel=1e-3)

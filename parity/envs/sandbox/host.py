@@ -85,8 +85,9 @@ class ToolResult:
     protections: tuple[str, ...] = ()
     """What the launcher reports in force for this run (cgroup, ipc-limits, session-keyring, seccomp)."""
     infra: bool = False
-    """True when the sandbox itself failed (it could not be set up, or its launcher left no
-    verdict): nothing is known about the code, so it must not be judged as the code's failure."""
+    """True when the sandbox could not be set up (before any of the code ran): nothing is known
+    about the code, so it must not be judged as the code's failure. (A launcher that leaves no
+    verdict is not counted here: in the plain modes the code itself can kill it.)"""
 
 
 _PLAN: list[tuple[str, str, str]] | None = None
@@ -362,7 +363,8 @@ def _collect(tmp: str, limits: SandboxLimits, info: dict[str, str], host_timeout
         return done(f"sandbox: memory limit exceeded ({limits.memory_mb} MiB for the whole run)", "memory")
     if code is None:
         log, _ = _read_tail(os.path.join(tmp, "launcher.log"), _ERR_TAIL_BYTES)
-        return done(_one_line(f"sandbox launcher failed: {_last_line(log) or 'no status'}"), infra=True)
+        # not `infra`: in the plain modes the code runs as the launcher's uid and can kill it
+        return done(_one_line(f"sandbox launcher failed: {_last_line(log) or 'no status'}"))
     if code < 0:
         sig = -code
         cpu = float(info.get("cpu", "0") or 0)
