@@ -27,7 +27,7 @@ SEQS = [torch.tensor([1, 5, 9, 33, 2, 7, 100, 3, 64, 65, 66, 12, 90, 91]),
 def hf_config(family: str, tied: bool = False, **over):
     kw = dict(COMMON, tie_word_embeddings=tied, **over)
     if family == "qwen3":
-        return transformers.Qwen3Config(head_dim=16, **kw)
+        return transformers.Qwen3Config(**{"head_dim": 16, **kw})
     if family == "qwen2":
         return transformers.Qwen2Config(**kw)
     if family == "llama":
@@ -116,6 +116,10 @@ def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
     (dict(vocab_size=None), "vocab_size"),
+    (dict(rope_theta="1e6"), "rope_theta must be a number"),
+    (dict(layer_types=5), "layer_types must be a list"),
+    (dict(rope_parameters="oops", rope_theta=None), "rope_parameters must be an object"),
+    (dict(architectures="Qwen2ForCausalLM"), "architectures must be a list"),
 ])
 def test_what_parity_does_not_honour_is_a_one_line_error(tmp_path, edit, culprit):
     hf_model("qwen2").save_pretrained(tmp_path)
@@ -127,6 +131,74 @@ def test_what_parity_does_not_honour_is_a_one_line_error(tmp_path, edit, culprit
     with pytest.raises(CheckpointError, match=culprit) as err:
         parity.load_model(tmp_path)
     assert "\n" not in str(err.value)
+
+
+def _rewrite(path, **tensors_edit):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    for name, value in tensors_edit.items():
+        if value is None:
+            del tensors[name]
+        else:
+            tensors[name] = value
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return tensors
+
+
+def test_a_checkpoint_that_contradicts_its_config_is_refused_not_half_read(tmp_path):
+    """A tied config whose file holds a different lm_head (transformers keeps that head: parity
+    would have dropped it, 1.3 nats off), an expert beyond num_experts (was ignored), an expert of
+    the wrong shape (was a bare torch.stack error naming nothing); the controls load."""
+    hf_model("qwen2", tied=True).save_pretrained(tmp_path / "tied")
+    embed = _rewrite(tmp_path / "tied")["model.embed_tokens.weight"]
+    _rewrite(tmp_path / "tied", **{"lm_head.weight": embed.clone()})
+    parity.load_model(tmp_path / "tied")  # control: the same head stored twice is fine
+    _rewrite(tmp_path / "tied", **{"lm_head.weight": embed + 0.01})
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        parity.load_model(tmp_path / "tied")
+    hf_model("qwen3_moe").save_pretrained(tmp_path / "moe")
+    parity.load_model(tmp_path / "moe")  # control
+    name = "model.layers.0.mlp.experts.{}.up_proj.weight"
+    up = _rewrite(tmp_path / "moe")[name.format(7)]
+    _rewrite(tmp_path / "moe", **{name.format(8): up.clone()})
+    with pytest.raises(CheckpointError, match=r"unexpected tensor .*experts\.8\.up_proj.*num_experts=8"):
+        parity.load_model(tmp_path / "moe")
+    _rewrite(tmp_path / "moe", **{name.format(8): None, name.format(3): up[:, :-1].clone()})
+    with pytest.raises(CheckpointError, match=r"experts\.3\.up_proj\.weight has shape \(32, 63\)"):
+        parity.load_model(tmp_path / "moe")
+
+
+def test_transformers_defaults_and_buffers_are_honoured(tmp_path):
+    """A Qwen3 config.json without head_dim means transformers' default 128 (not hidden/heads =
+    16), and a saved rotary inv_freq buffer is not an unexpected tensor."""
+    hf = hf_model("qwen3", head_dim=128)
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["head_dim"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    _rewrite(tmp_path, **{"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(64)})
+    ours = parity.load_model(tmp_path)
+    assert ours.config.head_dim == 128
+    with torch.no_grad():
+        lp = parity.sequence_logprobs(ours, SEQS[:1])[0]
+    assert torch.allclose(lp, hf_logprobs(hf, SEQS[0]), atol=1e-4)
+
+
+def test_a_tokenizer_parity_cannot_read_is_an_error_not_bytes(tmp_path):
+    from parity.errors import InputError
+    from parity.model.tokenizer import ByteTokenizer, HFTokenizer, build_char_tokenizer, load_tokenizer
+
+    assert isinstance(load_tokenizer(tmp_path, 300), ByteTokenizer)  # control: no tokenizer at all
+    (tmp_path / "tokenizer.model").write_bytes(b"sentencepiece")
+    with pytest.raises(InputError, match="tokenizer.model but no tokenizer.json"):
+        load_tokenizer(tmp_path, 300)
+    build_char_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<|user|>"}, "eos_token": "<|eos|>"}))
+    tok = load_tokenizer(tmp_path, 300)  # older layouts keep the special tokens here only
+    assert isinstance(tok, HFTokenizer) and tok.special_tokens["bos_token"] == "<|user|>"
+    assert tok.eos_token_ids == [1]
 
 
 def test_a_qwen3_with_attention_bias_or_a_llama_with_mlp_bias_is_refused(tmp_path):

@@ -14,7 +14,7 @@ from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES
 from ..errors import ConfigError
 
 LOSS_NAMES: tuple[str, ...] = ("reinforce_zero", "tis", "icepop", "mis", "seq_gate", "ppo_clip", "on_policy")
-"""Objectives the learner can optimise (`mis` is another name for `icepop`)."""
+"""Objectives the learner can optimise."""
 
 
 @dataclass
@@ -27,6 +27,12 @@ class LossConfig:
     """icepop: tokens whose weight is below this are masked out (α)."""
     icepop_high: float = 5.0
     """icepop: tokens whose weight is above this are masked out (β)."""
+    mis_cap: float = 2.0
+    """mis: a token (level 'token') or a response (level 'sequence') whose importance weight
+    exceeds this is masked out (C); the others keep their full weight."""
+    mis_level: str = "token"
+    """mis: 'token' (L uses 1[w_it ≤ C] w_it) or 'sequence' (the response's weight is the product
+    ρ_i = Π_t w_it, kept when ρ_i ≤ C)."""
     gate_low: float = 0.5
     """seq_gate: a response is rejected when exp(mean log w) is below this."""
     gate_high: float = 2.0
@@ -39,11 +45,13 @@ class LossConfig:
     """ppo_clip: divide advantages by the group's reward std (GRPO)."""
 
     def __post_init__(self) -> None:
-        for name in ("tis_cap", "icepop_high", "gate_high", "gate_max_k3", "ppo_eps"):
+        for name in ("tis_cap", "mis_cap", "icepop_high", "gate_high", "gate_max_k3", "ppo_eps"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.icepop_low < self.icepop_high:
             raise ConfigError("LossConfig.icepop_low must be in [0, icepop_high)")
+        if self.mis_level not in ("token", "sequence"):
+            raise ConfigError(f"LossConfig.mis_level must be 'token' or 'sequence', got {self.mis_level!r}")
         if not 0 <= self.gate_low < self.gate_high:
             raise ConfigError("LossConfig.gate_low must be in [0, gate_high)")
 
@@ -53,7 +61,7 @@ class LearnerConfig:
     """Optimisation and diagnostics settings; validated on construction."""
 
     loss: str = "reinforce_zero"
-    """Objective: reinforce_zero, tis, icepop (= mis), seq_gate, ppo_clip or on_policy."""
+    """Objective: reinforce_zero, tis, icepop, mis, seq_gate, ppo_clip or on_policy."""
     lr: float = 1e-4
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dtypes import COMPUTE_DTYPES
 from ..errors import ConfigError, InputError
 from ..hardware import check_device
 from ..ops import Kernels, check_backend, get_kernels
@@ -92,6 +93,8 @@ class Model(nn.Module):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
                 or block_size % 16:
             raise ConfigError(f"block_size must be a positive multiple of 16, got {block_size!r}")
+        if dtype not in COMPUTE_DTYPES.values():
+            raise ConfigError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype!r}")
         device = check_device(device)
         self.config = config
         self._backend = check_backend(kernels)

@@ -58,13 +58,39 @@ def _model_type(data: dict, where: str) -> str:
     return model_type
 
 
+_NUMBERS = ("rope_theta", "rms_norm_eps", "router_aux_loss_coef")
+_LISTS = ("architectures", "layer_types", "mlp_only_layers")
+
+
+def _check_types(data: dict, where: str) -> None:
+    """Fields read below have the JSON types transformers writes (null counts as absent): a
+    wrong one is a one-line error naming it, not a TypeError from deep inside."""
+    for key in _NUMBERS:
+        v = data.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ConfigError(f"{where}: {key} must be a number, got {v!r}")
+    for key in _LISTS:
+        v = data.get(key)
+        if v is not None and not isinstance(v, list):
+            raise ConfigError(f"{where}: {key} must be a list, got {v!r}")
+    if data.get("rope_parameters") is not None and not isinstance(data["rope_parameters"], dict):
+        raise ConfigError(f"{where}: rope_parameters must be an object, got {data['rope_parameters']!r}")
+
+
 def _rope(data: dict, where: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from transformers 4 (`rope_theta`, `rope_scaling`) or 5
     (`rope_parameters`) layouts."""
     params = data.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per layer type (5.x)
         params = params["full_attention"]
-    theta = data.get("rope_theta", (params or {}).get("rope_theta", 10000.0))
+        if not isinstance(params, dict):
+            raise ConfigError(f"{where}: rope_parameters.full_attention must be an object, got {params!r}")
+    theta = data.get("rope_theta")
+    if theta is None:
+        theta = (params or {}).get("rope_theta")
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))):
+            raise ConfigError(f"{where}: rope_parameters.rope_theta must be a number, got {theta!r}")
+    theta = 10000.0 if theta is None else theta
     scaling = data.get("rope_scaling")
     if scaling is None and isinstance(params, dict):
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -77,6 +103,7 @@ def _rope(data: dict, where: str) -> tuple[float, dict | None]:
 
 def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> ModelConfig:
     """A `ModelConfig` from a Hugging Face config dict of a supported family."""
+    _check_types(data, str(where))
     model_type = _model_type(data, str(where))
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
@@ -98,6 +125,8 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                                    "num_attention_heads", "num_key_value_heads", "head_dim",
                                    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
                                    "bos_token_id", "eos_token_id") if data.get(k) is not None}
+    if model_type == "qwen3":
+        fields.setdefault("head_dim", 128)  # transformers' Qwen3Config default (not hidden/heads)
     fields.setdefault("num_key_value_heads", data["num_attention_heads"])
     fields.setdefault("max_position_embeddings", _DEFAULT_CONTEXT[model_type])
     fields.setdefault("tie_word_embeddings", False)  # every supported family's default
@@ -166,12 +195,22 @@ def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
             out[name] = t
         else:
             experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
     for prefix, parts in experts.items():
-        for kind in ("gate_proj", "up_proj", "down_proj"):
+        for kind, shape in shapes.items():
             have = parts.get(kind, {})
             absent = [e for e in range(cfg.num_experts) if e not in have]
             if absent:
                 raise ConfigError(f"{where}: missing tensor {prefix}.{absent[0]}.{kind}.weight")
+            extra = sorted(e for e in have if e >= cfg.num_experts)
+            if extra:
+                raise ConfigError(f"{where}: unexpected tensor {prefix}.{extra[0]}.{kind}.weight "
+                                  f"(config.json: num_experts={cfg.num_experts})")
+            for e, t in sorted(have.items()):
+                if tuple(t.shape) != shape:
+                    raise ConfigError(f"{where}: tensor {prefix}.{e}.{kind}.weight has shape "
+                                      f"{tuple(t.shape)}, config.json implies {shape}")
         stack = {k: torch.stack([parts[k][e] for e in range(cfg.num_experts)]) for k in parts}
         out[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
         out[f"{prefix}.down_proj"] = stack["down_proj"]

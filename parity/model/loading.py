@@ -40,8 +40,13 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
                   block_size=block_size or DEFAULT_BLOCK_SIZE)
     expected = model.state_dict()
     weights_file = path / "model.safetensors"
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
+    for name in [n for n in tensors if n.endswith(".rotary_emb.inv_freq")]:
+        del tensors[name]  # a buffer older checkpoints saved; parity derives it from rope_theta
+    if config.tie_word_embeddings and "lm_head.weight" in tensors:
+        head, embed = tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+        if embed is not None and not torch.equal(head, embed):
+            raise CheckpointError(f"{weights_file}: lm_head.weight differs from model.embed_tokens.weight "
+                                  "but config.json says tie_word_embeddings=true")
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise CheckpointError(f"{weights_file}: missing tensor {missing[0]}"

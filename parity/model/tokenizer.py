@@ -63,9 +63,10 @@ class HFTokenizer:
             raise InputError(f"{path}: cannot load tokenizer ({exc})") from None
         directory = Path(directory) if directory is not None else Path(path).parent
         config = _read_json(directory / "tokenizer_config.json")
+        older = _read_json(directory / "special_tokens_map.json")  # where older layouts keep them
         self.special_tokens: dict[str, str] = {}
         for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            value = config.get(name)
+            value = config.get(name) if config.get(name) is not None else older.get(name)
             value = value.get("content") if isinstance(value, dict) else value
             if isinstance(value, str):
                 self.special_tokens[name] = value
@@ -144,10 +145,21 @@ def _chat_template(config: dict, directory: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+_OTHER_FORMATS = ("tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
+                  "special_tokens_map.json")
+"""Files of a tokenizer in a format other than `tokenizer.json` (SentencePiece, slow BPE)."""
+
+
 def load_tokenizer(checkpoint: str | Path | None, vocab_size: int):
-    """The checkpoint's `tokenizer.json` if it has one, else the UTF-8 byte tokenizer."""
+    """The checkpoint's `tokenizer.json` if it has one, else the UTF-8 byte tokenizer when it has
+    no tokenizer at all; a tokenizer only in another format is a one-line error (bytes would
+    silently give the model ids it was never trained on)."""
     if checkpoint is not None and (Path(checkpoint) / "tokenizer.json").exists():
         return HFTokenizer(Path(checkpoint) / "tokenizer.json")
+    other = [f for f in _OTHER_FORMATS if checkpoint is not None and (Path(checkpoint) / f).exists()]
+    if other:
+        raise InputError(f"{checkpoint}: has {other[0]} but no tokenizer.json (parity reads tokenizers "
+                         "only in that format: save it with transformers' tokenizer.save_pretrained)")
     return ByteTokenizer(vocab_size)
 
 

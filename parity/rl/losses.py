@@ -109,12 +109,30 @@ def tis(lp, rollout_lp, mask, adv, cfg: LossConfig):
 
 
 def icepop(lp, rollout_lp, mask, adv, cfg: LossConfig):
-    """Token masking (IcePop / MIS): L = −(1/N) Σ_i (1/|y_i|) Σ_t 1[α ≤ w_it ≤ β] w_it A_i."""
+    """Two-sided token masking (IcePop): L = −(1/N) Σ_i (1/|y_i|) Σ_t 1[α ≤ w_it ≤ β] w_it A_i."""
     log_w, live = _log_weights(lp, rollout_lp, mask, adv)
     w_all = torch.exp(log_w.detach())
     keep = (w_all >= cfg.icepop_low) & (w_all <= cfg.icepop_high)
     frac = _ratio(((~keep).float() * mask).sum(), mask)
     return _objective(_weights(log_w, live & keep) * keep, mask, adv), {"loss/frac_masked": frac}
+
+
+def mis(lp, rollout_lp, mask, adv, cfg: LossConfig):
+    """Masked importance sampling, one-sided at C = mis_cap. Level 'token':
+    L = −(1/N) Σ_i (1/|y_i|) Σ_t 1[w_it ≤ C] w_it A_i. Level 'sequence': response i's weight is
+    ρ_i = Π_t w_it and L = −(1/N) Σ_i 1[ρ_i ≤ C] sg(ρ_i) (1/|y_i|) Σ_t log π_it A_i (gradient
+    ρ_i·A_i·∇log π, as the product's correction prescribes); a masked response adds exactly 0."""
+    log_w, live = _log_weights(lp, rollout_lp, mask, adv)
+    if cfg.mis_level == "token":
+        keep = torch.exp(log_w.detach()) <= cfg.mis_cap
+        frac = _ratio(((~keep).float() * mask).sum(), mask)
+        return _objective(_weights(log_w, live & keep) * keep, mask, adv), {"loss/frac_masked": frac}
+    with torch.no_grad():
+        rho = torch.exp((log_w * mask).sum(1))  # inf when it overflows: masked, never multiplied
+        keep = rho <= cfg.mis_cap
+        rho = torch.where(keep, rho, torch.zeros_like(rho))
+    rejected = (float((~keep).sum()), float(keep.numel()))
+    return _objective(lp * rho.unsqueeze(1), mask, adv * keep.float()), {"loss/frac_rejected": rejected}
 
 
 def seq_gate(lp, rollout_lp, mask, adv, cfg: LossConfig):
@@ -148,7 +166,7 @@ def ppo_clip(lp, rollout_lp, mask, adv, cfg: LossConfig):
 
 
 LOSSES: dict[str, Callable] = {
-    "reinforce_zero": reinforce_zero, "tis": tis, "icepop": icepop, "mis": icepop,
+    "reinforce_zero": reinforce_zero, "tis": tis, "icepop": icepop, "mis": mis,
     "seq_gate": seq_gate, "ppo_clip": ppo_clip, "on_policy": on_policy,
 }
 assert tuple(LOSSES) == LOSS_NAMES, "config.learner.LOSS_NAMES must list every objective"

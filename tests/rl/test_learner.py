@@ -78,6 +78,7 @@ def test_a_top_k_sample_is_weighted_against_the_distribution_it_was_drawn_from()
 
 @pytest.mark.parametrize("loss, key, cfg", [("tis", "frac_truncated", {"tis_cap": 1.0}),
                                              ("icepop", "frac_masked", {"icepop_low": 0.99}),
+                                             ("mis", "frac_masked", {"mis_cap": 1.01}),
                                              ("ppo_clip", "frac_clipped", {"ppo_eps": 0.01})])
 def test_loss_fractions_are_the_whole_batchs_whatever_the_micro_batches(loss, key, cfg):
     """A token fraction is Σ tokens counted / Σ tokens over the batch: averaging the micro-batches'
@@ -86,6 +87,7 @@ def test_loss_fractions_are_the_whole_batchs_whatever_the_micro_batches(loss, ke
     learner_lp = batch.pad(parity.sequence_logprobs(model(seed=4), batch.sequences))
     w = torch.exp(learner_lp - batch.rollout_logprobs)
     bound = {"tis": lambda: w > 1.0, "icepop": lambda: (w < 0.99) | (w > 5.0),
+             "mis": lambda: w > 1.01,
              "ppo_clip": lambda: (w < 0.99) | (w > 1.01)}[loss]()
     expected = float((bound.float() * batch.mask).sum()) / float(batch.mask.sum())
     assert 0 < expected < 1

@@ -89,6 +89,31 @@ def test_icepop_masks_tokens_outside_band():
     assert frac(stats["loss/frac_masked"]) == pytest.approx(2 / 5)
 
 
+def test_mis_masks_only_tokens_above_the_cap():
+    """One-sided: the token at w = 2.01 goes, the one at w = 0.14 stays (IcePop's two-sided band
+    would drop both: the control)."""
+    value, grad, stats = run("mis", mis_cap=1.5)
+    keep = lambda i, t: 1.0 if w(i, t) <= 1.5 else 0.0  # noqa: E731
+    v, g = hand(lambda i, t: keep(i, t) * w(i, t), lambda i, t: keep(i, t) * w(i, t))
+    close(value, v)
+    grads_close(grad, g)
+    assert frac(stats["loss/frac_masked"]) == pytest.approx(1 / 5)
+    assert frac(run("icepop", icepop_low=0.5, icepop_high=1.5)[2]["loss/frac_masked"]) == pytest.approx(2 / 5)
+
+
+def test_mis_sequence_level_weighs_a_response_by_its_product():
+    """ρ_0 = e^-0.2 = 0.82 is above C = 0.5 (response dropped), ρ_1 = e^-1.3 = 0.27 is kept with
+    gradient ρ_1·A·∇log π on each of its tokens."""
+    value, grad, stats = run("mis", mis_cap=0.5, mis_level="sequence")
+    rho = [math.exp(sum(LP[i][t] - RLP[i][t] for t in range(3) if MASK[i][t])) for i in range(2)]
+    keep = [1.0 if r <= 0.5 else 0.0 for r in rho]
+    assert keep == [0.0, 1.0]  # the example exercises both outcomes
+    v, g = hand(lambda i, t: keep[i] * rho[i] * LP[i][t], lambda i, t: keep[i] * rho[i])
+    close(value, v)
+    grads_close(grad, g)
+    assert frac(stats["loss/frac_rejected"]) == pytest.approx(1 / 2)
+
+
 def test_seq_gate_rejects_whole_responses():
     value, grad, stats = run("seq_gate", gate_low=0.8, gate_high=1.25, gate_max_k3=10.0)
     ratios = [math.exp(sum(LP[i][t] - RLP[i][t] for t in range(3) if MASK[i][t]) / sum(MASK[i]))
@@ -136,17 +161,19 @@ def test_a_group_of_equal_rewards_has_exactly_zero_advantages():
     assert torch.equal(mixed, torch.zeros(4))
 
 
-@pytest.mark.parametrize("name", ["reinforce_zero", "tis", "icepop", "seq_gate", "ppo_clip"])
-def test_a_dropped_token_whose_weight_overflows_adds_exactly_nothing(name):
+@pytest.mark.parametrize("name,cfg", [("reinforce_zero", {}), ("tis", {}), ("icepop", {}), ("mis", {}),
+                                      ("mis", {"mis_level": "sequence"}), ("seq_gate", {}), ("ppo_clip", {})])
+def test_a_dropped_token_whose_weight_overflows_adds_exactly_nothing(name, cfg):
     """Token 0 was sampled at log-prob −95 (w = e^94: inf in float32). Each objective drops it
-    (reinforce_zero: its response has advantage 0; icepop masks, seq_gate rejects, ppo_clip clips)
+    (reinforce_zero: its response has advantage 0; icepop and mis mask, seq_gate and sequence-level
+    mis reject its response, ppo_clip clips)
     or caps it (tis: weight C): the loss and gradient stay finite and that token's gradient is
     exactly 0 (tis: −C·A/(|y|·N)), instead of inf * 0 = NaN skipping the whole step."""
     lp = torch.tensor([[-1.0, -0.5, -1.0], [-0.2, -0.3, -0.4]], requires_grad=True)
     rollout_lp = torch.tensor([[-95.0, -0.5, -1.0], [-0.2, -0.2, -0.5]])
     adv = torch.tensor([0.0 if name == "reinforce_zero" else 1.0, -1.0])
     assert torch.isinf(torch.exp(lp.detach() - rollout_lp)).any()  # the weight does overflow
-    loss, _ = get_loss(name)(lp, rollout_lp, torch.ones(2, 3), adv, LossConfig())
+    loss, _ = get_loss(name)(lp, rollout_lp, torch.ones(2, 3), adv, LossConfig(**cfg))
     loss.backward()
     assert math.isfinite(float(loss.detach())) and torch.isfinite(lp.grad).all(), (loss, lp.grad)
     assert lp.grad[0, 0] == (-LossConfig().tis_cap / 3 / 2 if name == "tis" else 0)
@@ -158,3 +185,7 @@ def test_unknown_loss_and_bad_config():
         get_loss("ppo")
     with pytest.raises(ConfigError, match="icepop_low"):
         LossConfig(icepop_low=6.0)
+    with pytest.raises(ConfigError, match="mis_level must be 'token' or 'sequence'"):
+        LossConfig(mis_level="seq")
+    with pytest.raises(ConfigError, match="mis_cap must be > 0"):
+        LossConfig(mis_cap=0.0)
