@@ -72,7 +72,7 @@ def test_ray_actors_reserve_gpus_for_a_cuda_model():
     from types import SimpleNamespace
 
     from parity.config.train import RaySection
-    from parity.rl.ray_backend import actor_gpus
+    from parity.rl.ray_cluster import actor_gpus
 
     def on_cuda(**ray):  # a validated config would refuse cuda on this machine
         return SimpleNamespace(model=SimpleNamespace(device="cuda"), ray=RaySection(**ray))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ..errors import ParityError
@@ -50,7 +51,9 @@ class MetricsSink:
         """Replace the file's contents (e.g. after the final evaluation amends the last record)."""
         if self._file is not None:
             self._file.close()
-        self.path.write_text("".join(json.dumps(m) + "\n" for m in records))
+        tmp = self.path.with_name(self.path.name + ".tmp")  # a crash mid-write keeps the old file
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in records))
+        os.replace(tmp, self.path)
         self._file = self.path.open("a")
 
     def close(self) -> None:

@@ -93,9 +93,14 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
         raise CheckpointError(f"{final}: could not be written ({reason}); earlier checkpoints are "
                               "untouched") from None
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if final.exists():  # the step saved again: swapped by renames, never left half-removed
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
     return final
 
 

@@ -56,6 +56,7 @@ class Controller:
         self.ready = []  # batches sampled before a checkpoint and not consumed (resume serves them)
         self.metrics: list[dict] = []
         self.interrupted = False
+        self._saved: tuple[int, Path] | None = None  # the last checkpoint written: (step, path)
         if resume:
             self._resume()
         else:
@@ -97,6 +98,7 @@ class Controller:
         previous_handler = self._catch_ctrl_c()
         try:
             self.rollout.start(self.start_step, ready=self.ready)
+            self._catch_ctrl_c()  # again: ray.init installs a SIGTERM handler of its own over ours
             self.ready = []  # the backend holds them now
             # a resumed run's clock and counts go on from its last record (wall time of training:
             # the time between the interrupt and the resume is not counted)
@@ -112,7 +114,11 @@ class Controller:
                 evaluation = self.evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
                 eval_s += time.perf_counter() - t_eval
                 t0 = time.perf_counter()
-                rollout = self.rollout.next_batch(step)
+                try:
+                    rollout = self.rollout.next_batch(step)
+                except Exception:  # the rollout gave up: keep what the learner has trained
+                    self._save_after_failure(step)
+                    raise
                 wait_s = time.perf_counter() - t0
                 assert rollout.index == step, f"batch {rollout.index} arrived for step {step}"
                 batch = TrajectoryBatch(rollout.trajectories)
@@ -165,6 +171,20 @@ class Controller:
                 signal.signal(signum, handler)
         return self.metrics
 
+    def _save_after_failure(self, step: int) -> None:
+        """A checkpoint at this step boundary (the learner's state is whole there) when the
+        rollout fails for good, if this invocation trained anything: the error ends the run, not
+        the steps since the last checkpoint."""
+        if step <= self.start_step:
+            return
+        try:
+            path = self.save_checkpoint(step)
+        except Exception as exc:  # noqa: BLE001 - the rollout's error is the one to report
+            log.warning("could not save a checkpoint after the rollout failed: %s", exc)
+            return
+        log.warning("the rollout failed at batch %d; the %d steps trained are in %s (continue with: "
+                    "parity train --resume %s)", step, step, path, self.run_dir)
+
     def _catch_ctrl_c(self):
         """Ctrl-C or SIGTERM (a scheduler ending the job): finish the step, save, stop; a second
         Ctrl-C aborts. Returns the old handlers."""
@@ -213,7 +233,11 @@ class Controller:
     def save_checkpoint(self, step: int) -> Path:
         """The model, the learner's state, the versions a restarted worker could need and the
         batches already sampled for later steps (so no older weights need storing)."""
+        if self._saved is not None and self._saved[0] == step:  # checkpoint_every's, then the end's
+            return self._saved[1]
         tokenizer = tokenizer_path(self.cfg) if self.cfg.task.name != "target_tokens" else None
         self._retain()
-        return checkpoint.save(self.run_dir, step, self.model, self.learner, tokenizer,
+        path = checkpoint.save(self.run_dir, step, self.model, self.learner, tokenizer,
                                ready=self.rollout.ready_batches())
+        self._saved = (step, path)
+        return path

@@ -42,7 +42,15 @@ from ..errors import ParityError
 from ..model import ModelConfig
 from .build import build_env, model_skeleton
 from .faults import worker_faults
-from .rollout_worker import RolloutWorker, State, first_batch, resume_floor, start_version
+from .rollout_worker import (
+    RestartBudget,
+    RolloutWorker,
+    State,
+    first_batch,
+    restored,
+    resume_floor,
+    start_version,
+)
 from .trajectory import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -74,7 +82,8 @@ def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, vers
 
     def orphaned() -> bool:
         if parent is not None and not parent.is_alive():
-            stop.set()  # the controller is gone
+            stop.set()  # the controller is gone, and the spool it would have removed is ours to
+            shutil.rmtree(spool, ignore_errors=True)
         return stop.is_set()
 
     try:
@@ -108,7 +117,12 @@ def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, vers
             if wait_s is None:
                 return
             batch = worker.sample(b, wait_s)
-            _send(traj_q, spool, batch, corrupt=worker_faults(b))
+            try:
+                _send(traj_q, spool, batch, corrupt=worker_faults(b))
+            except OSError:
+                if orphaned():  # the spool went with the controller
+                    return
+                raise
             todo.remove(b)
     except ParityError as exc:  # a problem that a restart would only repeat
         traj_q.put(("error", str(exc)))
@@ -144,8 +158,6 @@ class LocalRollout:
     """Runs `rollout.workers` rollout workers as child processes (spawned) and hands their batches
     over in order."""
 
-    max_restarts = 3
-    """Restarts allowed over the run (all workers together) before it gives up."""
 
     def __init__(self, cfg: TrainConfig, model_config: ModelConfig,
                  versions: Callable[[], dict[int, State]]):
@@ -154,7 +166,7 @@ class LocalRollout:
         self.model_config = model_config
         self.versions = versions
         self.ctx = mp.get_context("spawn")
-        self.restarts = 0
+        self.budget = RestartBudget()  # worker restarts: 3 within any hour
         self.slots = [_Slot(i) for i in range(cfg.rollout.workers)]
         self.spool: str | None = None
         self.ready: dict[int, RolloutBatch] = {}  # received ahead of the step that consumes them
@@ -163,6 +175,11 @@ class LocalRollout:
     @property
     def pids(self) -> list[int | None]:
         return [s.process.pid if s.process is not None else None for s in self.slots]
+
+    @property
+    def restarts(self) -> int:
+        """Worker restarts so far in this run."""
+        return self.budget.total
 
     @property
     def pid(self) -> int | None:
@@ -175,8 +192,8 @@ class LocalRollout:
         if self.spool is None:
             shm = Path("/dev/shm")
             self.spool = tempfile.mkdtemp(prefix="parity-batches-", dir=shm if shm.is_dir() else None)
-        self.ready = {b.index: b for b in ready or [] if b.index >= start_batch}
         self.floor = resume_floor(self.cfg, self.versions(), start_batch)
+        self.ready = restored(self.cfg, ready, start_batch, self.floor)
         n = len(self.slots)
         for slot in self.slots:
             first = first_batch(slot.index, n, start_batch)
@@ -276,10 +293,9 @@ class LocalRollout:
 
     def _restart(self, slot: _Slot, why: str) -> None:
         step = slot.todo[0]
-        if self.restarts >= self.max_restarts:
-            raise ParityError(f"rollout worker {slot.index} {why} after {self.restarts} restarts; "
-                              f"giving up at batch {step}")
-        self.restarts += 1
+        if not self.budget.spend():
+            raise ParityError(f"rollout worker {slot.index} {why} after {len(self.budget.times)} restarts "
+                              f"within {self.budget.window_s / 60:g} min; giving up at batch {step}")
         log.warning("rollout worker %d %s; restarting it from batch %d", slot.index, why, step)
         if slot.process.is_alive():
             slot.process.kill()

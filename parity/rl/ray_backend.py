@@ -25,16 +25,12 @@ import logging
 import math
 import os
 import queue
-import re
-import secrets
-import socket
+import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -43,88 +39,22 @@ from ..errors import ConfigError, ParityError
 from ..model import ModelConfig
 from .build import build_env, model_skeleton
 from .faults import worker_faults
-from .local import split_threads
-from .rollout_worker import RolloutWorker, State, first_batch, resume_floor, start_version
+from .local import STARTUP_GRACE_S, split_threads
+from .ray_cluster import _private_head_auth, actor_gpus, check_reachable, require_ray, start_local_head
+from .rollout_worker import (
+    RestartBudget,
+    RolloutWorker,
+    State,
+    first_batch,
+    restored,
+    resume_floor,
+    start_version,
+)
 from .trajectory import RolloutBatch
 
 log = logging.getLogger(__name__)
 
 _GROUPS = {"weights": 1, "rollout": 1}
-
-
-def require_ray():
-    """The `ray` module, or a one-line error saying how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError("rollout.backend = 'ray' needs Ray: pip install -e '.[ray]' "
-                          "(or pip install 'ray>=2.9')") from None
-    return ray
-
-
-_PDEATHSIG_EXEC = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 15, 0, 0, 0); "
-                    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])")
-"""Run argv[2:] with SIGTERM as its parent-death signal (kept across exec), unless the parent
-(argv[1]) is already gone."""
-
-
-def start_local_head(num_cpus: int, timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """A Ray head on this machine's loopback that stops (all its processes) when this process dies;
-    returns the head's process and its address."""
-    log_file = tempfile.NamedTemporaryFile(prefix="parity-ray-head-", suffix=".log", delete=False)
-    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
-    argv = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *ray_cli, "start", "--head", "--block",
-            f"--num-cpus={num_cpus}", "--port=0", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
-            "--disable-usage-stats"]
-    # the learner's Ray read its authentication mode when it was imported (unset means disabled);
-    # the head must use the same one
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=env)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = open(log_file.name, errors="replace").read()
-        found = re.search(r"ray start --address='([^']+)'", text)
-        if found:
-            os.unlink(log_file.name)
-            return proc, found.group(1)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    tail = [ln for ln in open(log_file.name, errors="replace").read().splitlines() if ln.strip()][-1:]
-    raise ParityError(f"could not start a Ray head on this machine ({tail[0] if tail else 'no output'}; "
-                      f"log: {log_file.name})")
-
-
-def _private_head_auth() -> None:
-    """Token authentication for the run-private head, as Ray's own local clusters have it (Ray reads
-    the mode once, on import). `ray start` refuses token mode without a token and, unlike
-    `ray.init()`, makes none: with no token at hand (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH,
-    ~/.ray/auth_token) the run makes its own, in its environment only (the head, the actors and
-    this driver inherit it; nothing is written to the home directory)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    if os.environ["RAY_AUTH_MODE"].lower() != "token":
-        return
-    have = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if not have and not (Path.home() / ".ray" / "auth_token").exists():
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-
-
-def actor_gpus(cfg, workers: int, cluster_gpus: float) -> float:
-    """GPUs each rollout actor reserves: none for a CPU model; for a CUDA model
-    `ray.gpus_per_worker`, else one each when the cluster has a GPU per worker, else an equal
-    share of one (Ray hides the GPUs from an actor that reserves none). A one-line error when the
-    cluster has too few."""
-    if not str(cfg.model.device).startswith("cuda"):
-        return 0.0
-    each = cfg.ray.gpus_per_worker
-    if each is None:
-        each = 1.0 if cluster_gpus >= workers else 1.0 / workers
-    if cluster_gpus < min(each * workers, 1.0):
-        raise ConfigError(f"model.device is {cfg.model.device!r} but the Ray cluster has {cluster_gpus:g} "
-                          f"GPUs; rollout.workers={workers} x {each:g} GPU each need {each * workers:g}")
-    return each
 
 
 class RolloutActor:
@@ -185,28 +115,8 @@ class RolloutActor:
         return ray.get_runtime_context().get_node_id()
 
 
-def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """A one-line error now when nothing answers at a Ray head's `host:port` (or `ray://host:port`):
-    `ray.init` itself retries a wrong address for many minutes. 'auto' and 'local' are Ray's own
-    lookups and are left to it."""
-    m = re.fullmatch(r"(?:ray://)?\[?([^\]\s]+?)\]?:(\d+)", address.strip())
-    if not m:
-        if address.strip() in ("auto", "local"):
-            return
-        raise ConfigError(f"ray.address must be host:port, ray://host:port, 'auto' or 'local', "
-                          f"got {address!r}")
-    try:
-        socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout_s).close()
-    except (OSError, ValueError, OverflowError) as exc:
-        raise ParityError(f"cannot reach the Ray head at {address}: "
-                          f"{getattr(exc, 'strerror', None) or exc or type(exc).__name__}") from None
-
-
 class RayRollout:
     """Rollout on Ray actors, with the local backend's interface: start, publish, next_batch, close."""
-
-    max_restarts = 3
-    """Actor restarts allowed over the run (all workers together) before it gives up."""
 
     def __init__(self, cfg: TrainConfig, model_config: ModelConfig,
                  versions: Callable[[], dict[int, State]]):
@@ -223,7 +133,9 @@ class RayRollout:
         self.ready: dict[int, RolloutBatch] = {}  # batches restored from a checkpoint
         self.floor = 0  # the oldest version batches may ask for (see RolloutWorker.floor)
         self.refs: dict[int, object] = {}  # version -> ObjectRef of its weights
-        self.restarts = 0
+        self.budget = RestartBudget()  # actor restarts: 3 within any hour
+        self.started_at = [0.0] * self.n  # per actor: when it was created (time.monotonic)
+        self.killed_hung: set[int] = set()  # actors killed for silence (reported as hung)
         self._head: subprocess.Popen | None = None  # the Ray head this run started, if any
         self._actor_class = None
 
@@ -261,6 +173,11 @@ class RayRollout:
         return self.refs[version]
 
     @property
+    def restarts(self) -> int:
+        """Actor restarts so far in this run."""
+        return self.budget.total
+
+    @property
     def pids(self) -> list[int]:
         return self.ray.get([a.pid.remote() for a in self.actors])
 
@@ -268,8 +185,8 @@ class RayRollout:
     def start(self, start_batch: int, ready: list[RolloutBatch] | None = None) -> None:
         """Start the actors on batches start_batch, ...; `ready` batches (from a checkpoint) are
         served as they are."""
-        self.ready = {b.index: b for b in ready or [] if b.index >= start_batch}
         self.floor = resume_floor(self.cfg, self.versions(), start_batch)
+        self.ready = restored(self.cfg, ready, start_batch, self.floor)
         self._connect()
         torch.set_num_threads(split_threads(self.cfg)[1])
         for i in range(self.n):
@@ -295,6 +212,7 @@ class RayRollout:
             if v > version:
                 actor.receive.options(concurrency_group="weights").remote(v, self._ref(v, history[v]))
         self.actors[i], self.next_submit[i] = actor, first
+        self.started_at[i] = time.monotonic()
 
     def _submit(self, step: int) -> None:
         """Keep every worker's batches that are (or soon will be) admissible submitted."""
@@ -340,8 +258,9 @@ class RayRollout:
             try:
                 ready, _ = self.ray.wait([self.pending[step]], timeout=1.0)
                 if not ready:
-                    if timeout and self._silence(step % self.n) > timeout:
-                        self.ray.kill(self.actors[step % self.n])  # hung: its sample call now fails
+                    if timeout and self._hung(step % self.n, timeout):
+                        self.killed_hung.add(step % self.n)
+                        self.ray.kill(self.actors[step % self.n])  # its sample call now fails
                     continue
                 batch = self.ray.get(self.pending[step])
                 del self.pending[step]
@@ -353,15 +272,26 @@ class RayRollout:
                 raise
             except self.ray.exceptions.RayActorError as exc:
                 i = step % self.n
-                if self.restarts >= self.max_restarts:
-                    raise ParityError(f"rollout actor {i} died after {self.restarts} restarts; giving up at "
-                                      f"batch {step} ({str(exc).splitlines()[0]})") from None
-                self.restarts += 1
-                log.warning("rollout actor %d died; restarting it from batch %d", i, step)
+                why = f"was hung (no sign of life for {timeout:g} s)" if i in self.killed_hung else "died"
+                self.killed_hung.discard(i)
+                if not self.budget.spend():
+                    raise ParityError(f"rollout actor {i} {why} after {len(self.budget.times)} restarts "
+                                      f"within {self.budget.window_s / 60:g} min; giving up at batch {step} "
+                                      f"({str(exc).splitlines()[0]})") from None
+                log.warning("rollout actor %d %s; restarting it from batch %d", i, why, step)
                 for b in [b for b in self.pending if b % self.n == i]:
                     del self.pending[b]
                 self._start_actor(i, step)
                 self._submit(step)
+
+    def _hung(self, i: int, timeout: float) -> bool:
+        """Whether actor i has shown no sign of life for `timeout` seconds; one that does not
+        answer yet while it starts (imports, weights, graph capture) gets the local backend's
+        start-up grace first."""
+        silence = self._silence(i)
+        if silence == float("inf") and time.monotonic() - self.started_at[i] < max(timeout, STARTUP_GRACE_S):
+            return False
+        return silence > timeout
 
     def _silence(self, i: int) -> float:
         """Seconds actor i has shown no sign of life (infinite when it does not even answer)."""
@@ -388,4 +318,8 @@ class RayRollout:
                 self._head.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self._head.kill()
+            try:  # and whatever of its session is left (the head leads it)
+                os.killpg(self._head.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             self._head = None

@@ -189,6 +189,48 @@ def resume_floor(cfg: TrainConfig, versions: dict, start_batch: int) -> int:
     return 0
 
 
+class RestartBudget:
+    """Worker restarts allowed: at most `limit` within any `window_s` seconds (all workers
+    together). A long run meets a transient fault now and then and goes on; a worker that dies
+    again and again gives up fast. `total` counts every restart of the run."""
+
+    def __init__(self, limit: int = 3, window_s: float = 3600.0):
+        self.limit, self.window_s = limit, window_s
+        self.times: list[float] = []
+        self.total = 0
+
+    def spend(self) -> bool:
+        """Take one restart; False (and nothing taken) when the window's are used up."""
+        now = time.monotonic()
+        self.times = [t for t in self.times if now - t < self.window_s]
+        if len(self.times) >= self.limit:
+            return False
+        self.times.append(now)
+        self.total += 1
+        return True
+
+
+def restored(cfg: TrainConfig, ready: list[RolloutBatch] | None, start_batch: int,
+             floor: int) -> dict[int, RolloutBatch]:
+    """The checkpoint's sampled-but-unconsumed batches this run may still use: from `start_batch`
+    on, sampled by a version its lag admits (deterministic: exactly the one it requires). A run
+    resumed with a smaller max_policy_lag (or another staleness mode) samples the others again."""
+    kept, dropped = {}, []
+    for b in ready or []:
+        if b.index < start_batch:
+            continue
+        need = max(floor, b.index - cfg.max_policy_lag)
+        exact = (need, max(0, b.index - cfg.max_policy_lag))  # (past a planned end: either is sound)
+        if b.version in exact if cfg.deterministic else b.version >= need:
+            kept[b.index] = b
+        else:
+            dropped.append(b.index)
+    if dropped:
+        log.warning("batches %s of the checkpoint were sampled by weights this run's max_policy_lag=%d "
+                    "does not admit: sampling them again", dropped, cfg.max_policy_lag)
+    return kept
+
+
 class RolloutWorker:
     """Samples batches for a run: holds the model (loaded with `version`'s weights), an engine
     on it and the run's environment."""

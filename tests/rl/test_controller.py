@@ -264,6 +264,72 @@ def test_checkpoint_keeps_batches_sampled_ahead(tmp_path):
     assert back[0].trajectories[0].sampled_learner_logprobs[1:] == [-0.5, -0.25]
 
 
+def test_a_run_resumed_with_a_smaller_lag_samples_again_the_batches_it_does_not_admit(tmp_path, caplog):
+    """A lag-4 checkpoint's ready batches (index, version) (3, 0), (4, 0), (5, 1), (6, 2): resumed
+    with lag 0 they were trained on at lags 3-4 under `lag/bound` 0. Now only the admitted ones
+    are kept (the control: the same batches with the run's own lag are all kept)."""
+    import logging
+
+    from parity.rl.rollout_worker import restored
+    from parity.rl.trajectory import RolloutBatch
+
+    ready = [RolloutBatch(i, [], v, 0.0, 0.0) for i, v in ((3, 0), (4, 0), (5, 1), (6, 2))]
+    for deterministic in ("true", "false"):
+        same = config(tmp_path, "max_policy_lag=4", f"deterministic={deterministic}")
+        assert sorted(restored(same, ready, 3, 0)) == [3, 4, 5, 6]
+        assert sorted(restored(same, ready, 4, 0)) == [4, 5, 6]  # consumed ones never come back
+    with caplog.at_level(logging.WARNING, logger="parity"):
+        assert restored(config(tmp_path, "max_policy_lag=0", "deterministic=true"), ready, 3, 0) == {}
+    assert "batches [3, 4, 5, 6] of the checkpoint" in caplog.text
+    ready.append(RolloutBatch(7, [], 6, 0.0, 0.0))
+    natural = config(tmp_path, "max_policy_lag=3")  # natural staleness: version >= index - lag
+    assert sorted(restored(natural, ready, 3, 0)) == [3, 7]
+    fixed = config(tmp_path, "max_policy_lag=3", "deterministic=true")  # fixed: exactly index - lag
+    assert sorted(restored(fixed, ready, 3, 0)) == [3]
+
+
+def test_each_checkpoint_is_written_once_and_a_second_save_swaps_whole(tmp_path, monkeypatch):
+    """steps=4 with checkpoint_every=2 wrote checkpoint-4 twice (the periodic save, then the
+    end's), removing the finished one before renaming the new one in: a kill between left a
+    partial checkpoint that resume picked. Now once; and a step saved again is swapped by renames."""
+    from parity.rl import checkpoint
+
+    saved = []
+    real = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda run_dir, step, *a, **k: saved.append(step)
+                        or real(run_dir, step, *a, **k))
+    controller = Controller(config(tmp_path, "steps=4", "checkpoint_every=2", "eval_every=0"))
+    controller.run()
+    assert saved == [2, 4]
+    again = real(tmp_path, 4, controller.model, controller.learner)
+    checkpoint.verify(again)
+    names = sorted(p.name for p in tmp_path.iterdir() if "checkpoint" in p.name)
+    assert names == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_a_ray_actor_still_starting_is_not_taken_for_hung():
+    """A replacement actor cannot answer until its start-up ends (imports, weights, graph
+    capture): it was killed as hung after heartbeat_timeout_s (30 s here), again and again. It
+    gets the local backend's start-up grace; one that answers is judged by its heartbeat."""
+    import time as clock
+
+    from parity.rl.local import STARTUP_GRACE_S
+    from parity.rl.ray_backend import RayRollout
+
+    rollout = object.__new__(RayRollout)
+    silence = {0: float("inf")}
+    rollout._silence = lambda i: silence[i]
+    rollout.started_at = [clock.monotonic() - 40.0]
+    assert not rollout._hung(0, 30.0)  # starting for 40 s, not answering yet
+    rollout.started_at = [clock.monotonic() - STARTUP_GRACE_S - 1]
+    assert rollout._hung(0, 30.0)  # past the grace: hung
+    rollout.started_at = [clock.monotonic() - 40.0]
+    silence[0] = 31.0
+    assert rollout._hung(0, 30.0)  # up, then silent past the timeout
+    silence[0] = 2.0
+    assert not rollout._hung(0, 30.0)
+
+
 def test_fixed_lag_batches_out_of_turn_give_the_same_run(tmp_path):
     """Deterministic mode: a worker holding more than rollout.max_held_versions versions samples
     the newest one's batch out of turn; the run is the same, bit for bit, as strictly in order."""

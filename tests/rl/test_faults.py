@@ -65,6 +65,28 @@ def test_a_corrupt_batch_file_is_refused_and_sampled_again(tmp_path, faults, ref
     assert deterministic_view(controller.run()) == reference and controller.rollout.restarts == 1
 
 
+def test_a_rollout_that_gives_up_keeps_the_steps_trained_and_resumes(tmp_path, faults, reference, caplog):
+    """Four worker deaths in a row use up the restarts (3 within an hour) at batch 4: the error
+    ends the run, but steps 0-3 are saved at that step boundary (they were lost without a
+    checkpoint_every), and the resumed run ends as the uninterrupted one."""
+    import logging
+
+    from parity.errors import ParityError
+
+    faults("worker-exit@1,worker-exit@2,worker-exit@3,worker-exit@4")
+    controller = run(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="parity"), \
+            pytest.raises(ParityError, match="after 3 restarts within 60 min; giving up at batch 4"):
+        controller.run()
+    assert "the rollout failed at batch 4; the 4 steps trained are in" in caplog.text
+    saved = checkpoint.latest(tmp_path / "run")
+    assert saved.name == "checkpoint-4"
+    checkpoint.verify(saved)
+    resumed = Controller(load_config(None, RUN + [f'run_dir="{tmp_path / "run"}"']), resume=True)
+    resumed.run()
+    assert deterministic_view(read_metrics(tmp_path / "run")) == reference
+
+
 def _memory_cgroup(limit_bytes: int) -> Path | None:
     root = Path("/sys/fs/cgroup")
     base = root / "memory" if (root / "memory" / "cgroup.procs").exists() else root
@@ -119,13 +141,25 @@ def test_sigterm_saves_a_checkpoint_and_resume_matches(tmp_path, reference):
     assert deterministic_view(read_metrics(run_dir)) == reference
 
 
+def _spools() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("parity-batches-*")} if shm.is_dir() else set()
+
+
 def test_the_learner_killed_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, reference):
+    """...and its orphaned worker removes the batch spool in /dev/shm (memory) that the learner's
+    close would have: they were left behind, one per killed run."""
     run_dir = tmp_path / "run"
+    before = _spools()
     (tmp_path / "state").mkdir()
     proc = _train(run_dir, "checkpoint_every=2",
                   env={"PARITY_FAULTS": "ckpt-kill@4", "PARITY_FAULT_STATE": str(tmp_path / "state")})
     proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 20  # the worker notices within a poll (0.5 s) or its wait
+    while _spools() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _spools() - before, "the killed run's spool directory was left in /dev/shm"
     assert (run_dir / ".checkpoint-4.tmp").exists()  # the half-written one, never renamed
     last = checkpoint.latest(run_dir)
     assert last.name == "checkpoint-2"

@@ -26,7 +26,7 @@ from parity.metrics.sinks import read_metrics
 from parity.metrics.summary import deterministic_view
 from parity.rl import checkpoint
 from parity.rl.controller import Controller
-from parity.rl.ray_backend import start_local_head
+from parity.rl.ray_cluster import start_local_head
 
 BASE = ["model.preset=\"tiny\"", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_tokens=8",
         "learner.lr=0.003", "learner.micro_batch_size=4", "task.targets=[7, 8]", "ray.cpus_per_worker=0.5"]
@@ -186,16 +186,40 @@ def test_a_killed_learner_leaves_its_checkpoint_and_no_ray_process(tmp_path):
     last = checkpoint.latest(run_dir)
     checkpoint.verify(last)  # complete and uncorrupted: the manifest matches every file
     step = int(last.name.split("-")[1])
-    resumed = _train("--resume", str(run_dir), "--set", f"steps={step + 2}")
-    out, _ = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, out[-2000:]
-    assert len(read_metrics(run_dir)) == step + 2
+    # resumed on Ray, then stopped as a scheduler (SIGTERM to the learner) and as a terminal's
+    # Ctrl-C (SIGINT to its whole process group) stop it: each finishes its step and saves. Ray's
+    # own SIGTERM handler (installed by ray.init) ended the run with no checkpoint (exit -6), and
+    # the group's SIGINT killed the head under the actors and left it running.
+    for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        metrics = run_dir / "metrics.jsonl"  # cut to the checkpoint's steps, as a resume does
+        metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:step]))
+        resumed = _train("--resume", str(run_dir), "--set", "steps=200", start_new_session=True)
+        deadline = time.monotonic() + 120
+        while len(read_metrics(run_dir)) < step + 2:
+            assert resumed.poll() is None and time.monotonic() < deadline, "the resumed run made no step"
+            time.sleep(0.2)
+        tree = descendants(resumed.pid)
+        if signum == signal.SIGINT:
+            os.killpg(resumed.pid, signum)
+        else:
+            resumed.send_signal(signum)
+        out, _ = resumed.communicate(timeout=120)
+        assert resumed.returncode == code, out[-2000:]
+        assert f"interrupted ({signal.Signals(signum).name}); checkpoint saved" in out
+        saved = checkpoint.latest(run_dir)
+        checkpoint.verify(saved)
+        step = int(saved.name.split("-")[1])
+        assert len(read_metrics(run_dir)) == step
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [p for p in tree if alive(p)], "Ray processes outlived the interrupted run"
 
 
 def test_a_private_head_gets_a_token_of_its_own_when_none_is_at_hand(tmp_path, monkeypatch):
     """`ray start` refuses token mode without a token (it makes none): the run makes its own, in its
     environment only; a token the user has is left alone, and so is a mode the user chose."""
-    from parity.rl.ray_backend import _private_head_auth
+    from parity.rl.ray_cluster import _private_head_auth
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
