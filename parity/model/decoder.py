@@ -93,8 +93,9 @@ class Model(nn.Module):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
                 or block_size % 16:
             raise ConfigError(f"block_size must be a positive multiple of 16, got {block_size!r}")
-        if dtype not in COMPUTE_DTYPES.values():
-            raise ConfigError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype!r}")
+        if dtype not in (*COMPUTE_DTYPES.values(), torch.float64):  # float64: references, tests
+            raise ConfigError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)} (or float64 for "
+                              f"references), got {dtype!r}")
         device = check_device(device)
         self.config = config
         self._backend = check_backend(kernels)

@@ -23,6 +23,7 @@ and `close`; the Ray backend (`rl/ray_backend.py`) provides the same.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import queue as queue_mod
 import shutil
@@ -191,7 +192,9 @@ class LocalRollout:
         (from a checkpoint) are served as they are and not sampled again."""
         if self.spool is None:
             shm = Path("/dev/shm")
-            self.spool = tempfile.mkdtemp(prefix="parity-batches-", dir=shm if shm.is_dir() else None)
+            # named by this process's pid: whose it is, if one is ever left behind
+            self.spool = tempfile.mkdtemp(prefix=f"parity-batches-{os.getpid()}-",
+                                          dir=shm if shm.is_dir() else None)
         self.floor = resume_floor(self.cfg, self.versions(), start_batch)
         self.ready = restored(self.cfg, ready, start_batch, self.floor)
         n = len(self.slots)

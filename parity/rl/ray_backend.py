@@ -61,7 +61,7 @@ class RolloutActor:
     """The body of a rollout-worker actor (made a Ray actor class by `RayRollout`)."""
 
     def __init__(self, cfg: TrainConfig, model_config: ModelConfig, state: State, version: int,
-                 threads: int, floor: int = 0):
+                 threads: int, floor: int = 0, todo: list[int] | None = None):
         torch.set_num_threads(threads)
         model = model_skeleton(cfg, model_config)
         model.load_state_dict(state)
@@ -71,6 +71,8 @@ class RolloutActor:
         self.worker = RolloutWorker(cfg, model, build_env(cfg, model_config.vocab_size), version, self._poll,
                                     self._beat)
         self.worker.floor = floor
+        if cfg.deterministic and todo is not None:  # its plan: held versions only its batches need
+            self.worker.todo = list(todo)
 
     def _beat(self) -> None:
         self._last_beat = time.monotonic()
@@ -102,6 +104,8 @@ class RolloutActor:
         if wait_s is None:
             return None
         batch = self.worker.sample(batch_index, wait_s)
+        if self.worker.todo is not None and batch_index in self.worker.todo:
+            self.worker.todo.remove(batch_index)
         worker_faults(batch_index)  # (fault-injection tests only)
         return batch
 
@@ -130,7 +134,7 @@ class RayRollout:
         self.actors: list = [None] * self.n
         self.next_submit = [0] * self.n  # per worker: the next batch to submit
         self.pending: dict[int, object] = {}  # batch index -> ObjectRef of its RolloutBatch
-        self.ready: dict[int, RolloutBatch] = {}  # batches restored from a checkpoint
+        self.ready: dict[int, RolloutBatch] = {}  # in hand: restored from a checkpoint, or collected
         self.floor = 0  # the oldest version batches may ask for (see RolloutWorker.floor)
         self.refs: dict[int, object] = {}  # version -> ObjectRef of its weights
         self.budget = RestartBudget()  # actor restarts: 3 within any hour
@@ -202,12 +206,17 @@ class RayRollout:
         while first in self.ready:  # restored from a checkpoint: not sampled again
             first += self.n
         version = start_version(self.cfg, history, first)
+        need = max(self.floor, first - self.cfg.max_policy_lag)
+        if self.cfg.deterministic and need <= max(history) and need != version:
+            raise ParityError(f"batch {first} needs weight version {need}, which was not kept (kept: "
+                              f"{sorted(history)})")  # a bug: it would wait for it forever
         if version not in history:
             raise ParityError(f"batch {first} needs weight version {version}, which is not kept (a "
                               "checkpoint resumed with another max_policy_lag?); resume with the run's lag")
         threads = max(1, int(self.cfg.ray.cpus_per_worker))
+        todo = [b for b in range(first, self.cfg.steps, self.n) if b not in self.ready]
         actor = self._actor_class.remote(self.cfg, self.model_config, self._ref(version, history[version]),
-                                         version, threads, self.floor)
+                                         version, threads, self.floor, todo)
         for v in sorted(history):
             if v > version:
                 actor.receive.options(concurrency_group="weights").remote(v, self._ref(v, history[v]))
@@ -235,15 +244,35 @@ class RayRollout:
             del self.refs[v]
 
     def collect(self) -> None:
-        """Finished batches stay in Ray's object store until asked for: nothing to do."""
+        """Take in the batches Ray has finished: they are in hand (and in a checkpoint) and their
+        weights are no longer needed. A task that failed (its actor died) is also 'finished' to
+        Ray: it stays pending, for `next_batch` to restart the actor and sample it again."""
+        if not self.pending:
+            return
+        refs = list(self.pending.values())
+        done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = set(done)
+        for b, ref in [(b, r) for b, r in self.pending.items() if r in done]:
+            try:
+                batch = self.ray.get(ref)
+            except self.ray.exceptions.RayError:  # next_batch deals with it
+                continue
+            if batch is not None:  # (None: the actor was stopped)
+                self.ready[b] = batch
+                del self.pending[b]
 
-    def needed_versions(self) -> range | None:
-        """The weight versions a restarted actor could need (None: only the newest). Actors take
-        their batches in order, so that is every version from the oldest pending batch's on."""
-        first = min(self.pending, default=min(self.next_submit))
-        if not self.cfg.deterministic or first >= self.cfg.steps:
+    def needed_versions(self) -> set[int] | None:
+        """The weight versions a restarted actor could need (None: only the newest): those of the
+        submitted batches not collected yet, and every version from the first unsubmitted batch's
+        on (the local backend's rule)."""
+        if not self.cfg.deterministic:
             return None
-        return range(max(self.floor, first - self.cfg.max_policy_lag), sys.maxsize)
+        lag, floor = self.cfg.max_policy_lag, self.floor
+        needed = {max(floor, b - lag) for b in self.pending}
+        unsubmitted = min(self.next_submit)
+        if unsubmitted < self.cfg.steps:
+            needed.update(range(max(floor, unsubmitted - lag), max(self.versions()) + 1))
+        return needed
 
     def ready_batches(self) -> list[RolloutBatch]:
         """Batches in hand and not consumed (the restored ones; Ray keeps the others)."""

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -141,25 +142,26 @@ def test_sigterm_saves_a_checkpoint_and_resume_matches(tmp_path, reference):
     assert deterministic_view(read_metrics(run_dir)) == reference
 
 
-def _spools() -> set[str]:
+def _spools(pid: int) -> list[Path]:
+    """The batch spools of the controller with this pid (named by it: other runs on the machine,
+    a concurrent CI job's included, leave theirs in the same /dev/shm)."""
     shm = Path("/dev/shm")
-    return {p.name for p in shm.glob("parity-batches-*")} if shm.is_dir() else set()
+    return list((shm if shm.is_dir() else Path(tempfile.gettempdir())).glob(f"parity-batches-{pid}-*"))
 
 
 def test_the_learner_killed_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, reference):
     """...and its orphaned worker removes the batch spool in /dev/shm (memory) that the learner's
     close would have: they were left behind, one per killed run."""
     run_dir = tmp_path / "run"
-    before = _spools()
     (tmp_path / "state").mkdir()
     proc = _train(run_dir, "checkpoint_every=2",
                   env={"PARITY_FAULTS": "ckpt-kill@4", "PARITY_FAULT_STATE": str(tmp_path / "state")})
     proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 20  # the worker notices within a poll (0.5 s) or its wait
-    while _spools() - before and time.monotonic() < deadline:
+    while _spools(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _spools() - before, "the killed run's spool directory was left in /dev/shm"
+    assert not _spools(proc.pid), "the killed run's spool directory was left in /dev/shm"
     assert (run_dir / ".checkpoint-4.tmp").exists()  # the half-written one, never renamed
     last = checkpoint.latest(run_dir)
     assert last.name == "checkpoint-2"

@@ -127,6 +127,47 @@ def test_a_hung_actor_is_replaced_and_nothing_is_lost(ray_cluster, tmp_path, mon
     assert deterministic_view(hung) == deterministic_view(whole)
 
 
+def test_ray_keeps_only_the_weight_versions_uncollected_batches_need(tmp_path):
+    """Fixed lag 8, newest version 4: batches 5-12 submitted, 5-10 finished in Ray's store (9's
+    actor died under it), 13 on not submitted. The finished ones are taken in (kept in a
+    checkpoint); only batches 9, 11 and 12 still need their versions (1, 3, 4). It kept every
+    version from the oldest submitted batch's on (up to lag + 1, in the learner and the store),
+    and when 9's version was dropped anyway, its restarted actor waited forever for it."""
+    from parity.rl.ray_backend import RayRollout
+
+    class ActorDied(Exception):
+        pass
+
+    class StoreSays:
+        class exceptions:
+            RayError = ActorDied
+
+        @staticmethod
+        def wait(refs, num_returns, timeout):
+            done = [r for r in refs if int(r.removeprefix("ref")) <= 10]
+            return done, [r for r in refs if r not in done]
+
+        @staticmethod
+        def get(ref):
+            if ref == "ref9":
+                raise ActorDied(ref)
+            return f"batch{ref.removeprefix('ref')}"
+
+    rollout = object.__new__(RayRollout)
+    rollout.cfg = config(tmp_path, "max_policy_lag=8", "deterministic=true", "steps=30")
+    rollout.ray, rollout.floor, rollout.ready = StoreSays, 0, {}
+    rollout.pending = {b: f"ref{b}" for b in range(5, 13)}
+    rollout.next_submit = [13]
+    rollout.versions = lambda: dict.fromkeys(range(5))
+    rollout.collect()
+    assert sorted(rollout.pending) == [9, 11, 12]
+    assert rollout.ready_batches() == ["batch5", "batch6", "batch7", "batch8", "batch10"]
+    assert rollout.needed_versions() == {1, 3, 4}
+    rollout.next_submit = [11]  # a batch not submitted yet may need any version from its own on
+    del rollout.pending[11], rollout.pending[12]
+    assert rollout.needed_versions() == {1, 3, 4}
+
+
 def test_ray_missing_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[ray\]'"):
