@@ -10,9 +10,19 @@ bias left to right): decode at small batches is bound by reading the weights, an
 streams them at GEMV speed, two to three times the padded GEMM. Neither property is assumed:
 a probe of this machine confirms each at first use (per thread count; per K for the kernel),
 and a product whose probe fails keeps the 16-row padding the design started from.
+
+Where even the large GEMM's rows are not fixed (measured on an Intel Xeon with AMX: MKL's float32
+GEMM at 2 threads orders a row by M and thread count for K >= 1024, and oneDNN's bf16 GEMM picks
+its kernel by M up to ~1,000 rows), the probe `_large_rows_hold` fails and GEMMs run *strict*:
+in float32 (bf16 values multiplied exactly, the sum rounded once), on one MKL thread, padded to
+16 rows (`STRICT_ROWS`), one at a time; the properties are then probed again under that regime.
+Slower (one core; no bf16 instructions), never silently variant.
 """
 
 from __future__ import annotations
+
+import logging
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +30,10 @@ import torch.nn.functional as F
 from ..hardware import bf16_gemm_native
 from . import native
 from .common import gemm_linear
+
+STRICT_ROWS = 16
+"""In strict mode, the row count from which a single-threaded float32 GEMM's rows do not depend
+on M (measured: 16 where MKL orders rows of up to 15 otherwise)."""
 
 MIN_GEMM_ROWS = 16
 """Rows a small GEMM is padded to where the probe finds 4-row multiples unsafe, and the smallest
@@ -35,6 +49,73 @@ _PROBE_SHAPES = ((64, 96), (256, 768), (1024, 1024), (1024, 3072))
 """(K, N) of the probe's GEMMs: the sizes of the presets' projections, small to Qwen3-0.6B's."""
 
 _quantum: dict[tuple[int, bool], int] = {}
+_strict: dict[bool, bool] = {}  # bf16 GEMM native -> strict mode
+_strict_lock = threading.Lock()  # the MKL thread count is process-wide: one strict GEMM at a time
+_LARGE_ROWS = (STRICT_ROWS, 17, 24, 37, 64, 100)
+"""Row counts the large-GEMM probe compares with a 160-row GEMM (where MKL and oneDNN were seen
+to change a row's order: below 16 rows, at 33-36 and above, with M-dependent thread splits)."""
+
+
+def _large_rows_hold(linear) -> bool:
+    """Whether `linear`'s rows, for 16-100 of them at two offsets, are those of a 160-row
+    product, at one and at two threads, and the same at both, for the probe shapes (float32, and
+    bfloat16 where the CPU has a bf16 GEMM). Probed at fixed thread counts, so that every process
+    of a run (workers and learner run at different counts) reaches the same answer. ~0.3 s."""
+    gen = torch.Generator().manual_seed(4321)
+    dtypes = [torch.float32] + ([torch.bfloat16] if bf16_gemm_native() else [])
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            for dtype in dtypes:
+                for k, n in _PROBE_SHAPES[1:]:
+                    x = torch.randn(160, k, generator=gen).to(dtype)
+                    w = torch.randn(n, k, generator=gen).to(dtype)
+                    fulls = []
+                    for t in (1, 2):
+                        torch.set_num_threads(t)
+                        fulls.append(full := linear(x, w))
+                        for m in _LARGE_ROWS:
+                            for off in (0, 160 - m):
+                                if not torch.equal(linear(x[off:off + m], w), full[off:off + m]):
+                                    return False
+                    if not torch.equal(*fulls):
+                        return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
+def strict() -> bool:
+    """Whether GEMMs run strict on this machine: the large-GEMM probe failed (once per process
+    and bf16 GEMM path; the same answer in every process of a run)."""
+    key = bf16_gemm_native()
+    got = _strict.get(key)
+    if got is None:
+        got = _strict[key] = not _large_rows_hold(gemm_linear)
+        if got and not _large_rows_hold(_strict_product):
+            logging.getLogger(__name__).warning(
+                "this machine's GEMM rows depend on the row count even on one thread in float32: "
+                "aligned kernels may not be invariant here (run `parity check`)")
+    return got
+
+
+def _strict_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` in float32 on one MKL thread (rounded back to x's dtype), padded
+    to STRICT_ROWS rows: the strict regime's GEMM."""
+    rows = x.shape[0]
+    if rows < STRICT_ROWS:
+        x = torch.cat([x, x.new_zeros(STRICT_ROWS - rows, x.shape[1])])
+    b = None if bias is None else bias.float()
+    with _strict_lock:
+        threads = torch.get_num_threads()
+        if threads > 1:
+            torch.set_num_threads(1)
+        try:
+            y = F.linear(x.float(), weight.float(), b)
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
+    return y[:rows].to(x.dtype)
 
 
 def _probe_quantum() -> int:
@@ -97,14 +178,14 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             and weight.shape[0] >= FREE_ROWS
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
-            and native.library() is not None and _gemv_order_holds(x.shape[1]))
+            and native.library() is not None and not strict() and _gemv_order_holds(x.shape[1]))
 
 
 def token_rows(m: int, dtype: torch.dtype) -> int:
     """The row count a forward pads its token-wise work of `m` tokens to: none in float32 up to
     `GEMV_ROWS` (the matrix-vector kernel serves them, and `linear` still pads any product it
     cannot take), else `gemm_rows(m)`, so that each GEMM is padded once per forward."""
-    if dtype == torch.float32 and m <= GEMV_ROWS and native.library() is not None:
+    if dtype == torch.float32 and m <= GEMV_ROWS and native.library() is not None and not strict():
         return m
     return gemm_rows(m)
 
@@ -113,6 +194,8 @@ def gemm_rows(m: int) -> int:
     """The row count a GEMM of `m` rows is padded to, so that each row's bits are those of any
     larger GEMM: `m` from `FREE_ROWS` up, else the next multiple of the probed quantum (4 here,
     16 where the probe fails)."""
+    if strict():
+        return max(m, STRICT_ROWS)
     if m >= FREE_ROWS:
         return m
     key = (torch.get_num_threads(), bf16_gemm_native())
@@ -127,6 +210,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
+    if x2.device.type == "cpu" and strict():
+        return _strict_product(x2, weight, bias).view(*lead, weight.shape[0])
     if 0 < rows <= GEMV_ROWS and _gemv_applies(x2, weight, bias):
         y = native.gemv(x2, weight, bias, gemm_kblock(x2.shape[1]))
         return y.view(*lead, weight.shape[0])
@@ -142,6 +227,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def describe() -> str:
     """The small-GEMM paths this process uses, in words (`parity check` prints it after its runs,
     so the matrix-vector probes of the model's K values have been made)."""
+    if strict():
+        return ("GEMMs strict: float32 on one thread, padded to 16 rows (this machine's GEMM rows "
+                "depend on the row count or thread count: the large-GEMM probe failed)")
     pads = "4-row multiples" if gemm_rows(1) == ROW_QUANTUM else "16 rows (the 4-row probe failed here)"
     if native.library() is None:
         return f"small GEMMs padded to {pads}"

@@ -103,6 +103,10 @@ def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, vers
                     block = False
             except queue_mod.Empty:
                 pass
+            except (OSError, EOFError):  # weights shared by a controller that died mid-transfer
+                if orphaned():
+                    return []
+                raise
             return got
 
         def beat() -> None:
@@ -127,6 +131,9 @@ def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, vers
             todo.remove(b)
     except ParityError as exc:  # a problem that a restart would only repeat
         traj_q.put(("error", str(exc)))
+    except BaseException:
+        orphaned()  # (removes the spool if the controller is gone)
+        raise
     while not orphaned():  # finished (or failed): stay until the controller has read everything
         stop.wait(0.5)
 

@@ -57,6 +57,7 @@ def test_control_unpadded_small_gemms_differ(threads, k, n):
 
 def test_padding_is_4_row_multiples_where_the_probe_passes_and_16_where_it_fails(monkeypatch):
     monkeypatch.setattr(gemm, "_quantum", {})
+    monkeypatch.setattr(gemm, "strict", lambda: False)  # (strict mode: tested below)
     if gemm._probe_quantum() != gemm.ROW_QUANTUM:
         pytest.skip("this machine's small GEMMs fail the probe: 16 rows everywhere")
     assert [gemm.gemm_rows(m) for m in (1, 3, 4, 5, 8, 9, 11, 12, 13, 40)] == \
@@ -77,6 +78,8 @@ needs_native = pytest.mark.skipif(native.library() is None, reason="no C compile
 @needs_native
 @pytest.mark.parametrize("k", [64, 193, 300, 1024, 3072])
 def test_the_matrix_vector_kernel_is_the_gemms_order_and_is_used(threads, k, monkeypatch):
+    if gemm.strict():
+        pytest.skip("strict GEMMs here (one thread, 16 rows): no matrix-vector path")
     if not gemm._gemv_order_holds(k):
         pytest.skip(f"this BLAS orders K={k} otherwise: the padded GEMM serves (also correct)")
     gen = torch.Generator().manual_seed(7)
@@ -103,4 +106,40 @@ def test_control_another_blocking_differs_and_the_probe_falls_back(monkeypatch):
     monkeypatch.setattr(gemm, "gemm_kblock", lambda k: k)
     monkeypatch.setattr(gemm, "_gemv_ok", {})
     assert not gemm._gemv_order_holds(k)
-    assert torch.equal(gemm.linear(x[:1], w), full[:1])  # the padded GEMM serves instead
+    if not gemm.strict():
+        assert torch.equal(gemm.linear(x[:1], w), full[:1])  # the padded GEMM serves instead
+
+
+@pytest.fixture
+def strict_gemms(monkeypatch):
+    monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_strict_gemms_give_every_row_count_the_same_rows(strict_gemms, threads, dtype):
+    """Strict mode (float32 on one MKL thread, 16-row padding), forced here on any machine: a
+    row's bits do not depend on M (1-100), its offset or the caller's thread count."""
+    for k, n in ((1024, 1024), (2048, 151), (300, 40)):
+        x, w = _data(k, n, dtype)
+        x = torch.cat([x, x, x])[:130]
+        torch.set_num_threads(1)
+        full = gemm.linear(x, w)
+        torch.set_num_threads(threads)
+        for m in (1, 2, 5, 12, 15, 16, 17, 33, 37, 64, 100):
+            for off in (0, 7, 130 - m):
+                assert torch.equal(gemm.linear(x[off:off + m], w), full[off:off + m]), (k, n, m, off)
+        assert torch.get_num_threads() == threads  # restored after each product
+
+
+def test_control_a_gemm_whose_large_rows_depend_on_m_makes_gemms_strict(monkeypatch):
+    """The probe: rows that change with M between 16 and 100 (as oneDNN's bf16 GEMM did with AMX,
+    and MKL's float32 GEMM at 2 threads) make this machine strict; rows that do not, do not."""
+    def uneven(x, w, bias=None):
+        y = F.linear(x.float(), w.float(), bias).to(x.dtype)
+        return y + 1e-3 if 33 <= x.shape[0] < 100 else y
+
+    monkeypatch.setattr(gemm, "gemm_linear", uneven)
+    monkeypatch.setattr(gemm, "_strict", {})
+    assert gemm.strict()
+    assert "strict" in gemm.describe()
+    assert gemm._large_rows_hold(gemm._strict_product)  # the strict regime passes it
