@@ -100,18 +100,19 @@ def strict() -> bool:
 
 
 def _strict_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` in float32 on one MKL thread (rounded back to x's dtype), padded
+    """`x @ weight.T (+ bias)` in float32 (or float64) on one MKL thread (rounded back to x's dtype), padded
     to STRICT_ROWS rows: the strict regime's GEMM."""
     rows = x.shape[0]
     if rows < STRICT_ROWS:
         x = torch.cat([x, x.new_zeros(STRICT_ROWS - rows, x.shape[1])])
-    b = None if bias is None else bias.float()
+    acc = torch.promote_types(x.dtype, torch.float32)  # (float64 stays float64: references)
+    b = None if bias is None else bias.to(acc)
     with _strict_lock:
         threads = torch.get_num_threads()
         if threads > 1:
             torch.set_num_threads(1)
         try:
-            y = F.linear(x.float(), weight.float(), b)
+            y = F.linear(x.to(acc), weight.to(acc), b)
         finally:
             if threads > 1:
                 torch.set_num_threads(threads)
