@@ -22,6 +22,7 @@ Slower (one core; no bf16 instructions), never silently variant.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import torch
@@ -87,9 +88,13 @@ def _large_rows_hold(linear) -> bool:
 
 def strict() -> bool:
     """Whether GEMMs run strict on this machine: the large-GEMM probe failed (once per process
-    and bf16 GEMM path; the same answer in every process of a run)."""
+    and bf16 GEMM path; the same answer in every process of a run). PARITY_GEMM_STRICT=1|0
+    overrides the probe (to measure what strict mode costs or prevents)."""
     key = bf16_gemm_native()
     got = _strict.get(key)
+    forced = os.environ.get("PARITY_GEMM_STRICT")  # "1" or "0": override the probe (comparisons)
+    if got is None and forced in ("0", "1"):
+        got = _strict[key] = forced == "1"
     if got is None:
         got = _strict[key] = not _large_rows_hold(gemm_linear)
         if got and not _large_rows_hold(_strict_product):
