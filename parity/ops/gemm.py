@@ -13,14 +13,16 @@ and a product whose probe fails keeps the 16-row padding the design started from
 
 Where even the large GEMM's rows are not fixed (measured on an Intel Xeon with AMX: MKL's float32
 GEMM at 2 threads orders a row by M and thread count for K >= 1024, and oneDNN's bf16 GEMM picks
-its kernel by M up to ~1,000 rows), the probe `_large_rows_hold` fails and GEMMs run *strict*:
-in float32 (bf16 values multiplied exactly, the sum rounded once), on one MKL thread, padded to
-16 rows (`STRICT_ROWS`), one at a time; the properties are then probed again under that regime.
-Slower (one core; no bf16 instructions), never silently variant.
+its kernel by M up to ~1,000 rows), the probe `_large_rows_hold` fails and GEMMs run *strict*,
+on one thread and one at a time: float32 padded to 16 rows (`STRICT_ROWS`), from which MKL's
+single-threaded rows do not depend on M; bf16 as GEMMs of exactly 128 rows each
+(`STRICT_BF16_ROWS`: one shape, one oneDNN kernel), or where that fails its probe, in float32
+(bf16 values multiplied exactly, the sum rounded once). Slower (one core), never silently variant.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -35,6 +37,10 @@ from .common import gemm_linear
 STRICT_ROWS = 16
 """In strict mode, the row count from which a single-threaded float32 GEMM's rows do not depend
 on M (measured: 16 where MKL orders rows of up to 15 otherwise)."""
+
+STRICT_BF16_ROWS = 128
+"""In strict mode, the rows of each bf16 GEMM call (oneDNN picks its kernel by M: one shape, one
+kernel). 128 kept ~0.85 of the unchunked speed with AMX where 32 kept ~0.2 (2026-12-04)."""
 
 MIN_GEMM_ROWS = 16
 """Rows a small GEMM is padded to where the probe finds 4-row multiples unsafe, and the smallest
@@ -51,19 +57,20 @@ _PROBE_SHAPES = ((64, 96), (256, 768), (1024, 1024), (1024, 3072))
 
 _quantum: dict[tuple[int, bool], int] = {}
 _strict: dict[bool, bool] = {}  # bf16 GEMM native -> strict mode
-_strict_lock = threading.Lock()  # the MKL thread count is process-wide: one strict GEMM at a time
+_bf16_chunks_ok: dict[bool, bool] = {}
+_strict_lock = threading.RLock()  # the MKL thread count is process-wide: one strict GEMM at a time
 _LARGE_ROWS = (STRICT_ROWS, 17, 24, 37, 64, 100)
 """Row counts the large-GEMM probe compares with a 160-row GEMM (where MKL and oneDNN were seen
 to change a row's order: below 16 rows, at 33-36 and above, with M-dependent thread splits)."""
 
 
-def _large_rows_hold(linear) -> bool:
+def _large_rows_hold(linear, dtypes: tuple[torch.dtype, ...] | None = None) -> bool:
     """Whether `linear`'s rows, for 16-100 of them at two offsets, are those of a 160-row
     product, at one and at two threads, and the same at both, for the probe shapes (float32, and
     bfloat16 where the CPU has a bf16 GEMM). Probed at fixed thread counts, so that every process
     of a run (workers and learner run at different counts) reaches the same answer. ~0.3 s."""
     gen = torch.Generator().manual_seed(4321)
-    dtypes = [torch.float32] + ([torch.bfloat16] if bf16_gemm_native() else [])
+    dtypes = dtypes or ((torch.float32,) + ((torch.bfloat16,) if bf16_gemm_native() else ()))
     threads = torch.get_num_threads()
     try:
         with torch.no_grad():
@@ -104,23 +111,52 @@ def strict() -> bool:
     return got
 
 
-def _strict_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` in float32 (or float64) on one MKL thread (rounded back to x's dtype), padded
-    to STRICT_ROWS rows: the strict regime's GEMM."""
-    rows = x.shape[0]
-    if rows < STRICT_ROWS:
-        x = torch.cat([x, x.new_zeros(STRICT_ROWS - rows, x.shape[1])])
-    acc = torch.promote_types(x.dtype, torch.float32)  # (float64 stays float64: references)
-    b = None if bias is None else bias.to(acc)
+@contextlib.contextmanager
+def _one_thread():
+    """MKL and oneDNN on one thread, one product at a time (the thread count is process-wide)."""
     with _strict_lock:
         threads = torch.get_num_threads()
         if threads > 1:
             torch.set_num_threads(1)
         try:
-            y = F.linear(x.to(acc), weight.to(acc), b)
+            yield
         finally:
             if threads > 1:
                 torch.set_num_threads(threads)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])]) if rows > x.shape[0] else x
+
+
+def _bf16_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A bf16 product as GEMMs of exactly STRICT_BF16_ROWS rows each (the last one padded), on one
+    thread: every call has one shape, so oneDNN takes one kernel, whatever M."""
+    rows, c = x.shape[0], STRICT_BF16_ROWS
+    x = _pad_rows(x, -(-rows // c) * c)
+    with _one_thread():
+        y = torch.cat([F.linear(x[i:i + c], weight, bias) for i in range(0, x.shape[0], c)])
+    return y[:rows]
+
+
+def _bf16_chunks_hold() -> bool:
+    """Whether `_bf16_chunks` passes the large-GEMM probe here (else strict bf16 runs in float32)."""
+    if _bf16_chunks_ok.get(True) is None:
+        _bf16_chunks_ok[True] = _large_rows_hold(_bf16_chunks, (torch.bfloat16,))
+    return _bf16_chunks_ok[True]
+
+
+def _strict_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)`, the strict regime's GEMM: bf16 (with a bf16 GEMM) in fixed
+    128-row chunks where that passes the probe, else in float32 (float64 stays float64) padded to
+    STRICT_ROWS rows and rounded back; on one thread either way."""
+    if x.dtype == torch.bfloat16 == weight.dtype and bf16_gemm_native() and _bf16_chunks_hold():
+        return _bf16_chunks(x, weight, bias)
+    rows = x.shape[0]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    b = None if bias is None else bias.to(acc)
+    with _one_thread():
+        y = F.linear(_pad_rows(x, STRICT_ROWS).to(acc), weight.to(acc), b)
     return y[:rows].to(x.dtype)
 
 
@@ -234,8 +270,9 @@ def describe() -> str:
     """The small-GEMM paths this process uses, in words (`parity check` prints it after its runs,
     so the matrix-vector probes of the model's K values have been made)."""
     if strict():
-        return ("GEMMs strict: float32 on one thread, padded to 16 rows (this machine's GEMM rows "
-                "depend on the row count or thread count: the large-GEMM probe failed)")
+        bf16 = "128-row bf16 GEMMs" if bf16_gemm_native() and _bf16_chunks_hold() else "bf16 in float32"
+        return (f"GEMMs strict: one thread, float32 padded to 16 rows, {bf16} (this machine's GEMM "
+                "rows depend on the row count or thread count: the large-GEMM probe failed)")
     pads = "4-row multiples" if gemm_rows(1) == ROW_QUANTUM else "16 rows (the 4-row probe failed here)"
     if native.library() is None:
         return f"small GEMMs padded to {pads}"
