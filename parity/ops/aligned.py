@@ -8,7 +8,8 @@ using only the properties that `parity check` and `tests/parity/` verify on the 
   last M mod 4 rows of a small GEMM (M = 5..11) with another order; M = 4 and 8 take the large
   GEMM's path. `gemm.linear` pads small GEMMs to 4-row multiples, or computes a float32 product
   of up to 8 rows with a C kernel in the large GEMM's own order; probes of the machine confirm
-  both at first use (`gemm.py`).
+  both at first use (`gemm.py`). Where a probe finds the large GEMM's rows depending on M or the
+  thread count (an Intel Xeon with AMX), GEMMs run strict: one thread, fixed row counts.
 - GEMM reduction length: the K-blocking of a GEMM depends on K, so a reduction over a *varying*
   length (attention over a growing context) is cut into fixed key blocks of `block_size`, each
   reduced by a GEMM of fixed K, and the blocks are combined by a fixed pairwise tree whose
