@@ -30,6 +30,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
 from ..hardware import bf16_gemm_native
 from . import native
 from .common import gemm_linear
@@ -99,10 +100,14 @@ def strict() -> bool:
     overrides the probe (to measure what strict mode costs or prevents)."""
     key = bf16_gemm_native()
     got = _strict.get(key)
+    if got is not None:
+        return got
     forced = os.environ.get("PARITY_GEMM_STRICT")  # "1" or "0": override the probe (comparisons)
-    if got is None and forced in ("0", "1"):
+    if forced not in (None, "", "0", "1"):
+        raise ConfigError(f"PARITY_GEMM_STRICT must be 1 or 0, got {forced!r}")
+    if forced:
         got = _strict[key] = forced == "1"
-    if got is None:
+    else:
         got = _strict[key] = not _large_rows_hold(gemm_linear)
         if got and not _large_rows_hold(_strict_product):
             logging.getLogger(__name__).warning(

@@ -149,3 +149,16 @@ def test_control_a_gemm_whose_large_rows_depend_on_m_makes_gemms_strict(monkeypa
     assert gemm.strict()
     assert "strict" in gemm.describe()
     assert gemm._large_rows_hold(gemm._strict_product)  # the strict regime passes it
+
+
+def test_the_strict_regime_can_be_forced_and_a_bad_setting_is_refused(monkeypatch):
+    from parity.errors import ConfigError
+
+    for value, want in (("1", True), ("0", False)):
+        monkeypatch.setattr(gemm, "_strict", {})
+        monkeypatch.setenv("PARITY_GEMM_STRICT", value)
+        assert gemm.strict() is want
+    monkeypatch.setattr(gemm, "_strict", {})
+    monkeypatch.setenv("PARITY_GEMM_STRICT", "yes")
+    with pytest.raises(ConfigError, match="PARITY_GEMM_STRICT must be 1 or 0, got 'yes'"):
+        gemm.strict()
