@@ -138,6 +138,24 @@ def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, vers
         stop.wait(0.5)
 
 
+def remove_stale_spools(root: Path) -> list[Path]:
+    """Remove the batch spools in `root` whose learner (the pid in the name) is gone: the second
+    line of defence behind the orphaned worker's own cleanup (memory in /dev/shm). Returns them."""
+    stale = []
+    for path in root.glob("parity-batches-*-*"):
+        pid = path.name.split("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            stale.append(path)
+        except OSError:  # alive, another user's
+            pass
+    return stale
+
+
 def _send(traj_q, spool: str, batch: RolloutBatch, corrupt: bool = False) -> None:
     path = Path(spool) / f"batch-{batch.index}.pkl"
     tmp = path.with_suffix(".tmp")
@@ -199,9 +217,10 @@ class LocalRollout:
         (from a checkpoint) are served as they are and not sampled again."""
         if self.spool is None:
             shm = Path("/dev/shm")
+            root = shm if shm.is_dir() else Path(tempfile.gettempdir())
+            remove_stale_spools(root)
             # named by this process's pid: whose it is, if one is ever left behind
-            self.spool = tempfile.mkdtemp(prefix=f"parity-batches-{os.getpid()}-",
-                                          dir=shm if shm.is_dir() else None)
+            self.spool = tempfile.mkdtemp(prefix=f"parity-batches-{os.getpid()}-", dir=root)
         self.floor = resume_floor(self.cfg, self.versions(), start_batch)
         self.ready = restored(self.cfg, ready, start_batch, self.floor)
         n = len(self.slots)
