@@ -69,14 +69,14 @@ def _large_rows_hold(linear, dtypes: tuple[torch.dtype, ...] | None = None) -> b
     """Whether `linear`'s rows, for 16-100 of them at two offsets, are those of a 160-row
     product, at one and at two threads, and the same at both, for the probe shapes (float32, and
     bfloat16 where the CPU has a bf16 GEMM). Probed at fixed thread counts, so that every process
-    of a run (workers and learner run at different counts) reaches the same answer. ~0.3 s."""
+    of a run (workers and learner run at different counts) reaches the same answer. ~0.1 s here."""
     gen = torch.Generator().manual_seed(4321)
     dtypes = dtypes or ((torch.float32,) + ((torch.bfloat16,) if bf16_gemm_native() else ()))
     threads = torch.get_num_threads()
     try:
         with torch.no_grad():
             for dtype in dtypes:
-                for k, n in _PROBE_SHAPES[1:]:
+                for k, n in _PROBE_SHAPES[1:3]:  # (where the Xeon failed; 3072 wide doubles the cost)
                     x = torch.randn(160, k, generator=gen).to(dtype)
                     w = torch.randn(n, k, generator=gen).to(dtype)
                     fulls = []
