@@ -58,7 +58,7 @@ _PROBE_SHAPES = ((64, 96), (256, 768), (1024, 1024), (1024, 3072))
 
 _quantum: dict[tuple[int, bool], int] = {}
 _strict: dict[bool, bool] = {}  # bf16 GEMM native -> strict mode
-_bf16_chunks_ok: dict[bool, bool] = {}
+_bf16_chunks_ok: bool | None = None  # whether `_bf16_chunks` passed its probe (None: not probed)
 _strict_lock = threading.RLock()  # the MKL thread count is process-wide: one strict GEMM at a time
 _LARGE_ROWS = (STRICT_ROWS, 17, 24, 37, 64, 100)
 """Row counts the large-GEMM probe compares with a 160-row GEMM (where MKL and oneDNN were seen
@@ -146,9 +146,10 @@ def _bf16_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _bf16_chunks_hold() -> bool:
     """Whether `_bf16_chunks` passes the large-GEMM probe here (else strict bf16 runs in float32)."""
-    if _bf16_chunks_ok.get(True) is None:
-        _bf16_chunks_ok[True] = _large_rows_hold(_bf16_chunks, (torch.bfloat16,))
-    return _bf16_chunks_ok[True]
+    global _bf16_chunks_ok
+    if _bf16_chunks_ok is None:
+        _bf16_chunks_ok = _large_rows_hold(_bf16_chunks, (torch.bfloat16,))
+    return _bf16_chunks_ok
 
 
 def _strict_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -114,7 +114,7 @@ def test_control_another_blocking_differs_and_the_probe_falls_back(monkeypatch):
 def strict_gemms(monkeypatch, request):
     monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
     if request.param == "float32":  # where the 128-row bf16 GEMMs fail their probe
-        monkeypatch.setattr(gemm, "_bf16_chunks_ok", {True: False})
+        monkeypatch.setattr(gemm, "_bf16_chunks_ok", False)
     return request.param
 
 
