@@ -7,6 +7,8 @@ nothing happens and `fire` costs one dictionary lookup. The points:
 
 - `worker-hang@b`: the rollout worker stops (sleeps forever) after sampling batch b;
 - `worker-exit@b`: the rollout worker process exits after sampling batch b;
+- `worker-slow@b:SECONDS`: the rollout worker waits SECONDS before handing batch b over (a
+  batch that finishes late);
 - `worker-oom@b:CGROUP`: the worker joins the memory cgroup CGROUP and allocates until the
   kernel's OOM killer ends it;
 - `corrupt-batch@b`: the worker writes garbage instead of batch b;
@@ -51,6 +53,9 @@ def worker_faults(batch_index: int) -> bool:
             time.sleep(3600)
     if fire("worker-exit", batch_index) is not None:
         os._exit(1)
+    delay = fire("worker-slow", batch_index)
+    if delay is not None:
+        time.sleep(float(delay or 1))
     cgroup = fire("worker-oom", batch_index)
     if cgroup is not None:
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:

@@ -12,7 +12,9 @@
   that version in deterministic mode); the driver keeps each actor's next admissible batches
   submitted, so rollout runs ahead up to the lag bound, as with the local backend.
 - A dead actor is replaced: the new one starts from the batch the learner waits for and its
-  unconsumed batches are submitted again; nothing consumed is repeated, nothing is lost.
+  unconsumed batches are submitted again; nothing consumed is repeated, nothing is lost. So is
+  one whose finished batch was lost with its node (a finished batch lives in the store of the
+  node that made it until the learner takes it in).
 - With `ray.address` unset the run starts a Ray head on this machine (`ray start --head
   --block`, with enough logical CPUs for the workers) whose parent-death signal is set, so it
   takes every Ray process down with it even when the learner is killed; with an address the run
@@ -299,10 +301,18 @@ class RayRollout:
                 if isinstance(cause, ParityError):
                     raise ParityError(f"rollout worker: {cause}") from None
                 raise
-            except self.ray.exceptions.RayActorError as exc:
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.ObjectLostError) as exc:
+                # the actor died, or its node did and took a batch it had finished with it (its
+                # only copy was in that node's store): a new actor samples from this batch on
                 i = step % self.n
-                why = f"was hung (no sign of life for {timeout:g} s)" if i in self.killed_hung else "died"
+                lost = isinstance(exc, self.ray.exceptions.ObjectLostError)
+                why = f"was hung (no sign of life for {timeout:g} s)" if i in self.killed_hung else \
+                    f"lost batch {step} (its node is gone)" if lost else "died"
                 self.killed_hung.discard(i)
+                try:
+                    self.ray.kill(self.actors[i])  # (when only the batch was lost, the actor lives)
+                except Exception:  # noqa: BLE001 - an actor already gone is fine
+                    pass
                 if not self.budget.spend():
                     raise ParityError(f"rollout actor {i} {why} after {len(self.budget.times)} restarts "
                                       f"within {self.budget.window_s / 60:g} min; giving up at batch {step} "
