@@ -30,7 +30,7 @@ FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
 KEYS = ["steps", "max_policy_lag", "seed", "deterministic", "run_dir", "model.preset", "model.kernels",
         "model.dtype", "rollout.max_tokens", "rollout.temperature", "rollout.workers", "rollout.backend",
         "rollout.weight_update", "task.name", "task.targets", "task.level", "learner.lr", "learner.loss",
-        "learner.betas", "learner.tis_cap", "rollout.kv_cache_memory",
+        "learner.betas", "learner.tis_cap", "rollout.kv_cache_memory", "ray.placement_timeout_s",
         "learner.micro_batch_tokens", "ray.cpus_per_worker", "nope", "model.nope", "learner..lr", ""]
 VALUES = st.one_of(st.integers(-10**12, 10**12), st.floats(allow_nan=True, allow_infinity=True),
                    st.booleans(), st.text(max_size=20), st.lists(st.integers(-5, 300), max_size=4))

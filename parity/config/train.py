@@ -166,10 +166,17 @@ class RaySection:
     """GPUs each rollout actor reserves when the model runs on CUDA (Ray hides the GPUs from an
     actor that reserves none). None: one each when the cluster has a GPU per worker, else an equal
     share of one GPU. Ignored for CPU models."""
+    placement_timeout_s: float = 600.0
+    """How long a rollout actor may wait for a node with room for it (a replacement for one lost
+    with its node, say, while an autoscaler adds a node) before the run stops with an error naming
+    what it needs; while it waits, the heartbeat timeout does not count."""
 
     def __post_init__(self) -> None:
         if not self.cpus_per_worker > 0:
             raise ConfigError(f"ray.cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
+        if not 0 < self.placement_timeout_s < float("inf"):
+            raise ConfigError(f"ray.placement_timeout_s must be a number of seconds > 0, got "
+                              f"{self.placement_timeout_s!r}")
         if self.gpus_per_worker is not None and not self.gpus_per_worker > 0:
             raise ConfigError(f"ray.gpus_per_worker must be > 0, got {self.gpus_per_worker!r}")
 

@@ -142,6 +142,7 @@ class RayRollout:
         self.budget = RestartBudget()  # actor restarts: 3 within any hour
         self.started_at = [0.0] * self.n  # per actor: when it was created (time.monotonic)
         self.killed_hung: set[int] = set()  # actors killed for silence (reported as hung)
+        self.unplaced_since: dict[int, float] = {}  # actor -> when it was first seen with no node
         self._head: subprocess.Popen | None = None  # the Ray head this run started, if any
         self._actor_class = None
 
@@ -223,6 +224,7 @@ class RayRollout:
             if v > version:
                 actor.receive.options(concurrency_group="weights").remote(v, self._ref(v, history[v]))
         self.actors[i], self.next_submit[i] = actor, first
+        self.unplaced_since.pop(i, None)
         self.started_at[i] = time.monotonic()
 
     def _submit(self, step: int) -> None:
@@ -289,6 +291,8 @@ class RayRollout:
             try:
                 ready, _ = self.ray.wait([self.pending[step]], timeout=1.0)
                 if not ready:
+                    if self._unplaced(step % self.n):
+                        continue
                     if timeout and self._hung(step % self.n, timeout):
                         self.killed_hung.add(step % self.n)
                         self.ray.kill(self.actors[step % self.n])  # its sample call now fails
@@ -322,6 +326,32 @@ class RayRollout:
                     del self.pending[b]
                 self._start_actor(i, step)
                 self._submit(step)
+
+    def _unplaced(self, i: int) -> bool:
+        """Whether actor i still waits for a node with room for it (Ray has given it no process:
+        its replacement after a node was lost, on a cluster with no room left, say). Meanwhile its
+        start-up grace does not run; a one-line error after `ray.placement_timeout_s`."""
+        try:
+            from ray._private import state  # (Ray's own actor table; without it, the heartbeat rules)
+            info = state.actors(self.actors[i]._actor_id.hex())
+        except Exception:  # noqa: BLE001 - a Ray without this table: judge by the heartbeat alone
+            return False
+        if info.get("State") not in ("DEPENDENCIES_UNREADY", "PENDING_CREATION") or info.get("Pid"):
+            self.unplaced_since.pop(i, None)
+            return False
+        now = time.monotonic()
+        since = self.unplaced_since.setdefault(i, now)
+        self.started_at[i] = now  # its start-up grace counts from when it has a process
+        cpus, limit = self.cfg.ray.cpus_per_worker, self.cfg.ray.placement_timeout_s
+        free = self.ray.available_resources().get("CPU", 0.0)
+        if now - since > limit:
+            raise ParityError(f"rollout actor {i} found no Ray node with {cpus:g} CPU free in {limit:g} s "
+                              f"(ray.placement_timeout_s; the cluster has {free:g} free): add a node, or "
+                              "lower rollout.workers or ray.cpus_per_worker")
+        if since == now:  # said once, when it is first seen waiting
+            log.warning("rollout actor %d waits for a Ray node with %g CPU free (the cluster has %g "
+                        "free); giving up after %g s", i, cpus, free, limit)
+        return True
 
     def _hung(self, i: int, timeout: float) -> bool:
         """Whether actor i has shown no sign of life for `timeout` seconds; one that does not

@@ -1,6 +1,7 @@
 """Losing a Ray node mid-run: its actors and the batches they finished but the learner had not
 taken in yet (their objects live in that node's store) are sampled again on a node that replaces
-it, and the deterministic run's metrics are those of a run that lost nothing.
+it, and the deterministic run's metrics are those of a run that lost nothing; with no node to
+replace it, the run stops after `ray.placement_timeout_s` with an error saying what is missing.
 
 In its own module: it starts a cluster of its own in this process, which test_ray.py's shared
 instance would be in the way of.
@@ -8,11 +9,17 @@ instance would be in the way of.
 
 from __future__ import annotations
 
+import contextlib
+import time
+
+import pytest
 import ray
 from ray.cluster_utils import Cluster
 
 from parity.config import load_config
+from parity.errors import ParityError
 from parity.metrics.summary import deterministic_view
+from parity.rl import checkpoint
 from parity.rl.controller import Controller
 
 BASE = ["model.preset=\"tiny\"", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_tokens=8",
@@ -25,6 +32,28 @@ SYSTEM = {"max_direct_call_object_size": 1, "health_check_period_ms": 200,
           "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 0}
 
 
+@contextlib.contextmanager
+def two_nodes(monkeypatch):
+    """A head and a second node of one CPU each (one actor on each), and the config's extras."""
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # a private head's token mode, set by an earlier
+        monkeypatch.delenv(var, raising=False)     # test: Ray read the mode (none) on import
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "_system_config": SYSTEM})
+    try:
+        doomed = cluster.add_node(num_cpus=1)
+        yield cluster, doomed, ["rollout.backend=\"ray\"", "rollout.workers=2", "ray.cpus_per_worker=1",
+                                f"ray.address=\"{cluster.address}\""]
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def actor_on(run: Controller, node) -> int:
+    on_it = [i for i, a in enumerate(run.rollout.actors) if ray.get(a.node.remote()) == node.node_id]
+    assert len(on_it) == 1, "one actor per node"
+    return on_it[0]
+
+
 def test_a_lost_node_s_unconsumed_batches_are_sampled_again(tmp_path, monkeypatch):
     """After step 0 the actor on the doomed node finishes a batch the learner has not seen
     finish (a fault holds batches 2 and 3 back 5 s, so there is one) and the node is killed at
@@ -32,28 +61,18 @@ def test_a_lost_node_s_unconsumed_batches_are_sampled_again(tmp_path, monkeypatc
     new node. Before, the learner stopped with Ray's ObjectReconstructionFailedError."""
     whole = Controller(load_config(None, BASE + [f"run_dir=\"{tmp_path / 'whole'}\""])).run()
     (tmp_path / "state").mkdir()
-    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # a private head's token mode, set by an earlier
-        monkeypatch.delenv(var, raising=False)     # test: Ray read the mode (none) on import
     monkeypatch.setenv("PARITY_FAULTS", "worker-slow@2:5,worker-slow@3:5")
     monkeypatch.setenv("PARITY_FAULT_STATE", str(tmp_path / "state"))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "_system_config": SYSTEM})
-    try:
-        doomed = cluster.add_node(num_cpus=1)
-        cfg = load_config(None, BASE + [f"run_dir=\"{tmp_path / 'ray'}\"", "rollout.backend=\"ray\"",
-                                        "rollout.workers=2", "ray.cpus_per_worker=1",
-                                        f"ray.address=\"{cluster.address}\""])
-        run = Controller(cfg)
+    with two_nodes(monkeypatch) as (cluster, doomed, extras):
+        run = Controller(load_config(None, BASE + [f"run_dir=\"{tmp_path / 'ray'}\"", *extras]))
         lost: list[int] = []
 
         def lose_the_node(step, metrics):
             if step != 0:
                 return
-            rollout = run.rollout
-            on_it = [i for i, a in enumerate(rollout.actors) if ray.get(a.node.remote()) == doomed.node_id]
-            assert len(on_it) == 1, "one actor per node"
+            rollout, i = run.rollout, actor_on(run, doomed)
             # its first batch not finished when the learner last looked (so no copy was asked for)
-            batch = min(b for b, ref in rollout.pending.items() if b % rollout.n == on_it[0]
+            batch = min(b for b, ref in rollout.pending.items() if b % rollout.n == i
                         and not ray.wait([ref], timeout=0, fetch_local=False)[0])
             # then finished, and not fetched here: its only copy is in the doomed node's store
             ready, _ = ray.wait([rollout.pending[batch]], timeout=120, fetch_local=False)
@@ -65,6 +84,29 @@ def test_a_lost_node_s_unconsumed_batches_are_sampled_again(tmp_path, monkeypatc
         metrics = run.run(progress=lose_the_node)
         assert lost and run.rollout.restarts == 1
         assert deterministic_view(metrics) == deterministic_view(whole)  # nothing lost or repeated
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+
+
+def test_a_lost_node_with_no_room_left_for_its_actor_is_a_one_line_error(tmp_path, monkeypatch, caplog):
+    """No node replaces the lost one: the replacement actor cannot be placed. It was judged hung
+    once its start-up grace ran out (2 minutes), replaced, and so on three times; now the run stops
+    when ray.placement_timeout_s has passed, saying what it needs, with the steps trained saved."""
+    with two_nodes(monkeypatch) as (cluster, doomed, extras):
+        run = Controller(load_config(None, BASE + [f"run_dir=\"{tmp_path}\"", *extras, "steps=30",
+                                                   "ray.placement_timeout_s=3"]))
+        lost_at: list[float] = []
+
+        def lose_the_node(step, metrics):
+            if step == 1:
+                actor_on(run, doomed)
+                cluster.remove_node(doomed, allow_graceful=False)
+                lost_at.append(time.monotonic())
+
+        with pytest.raises(ParityError, match=r"rollout actor \d found no Ray node with 1 CPU free in 3 s "
+                                              r"\(ray.placement_timeout_s; the cluster has 0 free\)"):
+            run.run(progress=lose_the_node)
+        assert time.monotonic() - lost_at[0] < 60
+    assert "waits for a Ray node with 1 CPU free" in caplog.text
+    saved = checkpoint.latest(tmp_path)  # the steps trained before the batch that never came
+    checkpoint.verify(saved)
+    step = int(saved.name.split("-")[1])
+    assert step >= 2 and f"the rollout failed at batch {step}" in caplog.text
