@@ -159,7 +159,8 @@ def test_work_and_tmp_are_writable(sb: Sandbox) -> None:
 
 
 def test_temp_dir_is_removed(sb: Sandbox) -> None:
-    pattern = os.path.join(tempfile.gettempdir(), "parity-sandbox-*")
+    # this process's only: other runs on the machine (a study, a CI job beside this one) make theirs
+    pattern = os.path.join(tempfile.gettempdir(), f"parity-sandbox-{os.getpid()}-*")
     before = set(glob.glob(pattern))
     assert sb.run("open('x', 'w').write('y' * 1000)\nprint('done')").ok
     assert sb.run("1/0").error is not None

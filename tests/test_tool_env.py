@@ -294,3 +294,25 @@ def test_a_runaway_call_reads_the_same_whichever_time_limit_fired(tokenizer):
         problem = env.problems(0, 1)[0]
         seen.append(env.step(env.start(problem), tokenizer.encode(tool_call_text(problem))).observation)
     assert seen[0] == seen[1] and "time limit exceeded" in tokenizer.decode(seen[0])
+
+
+def test_a_run_that_requires_isolation_refuses_the_degraded_sandbox_at_start(tmp_path, monkeypatch):
+    """task.require_isolation: where the sandbox cannot isolate model-written code, the run's env
+    is refused when it is built (before a step, in the learner's process); by default it runs in
+    the degraded sandbox and says so."""
+    from parity.config import load_config
+    from parity.envs import sandbox as sandbox_mod
+    from parity.errors import ParityError
+    from parity.rl.build import build_env
+
+    build_char_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    keys = ["task.name=\"tool\"", f"model.checkpoint=\"{tmp_path}\""]
+    monkeypatch.setattr(sandbox_mod, "_PROBE", sandbox_mod._Probe("plain", "unshare failed: forced by test"))
+    with pytest.raises(ParityError, match=r"^sandbox isolation is unavailable \(unshare failed: forced by "
+                                          r"test\); model-written code would run in the degraded sandbox"):
+        build_env(load_config(None, [*keys, "task.require_isolation=true"]), 64)
+    env = build_env(load_config(None, keys), 64)
+    assert not env.sandbox.isolated and "NO filesystem/network isolation" in env.sandbox.describe()
+    monkeypatch.setattr(sandbox_mod, "_PROBE", None)  # this machine's own answer
+    if sandbox_mod.Sandbox().isolated:
+        assert build_env(load_config(None, [*keys, "task.require_isolation=true"]), 64).sandbox.isolated

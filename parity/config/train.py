@@ -206,6 +206,11 @@ class TaskSection:
     heldout_size: int = 200
     """Size of the fixed held-out set problems are kept out of (evaluation uses its first
     `eval_prompts`)."""
+    require_isolation: bool = False
+    """tool: refuse, at start-up, to run model-written code where the sandbox cannot isolate it
+    (namespaces, a private read-only root, no network). False: there it runs in the degraded
+    sandbox (a separate process with rlimits and an empty environment, under a uid of the host's
+    unless the run is root), which the start-up line says in capitals."""
 
     def __post_init__(self) -> None:
         if self.name not in TASK_NAMES:

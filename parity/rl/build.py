@@ -67,5 +67,9 @@ def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
         return MathEnv(tokenizer, t.math_task, t.level, cfg.seed, t.heldout_size)
     from ..envs.tool import ToolEnv
 
+    if sandbox is None and t.require_isolation:  # refused now, before anything is computed
+        from ..envs.sandbox import Sandbox
+
+        sandbox = Sandbox(require_isolation=True)
     return ToolEnv(tokenizer, tuple(t.kinds), t.level, cfg.seed, t.heldout_size, t.max_tool_calls,
                    sandbox=sandbox)

@@ -98,7 +98,8 @@ class Sandbox:
         self.unavailable_reason: str | None = probe.reason
         self.isolated: bool = probe.mode in ("root", "user")
         if require_isolation and not self.isolated:
-            raise ParityError(f"sandbox isolation is unavailable: {probe.reason}")
+            raise ParityError(f"sandbox isolation is unavailable ({probe.reason}); model-written code "
+                              "would run in the degraded sandbox (task.require_isolation = false allows it)")
         lim = self.limits
         rlimits = (
             f"rlimits cpu {lim.cpu_s} s / mem {lim.memory_mb} MiB / nproc {lim.nproc} / "
