@@ -199,7 +199,11 @@ class RayRollout:
         for i in range(self.n):
             self._start_actor(i, start_batch)
         self._submit(start_batch)
-        nodes = set(self.ray.get([a.node.remote() for a in self.actors]))
+        where = [a.node.remote() for a in self.actors]
+        while len(self.ray.wait(where, num_returns=len(where), timeout=1.0)[0]) < len(where):
+            for i in range(self.n):  # one with no node to run on: said, and an error in time
+                self._unplaced(i)
+        nodes = set(self.ray.get(where))
         log.info("%d rollout actor(s) on %d Ray node(s) (%g CPU each)", self.n, len(nodes),
                  self.cfg.ray.cpus_per_worker)
 

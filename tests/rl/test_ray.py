@@ -21,7 +21,7 @@ import ray
 
 from parity.cli import main
 from parity.config import load_config
-from parity.errors import ConfigError
+from parity.errors import ConfigError, ParityError
 from parity.metrics.sinks import read_metrics
 from parity.metrics.summary import deterministic_view
 from parity.rl import checkpoint
@@ -277,3 +277,25 @@ def test_a_private_head_gets_a_token_of_its_own_when_none_is_at_hand(tmp_path, m
     (tmp_path / ".ray" / "auth_token").unlink()
     _private_head_auth()
     assert "RAY_AUTH_TOKEN" not in os.environ
+
+
+def test_an_actor_with_no_room_at_the_start_is_a_one_line_error(ray_cluster, tmp_path):
+    """Other work holds the cluster's CPUs (4 logical, 3.3 taken): one actor of two cannot be
+    placed. The run waited for it forever (before its first step); now it stops after
+    ray.placement_timeout_s saying what it needs."""
+
+    @ray.remote(num_cpus=3.3)
+    class Squatter:
+        def ping(self):
+            return 1
+
+    squatter = Squatter.remote()
+    ray.get(squatter.ping.remote())
+    try:
+        run = Controller(config(tmp_path, "steps=2", "eval_every=0", "rollout.backend=\"ray\"",
+                                "rollout.workers=2", "ray.placement_timeout_s=2"))
+        with pytest.raises(ParityError, match=r"^rollout actor \d found no Ray node with 0.5 CPU free in 2 s "
+                                              r"\(ray.placement_timeout_s; the cluster has 0.2 free\)"):
+            run.run()
+    finally:
+        ray.kill(squatter)
