@@ -7,11 +7,13 @@ nothing happens and `fire` costs one dictionary lookup. The points:
 
 - `worker-hang@b`: the rollout worker stops (sleeps forever) after sampling batch b;
 - `worker-exit@b`: the rollout worker process exits after sampling batch b;
-- `worker-slow@b:SECONDS`: the rollout worker waits SECONDS before handing batch b over (a
-  batch that finishes late);
+- `worker-hold@b:PATH`: the rollout worker holds batch b back until PATH exists (at most 10
+  minutes; a test says when the batch may finish);
 - `worker-oom@b:CGROUP`: the worker joins the memory cgroup CGROUP and allocates until the
   kernel's OOM killer ends it;
 - `corrupt-batch@b`: the worker writes garbage instead of batch b;
+- `actor-init@b`: the Ray rollout actor whose first batch is b raises a ParityError while it
+  starts;
 - `ckpt-kill@s`: the learner's process is SIGKILLed half-way through writing checkpoint-s.
 """
 
@@ -53,9 +55,11 @@ def worker_faults(batch_index: int) -> bool:
             time.sleep(3600)
     if fire("worker-exit", batch_index) is not None:
         os._exit(1)
-    delay = fire("worker-slow", batch_index)
-    if delay is not None:
-        time.sleep(float(delay or 1))
+    gate = fire("worker-hold", batch_index)
+    if gate:
+        deadline = time.monotonic() + 600
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
     cgroup = fire("worker-oom", batch_index)
     if cgroup is not None:
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
@@ -70,3 +74,11 @@ def checkpoint_fault(step: int) -> None:
     """The checkpoint writer's fault point (between the model files and the manifest)."""
     if fire("ckpt-kill", step) is not None:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def actor_init_fault(first_batch: int) -> None:
+    """The Ray rollout actor's fault point in its start-up."""
+    if fire("actor-init", first_batch) is not None:
+        from ..errors import ParityError
+
+        raise ParityError(f"injected fault: actor start-up (actor-init@{first_batch})")

@@ -1,6 +1,6 @@
 """The Ray rollout backend: `rollout.workers` RolloutWorker actors on a Ray cluster.
 
-- Each actor (`RolloutActor`) is one process holding model + engine + environment (and its
+- Each actor (`RolloutActor`, ray_actor.py) is one process holding model + engine + environment (and its
   sandbox) around one `RolloutWorker`. It has two concurrency groups of one thread each:
   "weights" (`receive`, `stop`) and "rollout" (`sample`, run in submission order), so weights
   arrive while a batch is being sampled (admission waits, in-flight updates) and batches are
@@ -26,11 +26,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
+import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 
@@ -39,13 +38,11 @@ import torch
 from ..config import TrainConfig
 from ..errors import ConfigError, ParityError
 from ..model import ModelConfig
-from .build import build_env, model_skeleton
-from .faults import worker_faults
 from .local import STARTUP_GRACE_S, split_threads
+from .ray_actor import RolloutActor
 from .ray_cluster import _private_head_auth, actor_gpus, check_reachable, require_ray, start_local_head
 from .rollout_worker import (
     RestartBudget,
-    RolloutWorker,
     State,
     first_batch,
     restored,
@@ -59,66 +56,11 @@ log = logging.getLogger(__name__)
 _GROUPS = {"weights": 1, "rollout": 1}
 
 
-class RolloutActor:
-    """The body of a rollout-worker actor (made a Ray actor class by `RayRollout`)."""
-
-    def __init__(self, cfg: TrainConfig, model_config: ModelConfig, state: State, version: int,
-                 threads: int, floor: int = 0, todo: list[int] | None = None):
-        torch.set_num_threads(threads)
-        model = model_skeleton(cfg, model_config)
-        model.load_state_dict(state)
-        self._inbox: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._last_beat = time.monotonic()
-        self.worker = RolloutWorker(cfg, model, build_env(cfg, model_config.vocab_size), version, self._poll,
-                                    self._beat)
-        self.worker.floor = floor
-        if cfg.deterministic and todo is not None:  # its plan: held versions only its batches need
-            self.worker.todo = list(todo)
-
-    def _beat(self) -> None:
-        self._last_beat = time.monotonic()
-
-    def silence(self) -> float:
-        """Seconds since the worker last showed a sign of life (answered from another thread)."""
-        return time.monotonic() - self._last_beat
-
-    def _poll(self, block: bool) -> list[tuple[int, State]]:
-        got: list[tuple[int, State]] = []
-        try:
-            while True:
-                got.append(self._inbox.get(block=block, timeout=0.5 if block else None))
-                block = False
-        except queue.Empty:
-            pass
-        return got
-
-    def receive(self, version: int, state: State) -> None:
-        """A newly published version ("weights" group: runs while a batch is being sampled)."""
-        self._inbox.put((version, state))
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def sample(self, batch_index: int) -> RolloutBatch | None:
-        """Wait for admissible weights, then sample batch `batch_index` (None when stopped)."""
-        wait_s = self.worker.wait_for(batch_index, self._stop.is_set)
-        if wait_s is None:
-            return None
-        batch = self.worker.sample(batch_index, wait_s)
-        if self.worker.todo is not None and batch_index in self.worker.todo:
-            self.worker.todo.remove(batch_index)
-        worker_faults(batch_index)  # (fault-injection tests only)
-        return batch
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def node(self) -> str:
-        """The Ray node this actor runs on."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
+def _init_error(exc) -> str:
+    """The last line of a Ray actor's start-up error (the exception raised in its constructor)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(getattr(exc, "error_msg", "") or exc))
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1].removeprefix("parity.errors.") if lines else type(exc).__name__
 
 
 class RayRollout:
@@ -143,6 +85,10 @@ class RayRollout:
         self.started_at = [0.0] * self.n  # per actor: when it was created (time.monotonic)
         self.killed_hung: set[int] = set()  # actors killed for silence (reported as hung)
         self.unplaced_since: dict[int, float] = {}  # actor -> when it was first seen with no node
+        self.warned_unplaced: set[int] = set()  # actors said to be waiting for a node
+        self.node_refs: list = [None] * self.n  # per actor: ObjectRef of the id of its Ray node
+        self.lost_nodes: set[str] = set()  # dead nodes whose actors were replaced (one restart each)
+        self.gpus = 0.0  # GPUs each actor reserves
         self._head: subprocess.Popen | None = None  # the Ray head this run started, if any
         self._actor_class = None
 
@@ -167,9 +113,9 @@ class RayRollout:
         # actors start from the cluster's environment: pass on the fault-injection settings, if any
         faults = {k: os.environ[k] for k in ("PARITY_FAULTS", "PARITY_FAULT_STATE") if k in os.environ}
         options = {"runtime_env": {"env_vars": faults}} if faults else {}
-        gpus = actor_gpus(cfg, self.n, ray.cluster_resources().get("GPU", 0))
-        if gpus:
-            options["num_gpus"] = gpus
+        self.gpus = actor_gpus(cfg, self.n, ray.cluster_resources().get("GPU", 0))
+        if self.gpus:
+            options["num_gpus"] = self.gpus
         self._actor_class = ray.remote(num_cpus=cfg.ray.cpus_per_worker, concurrency_groups=_GROUPS,
                                        max_restarts=0, **options)(RolloutActor)
 
@@ -199,11 +145,14 @@ class RayRollout:
         for i in range(self.n):
             self._start_actor(i, start_batch)
         self._submit(start_batch)
-        where = [a.node.remote() for a in self.actors]
-        while len(self.ray.wait(where, num_returns=len(where), timeout=1.0)[0]) < len(where):
-            for i in range(self.n):  # one with no node to run on: said, and an error in time
+        nodes = set()
+        for i in range(self.n):  # each up (an error in its start-up is the run's), or waiting for a node
+            while not self.ray.wait([self.node_refs[i]], timeout=1.0)[0]:
                 self._unplaced(i)
-        nodes = set(self.ray.get(where))
+            try:
+                nodes.add(self.ray.get(self.node_refs[i]))
+            except self.ray.exceptions.RayActorError as exc:
+                raise ParityError(f"rollout actor {i} could not start: {_init_error(exc)}") from None
         log.info("%d rollout actor(s) on %d Ray node(s) (%g CPU each)", self.n, len(nodes),
                  self.cfg.ray.cpus_per_worker)
 
@@ -228,7 +177,9 @@ class RayRollout:
             if v > version:
                 actor.receive.options(concurrency_group="weights").remote(v, self._ref(v, history[v]))
         self.actors[i], self.next_submit[i] = actor, first
+        self.node_refs[i] = actor.node.remote()
         self.unplaced_since.pop(i, None)
+        self.warned_unplaced.discard(i)
         self.started_at[i] = time.monotonic()
 
     def _submit(self, step: int) -> None:
@@ -313,23 +264,41 @@ class RayRollout:
                 # the actor died, or its node did and took a batch it had finished with it (its
                 # only copy was in that node's store): a new actor samples from this batch on
                 i = step % self.n
+                if getattr(exc, "actor_init_failed", False):  # its start-up raised: so would a new one's
+                    raise ParityError(f"rollout actor {i} could not start: {_init_error(exc)}") from None
+                node = self._lost_node(i)
                 lost = isinstance(exc, self.ray.exceptions.ObjectLostError)
                 why = f"was hung (no sign of life for {timeout:g} s)" if i in self.killed_hung else \
-                    f"lost batch {step} (its node is gone)" if lost else "died"
+                    f"lost batch {step} ({type(exc).__name__})" if lost else "died"
+                if node is not None:
+                    why += f" with its node {node[:8]}"
                 self.killed_hung.discard(i)
                 try:
                     self.ray.kill(self.actors[i])  # (when only the batch was lost, the actor lives)
                 except Exception:  # noqa: BLE001 - an actor already gone is fine
                     pass
-                if not self.budget.spend():
+                if node is not None and node in self.lost_nodes:  # one node lost: one restart
+                    self.budget.spend(free=True)
+                elif not self.budget.spend():
                     raise ParityError(f"rollout actor {i} {why} after {len(self.budget.times)} restarts "
                                       f"within {self.budget.window_s / 60:g} min; giving up at batch {step} "
                                       f"({str(exc).splitlines()[0]})") from None
+                if node is not None:
+                    self.lost_nodes.add(node)
                 log.warning("rollout actor %d %s; restarting it from batch %d", i, why, step)
                 for b in [b for b in self.pending if b % self.n == i]:
                     del self.pending[b]
                 self._start_actor(i, step)
                 self._submit(step)
+
+    def _lost_node(self, i: int) -> str | None:
+        """The id of actor i's node when Ray reports that node dead (None: alive, or not known)."""
+        try:
+            node = self.ray.get(self.node_refs[i], timeout=0)
+            dead = {n["NodeID"] for n in self.ray.nodes() if not n.get("Alive", True)}
+        except Exception:  # noqa: BLE001 - it never said where it ran, or the cluster table is out of reach
+            return None
+        return node if node in dead else None
 
     def _unplaced(self, i: int) -> bool:
         """Whether actor i still waits for a node with room for it (Ray has given it no process:
@@ -346,15 +315,18 @@ class RayRollout:
         now = time.monotonic()
         since = self.unplaced_since.setdefault(i, now)
         self.started_at[i] = now  # its start-up grace counts from when it has a process
-        cpus, limit = self.cfg.ray.cpus_per_worker, self.cfg.ray.placement_timeout_s
-        free = self.ray.available_resources().get("CPU", 0.0)
+        limit = self.cfg.ray.placement_timeout_s
+        free = self.ray.available_resources()
+        need = f"{self.cfg.ray.cpus_per_worker:g} CPU" + (f" and {self.gpus:g} GPU" if self.gpus else "")
+        have = f"{free.get('CPU', 0.0):g} CPU" + (f" and {free.get('GPU', 0.0):g} GPU" if self.gpus else "")
         if now - since > limit:
-            raise ParityError(f"rollout actor {i} found no Ray node with {cpus:g} CPU free in {limit:g} s "
-                              f"(ray.placement_timeout_s; the cluster has {free:g} free): add a node, or "
+            raise ParityError(f"rollout actor {i} found no Ray node with {need} free in {limit:g} s "
+                              f"(ray.placement_timeout_s; the cluster has {have} free): add a node, or "
                               "lower rollout.workers or ray.cpus_per_worker")
-        if since == now:  # said once, when it is first seen waiting
-            log.warning("rollout actor %d waits for a Ray node with %g CPU free (the cluster has %g "
-                        "free); giving up after %g s", i, cpus, free, limit)
+        if now - since >= min(10.0, limit / 2) and i not in self.warned_unplaced:  # (a process takes
+            self.warned_unplaced.add(i)                                     # a moment to start)
+            log.warning("rollout actor %d waits for a Ray node with %s free (the cluster has %s free); "
+                        "giving up after %g s", i, need, have, limit)
         return True
 
     def _hung(self, i: int, timeout: float) -> bool:

@@ -199,8 +199,12 @@ class RestartBudget:
         self.times: list[float] = []
         self.total = 0
 
-    def spend(self) -> bool:
-        """Take one restart; False (and nothing taken) when the window's are used up."""
+    def spend(self, free: bool = False) -> bool:
+        """Take one restart; False (and nothing taken) when the window's are used up. `free`:
+        counted in `total` only (another actor of a node already counted, say)."""
+        if free:
+            self.total += 1
+            return True
         now = time.monotonic()
         self.times = [t for t in self.times if now - t < self.window_s]
         if len(self.times) >= self.limit:

@@ -295,7 +295,21 @@ def test_an_actor_with_no_room_at_the_start_is_a_one_line_error(ray_cluster, tmp
         run = Controller(config(tmp_path, "steps=2", "eval_every=0", "rollout.backend=\"ray\"",
                                 "rollout.workers=2", "ray.placement_timeout_s=2"))
         with pytest.raises(ParityError, match=r"^rollout actor \d found no Ray node with 0.5 CPU free in 2 s "
-                                              r"\(ray.placement_timeout_s; the cluster has 0.2 free\)"):
+                                              r"\(ray.placement_timeout_s; the cluster has 0.2 CPU free\)"):
             run.run()
     finally:
         ray.kill(squatter)
+
+
+def test_an_actor_whose_start_up_raises_is_a_one_line_error(ray_cluster, tmp_path, monkeypatch):
+    """An actor's constructor raising (a sandbox that must isolate and cannot, on that node, say)
+    reached the user as Ray's multi-line ActorDiedError; now as one line naming the actor and the
+    error, and a replacement is not started (it would raise the same)."""
+    monkeypatch.setenv("PARITY_FAULTS", "actor-init@1")
+    run = Controller(config(tmp_path, "steps=2", "eval_every=0", "rollout.backend=\"ray\"",
+                            "rollout.workers=2"))
+    with pytest.raises(ParityError) as got:
+        run.run()
+    assert str(got.value) == ("rollout actor 1 could not start: ParityError: injected fault: actor start-up "
+                              "(actor-init@1)")
+    assert run.rollout.restarts == 0

@@ -1,6 +1,7 @@
 """Losing a Ray node mid-run: its actors and the batches they finished but the learner had not
 taken in yet (their objects live in that node's store) are sampled again on a node that replaces
-it, and the deterministic run's metrics are those of a run that lost nothing; with no node to
+it, and the deterministic run's metrics are those of a run that lost nothing (one restart of the
+budget for the node, however many actors it had); with no node to
 replace it, the run stops after `ray.placement_timeout_s` with an error saying what is missing.
 
 In its own module: it starts a cluster of its own in this process, which test_ray.py's shared
@@ -33,56 +34,64 @@ SYSTEM = {"max_direct_call_object_size": 1, "health_check_period_ms": 200,
 
 
 @contextlib.contextmanager
-def two_nodes(monkeypatch):
-    """A head and a second node of one CPU each (one actor on each), and the config's extras."""
+def two_nodes(monkeypatch, doomed_cpus: int = 1):
+    """A head of one CPU and a second node of `doomed_cpus` (one actor per CPU), and the config's
+    extras for one actor per CPU."""
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # a private head's token mode, set by an earlier
         monkeypatch.delenv(var, raising=False)     # test: Ray read the mode (none) on import
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "_system_config": SYSTEM})
     try:
-        doomed = cluster.add_node(num_cpus=1)
-        yield cluster, doomed, ["rollout.backend=\"ray\"", "rollout.workers=2", "ray.cpus_per_worker=1",
-                                f"ray.address=\"{cluster.address}\""]
+        doomed = cluster.add_node(num_cpus=doomed_cpus)
+        yield cluster, doomed, ["rollout.backend=\"ray\"", f"rollout.workers={1 + doomed_cpus}",
+                                "ray.cpus_per_worker=1", f"ray.address=\"{cluster.address}\""]
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
-def actor_on(run: Controller, node) -> int:
-    on_it = [i for i, a in enumerate(run.rollout.actors) if ray.get(a.node.remote()) == node.node_id]
-    assert len(on_it) == 1, "one actor per node"
-    return on_it[0]
+def actors_on(run: Controller, node) -> list[int]:
+    return [i for i, a in enumerate(run.rollout.actors) if ray.get(a.node.remote()) == node.node_id]
 
 
-def test_a_lost_node_s_unconsumed_batches_are_sampled_again(tmp_path, monkeypatch):
-    """After step 0 the actor on the doomed node finishes a batch the learner has not seen
-    finish (a fault holds batches 2 and 3 back 5 s, so there is one) and the node is killed at
-    once: that batch's only copy goes with it. It is sampled again by a replacement actor on a
-    new node. Before, the learner stopped with Ray's ObjectReconstructionFailedError."""
+def test_a_lost_node_s_unconsumed_batches_are_sampled_again(tmp_path, monkeypatch, caplog):
+    """Three actors, two on the doomed node. After step 0 each of those two finishes a batch the
+    learner has not seen finish (batches 1-3, the ones weights 0 and 1 admit, are held back until
+    the test lets them go) and the node is killed at once: those batches' only copies go with it.
+    They are sampled again by replacement actors on a new node, and the two restarts of one lost
+    node count once against the restart budget (here cut to 1). Before, the learner stopped with
+    Ray's ObjectReconstructionFailedError; a node of 4 actors would then have used up the budget."""
     whole = Controller(load_config(None, BASE + [f"run_dir=\"{tmp_path / 'whole'}\""])).run()
     (tmp_path / "state").mkdir()
-    monkeypatch.setenv("PARITY_FAULTS", "worker-slow@2:5,worker-slow@3:5")
+    gate = tmp_path / "go"
+    monkeypatch.setenv("PARITY_FAULTS", ",".join(f"worker-hold@{b}:{gate}" for b in (1, 2, 3)))
     monkeypatch.setenv("PARITY_FAULT_STATE", str(tmp_path / "state"))
-    with two_nodes(monkeypatch) as (cluster, doomed, extras):
+    with two_nodes(monkeypatch, doomed_cpus=2) as (cluster, doomed, extras):
         run = Controller(load_config(None, BASE + [f"run_dir=\"{tmp_path / 'ray'}\"", *extras]))
         lost: list[int] = []
 
         def lose_the_node(step, metrics):
             if step != 0:
                 return
-            rollout, i = run.rollout, actor_on(run, doomed)
-            # its first batch not finished when the learner last looked (so no copy was asked for)
-            batch = min(b for b, ref in rollout.pending.items() if b % rollout.n == i
-                        and not ray.wait([ref], timeout=0, fetch_local=False)[0])
-            # then finished, and not fetched here: its only copy is in the doomed node's store
-            ready, _ = ray.wait([rollout.pending[batch]], timeout=120, fetch_local=False)
-            assert ready, f"batch {batch} never finished"
+            rollout = run.rollout
+            rollout.budget.limit = 1
+            on_it = actors_on(run, doomed)
+            assert len(on_it) == 2, "two actors on the doomed node"
+            held = {b: ref for b, ref in rollout.pending.items() if b <= 3 and b % rollout.n in on_it}
+            assert len(held) == 2 and not ray.wait(list(held.values()), num_returns=2, timeout=0,
+                                                   fetch_local=False)[0]
+            gate.touch()
+            # finished, and not fetched here: their only copies are in the doomed node's store
+            ready, _ = ray.wait(list(held.values()), num_returns=2, timeout=120, fetch_local=False)
+            assert len(ready) == 2, "the held batches never finished"
             cluster.remove_node(doomed, allow_graceful=False)
-            cluster.add_node(num_cpus=1)  # the replacement node
-            lost.append(batch)
+            cluster.add_node(num_cpus=2)  # the replacement node
+            lost.extend(held)
 
-        metrics = run.run(progress=lose_the_node)
-        assert lost and run.rollout.restarts == 1
+        with caplog.at_level("WARNING"):
+            metrics = run.run(progress=lose_the_node)
+        assert len(lost) == 2 and run.rollout.restarts == 2
+        assert f"lost batch {min(lost)} (ObjectReconstructionFailedError) with its node" in caplog.text
         assert deterministic_view(metrics) == deterministic_view(whole)  # nothing lost or repeated
 
 
@@ -97,12 +106,12 @@ def test_a_lost_node_with_no_room_left_for_its_actor_is_a_one_line_error(tmp_pat
 
         def lose_the_node(step, metrics):
             if step == 1:
-                actor_on(run, doomed)
+                assert len(actors_on(run, doomed)) == 1
                 cluster.remove_node(doomed, allow_graceful=False)
                 lost_at.append(time.monotonic())
 
         with pytest.raises(ParityError, match=r"rollout actor \d found no Ray node with 1 CPU free in 3 s "
-                                              r"\(ray.placement_timeout_s; the cluster has 0 free\)"):
+                                              r"\(ray.placement_timeout_s; the cluster has 0 CPU free\)"):
             run.run(progress=lose_the_node)
         assert time.monotonic() - lost_at[0] < 60
     assert "waits for a Ray node with 1 CPU free" in caplog.text
