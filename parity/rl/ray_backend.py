@@ -60,7 +60,9 @@ def _init_error(exc) -> str:
     """The last line of a Ray actor's start-up error (the exception raised in its constructor)."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(getattr(exc, "error_msg", "") or exc))
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1].removeprefix("parity.errors.") if lines else type(exc).__name__
+    raised = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b.*: ", ln)]
+    line = (raised or lines or [type(exc).__name__])[-1]
+    return line.removeprefix("parity.errors.")
 
 
 class RayRollout:
@@ -87,7 +89,8 @@ class RayRollout:
         self.unplaced_since: dict[int, float] = {}  # actor -> when it was first seen with no node
         self.warned_unplaced: set[int] = set()  # actors said to be waiting for a node
         self.node_refs: list = [None] * self.n  # per actor: ObjectRef of the id of its Ray node
-        self.lost_nodes: set[str] = set()  # dead nodes whose actors were replaced (one restart each)
+        self.node_ids: list[str | None] = [None] * self.n  # ...and the id, once it answered
+        self.charged: dict[str, float] = {}  # node -> when one of its actors' restarts was charged
         self.gpus = 0.0  # GPUs each actor reserves
         self._head: subprocess.Popen | None = None  # the Ray head this run started, if any
         self._actor_class = None
@@ -145,14 +148,21 @@ class RayRollout:
         for i in range(self.n):
             self._start_actor(i, start_batch)
         self._submit(start_batch)
-        nodes = set()
-        for i in range(self.n):  # each up (an error in its start-up is the run's), or waiting for a node
-            while not self.ray.wait([self.node_refs[i]], timeout=1.0)[0]:
-                self._unplaced(i)
-            try:
-                nodes.add(self.ray.get(self.node_refs[i]))
-            except self.ray.exceptions.RayActorError as exc:
-                raise ParityError(f"rollout actor {i} could not start: {_init_error(exc)}") from None
+        waiting = dict(enumerate(self.node_refs))  # each actor up, or an error of the run's
+        limit = max(self.cfg.rollout.heartbeat_timeout_s, STARTUP_GRACE_S)
+        while waiting:
+            done, _ = self.ray.wait(list(waiting.values()), num_returns=1, timeout=1.0)
+            for i in [i for i, ref in waiting.items() if ref in done]:
+                del waiting[i]
+                try:
+                    self._node_id(i, block=True)
+                except self.ray.exceptions.RayActorError as exc:
+                    what = "could not start" if getattr(exc, "actor_init_failed", False) else "died starting"
+                    raise ParityError(f"rollout actor {i} {what}: {_init_error(exc)}") from None
+            for i in waiting:  # one with no node to run on, or one whose start-up never ends
+                if not self._unplaced(i) and time.monotonic() - self.started_at[i] > limit:
+                    raise ParityError(f"rollout actor {i} did not finish starting in {limit:g} s")
+        nodes = set(self.node_ids)
         log.info("%d rollout actor(s) on %d Ray node(s) (%g CPU each)", self.n, len(nodes),
                  self.cfg.ray.cpus_per_worker)
 
@@ -177,7 +187,7 @@ class RayRollout:
             if v > version:
                 actor.receive.options(concurrency_group="weights").remote(v, self._ref(v, history[v]))
         self.actors[i], self.next_submit[i] = actor, first
-        self.node_refs[i] = actor.node.remote()
+        self.node_refs[i], self.node_ids[i] = actor.node.remote(), None
         self.unplaced_since.pop(i, None)
         self.warned_unplaced.discard(i)
         self.started_at[i] = time.monotonic()
@@ -264,41 +274,53 @@ class RayRollout:
                 # the actor died, or its node did and took a batch it had finished with it (its
                 # only copy was in that node's store): a new actor samples from this batch on
                 i = step % self.n
-                if getattr(exc, "actor_init_failed", False):  # its start-up raised: so would a new one's
-                    raise ParityError(f"rollout actor {i} could not start: {_init_error(exc)}") from None
-                node = self._lost_node(i)
+                node, dead = self._node_id(i), self._dead_node(i)
                 lost = isinstance(exc, self.ray.exceptions.ObjectLostError)
                 why = f"was hung (no sign of life for {timeout:g} s)" if i in self.killed_hung else \
-                    f"lost batch {step} ({type(exc).__name__})" if lost else "died"
-                if node is not None:
+                    f"lost batch {step} ({type(exc).__name__})" if lost else \
+                    f"could not start ({_init_error(exc)})" if getattr(exc, "actor_init_failed", False) \
+                    else "died"
+                if dead:
                     why += f" with its node {node[:8]}"
                 self.killed_hung.discard(i)
                 try:
                     self.ray.kill(self.actors[i])  # (when only the batch was lost, the actor lives)
                 except Exception:  # noqa: BLE001 - an actor already gone is fine
                     pass
-                if node is not None and node in self.lost_nodes:  # one node lost: one restart
-                    self.budget.spend(free=True)
+                window = self.budget.window_s
+                if dead and time.monotonic() - self.charged.get(node, -window) < window:
+                    self.budget.spend(free=True)  # one lost node, one restart, however many actors
                 elif not self.budget.spend():
                     raise ParityError(f"rollout actor {i} {why} after {len(self.budget.times)} restarts "
-                                      f"within {self.budget.window_s / 60:g} min; giving up at batch {step} "
+                                      f"within {window / 60:g} min; giving up at batch {step} "
                                       f"({str(exc).splitlines()[0]})") from None
-                if node is not None:
-                    self.lost_nodes.add(node)
+                elif node is not None:
+                    self.charged[node] = time.monotonic()
                 log.warning("rollout actor %d %s; restarting it from batch %d", i, why, step)
                 for b in [b for b in self.pending if b % self.n == i]:
                     del self.pending[b]
                 self._start_actor(i, step)
                 self._submit(step)
 
-    def _lost_node(self, i: int) -> str | None:
-        """The id of actor i's node when Ray reports that node dead (None: alive, or not known)."""
+    def _node_id(self, i: int, block: bool = False) -> str | None:
+        """The id of actor i's Ray node (None: it has not said yet). `block`: wait for the answer
+        and raise the actor's error, if it died instead."""
+        if self.node_ids[i] is None:
+            try:
+                self.node_ids[i] = self.ray.get(self.node_refs[i], timeout=None if block else 0)
+            except self.ray.exceptions.RayError:
+                if block:
+                    raise
+        return self.node_ids[i]
+
+    def _dead_node(self, i: int) -> bool:
+        """Whether Ray reports actor i's node dead."""
+        node = self._node_id(i)
         try:
-            node = self.ray.get(self.node_refs[i], timeout=0)
-            dead = {n["NodeID"] for n in self.ray.nodes() if not n.get("Alive", True)}
-        except Exception:  # noqa: BLE001 - it never said where it ran, or the cluster table is out of reach
-            return None
-        return node if node in dead else None
+            return node is not None and any(n["NodeID"] == node and not n.get("Alive", True)
+                                            for n in self.ray.nodes())
+        except Exception:  # noqa: BLE001 - the cluster table out of reach: charge the restart
+            return False
 
     def _unplaced(self, i: int) -> bool:
         """Whether actor i still waits for a node with room for it (Ray has given it no process:
@@ -319,14 +341,15 @@ class RayRollout:
         free = self.ray.available_resources()
         need = f"{self.cfg.ray.cpus_per_worker:g} CPU" + (f" and {self.gpus:g} GPU" if self.gpus else "")
         have = f"{free.get('CPU', 0.0):g} CPU" + (f" and {free.get('GPU', 0.0):g} GPU" if self.gpus else "")
-        if now - since > limit:
-            raise ParityError(f"rollout actor {i} found no Ray node with {need} free in {limit:g} s "
-                              f"(ray.placement_timeout_s; the cluster has {have} free): add a node, or "
-                              "lower rollout.workers or ray.cpus_per_worker")
         if now - since >= min(10.0, limit / 2) and i not in self.warned_unplaced:  # (a process takes
             self.warned_unplaced.add(i)                                     # a moment to start)
             log.warning("rollout actor %d waits for a Ray node with %s free (the cluster has %s free); "
                         "giving up after %g s", i, need, have, limit)
+        if now - since > limit:
+            raise ParityError(f"rollout actor {i} found no Ray node with {need} free in {limit:g} s "
+                              f"(ray.placement_timeout_s; the cluster has {have} free): add a node, or "
+                              "lower rollout.workers or ray.cpus_per_worker"
+                              + (" or ray.gpus_per_worker" if self.gpus else ""))
         return True
 
     def _hung(self, i: int, timeout: float) -> bool:

@@ -313,3 +313,19 @@ def test_an_actor_whose_start_up_raises_is_a_one_line_error(ray_cluster, tmp_pat
     assert str(got.value) == ("rollout actor 1 could not start: ParityError: injected fault: actor start-up "
                               "(actor-init@1)")
     assert run.rollout.restarts == 0
+
+
+def test_a_replacement_whose_start_up_raises_once_is_tried_again(ray_cluster, tmp_path, monkeypatch, caplog):
+    """Actor 1 exits after sampling batch 3; its replacement's start-up raises once (a start-up
+    error can belong to the node it landed on): that costs a restart, named in the log, and the
+    next replacement runs to the end."""
+    (tmp_path / "state").mkdir()
+    monkeypatch.setenv("PARITY_FAULTS", "worker-exit@3,actor-init@3")
+    monkeypatch.setenv("PARITY_FAULT_STATE", str(tmp_path / "state"))
+    run = Controller(config(tmp_path / "run", *DETERMINISTIC, "eval_every=0", "rollout.backend=\"ray\"",
+                            "rollout.workers=2"))
+    with caplog.at_level("WARNING"):
+        metrics = run.run()
+    assert [m["step"] for m in metrics] == list(range(6)) and run.rollout.restarts == 2
+    assert ("rollout actor 1 could not start (ParityError: injected fault: actor start-up (actor-init@3)); "
+            "restarting it from batch 3") in caplog.text

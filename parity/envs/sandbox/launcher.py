@@ -128,7 +128,7 @@ def child(code, out, err, alive_r, errpipe_w, program):
     os.dup2(err, 2)
     os.closerange(3, errpipe_w)
     os.closerange(errpipe_w + 1, 1 << 20)
-    resource.setrlimit(resource.RLIMIT_CPU, (CPU, CPU + 1))  # SIGXCPU at the limit; SIGKILL 1 s on
+    resource.setrlimit(resource.RLIMIT_CPU, (CPU, CPU))  # SIGKILL at the limit (SIGXCPU would dump core)
     resource.setrlimit(resource.RLIMIT_AS, (MEM << 20, MEM << 20))
     resource.setrlimit(resource.RLIMIT_FSIZE, (OUTB + 1, OUTB + 1))
     # In "user" mode the launcher shares the child's (namespace, uid) process count.
