@@ -255,14 +255,17 @@ def reasons(r: dict, rollout_ratio: float | None, async_ratio: float | None) -> 
     speed = (f"`parity bench async` measured asynchronous training (lag 8, one rollout worker) at "
              f"{async_ratio:.2f}x the learner steps/hour of synchronous training side by side; "
              if async_ratio is not None else "")
+    ratio = num(r, "async-8", "throughput_vs_sync")
+    cap = ("Two CPU cores shared by rollout and learner cap the gain below 2x" +
+           ("; a ratio above that says the rows did not run under the same load (see the study's "
+            "wall time above), not what asynchrony is worth" if ratio > 2 else "") + ".")
     out.append(
         f"- **Throughput.** {speed}{'i' if speed else 'I'}n the study, whose rows ran one after "
         "another on a shared machine, "
         f"async-8 reached {fig(r, 'async-8', 'throughput_vs_sync', '{:.2f}')}x sync (published "
-        f"{PUBLISHED['throughput_vs_sync']}x with rollout and training on separate GPUs). Two CPU "
-        "cores shared by rollout and learner cap the gain below 2x. The fixed-staleness rows run "
-        "generation and training in lock-step (that is what makes the lag exactly 64), so their "
-        "steps/hour is not an async speed figure.")
+        f"{PUBLISHED['throughput_vs_sync']}x with rollout and training on separate GPUs). {cap} The "
+        "fixed-staleness rows run generation and training in lock-step (that is what makes the lag "
+        "exactly 64), so their steps/hour is not an async speed figure.")
     if rollout_ratio is not None:
         out.append(f"- **Aligned rollout speed.** `parity bench rollout` (bfloat16) measured the aligned "
                    f"engine at {rollout_ratio:.0%} of the standard-kernel engine's output tokens/s on a "
