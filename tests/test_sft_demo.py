@@ -170,7 +170,7 @@ def test_named_base_recipes_and_their_cache_keys():
     assert set(RECIPES) == set(BASE_CHECKPOINTS)
     assert RECIPES["base-math"].math_columns > 0 and RECIPES["base-math"].tool_fraction == 0.0
     # the default recipe's key is pinned: a change rebuilds every user's cached base policy, so
-    # it must be deliberate (recipe 4; a math_columns of 0 stays out of the key) ...
+    # it must be deliberate (recipe 4) ...
     assert SFTConfig().key() == RECIPES["base"].key() == "dafc31c53adb"
     # ... while any other value is its own recipe
     assert len({r.key() for r in RECIPES.values()}) == len(RECIPES)
