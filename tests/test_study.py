@@ -84,8 +84,8 @@ def test_study_config_errors_are_one_line(tmp_path):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=message):
             load_study(str(bad))
-    names = ["sync", "async-8", "fixed-64", "std-fixed-64", "std-fixed-64-tis", "std-fixed-64-gate",
-             "fixed-64-fp32", "std-fixed-64-fp32"]
+    names = ["sync", "async-8", "fixed-64", "std-fixed-64", "std-fixed-64-tis", "fixed-64-tis",
+             "std-fixed-64-gate", "fixed-64-fp32", "std-fixed-64-fp32"]
     assert [r.name for r in DEFAULT_GRID] == names
 
 

@@ -9,6 +9,7 @@ sides with float32 master weights, as the published runs):
     | fixed-64          | aligned  | 64  | fixed     | reinforce_zero                |
     | std-fixed-64      | standard | 64  | fixed     | reinforce_zero (unclipped IS) |
     | std-fixed-64-tis  | standard | 64  | fixed     | tis                           |
+    | fixed-64-tis      | aligned  | 64  | fixed     | tis (truncation without kernels) |
     | std-fixed-64-gate | standard | 64  | fixed     | seq_gate                      |
     | fixed-64-fp32, std-fixed-64-fp32: the same in float32, shorter (the mechanism by dtype) |
 
@@ -93,6 +94,8 @@ DEFAULT_GRID = [
     StudyRun("fixed-64", "aligned", 64, staleness="fixed"),
     StudyRun("std-fixed-64", "standard", 64, staleness="fixed"),
     StudyRun("std-fixed-64-tis", "standard", 64, "tis", staleness="fixed"),
+    # TIS on aligned kernels: what truncation does at this lag with no kernel mismatch to correct
+    StudyRun("fixed-64-tis", "aligned", 64, "tis", staleness="fixed"),
     StudyRun("std-fixed-64-gate", "standard", 64, "seq_gate", staleness="fixed"),
     # the mechanism in float32, for comparison with bfloat16 (shorter runs)
     StudyRun("fixed-64-fp32", "aligned", 64, staleness="fixed", dtype="float32", steps=100),
