@@ -147,6 +147,17 @@ def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
     assert "| fixed-64 | 64 |" in text and "exactly the bound?" in text
     assert "**kernel mismatch: mean |Δ log-prob| at the sampling version**" in text
     assert (page / "study.png").exists()
+    assert "| standard + TIS | aligned + TIS |" in text and "**Truncation or kernels?**" in text
+    # a study from before the aligned + TIS row: its page is built without that column
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "results.json").write_text(json.dumps(
+        {**results, "runs": {k: v for k, v in results["runs"].items() if k != "fixed-64-tis"}}))
+    proc = subprocess.run([sys.executable, str(script), "--study", str(older), "--out", str(page)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = (page / "results.md").read_text()
+    assert "| standard + TIS | standard + sequence gate |" in text and "Truncation or kernels?" not in text
 
     # a report from finished runs only: drop one row's run, nothing is trained, the row is left out
     shutil.rmtree(out / "std-fixed-64-gate-seed0")
