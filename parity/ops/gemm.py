@@ -13,11 +13,15 @@ and a product whose probe fails keeps the 16-row padding the design started from
 
 Where even the large GEMM's rows are not fixed (measured on an Intel Xeon with AMX: MKL's float32
 GEMM at 2 threads orders a row by M and thread count for K >= 1024, and oneDNN's bf16 GEMM picks
-its kernel by M up to ~1,000 rows), the probe `_large_rows_hold` fails and GEMMs run *strict*,
-on one thread and one at a time: float32 padded to 16 rows (`STRICT_ROWS`), from which MKL's
+its kernel by M up to ~1,000 rows), the probe `_large_rows_hold` fails and GEMMs run *strict*:
+every library GEMM on one thread, float32 padded to 16 rows (`STRICT_ROWS`), from which MKL's
 single-threaded rows do not depend on M; bf16 as GEMMs of exactly 128 rows each
 (`STRICT_BF16_ROWS`: one shape, one oneDNN kernel), or where that fails its probe, in float32
-(bf16 values multiplied exactly, the sum rounded once). Slower (one core), never silently variant.
+(bf16 values multiplied exactly, the sum rounded once). The cores are used by splitting a large
+product's output columns between threads, each a one-threaded GEMM on a slice of the weight (a
+column's sums do not depend on which other columns share its call: the probe runs the split
+product, at one thread and at two, and compares them). Never silently variant. Under autograd
+the strict product's backward is ordinary multi-threaded math (`_StrictLinear`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import contextlib
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +60,19 @@ ROW_QUANTUM = 4
 
 _PROBE_SHAPES = ((64, 96), (256, 768), (1024, 1024), (1024, 3072))
 """(K, N) of the probe's GEMMs: the sizes of the presets' projections, small to Qwen3-0.6B's."""
+
+SPLIT_MIN_WEIGHT = 1 << 18
+"""Strict products with a weight of at least this many elements (K x N) are split by output
+columns; smaller ones run as one call, where handing work to another thread costs more than the
+split saves. Decided by the weight alone: a product's slicing never depends on M or threads."""
+
+SPLIT_PARTS = 4
+"""Column slices of a split product (fewer where N is narrow). Fixed, because a library GEMM's
+sums can depend on N (oneDNN's bf16 kernel at K = 768 rounds 128 columns otherwise than 256):
+every call on a weight is sliced alike, and the slices are shared out among the threads there are."""
+
+SPLIT_ALIGN = 64
+"""Column slices of a split product are multiples of this many outputs wide (the last one the rest)."""
 
 _quantum: dict[tuple[int, bool], int] = {}
 _strict: dict[bool, bool] = {}  # bf16 GEMM native -> strict mode
@@ -118,29 +136,87 @@ def strict() -> bool:
 
 @contextlib.contextmanager
 def _one_thread():
-    """MKL and oneDNN on one thread, one product at a time (the thread count is process-wide)."""
+    """MKL and oneDNN on one thread, one product at a time (the thread count is process-wide);
+    yields the thread count the process had, which a split product shares out."""
     with _strict_lock:
         threads = torch.get_num_threads()
         if threads > 1:
             torch.set_num_threads(1)
         try:
-            yield
+            yield threads
         finally:
             if threads > 1:
                 torch.set_num_threads(threads)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _on_one_thread(fn, grad: bool, inference: bool):
+    """Run `fn` in a pool thread with one library thread (a thread's OpenMP count is its own, set
+    when it first computes) and the caller's grad and inference modes (those are per thread)."""
+    torch.set_num_threads(1)
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        return fn()
+
+
+def _slices(n: int, k: int) -> list[tuple[int, int]]:
+    """The output-column slices of a strict product with an N x K weight (a function of the
+    weight's shape only)."""
+    parts = min(SPLIT_PARTS, n // SPLIT_ALIGN) if n * k >= SPLIT_MIN_WEIGHT else 1
+    if parts < 2:
+        return [(0, n)]
+    cuts = [0, *((n * i // parts) // SPLIT_ALIGN * SPLIT_ALIGN for i in range(1, parts)), n]
+    return list(zip(cuts, cuts[1:]))
+
+
+def _split(product, n: int, k: int, threads: int) -> torch.Tensor:
+    """`product(lo, hi)` (output columns lo:hi, one library thread) for each of the weight's
+    column slices, the slices shared out in contiguous groups among `threads` threads at once,
+    concatenated in column order."""
+    global _pool, _pool_size
+    slices = _slices(n, k)
+    if len(slices) == 1:
+        return product(0, n)
+    groups = min(threads, len(slices))
+    bounds = [len(slices) * g // groups for g in range(groups + 1)]
+    work = [slices[a:b] for a, b in zip(bounds, bounds[1:])]
+
+    def run(group: list[tuple[int, int]]) -> list[torch.Tensor]:
+        return [product(lo, hi) for lo, hi in group]
+
+    if groups > 1 and _pool_size < groups - 1:  # under _strict_lock: one split at a time
+        _pool, _pool_size = ThreadPoolExecutor(groups - 1, thread_name_prefix="parity-gemm"), groups - 1
+    modes = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    futures = [_pool.submit(_on_one_thread, lambda g=g: run(g), *modes) for g in work[1:]]
+    try:
+        first = run(work[0])
+    finally:  # the pool's slices end before the caller restores the thread count
+        wait(futures)
+    return torch.cat([*first, *(y for f in futures for y in f.result())], dim=1)
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])]) if rows > x.shape[0] else x
 
 
+def _columns(t: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t[lo:hi].to(dtype)
+
+
 def _bf16_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A bf16 product as GEMMs of exactly STRICT_BF16_ROWS rows each (the last one padded), on one
-    thread: every call has one shape, so oneDNN takes one kernel, whatever M."""
+    """A bf16 product as GEMMs of exactly STRICT_BF16_ROWS rows each (the last one padded), each
+    library call on one thread: every call has one shape, so oneDNN takes one kernel, whatever M."""
     rows, c = x.shape[0], STRICT_BF16_ROWS
     x = _pad_rows(x, -(-rows // c) * c)
-    with _one_thread():
-        y = torch.cat([F.linear(x[i:i + c], weight, bias) for i in range(0, x.shape[0], c)])
+
+    def product(lo: int, hi: int) -> torch.Tensor:
+        w, b = weight[lo:hi], None if bias is None else bias[lo:hi]
+        return torch.cat([F.linear(x[i:i + c], w, b) for i in range(0, x.shape[0], c)])
+
+    with _one_thread() as threads:
+        y = _split(product, weight.shape[0], weight.shape[1], threads)
     return y[:rows]
 
 
@@ -152,18 +228,48 @@ def _bf16_chunks_hold() -> bool:
     return _bf16_chunks_ok
 
 
-def _strict_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _strict_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)`, the strict regime's GEMM: bf16 (with a bf16 GEMM) in fixed
     128-row chunks where that passes the probe, else in float32 (float64 stays float64) padded to
-    STRICT_ROWS rows and rounded back; on one thread either way."""
+    STRICT_ROWS rows and rounded back; one library thread per column slice either way."""
     if x.dtype == torch.bfloat16 == weight.dtype and bf16_gemm_native() and _bf16_chunks_hold():
         return _bf16_chunks(x, weight, bias)
     rows = x.shape[0]
     acc = torch.promote_types(x.dtype, torch.float32)
-    b = None if bias is None else bias.to(acc)
-    with _one_thread():
-        y = F.linear(_pad_rows(x, STRICT_ROWS).to(acc), weight.to(acc), b)
+    xp = _pad_rows(x, STRICT_ROWS).to(acc)
+
+    def product(lo: int, hi: int) -> torch.Tensor:
+        return F.linear(xp, weight[lo:hi].to(acc), _columns(bias, lo, hi, acc))
+
+    with _one_thread() as threads:
+        y = _split(product, weight.shape[0], weight.shape[1], threads)
     return y[:rows].to(x.dtype)
+
+
+class _StrictLinear(torch.autograd.Function):
+    """The strict product under autograd: the forward's bits are `_strict_forward`'s, the
+    backward is ordinary math on every thread (only forward log-probs must match the engine's)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return _strict_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        gx = grad.matmul(weight.to(grad.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = grad.t().matmul(x.to(grad.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gb = grad.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def _strict_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The strict regime's GEMM (`_strict_forward`), through `_StrictLinear` when a gradient is due."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _StrictLinear.apply(x, weight, bias)
+    return _strict_forward(x, weight, bias)
 
 
 def _probe_quantum() -> int:

@@ -162,3 +162,59 @@ def test_the_strict_regime_can_be_forced_and_a_bad_setting_is_refused(monkeypatc
     monkeypatch.setenv("PARITY_GEMM_STRICT", "yes")
     with pytest.raises(ConfigError, match="PARITY_GEMM_STRICT must be 1 or 0, got 'yes'"):
         gemm.strict()
+
+
+def test_strict_products_split_by_the_weights_shape_alone(monkeypatch):
+    """A large strict product is cut into column slices by its weight's shape alone (never by M
+    or the thread count: oneDNN's bf16 GEMM can round a 128-column slice otherwise than 256
+    columns) and the slices run on the threads there are: the same bits on 1, 2 and 3 threads,
+    split or whole (where the library rounds slices alike), in the caller's grad and inference
+    modes; under autograd the forward is the same product and the gradients are right."""
+    monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
+    assert gemm._slices(1024, 1024) == [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    assert gemm._slices(200, 2048) == [(0, 64), (64, 128), (128, 200)]  # N // 64 slices at most
+    assert gemm._slices(256, 768) == [(0, 256)]  # a small weight: one call
+    monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", 1)
+    for dtype in (torch.float32, torch.bfloat16):
+        for k, n in ((768, 256), (300, 200)):
+            x, w = _data(k, n, dtype)
+            bias = torch.randn(n).to(dtype)
+            outs = []
+            for t in (1, 2, 3):
+                torch.set_num_threads(t)
+                outs.append(gemm.linear(x, w, bias))
+                assert torch.get_num_threads() == t
+                for m in (1, 17):
+                    assert torch.equal(gemm.linear(x[5:5 + m], w, bias), outs[-1][5:5 + m]), (t, m)
+            assert all(torch.equal(o, outs[0]) for o in outs), (dtype, k, n)
+            with torch.inference_mode():
+                assert torch.equal(gemm.linear(x, w, bias), outs[0])
+            xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, bias))
+            y = gemm.linear(xg, wg, bg)
+            assert y.requires_grad and torch.equal(y.detach(), outs[0])
+            g = torch.randn(y.shape).to(dtype)
+            y.backward(g)
+            xr, wr, br = (t.float().requires_grad_() for t in (x, w, bias))
+            F.linear(xr, wr, br).backward(g.float())
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+            for got, want in ((xg.grad, xr.grad), (wg.grad, wr.grad), (bg.grad, br.grad)):
+                assert got.dtype == dtype
+                assert float((got.float() - want).norm()) <= tol * float(want.norm())
+
+
+def test_a_split_models_rows_hold_and_its_standard_control_differs(monkeypatch):
+    """The model on strict, split GEMMs (forced, slices down to the small preset's weights):
+    batch, decode, learner-under-autograd and thread-count cases bit for bit in both dtypes; the
+    standard kernels, same cases, do not hold."""
+    from parity.invariance import run_checks
+    from tests.conftest import cached_model
+
+    monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
+    monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", 1)
+    cases = ("batch", "decode", "autograd", "threads")
+    for dtype, preset in (("float32", "tiny"), ("bfloat16", "small")):
+        model = cached_model(preset, "aligned", dtype, 31, 0.1)
+        for res in run_checks(model, rounds=2, seed=31, cases=cases):
+            assert res.comparisons > 0 and res.mismatches == 0, res
+    model = cached_model("tiny", "standard", "float32", 31, 0.1)
+    assert sum(r.mismatches for r in run_checks(model, rounds=2, seed=31, cases=cases)) > 0
