@@ -6,10 +6,9 @@ MKL's float32 GEMM gives a row of `x @ W.T` bits that do not depend on the other
 pads a small product to the next multiple of 4 rows, or, in float32 up to `GEMV_ROWS` rows,
 computes it with the native matrix-vector kernel, which follows the large GEMM's per-element
 order (K-blocks of `gemm_kblock(K)`, each a fused multiply-add chain from zero, added to the
-bias left to right): decode at small batches is bound by reading the weights, and that kernel
-streams them at GEMV speed, two to three times the padded GEMM. Neither property is assumed:
-a probe of this machine confirms each at first use (per thread count; per K for the kernel),
-and a product whose probe fails keeps the 16-row padding the design started from.
+bias left to right), at GEMV speed (two to three times the padded GEMM). Neither property is
+assumed: a probe of this machine confirms each at first use (per thread count; per K for the
+kernel), and a product whose probe fails keeps the 16-row padding the design started from.
 
 Where even the large GEMM's rows are not fixed (measured on an Intel Xeon with AMX: MKL's float32
 GEMM at 2 threads orders a row by M and thread count for K >= 1024, and oneDNN's bf16 GEMM picks
@@ -17,16 +16,15 @@ its kernel by M up to ~1,000 rows), the probe `_large_rows_hold` fails and GEMMs
 every library GEMM on one thread, float32 padded to 16 rows (`STRICT_ROWS`), from which MKL's
 single-threaded rows do not depend on M; bf16 as GEMMs of exactly 128 rows each
 (`STRICT_BF16_ROWS`: one shape, one oneDNN kernel), or where that fails its probe, in float32
-(bf16 values multiplied exactly, the sum rounded once). The cores are used by splitting a large
-product's output columns between threads, each a one-threaded GEMM on a slice of the weight (a
-column's sums do not depend on which other columns share its call: the probe runs the split
-product, at one thread and at two, and compares them). Never silently variant. Under autograd
-the strict product's backward is ordinary multi-threaded math (`_StrictLinear`).
+(bf16 values multiplied exactly, the sum rounded once). The cores share a product out by column
+slices (fixed by the weight's shape) or row blocks. Never silently variant. Under autograd the
+backward is ordinary multi-threaded math (`_StrictLinear`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -61,18 +59,21 @@ ROW_QUANTUM = 4
 _PROBE_SHAPES = ((64, 96), (256, 768), (1024, 1024), (1024, 3072))
 """(K, N) of the probe's GEMMs: the sizes of the presets' projections, small to Qwen3-0.6B's."""
 
-SPLIT_MIN_WEIGHT = 1 << 18
-"""Strict products with a weight of at least this many elements (K x N) are split by output
-columns; smaller ones run as one call, where handing work to another thread costs more than the
-split saves. Decided by the weight alone: a product's slicing never depends on M or threads."""
+SPLIT_MIN_WEIGHT = {False: 1 << 21, True: 1 << 25}
+"""Strict products whose weight has this many elements (K x N; float32 path, 128-row bf16 path)
+are cut into column slices; below, a slice gains less than a hand-off costs (~90 us; AMX bf16 is
+fast up to lm-head sizes). By the weight alone: never by M or the threads."""
 
 SPLIT_PARTS = 4
-"""Column slices of a split product (fewer where N is narrow). Fixed, because a library GEMM's
-sums can depend on N (oneDNN's bf16 kernel at K = 768 rounds 128 columns otherwise than 256):
-every call on a weight is sliced alike, and the slices are shared out among the threads there are."""
+"""Column slices of a sliced product (fewer where N is narrow), fixed: a GEMM's sums can depend on
+N (oneDNN's bf16 at K = 768 rounds 128 columns otherwise than 256), so every call slices alike."""
 
-SPLIT_ALIGN = 64
-"""Column slices of a split product are multiples of this many outputs wide (the last one the rest)."""
+SPLIT_MIN_COLUMNS = 512
+"""Column slices are at least this many outputs wide (multiples of 64; the last one the rest)."""
+
+SPLIT_ROWS = 256
+"""Products of this many rows not sliced by columns are shared out by rows: whole 128-row bf16
+calls, float32 blocks of STRICT_ROWS multiples (rows independent of M: the strict premise)."""
 
 _quantum: dict[tuple[int, bool], int] = {}
 _strict: dict[bool, bool] = {}  # bf16 GEMM native -> strict mode
@@ -149,8 +150,7 @@ def _one_thread():
                 torch.set_num_threads(threads)
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool), under _strict_lock
 
 
 def _on_one_thread(fn, grad: bool, inference: bool):
@@ -161,63 +161,82 @@ def _on_one_thread(fn, grad: bool, inference: bool):
         return fn()
 
 
-def _slices(n: int, k: int) -> list[tuple[int, int]]:
-    """The output-column slices of a strict product with an N x K weight (a function of the
-    weight's shape only)."""
-    parts = min(SPLIT_PARTS, n // SPLIT_ALIGN) if n * k >= SPLIT_MIN_WEIGHT else 1
+def _parallel(tasks: list, threads: int) -> list[torch.Tensor]:
+    """Each task's result, in order; the tasks shared out in contiguous groups among `threads`
+    threads at once (the caller's among them). Called under `_one_thread`."""
+    global _pool
+    groups = min(threads, len(tasks))
+    if groups < 2:
+        return [task() for task in tasks]
+    bounds = [len(tasks) * g // groups for g in range(groups + 1)]
+    work = [tasks[a:b] for a, b in zip(bounds, bounds[1:])]
+    if _pool is None or _pool[0] != os.getpid() or _pool[1] < groups - 1:  # (a forked child: no threads)
+        _pool = (os.getpid(), groups - 1, ThreadPoolExecutor(groups - 1, thread_name_prefix="parity-gemm"))
+    modes = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    futures = [_pool[2].submit(_on_one_thread, lambda g=g: [task() for task in g], *modes) for g in work[1:]]
+    try:
+        first = [task() for task in work[0]]
+    finally:  # the pool's tasks end before the caller restores the thread count
+        wait(futures)
+    return [*first, *(y for f in futures for y in f.result())]
+
+
+def _slices(n: int, k: int, chunked: bool) -> list[tuple[int, int]]:
+    """The output-column slices of a strict product with an N x K weight on the 128-row bf16
+    path (`chunked`) or the float32 one: a function of the weight's shape and the path only."""
+    parts = min(SPLIT_PARTS, n // SPLIT_MIN_COLUMNS) if n * k >= SPLIT_MIN_WEIGHT[chunked] else 1
     if parts < 2:
         return [(0, n)]
-    cuts = [0, *((n * i // parts) // SPLIT_ALIGN * SPLIT_ALIGN for i in range(1, parts)), n]
+    cuts = [0, *((n * i // parts) // 64 * 64 for i in range(1, parts)), n]
     return list(zip(cuts, cuts[1:]))
 
 
-def _split(product, n: int, k: int, threads: int) -> torch.Tensor:
-    """`product(lo, hi)` (output columns lo:hi, one library thread) for each of the weight's
-    column slices, the slices shared out in contiguous groups among `threads` threads at once,
-    concatenated in column order."""
-    global _pool, _pool_size
-    slices = _slices(n, k)
-    if len(slices) == 1:
-        return product(0, n)
-    groups = min(threads, len(slices))
-    bounds = [len(slices) * g // groups for g in range(groups + 1)]
-    work = [slices[a:b] for a, b in zip(bounds, bounds[1:])]
-
-    def run(group: list[tuple[int, int]]) -> list[torch.Tensor]:
-        return [product(lo, hi) for lo, hi in group]
-
-    if groups > 1 and _pool_size < groups - 1:  # under _strict_lock: one split at a time
-        _pool, _pool_size = ThreadPoolExecutor(groups - 1, thread_name_prefix="parity-gemm"), groups - 1
-    modes = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-    futures = [_pool.submit(_on_one_thread, lambda g=g: run(g), *modes) for g in work[1:]]
-    try:
-        first = run(work[0])
-    finally:  # the pool's slices end before the caller restores the thread count
-        wait(futures)
-    return torch.cat([*first, *(y for f in futures for y in f.result())], dim=1)
+def _row_blocks(m: int, unit: int, threads: int) -> list[tuple[int, int]]:
+    """Row ranges of an `m`-row product for `threads` threads, at multiples of `unit` rows (one
+    range below SPLIT_ROWS rows)."""
+    units = m // unit
+    parts = min(threads, units) if m >= SPLIT_ROWS else 1
+    cuts = [*(units * i // parts * unit for i in range(parts)), m]  # (the last block: the rest)
+    return list(zip(cuts, cuts[1:]))
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])]) if rows > x.shape[0] else x
 
 
-def _columns(t: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t[lo:hi].to(dtype)
+def _strict_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    chunked: bool | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)`, the strict regime's GEMM, every library call on one thread: bf16
+    (with a bf16 GEMM) as calls of exactly STRICT_BF16_ROWS rows (the last one padded; one shape,
+    so oneDNN takes one kernel whatever M) where that passes the probe (`chunked`), else in
+    float32 (float64 stays float64) padded to STRICT_ROWS rows and rounded back. Large weights
+    are cut into column slices, large products into row blocks, shared among the threads."""
+    if chunked is None:
+        chunked = x.dtype == torch.bfloat16 == weight.dtype and bf16_gemm_native() and _bf16_chunks_hold()
+    rows, (n, k) = x.shape[0], weight.shape
+    acc = x.dtype if chunked else torch.promote_types(x.dtype, torch.float32)
+    unit = STRICT_BF16_ROWS if chunked else STRICT_ROWS
+    xp = _pad_rows(x, -(-rows // unit) * unit if chunked else max(rows, unit)).to(acc)
+    w = weight.to(acc)
+    b = None if bias is None else bias.to(acc)
 
+    def product(r0: int, r1: int, lo: int, hi: int) -> torch.Tensor:
+        ws, bs = w[lo:hi], None if b is None else b[lo:hi]
+        if not chunked:
+            return F.linear(xp[r0:r1], ws, bs)
+        return torch.cat([F.linear(xp[i:i + unit], ws, bs) for i in range(r0, r1, unit)])
 
-def _bf16_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A bf16 product as GEMMs of exactly STRICT_BF16_ROWS rows each (the last one padded), each
-    library call on one thread: every call has one shape, so oneDNN takes one kernel, whatever M."""
-    rows, c = x.shape[0], STRICT_BF16_ROWS
-    x = _pad_rows(x, -(-rows // c) * c)
-
-    def product(lo: int, hi: int) -> torch.Tensor:
-        w, b = weight[lo:hi], None if bias is None else bias[lo:hi]
-        return torch.cat([F.linear(x[i:i + c], w, b) for i in range(0, x.shape[0], c)])
-
+    cols = _slices(n, k, chunked)
     with _one_thread() as threads:
-        y = _split(product, weight.shape[0], weight.shape[1], threads)
-    return y[:rows]
+        if len(cols) > 1:
+            y = torch.cat(_parallel([lambda s=s: product(0, xp.shape[0], *s) for s in cols], threads), 1)
+        else:
+            blocks = _row_blocks(xp.shape[0], unit, threads)
+            y = torch.cat(_parallel([lambda r=r: product(*r, 0, n) for r in blocks], threads), 0)
+    return y[:rows].to(x.dtype)
+
+
+_bf16_chunks = functools.partial(_strict_forward, chunked=True)  # the 128-row path, as probed
 
 
 def _bf16_chunks_hold() -> bool:
@@ -226,24 +245,6 @@ def _bf16_chunks_hold() -> bool:
     if _bf16_chunks_ok is None:
         _bf16_chunks_ok = _large_rows_hold(_bf16_chunks, (torch.bfloat16,))
     return _bf16_chunks_ok
-
-
-def _strict_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T (+ bias)`, the strict regime's GEMM: bf16 (with a bf16 GEMM) in fixed
-    128-row chunks where that passes the probe, else in float32 (float64 stays float64) padded to
-    STRICT_ROWS rows and rounded back; one library thread per column slice either way."""
-    if x.dtype == torch.bfloat16 == weight.dtype and bf16_gemm_native() and _bf16_chunks_hold():
-        return _bf16_chunks(x, weight, bias)
-    rows = x.shape[0]
-    acc = torch.promote_types(x.dtype, torch.float32)
-    xp = _pad_rows(x, STRICT_ROWS).to(acc)
-
-    def product(lo: int, hi: int) -> torch.Tensor:
-        return F.linear(xp, weight[lo:hi].to(acc), _columns(bias, lo, hi, acc))
-
-    with _one_thread() as threads:
-        y = _split(product, weight.shape[0], weight.shape[1], threads)
-    return y[:rows].to(x.dtype)
 
 
 class _StrictLinear(torch.autograd.Function):
@@ -383,8 +384,8 @@ def describe() -> str:
     so the matrix-vector probes of the model's K values have been made)."""
     if strict():
         bf16 = "128-row bf16 GEMMs" if bf16_gemm_native() and _bf16_chunks_hold() else "bf16 in float32"
-        return (f"GEMMs strict: one thread, float32 padded to 16 rows, {bf16} (this machine's GEMM "
-                "rows depend on the row count or thread count: the large-GEMM probe failed)")
+        return (f"GEMMs strict: one thread per call, float32 padded to 16 rows, {bf16}, large ones "
+                "shared among threads (GEMM rows here depend on M or threads: the probe failed)")
     pads = "4-row multiples" if gemm_rows(1) == ROW_QUANTUM else "16 rows (the 4-row probe failed here)"
     if native.library() is None:
         return f"small GEMMs padded to {pads}"

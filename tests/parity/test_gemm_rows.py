@@ -165,26 +165,33 @@ def test_the_strict_regime_can_be_forced_and_a_bad_setting_is_refused(monkeypatc
 
 
 def test_strict_products_split_by_the_weights_shape_alone(monkeypatch):
-    """A large strict product is cut into column slices by its weight's shape alone (never by M
-    or the thread count: oneDNN's bf16 GEMM can round a 128-column slice otherwise than 256
-    columns) and the slices run on the threads there are: the same bits on 1, 2 and 3 threads,
-    split or whole (where the library rounds slices alike), in the caller's grad and inference
-    modes; under autograd the forward is the same product and the gradients are right."""
+    """A strict product is shared among threads by column slices fixed by its weight's shape and
+    path (never by M or the thread count: oneDNN's bf16 GEMM can round a 128-column slice otherwise
+    than 256 columns) or, below the slicing size, by row blocks (whole 128-row bf16 calls; float32
+    blocks of 16-row multiples): the same bits on 1, 2 and 3 threads, at every M, in the caller's
+    grad and inference modes; under autograd the forward is the same product, the gradients right."""
     monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
-    assert gemm._slices(1024, 1024) == [(0, 256), (256, 512), (512, 768), (768, 1024)]
-    assert gemm._slices(200, 2048) == [(0, 64), (64, 128), (128, 200)]  # N // 64 slices at most
-    assert gemm._slices(256, 768) == [(0, 256)]  # a small weight: one call
-    monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", 1)
+    assert gemm._slices(3072, 1024, False) == [(0, 768), (768, 1536), (1536, 2304), (2304, 3072)]
+    assert gemm._slices(1024, 2048, False) == [(0, 512), (512, 1024)]  # N // 512 slices at most
+    assert gemm._slices(1024, 1024, False) == [(0, 1024)]  # a small weight: one call
+    assert gemm._slices(3072, 1024, True) == [(0, 3072)]  # bf16: sliced from lm-head sizes only
+    assert len(gemm._slices(151936, 1024, True)) == gemm.SPLIT_PARTS
+    assert gemm._row_blocks(1000, 16, 2) == [(0, 496), (496, 1000)]  # the last block takes the rest
+    assert gemm._row_blocks(1024, 128, 3) == [(0, 256), (256, 640), (640, 1024)]
+    assert gemm._row_blocks(128, 128, 2) == [(0, 128)]  # below SPLIT_ROWS: one block
+    monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", {False: 1, True: 1})
+    monkeypatch.setattr(gemm, "SPLIT_MIN_COLUMNS", 64)
     for dtype in (torch.float32, torch.bfloat16):
-        for k, n in ((768, 256), (300, 200)):
-            x, w = _data(k, n, dtype)
-            bias = torch.randn(n).to(dtype)
+        for k, n in ((768, 256), (300, 200), (200, 40)):  # sliced, sliced, rows only
+            gen = torch.Generator().manual_seed(k)
+            x = torch.randn(400, k, generator=gen).to(dtype)
+            w, bias = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
             outs = []
             for t in (1, 2, 3):
                 torch.set_num_threads(t)
                 outs.append(gemm.linear(x, w, bias))
                 assert torch.get_num_threads() == t
-                for m in (1, 17):
+                for m in (1, 17, 300):
                     assert torch.equal(gemm.linear(x[5:5 + m], w, bias), outs[-1][5:5 + m]), (t, m)
             assert all(torch.equal(o, outs[0]) for o in outs), (dtype, k, n)
             with torch.inference_mode():
@@ -192,7 +199,7 @@ def test_strict_products_split_by_the_weights_shape_alone(monkeypatch):
             xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, bias))
             y = gemm.linear(xg, wg, bg)
             assert y.requires_grad and torch.equal(y.detach(), outs[0])
-            g = torch.randn(y.shape).to(dtype)
+            g = torch.randn(y.shape, generator=gen).to(dtype)
             y.backward(g)
             xr, wr, br = (t.float().requires_grad_() for t in (x, w, bias))
             F.linear(xr, wr, br).backward(g.float())
@@ -210,7 +217,9 @@ def test_a_split_models_rows_hold_and_its_standard_control_differs(monkeypatch):
     from tests.conftest import cached_model
 
     monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
-    monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", 1)
+    monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", {False: 1, True: 1})
+    monkeypatch.setattr(gemm, "SPLIT_MIN_COLUMNS", 64)
+    monkeypatch.setattr(gemm, "SPLIT_ROWS", 32)
     cases = ("batch", "decode", "autograd", "threads")
     for dtype, preset in (("float32", "tiny"), ("bfloat16", "small")):
         model = cached_model(preset, "aligned", dtype, 31, 0.1)
@@ -218,3 +227,32 @@ def test_a_split_models_rows_hold_and_its_standard_control_differs(monkeypatch):
             assert res.comparisons > 0 and res.mismatches == 0, res
     model = cached_model("tiny", "standard", "float32", 31, 0.1)
     assert sum(r.mismatches for r in run_checks(model, rounds=2, seed=31, cases=cases)) > 0
+
+
+def test_a_forked_child_gets_threads_of_its_own(monkeypatch):
+    """A process forked after a shared product has the pool object but not its threads: its own
+    shared products make a pool (they hung on the parent's before) and give the parent's bits."""
+    import os
+    import time
+
+    monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
+    monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", {False: 1, True: 1})
+    monkeypatch.setattr(gemm, "SPLIT_MIN_COLUMNS", 64)
+    torch.set_num_threads(2)
+    x, w = _data(300, 200, torch.float32)
+    want = gemm.linear(x, w)
+    assert gemm._pool is not None and gemm._pool[0] == os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only with the parent's bits
+        try:
+            os._exit(0 if torch.equal(gemm.linear(x, w), want) else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the child's shared product hung")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
