@@ -164,13 +164,24 @@ def test_the_strict_regime_can_be_forced_and_a_bad_setting_is_refused(monkeypatc
         gemm.strict()
 
 
-def test_strict_products_split_by_the_weights_shape_alone(monkeypatch):
+@pytest.fixture
+def split_everything(monkeypatch):
+    """Strict GEMMs forced on any machine; calling the fixture's value also slices every weight
+    (down to 64-column slices), so small shapes exercise the split."""
+    monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
+
+    def split():
+        monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", {False: 1, True: 1})
+        monkeypatch.setattr(gemm, "SPLIT_MIN_COLUMNS", 64)
+    return split
+
+
+def test_strict_products_split_by_the_weights_shape_alone(split_everything):
     """A strict product is shared among threads by column slices fixed by its weight's shape and
     path (never by M or the thread count: oneDNN's bf16 GEMM can round a 128-column slice otherwise
     than 256 columns) or, below the slicing size, by row blocks (whole 128-row bf16 calls; float32
     blocks of 16-row multiples): the same bits on 1, 2 and 3 threads, at every M, in the caller's
     grad and inference modes; under autograd the forward is the same product, the gradients right."""
-    monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
     assert gemm._slices(3072, 1024, False) == [(0, 768), (768, 1536), (1536, 2304), (2304, 3072)]
     assert gemm._slices(1024, 2048, False) == [(0, 512), (512, 1024)]  # N // 512 slices at most
     assert gemm._slices(1024, 1024, False) == [(0, 1024)]  # a small weight: one call
@@ -179,8 +190,7 @@ def test_strict_products_split_by_the_weights_shape_alone(monkeypatch):
     assert gemm._row_blocks(1000, 16, 2) == [(0, 496), (496, 1000)]  # the last block takes the rest
     assert gemm._row_blocks(1024, 128, 3) == [(0, 256), (256, 640), (640, 1024)]
     assert gemm._row_blocks(128, 128, 2) == [(0, 128)]  # below SPLIT_ROWS: one block
-    monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", {False: 1, True: 1})
-    monkeypatch.setattr(gemm, "SPLIT_MIN_COLUMNS", 64)
+    split_everything()
     for dtype in (torch.float32, torch.bfloat16):
         for k, n in ((768, 256), (300, 200), (200, 40)):  # sliced, sliced, rows only
             gen = torch.Generator().manual_seed(k)
@@ -209,16 +219,14 @@ def test_strict_products_split_by_the_weights_shape_alone(monkeypatch):
                 assert float((got.float() - want).norm()) <= tol * float(want.norm())
 
 
-def test_a_split_models_rows_hold_and_its_standard_control_differs(monkeypatch):
+def test_a_split_models_rows_hold_and_its_standard_control_differs(split_everything, monkeypatch):
     """The model on strict, split GEMMs (forced, slices down to the small preset's weights):
     batch, decode, learner-under-autograd and thread-count cases bit for bit in both dtypes; the
     standard kernels, same cases, do not hold."""
     from parity.invariance import run_checks
     from tests.conftest import cached_model
 
-    monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
-    monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", {False: 1, True: 1})
-    monkeypatch.setattr(gemm, "SPLIT_MIN_COLUMNS", 64)
+    split_everything()
     monkeypatch.setattr(gemm, "SPLIT_ROWS", 32)
     cases = ("batch", "decode", "autograd", "threads")
     for dtype, preset in (("float32", "tiny"), ("bfloat16", "small")):
@@ -229,15 +237,13 @@ def test_a_split_models_rows_hold_and_its_standard_control_differs(monkeypatch):
     assert sum(r.mismatches for r in run_checks(model, rounds=2, seed=31, cases=cases)) > 0
 
 
-def test_a_forked_child_gets_threads_of_its_own(monkeypatch):
+def test_a_forked_child_gets_threads_of_its_own(split_everything):
     """A process forked after a shared product has the pool object but not its threads: its own
     shared products make a pool (they hung on the parent's before) and give the parent's bits."""
     import os
     import time
 
-    monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
-    monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", {False: 1, True: 1})
-    monkeypatch.setattr(gemm, "SPLIT_MIN_COLUMNS", 64)
+    split_everything()
     torch.set_num_threads(2)
     x, w = _data(300, 200, torch.float32)
     want = gemm.linear(x, w)
