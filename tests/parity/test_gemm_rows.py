@@ -10,11 +10,13 @@ GEMMs of 1..11 rows, and the matrix-vector kernel with another blocking, do diff
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from parity.ops import gemm, native
+from parity.ops import gemm, gemm_strict, native
 from tests.conftest import DEVICE
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU GEMM's property")
@@ -75,39 +77,71 @@ def test_padding_is_4_row_multiples_where_the_probe_passes_and_16_where_it_fails
 needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler: no native kernels")
 
 
+@pytest.fixture(params=["library", "strict"])
+def regime(monkeypatch, request):
+    """The GEMM regime, the strict one forced on any machine: the matrix-vector kernel must
+    follow the library's GEMM in one and the strict K-blocked product in the other."""
+    monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), request.param == "strict"))
+    return request.param
+
+
+def _regime_gemm(regime: str):
+    return partial(gemm_strict.forward, chunked=False) if regime == "strict" else F.linear
+
+
 @needs_native
 @pytest.mark.parametrize("k", [64, 193, 300, 1024, 3072])
-def test_the_matrix_vector_kernel_is_the_gemms_order_and_is_used(threads, k, monkeypatch):
-    if gemm.strict():
-        pytest.skip("strict GEMMs here (one thread, 16 rows): no matrix-vector path")
+def test_the_matrix_vector_kernel_is_the_gemms_order_and_is_used(regime, threads, k, monkeypatch):
     if not gemm._gemv_order_holds(k):
         pytest.skip(f"this BLAS orders K={k} otherwise: the padded GEMM serves (also correct)")
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn(16, k, generator=gen), torch.randn(1000, k, generator=gen)
     b = torch.randn(1000, generator=gen)
+    reference = _regime_gemm(regime)
     for bias in (None, b):
-        full = F.linear(x, w, bias)
+        full = reference(x, w, bias)
         for m in range(1, gemm.GEMV_ROWS + 1):
-            assert torch.equal(native.gemv(x[:m], w, bias, gemm.gemm_kblock(k)), full[:m]), m
+            assert torch.equal(native.gemv(x[:m], w, bias, gemm._gemv_kblock(k)), full[:m]), m
     calls = []
     real = native.gemv
     monkeypatch.setattr(native, "gemv", lambda *a: calls.append(a) or real(*a))
-    assert torch.equal(gemm.linear(x[:3], w, b), F.linear(x, w, b)[:3])
+    assert torch.equal(gemm.linear(x[:3], w, b), reference(x, w, b)[:3])
     assert len(calls) == 1, "a 3-row float32 product did not take the matrix-vector kernel"
+    assert gemm.token_rows(3, torch.float32) == 3  # the forward does not pad what the kernel takes
 
 
 @needs_native
-def test_control_another_blocking_differs_and_the_probe_falls_back(monkeypatch):
+def test_the_strict_k_block_is_one_chain_and_the_kernel_serves_strict_decode(monkeypatch):
+    """Strict float32 products run in K blocks whose one-thread GEMM is a single chain here, so
+    the matrix-vector kernel serves decode-sized products in strict mode too (on the AMX Xeon a
+    quarter of the padded GEMM's time). Control: the kernel with the other candidate's blocks does
+    not give the strict product's bits."""
+    monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
+    kb = gemm_strict.kblock()
+    assert kb in gemm_strict.KBLOCKS and gemm_strict._one_chain(kb), "no candidate block is one chain"
+    assert f"K blocks of {kb}" in gemm.describe()
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(16, 1024, generator=gen), torch.randn(200, 1024, generator=gen)
+    blocked = gemm_strict.forward(x, w, chunked=False)
+    other = next(b for b in gemm_strict.KBLOCKS if b != kb)
+    assert not torch.equal(native.gemv(x[:8], w, None, other), blocked[:8]), "another blocking matched"
+    calls = []
+    real = native.gemv
+    monkeypatch.setattr(native, "gemv", lambda *a: calls.append(a) or real(*a))
+    assert torch.equal(gemm.linear(x[:1], w), blocked[:1]) and len(calls) == 1
+
+
+@needs_native
+def test_control_another_blocking_differs_and_the_probe_falls_back(regime, monkeypatch):
     k = 1024
     gen = torch.Generator().manual_seed(8)
     x, w = torch.randn(16, k, generator=gen), torch.randn(200, k, generator=gen)
-    full = F.linear(x, w)
+    full = _regime_gemm(regime)(x, w)
     assert not torch.equal(native.gemv(x[:1], w, None, k), full[:1]), "one unblocked chain matched"
-    monkeypatch.setattr(gemm, "gemm_kblock", lambda k: k)
+    monkeypatch.setattr(gemm, "_gemv_kblock", lambda k: k)
     monkeypatch.setattr(gemm, "_gemv_ok", {})
     assert not gemm._gemv_order_holds(k)
-    if not gemm.strict():
-        assert torch.equal(gemm.linear(x[:1], w), full[:1])  # the padded GEMM serves instead
+    assert torch.equal(gemm.linear(x[:1], w), full[:1])  # the padded GEMM serves instead
 
 
 @pytest.fixture(params=["bf16-chunks", "float32"])
@@ -171,8 +205,8 @@ def split_everything(monkeypatch):
     monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
 
     def split():
-        monkeypatch.setattr(gemm, "SPLIT_MIN_WEIGHT", {False: 1, True: 1})
-        monkeypatch.setattr(gemm, "SPLIT_MIN_COLUMNS", 64)
+        monkeypatch.setattr(gemm_strict, "SPLIT_MIN_WEIGHT", {False: 1, True: 1})
+        monkeypatch.setattr(gemm_strict, "SPLIT_MIN_COLUMNS", 64)
     return split
 
 
@@ -182,14 +216,14 @@ def test_strict_products_split_by_the_weights_shape_alone(split_everything):
     than 256 columns) or, below the slicing size, by row blocks (whole 128-row bf16 calls; float32
     blocks of 16-row multiples): the same bits on 1, 2 and 3 threads, at every M, in the caller's
     grad and inference modes; under autograd the forward is the same product, the gradients right."""
-    assert gemm._slices(3072, 1024, False) == [(0, 768), (768, 1536), (1536, 2304), (2304, 3072)]
-    assert gemm._slices(1024, 2048, False) == [(0, 512), (512, 1024)]  # N // 512 slices at most
-    assert gemm._slices(1024, 1024, False) == [(0, 1024)]  # a small weight: one call
-    assert gemm._slices(3072, 1024, True) == [(0, 3072)]  # bf16: sliced from lm-head sizes only
-    assert len(gemm._slices(151936, 1024, True)) == gemm.SPLIT_PARTS
-    assert gemm._row_blocks(1000, 16, 2) == [(0, 496), (496, 1000)]  # the last block takes the rest
-    assert gemm._row_blocks(1024, 128, 3) == [(0, 256), (256, 640), (640, 1024)]
-    assert gemm._row_blocks(128, 128, 2) == [(0, 128)]  # below SPLIT_ROWS: one block
+    assert gemm_strict._slices(3072, 1024, False) == [(0, 768), (768, 1536), (1536, 2304), (2304, 3072)]
+    assert gemm_strict._slices(1024, 2048, False) == [(0, 512), (512, 1024)]  # N // 512 slices at most
+    assert gemm_strict._slices(1024, 1024, False) == [(0, 1024)]  # a small weight: one call
+    assert gemm_strict._slices(3072, 1024, True) == [(0, 3072)]  # bf16: sliced from lm-head sizes only
+    assert len(gemm_strict._slices(151936, 1024, True)) == gemm_strict.SPLIT_PARTS
+    assert gemm_strict._row_blocks(1000, 16, 2) == [(0, 496), (496, 1000)]  # the last block takes the rest
+    assert gemm_strict._row_blocks(1024, 128, 3) == [(0, 256), (256, 640), (640, 1024)]
+    assert gemm_strict._row_blocks(128, 128, 2) == [(0, 128)]  # below SPLIT_ROWS: one block
     split_everything()
     for dtype in (torch.float32, torch.bfloat16):
         for k, n in ((768, 256), (300, 200), (200, 40)):  # sliced, sliced, rows only
@@ -227,7 +261,7 @@ def test_a_split_models_rows_hold_and_its_standard_control_differs(split_everyth
     from tests.conftest import cached_model
 
     split_everything()
-    monkeypatch.setattr(gemm, "SPLIT_ROWS", 32)
+    monkeypatch.setattr(gemm_strict, "SPLIT_ROWS", 32)
     cases = ("batch", "decode", "autograd", "threads")
     for dtype, preset in (("float32", "tiny"), ("bfloat16", "small")):
         model = cached_model(preset, "aligned", dtype, 31, 0.1)
@@ -247,7 +281,7 @@ def test_a_forked_child_gets_threads_of_its_own(split_everything):
     torch.set_num_threads(2)
     x, w = _data(300, 200, torch.float32)
     want = gemm.linear(x, w)
-    assert gemm._pool is not None and gemm._pool[0] == os.getpid()
+    assert gemm_strict._pool is not None and gemm_strict._pool[0] == os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: exit 0 only with the parent's bits
         try:
