@@ -149,9 +149,8 @@ def _one_chain(k: int) -> bool:
                    for w in (torch.randn(n, k, generator=gen) for n in (12, 83)) for m in (1, 8))
 
 
-def _kblocked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` in K blocks of `kblock()` positions, added left to right (bias first)."""
-    kb = kblock()
+def _kblocked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kb: int) -> torch.Tensor:
+    """`F.linear` in K blocks of `kb` positions, added left to right (bias first)."""
     y = F.linear(x[:, :kb], w[:, :kb], b)
     for k0 in range(kb, x.shape[1], kb):
         y.addmm_(x[:, k0:k0 + kb], w[:, k0:k0 + kb].t())
@@ -171,12 +170,12 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     xp = _pad_rows(x, -(-rows // unit) * unit if chunked else max(rows, unit)).to(acc)
     w = weight.to(acc)
     b = None if bias is None else bias.to(acc)
-    gemm = _kblocked if acc == torch.float32 else F.linear
+    kb = kblock() if acc == torch.float32 else 0  # (probed here: never under the lock in a pool thread)
 
     def part(r0: int, r1: int, lo: int, hi: int) -> torch.Tensor:
         ws, bs = w[lo:hi], None if b is None else b[lo:hi]
         if not chunked:
-            return gemm(xp[r0:r1], ws, bs)
+            return _kblocked(xp[r0:r1], ws, bs, kb) if kb else F.linear(xp[r0:r1], ws, bs)
         return torch.cat([F.linear(xp[i:i + unit], ws, bs) for i in range(r0, r1, unit)])
 
     cols = _slices(n, k, chunked)

@@ -296,3 +296,20 @@ def test_a_forked_child_gets_threads_of_its_own(split_everything):
         os.waitpid(pid, 0)
         pytest.fail("the child's shared product hung")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_the_k_block_is_probed_before_a_product_is_shared_out(split_everything, monkeypatch):
+    """The first strict float32 product of a process probes the K block before it shares the work
+    out: probed inside a pool thread, the probe waited for the lock its caller held (a hang)."""
+    import threading
+
+    split_everything()
+    monkeypatch.setattr(gemm_strict, "_kblock", None)
+    torch.set_num_threads(2)
+    x, w = _data(300, 200, torch.float32)
+    out = []
+    worker = threading.Thread(target=lambda: out.append(gemm.linear(x, w)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert out, "the first shared product hung"
+    assert torch.equal(out[0], gemm_strict.forward(x, w, chunked=False))
