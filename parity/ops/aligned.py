@@ -9,7 +9,8 @@ using only the properties that `parity check` and `tests/parity/` verify on the 
   GEMM's path. `gemm.linear` pads small GEMMs to 4-row multiples, or computes a float32 product
   of up to 8 rows with a C kernel in the large GEMM's own order; probes of the machine confirm
   both at first use (`gemm.py`). Where a probe finds the large GEMM's rows depending on M or the
-  thread count (an Intel Xeon with AMX), GEMMs run strict: one thread, fixed row counts.
+  thread count (an Intel Xeon with AMX), GEMMs run strict (`gemm_strict.py`): one thread, fixed
+  row counts, float32 in K blocks whose order the C kernel follows for decode-sized products.
 - GEMM reduction length: the K-blocking of a GEMM depends on K, so a reduction over a *varying*
   length (attention over a growing context) is cut into fixed key blocks of `block_size`, each
   reduced by a GEMM of fixed K, and the blocks are combined by a fixed pairwise tree whose
