@@ -7,10 +7,11 @@ positions on the AMX Xeon), one library GEMM each, accumulated left to right (`a
 a GEMM of one block is one fused multiply-add chain from zero (probed; MKL's own blocking of
 larger K varied with N there), so the order of every element is known and the native
 matrix-vector kernel reproduces it for decode-sized products (`gemm.linear`). bf16 runs as
-GEMMs of exactly 128 rows each (`STRICT_BF16_ROWS`: one shape, one oneDNN kernel) or, where that
-fails its probe, in float32 (bf16 values multiplied exactly, the sum rounded once). The cores share
-a product out by column slices (fixed by the weight's shape) or row blocks. Under autograd the
-forward keeps these bits and the backward is ordinary multi-threaded math (`_StrictLinear`).
+GEMMs of 128 rows each (`STRICT_BF16_ROWS`: oneDNN picks its kernel by M; the last call 64 rows
+where its rows fit, `STRICT_BF16_TAIL`: the same kernel's bits) or, where that fails its probe,
+in float32 (bf16 values multiplied exactly, the sum rounded once). The cores share a product out
+by column slices (fixed by the weight's shape) or row blocks. Under autograd the forward keeps
+these bits and the backward is ordinary multi-threaded math (`_StrictLinear`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ on M (measured: 16 where MKL orders rows of up to 15 otherwise)."""
 STRICT_BF16_ROWS = 128
 """In strict mode, the rows of each bf16 GEMM call (oneDNN picks its kernel by M: one shape, one
 kernel). 128 kept ~0.85 of the unchunked speed with AMX where 32 kept ~0.2 (2026-12-04)."""
+
+STRICT_BF16_TAIL = 64
+"""The last bf16 call of a strict product is padded to this many rows where its rows fit (else to
+STRICT_BF16_ROWS): oneDNN's rows from 37- to 128-row calls were those of the 128-row call (7
+weight shapes, one thread, AMX Xeon; the probe confirms it at first use). Halves the GEMM work
+of a decode step (a 64-row call took 0.6-0.65 of the 128-row call's time)."""
 
 KBLOCKS = (384, 192)
 """Candidate K blocks of strict float32 products, largest first. The first at which this machine's
@@ -149,6 +156,14 @@ def _one_chain(k: int) -> bool:
                    for w in (torch.randn(n, k, generator=gen) for n in (12, 83)) for m in (1, 8))
 
 
+def _chunk_rows(m: int) -> int:
+    """The rows an `m`-row bf16 product is padded to: whole 128-row calls, the rest in one call of
+    STRICT_BF16_TAIL rows where it fits, else of 128."""
+    rest = m % STRICT_BF16_ROWS
+    tail = 0 if rest == 0 else STRICT_BF16_TAIL if rest <= STRICT_BF16_TAIL else STRICT_BF16_ROWS
+    return m - rest + tail
+
+
 def _kblocked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kb: int) -> torch.Tensor:
     """`F.linear` in K blocks of `kb` positions, added left to right (bias first)."""
     y = F.linear(x[:, :kb], w[:, :kb], b)
@@ -160,14 +175,15 @@ def _kblocked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kb: int)
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
             chunked: bool) -> torch.Tensor:
     """`x @ weight.T (+ bias)`, every library call on one thread: bf16 (with a bf16 GEMM) as calls
-    of exactly STRICT_BF16_ROWS rows (the last one padded; one shape, so oneDNN takes one kernel
-    whatever M) where that passes its probe (`chunked`), else in float32 (float64 stays float64)
-    padded to STRICT_ROWS rows, in K blocks (float32) and rounded back. Large weights are cut into
-    column slices, large products into row blocks, shared among the threads."""
+    of STRICT_BF16_ROWS rows (the last one padded to STRICT_BF16_TAIL rows where they fit: oneDNN
+    gives those rows the same bits) where that passes its probe (`chunked`), else in float32
+    (float64 stays float64) padded to STRICT_ROWS rows, in K blocks (float32), rounded back.
+    Large weights are cut into column slices, large products into row blocks, shared among the
+    threads."""
     rows, (n, k) = x.shape[0], weight.shape
     acc = x.dtype if chunked else torch.promote_types(x.dtype, torch.float32)
     unit = STRICT_BF16_ROWS if chunked else STRICT_ROWS
-    xp = _pad_rows(x, -(-rows // unit) * unit if chunked else max(rows, unit)).to(acc)
+    xp = _pad_rows(x, _chunk_rows(rows) if chunked else max(rows, unit)).to(acc)
     w = weight.to(acc)
     b = None if bias is None else bias.to(acc)
     kb = kblock() if acc == torch.float32 else 0  # (probed here: never under the lock in a pool thread)

@@ -313,3 +313,21 @@ def test_the_k_block_is_probed_before_a_product_is_shared_out(split_everything, 
     worker.join(60)
     assert out, "the first shared product hung"
     assert torch.equal(out[0], gemm_strict.forward(x, w, chunked=False))
+
+
+def test_strict_bf16_calls_are_128_rows_with_one_64_row_tail(monkeypatch):
+    """Strict bf16 products run as 128-row calls, the rest in one call of 64 rows where it fits
+    (a decode step does half the 128-row call's work), and the probe accepts that here. Control:
+    a 16-row tail, where oneDNN takes another kernel (AMX), fails the probe."""
+    from parity.hardware import bf16_gemm_native
+
+    assert [gemm_strict._chunk_rows(m) for m in (1, 64, 65, 128, 129, 193, 300)] == \
+        [64, 64, 128, 128, 192, 256, 320]
+    if not bf16_gemm_native():
+        pytest.skip("no bf16 GEMM on this CPU: strict bf16 runs in float32")
+    monkeypatch.setattr(gemm, "_bf16_chunks_ok", None)
+    if not gemm._bf16_chunks_hold():
+        pytest.skip("this machine's 128-row bf16 calls fail the probe: strict bf16 runs in float32")
+    monkeypatch.setattr(gemm_strict, "STRICT_BF16_TAIL", 16)
+    if gemm._large_rows_hold(gemm._bf16_chunks, (torch.bfloat16,)):
+        pytest.skip("here a 16-row call has the 128-row call's bits too: the control cannot fail")
