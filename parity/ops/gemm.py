@@ -171,13 +171,13 @@ def _gemv_order_holds(k: int) -> bool:
     if ok is None:
         gen = torch.Generator().manual_seed(k)
         x = torch.randn(16, k, generator=gen)
-        gemm = functools.partial(gemm_strict.forward, chunked=False) if key[2] else F.linear
+        reference = functools.partial(gemm_strict.forward, chunked=False) if key[2] else F.linear
         ok = True
         with torch.no_grad():
             for n in (FREE_ROWS, 83):
                 w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
                 ok = ok and all(
-                    torch.equal(native.gemv(x[:m], w, bias, _gemv_kblock(k)), gemm(x, w, bias)[:m])
+                    torch.equal(native.gemv(x[:m], w, bias, _gemv_kblock(k)), reference(x, w, bias)[:m])
                     for bias in (None, b) for m in (1, 8))
         _gemv_ok[key] = ok
     return ok

@@ -31,8 +31,9 @@ STRICT_ROWS = 16
 on M (measured: 16 where MKL orders rows of up to 15 otherwise)."""
 
 STRICT_BF16_ROWS = 128
-"""In strict mode, the rows of each bf16 GEMM call (oneDNN picks its kernel by M: one shape, one
-kernel). 128 kept ~0.85 of the unchunked speed with AMX where 32 kept ~0.2 (2026-12-04)."""
+"""In strict mode, the rows of each bf16 GEMM call but a product's last (oneDNN picks its kernel by
+M: fixed shapes, fixed kernels). 128 kept ~0.85 of the unchunked speed with AMX where 32 kept
+~0.2 (2026-12-04)."""
 
 STRICT_BF16_TAIL = 64
 """The last bf16 call of a strict product is padded to this many rows where its rows fit (else to
