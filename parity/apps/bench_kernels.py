@@ -202,6 +202,7 @@ def main(args) -> int:
           f"{torch.get_num_threads()} threads; prefill {args.prefill_len} tokens/seq, "
           f"decode {args.decode_steps} steps")
     print(f"machine: {hardware.line()}")
+    print(f"aligned kernels: {describe_aligned(args.device)}")
     print(table(["preset", "dtype", "phase", "batch", "aligned tok/s", "standard tok/s", "aligned/standard",
                  "aligned GFLOP/s", "of GEMM rate", "decode steps"],
                 [[r.preset, r.dtype, r.phase, str(r.batch), f"{r.aligned_tok_s:,.0f}",

@@ -113,6 +113,7 @@ def main(args) -> int:
     print(f"parity bench learner: forward+backward of {args.batch} x {args.length} tokens, medians of "
           f"{args.reps} interleaved repetitions, {torch.get_num_threads()} threads")
     print(f"machine: {hardware.line()}")
+    print(f"aligned kernels: {describe_aligned(device)}")
     print(table(["preset", "dtype", "aligned tok/s", "standard tok/s", "aligned/standard",
                  "aligned GFLOP/s", "of GEMM rate"],
                 [[r.preset, r.dtype, f"{r.aligned_tok_s:,.0f}", f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}",

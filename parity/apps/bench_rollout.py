@@ -24,7 +24,7 @@ from ..dtypes import dtype_from_name
 from ..engine import Engine, SamplingParams
 from ..errors import ParityError
 from ..model import Model, ModelConfig
-from ..ops import BACKENDS
+from ..ops import BACKENDS, describe_aligned
 from ..rl.rollout_worker import geometric_lengths
 from .ui import gemm_line, status, table, term_as_interrupt
 
@@ -206,7 +206,7 @@ def main(args) -> int:
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(),
-                          "threads": torch.get_num_threads(),
+                          "threads": torch.get_num_threads(), "aligned_kernels": describe_aligned(device),
                           "rows": [{**asdict(r), "gemm_fraction": r.gemm_fraction} for r in rows],
                           "ratios": ratios, "stopped": stopped}, indent=2))
         return 0
@@ -218,6 +218,7 @@ def main(args) -> int:
         return "-" if v is None else f"{v:.1f}"
 
     print(f"machine: {hardware.line()}")
+    print(f"aligned kernels: {describe_aligned(device)}")
     print(table(["system", "dtype", "output tokens", "tok/s", "step p50 ms", "p90", "p99", "GFLOP/s",
                  "of GEMM rate"],
                 [[r.system, r.dtype, str(r.output_tokens), f"{r.tok_s:,.0f}", ms(r.step_ms_p50),

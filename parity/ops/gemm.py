@@ -247,7 +247,8 @@ def describe() -> str:
     gemv = "" if native.library() is None else (
         f"; float32 products of 1-{GEMV_ROWS} rows by the matrix-vector kernel in the GEMM's order ({seen})")
     if mode:
-        bf16 = "128-row bf16 GEMMs" if bf16_gemm_native() and _bf16_chunks_hold() else "bf16 in float32"
+        chunks = bf16_gemm_native() and _bf16_chunks_hold()
+        bf16 = "bf16 in 128-row GEMMs (the last 64 where it fits)" if chunks else "bf16 in float32"
         return (f"GEMMs strict: one thread per call, float32 padded to 16 rows in K blocks of "
                 f"{gemm_strict.kblock()}, {bf16}, large ones shared among threads (GEMM rows here "
                 f"depend on M or threads: the probe failed){gemv}")
