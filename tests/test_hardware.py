@@ -97,3 +97,19 @@ def test_bf16_gemms_through_float32_keep_parity_and_are_bf16_gemms(monkeypatch):
     ulp = exact.abs().float() * 2**-7  # one bf16 step
     assert ((via_float32.float() - exact.float()).abs() <= ulp).all()
     assert ((F.linear(x, w).float() - exact.float()).abs() <= ulp).all()  # as the native bf16 GEMM
+
+
+def test_parity_sets_its_process_settings_before_torch_and_keeps_the_users():
+    """`parity/_startup.py`: huge pages for large tensors and a short OpenMP spin (so a strict
+    GEMM's own thread gets a core), set when parity is imported first; a value the user set wins."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import parity, os; print(os.environ['THP_MEM_ALLOC_ENABLE'], os.environ['GOMP_SPINCOUNT'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "20000"]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "7"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "7"]
