@@ -157,6 +157,11 @@ def _one_chain(k: int) -> bool:
                    for w in (torch.randn(n, k, generator=gen) for n in (12, 83)) for m in (1, 8))
 
 
+def _join(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The pieces of a product side by side; one piece as it is (`torch.cat` would copy it)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
 def _chunk_rows(m: int) -> int:
     """The rows an `m`-row bf16 product is padded to: whole 128-row calls, the rest in one call of
     STRICT_BF16_TAIL rows where it fits, else of 128."""
@@ -193,15 +198,15 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         ws, bs = w[lo:hi], None if b is None else b[lo:hi]
         if not chunked:
             return _kblocked(xp[r0:r1], ws, bs, kb) if kb else F.linear(xp[r0:r1], ws, bs)
-        return torch.cat([F.linear(xp[i:i + unit], ws, bs) for i in range(r0, r1, unit)])
+        return _join([F.linear(xp[i:i + unit], ws, bs) for i in range(r0, r1, unit)], 0)
 
     cols = _slices(n, k, chunked)
     with _one_thread() as threads:
         if len(cols) > 1:
-            y = torch.cat(_parallel([lambda s=s: part(0, xp.shape[0], *s) for s in cols], threads), 1)
+            y = _join(_parallel([lambda s=s: part(0, xp.shape[0], *s) for s in cols], threads), 1)
         else:
             blocks = _row_blocks(xp.shape[0], unit, threads)
-            y = torch.cat(_parallel([lambda r=r: part(*r, 0, n) for r in blocks], threads), 0)
+            y = _join(_parallel([lambda r=r: part(*r, 0, n) for r in blocks], threads), 0)
     return y[:rows].to(x.dtype)
 
 
