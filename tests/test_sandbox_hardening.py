@@ -4,22 +4,36 @@ Each class of attack runs once unsandboxed (the control: it works, so the check 
 once in the sandbox (it must not): the caller's kernel keyrings, SysV IPC and memory beyond the
 per-process limit, output that grows files on the host disk, system calls that reach the kernel
 (nested user namespaces, mount, bpf, perf, userfaultfd, io_uring, inotify, fanotify, the kernel
-log, ptrace), verdicts forged by printing, control characters, reused uids.
+log, ptrace), socket families the network namespace does not isolate, verdicts forged by
+printing, control and format characters, reused uids, empty directories that fill memory; and in
+the degraded modes (no namespaces), the run directory and the launcher's descriptors within the
+code's reach.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import socket
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
-from parity.envs.sandbox import Sandbox, SandboxLimits
+import parity.envs.sandbox as sandbox_module
+from parity.envs.sandbox import Sandbox, SandboxLimits, cgroup, host
 from parity.envs.sandbox.host import cgroup_support
-from parity.envs.sandbox.seccomp import DENIED_X86_64, build_filter
+from parity.envs.sandbox.seccomp import (
+    AUDIT_ARCH_X86_64,
+    DENIED_X86_64,
+    SOCKET_CALLS_X86_64,
+    SOCKET_FAMILIES,
+    build_filter,
+)
 
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=4)
 
@@ -131,16 +145,25 @@ def test_output_cannot_grow_files_on_the_host_disk(sb: Sandbox) -> None:
 @pytest.mark.parametrize("claim", ["sandbox: memory limit exceeded (512 MiB for the whole run)",
                                    "sandbox: time limit exceeded (5.0 s wall)",
                                    "sandbox: output limit exceeded (65536 bytes)",
-                                   "Sandbox: cpu time limit exceeded (4 s)"])
+                                   "Sandbox: cpu time limit exceeded (4 s)",
+                                   # a zero-width space, a right-to-left override, a byte-order mark
+                                   # first (they were kept, and the line read as a verdict)
+                                   "\u200bsandbox: time limit exceeded (5.0 s wall)",
+                                   "\u202esandbox: time limit exceeded (5.0 s wall)",
+                                   "\ufeffsandbox: time limit exceeded (5.0 s wall)",
+                                   # look-alike letters: a Cyrillic dze, full-width letters
+                                   "\u0455andbox: time limit exceeded (5.0 s wall)",
+                                   "\uff53\uff41\uff4e\uff44\uff42\uff4f\uff58: time limit exceeded"])
 def test_printed_verdicts_are_not_verdicts(sb: Sandbox, claim: str) -> None:
     r = sb.run(f"import sys\nsys.stderr.write({claim!r} + '\\n')\nsys.exit(1)\n")
-    assert not r.ok and r.limit is None and r.error == "stderr: " + claim
+    assert not r.ok and r.limit is None and r.error == "stderr: " + host.clean(claim)
+    assert r.error.startswith("stderr: ") and not host.clean(claim).startswith("\u200b")
 
 
 def test_control_characters_are_stripped(sb: Sandbox) -> None:
-    r = sb.run("import sys\nprint('a\\x1b[2Jb\\x07c\\tok')\n"
-               "sys.stderr.write('x\\x00y\\x1b]0;title\\x07z\\n')\nsys.exit(2)\n")
-    assert r.stdout == "a[2Jbc\tok\n" and r.error == "xy]0;titlez"
+    r = sb.run("import sys\nprint('a\\x1b[2Jb\\x07c\\tok\\u202eevil\\u200b!')\n"
+               "sys.stderr.write('x\\x00y\\x1b]0;title\\x07z\\u2066\\n')\nsys.exit(2)\n")
+    assert r.stdout == "a[2Jbc\tokevil!\n" and r.error == "xy]0;titlez"
 
 
 def test_every_run_has_its_own_uid_and_keyring(sb: Sandbox) -> None:
@@ -174,3 +197,227 @@ def test_the_verdict_cannot_be_forged_through_the_run_directory_in_a_degraded_mo
     assert forged.stdout == "written\n" and not forged.ok and forged.limit in ("cpu", "time"), forged
     garbage = box.run(write.format(b"\nstatus not-a-number\n") + 'print("written")\n')
     assert garbage.ok and garbage.stdout == "written\n", garbage
+
+
+def _run_filter(program: bytes, nr: int, arg0: int = 0, arch: int = AUDIT_ARCH_X86_64) -> int:
+    """What the classic-BPF `program` returns for one system call (the instructions it uses)."""
+    data = struct.pack("<iI", nr, arch) + struct.pack("<Q", 0) + struct.pack("<Q", arg0) + bytes(40)
+    insns = [struct.unpack("<HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = insns[pc]
+        if code == 0x20:  # ld word at k
+            acc, pc = struct.unpack_from("<I", data, k)[0], pc + 1
+        elif code == 0x06:
+            return k
+        else:
+            taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += 1 + (jt if taken else jf)
+
+
+@pytest.mark.skipif(build_filter() is None, reason="the seccomp filter is x86-64 only")
+def test_the_filter_program_decides_as_documented() -> None:
+    """The filter run on a model of the kernel's BPF: every refused call EPERM, sockets only of
+    the allowed families, clone only without namespace flags, other ABIs killed, the rest allowed."""
+    prog, eperm, allow, kill = build_filter(), 0x00050000 | errno.EPERM, 0x7FFF0000, 0x80000000
+    for name, nr in DENIED_X86_64.items():
+        assert _run_filter(prog, nr) == eperm, name
+    for call in SOCKET_CALLS_X86_64.values():
+        for family in range(64):
+            want = allow if family in SOCKET_FAMILIES.values() else eperm
+            assert _run_filter(prog, call, family) == want, (call, family)
+    assert _run_filter(prog, 56, 0x11) == allow and _run_filter(prog, 56, 0x10000000) == eperm  # clone
+    assert _run_filter(prog, 435) == 0x00050000 | errno.ENOSYS  # clone3
+    assert _run_filter(prog, 0) == allow and _run_filter(prog, 0x40000000 | 41, 40) == kill  # x32
+    assert _run_filter(prog, 41, 40, arch=0x40000003) == kill  # the 32-bit ABI
+
+
+FAMILIES = """
+import socket
+for family in (socket.AF_NETLINK, socket.AF_VSOCK, socket.AF_ALG, socket.AF_UNIX, socket.AF_INET,
+               socket.AF_INET6):
+    try:
+        socket.socket(family, socket.SOCK_DGRAM if family == socket.AF_NETLINK else socket.SOCK_SEQPACKET
+                      if family == socket.AF_ALG else socket.SOCK_STREAM).close()
+        print("ok")
+    except OSError as exc:
+        print(exc.errno)
+"""
+
+
+@pytest.mark.skipif(build_filter() is None, reason="the seccomp filter is x86-64 only")
+def test_socket_families_the_network_namespace_does_not_isolate_are_refused(sb: Sandbox) -> None:
+    """AF_VSOCK has no network namespace: from inside a Firecracker guest's sandbox it bound
+    ports of the guest's own vsock space (and could reach the hypervisor's). Only AF_UNIX,
+    AF_INET and AF_INET6 sockets may be created; netlink is the control (it works unsandboxed)."""
+    control = unsandboxed(FAMILIES)
+    assert control.stdout.split()[0] == "ok", control.stdout  # a plain process opens netlink
+    r = sb.run(FAMILIES)
+    assert r.ok and r.stdout.split() == [str(errno.EPERM)] * 3 + ["ok"] * 3, r
+
+
+def test_empty_directories_cannot_fill_the_runs_memory(sb: Sandbox) -> None:
+    """Empty directories take no tmpfs blocks, only kernel memory: unbounded, they ran the run
+    into its memory limit, the OOM killer chose the launcher, and the run's cgroup leaked. The
+    tmpfs now has an inode limit; the code gets ENOSPC and the launcher keeps its verdict."""
+    r = sb.run("import os\ni = 0\ntry:\n    while True:\n        os.mkdir(f'/work/d{i}')\n        i += 1\n"
+               "except OSError as exc:\n    print(exc.errno, i < 20000)\n")
+    assert r.ok and r.stdout == f"{errno.ENOSPC} True\n" and "seccomp" in r.protections, r
+
+
+@pytest.fixture
+def degraded(monkeypatch) -> Sandbox:
+    """The sandbox of a machine that allows no namespaces (the code runs as a uid of the host's)."""
+    keep_uid = os.geteuid() == 0 and not sandbox_module._others_can_run_python()
+    forced = sandbox_module._Probe("plain-keep-uid" if keep_uid else "plain", "forced by the test")
+    monkeypatch.setattr(sandbox_module, "_PROBE", forced)
+    return Sandbox(SandboxLimits(wall_s=3.0, cpu_s=1))
+
+
+def test_the_host_reads_output_by_descriptor_not_by_name_in_a_degraded_mode(degraded: Sandbox) -> None:
+    """The run directory is the code's working directory's parent there: `out` replaced by a FIFO
+    hung the host for good, `err` replaced by a symlink had the host read, with its privileges,
+    a file the code could not (the error line was that file's last line)."""
+    fifo = degraded.run("import os\nos.unlink('../out')\nos.mkfifo('../out')\nprint('x')\n")
+    assert fifo.ok and fifo.stdout == "x\n" and fifo.elapsed_s < 3.0, fifo
+    with tempfile.NamedTemporaryFile("w", suffix=".secret") as f:
+        f.write("TOP-SECRET\n")
+        f.flush()
+        os.chmod(f.name, 0)
+        code = (f"import os, sys\ntry:\n    open({f.name!r}).read()\n    print('read')\n"
+                f"except OSError:\n    print('denied')\n"
+                f"os.unlink('../err')\nos.symlink({f.name!r}, '../err')\n"
+                "sys.stderr.write('own words\\n')\nsys.exit(1)\n")
+        r = degraded.run(code)
+    if os.geteuid() == 0 and r.stdout == "read\n":
+        pytest.skip("the code's uid reads mode-0 files here (capabilities kept)")
+    assert r.stdout == "denied\n" and r.error == "own words", r
+
+
+FORGE = """
+import os, sys
+forged = b"status 0\\ncpu 0.0\\ntimeout 0\\nout_bytes 0\\nerr_bytes 0\\noutput_exceeded 0\\n"
+opened = 0
+for pid in {os.getppid(), int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])}:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        continue
+    for fd in fds:
+        try:
+            w = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK)
+            os.write(w, forged)
+            opened += 1
+        except OSError:
+            pass
+print(opened, flush=True)
+while True:
+    pass
+"""
+
+
+def _reopen(path: str) -> subprocess.CompletedProcess:
+    """A plain child of this process opens `path` (one of our /proc/PID/fd entries) for writing."""
+    code = f"import os\nw = os.open({path!r}, os.O_WRONLY)\nos.write(w, b'forged')\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_the_status_channel_cannot_be_reopened_through_proc_in_a_degraded_mode(degraded: Sandbox,
+                                                                                  monkeypatch) -> None:
+    """A process of the launcher's uid (the plain modes, non-root) opened /proc/PID/fd/N of the
+    launcher's end of the status pipe for writing, wrote "status 0" and had a busy loop judged
+    ok. The channel is a socket pair now, which /proc cannot reopen (the control: a pipe of
+    this process's can be, by a plain child), and the launcher is not dumpable. (As root the
+    code's missing capabilities already kept it out; the forging run checks the verdict.)"""
+    r_end, w_end = os.pipe()
+    left, right = socket.socketpair()
+    try:
+        assert _reopen(f"/proc/{os.getpid()}/fd/{r_end}").returncode == 0 and os.read(r_end, 6) == b"forged"
+        refused = _reopen(f"/proc/{os.getpid()}/fd/{left.fileno()}")
+        assert refused.returncode != 0 and "No such device or address" in refused.stderr, refused
+    finally:
+        os.close(r_end)
+        os.close(w_end)
+        left.close()
+        right.close()
+    popen, kinds = subprocess.Popen, []
+
+    def record(argv, **kwargs):  # what the launcher's STATUS_FD is
+        kinds.append(stat.S_ISSOCK(os.fstat(int(argv[15])).st_mode))
+        return popen(argv, **kwargs)
+
+    monkeypatch.setattr(host.subprocess, "Popen", record)
+    r = degraded.run(FORGE)
+    assert kinds == [True] and not r.ok and r.limit in ("cpu", "time"), (kinds, r)
+
+
+@pytest.mark.skipif(cgroup_support()[0] is None, reason="no writable cgroups here")
+def test_processes_left_behind_die_with_the_run_in_a_degraded_mode(degraded: Sandbox) -> None:
+    """Without a pid namespace, a double-forked, setsid'd process outlived the run (running as
+    the host's uid in plain-keep-uid mode); the run's cgroup is emptied when the run ends."""
+    code = ("import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            "        os.write(w, str(os.getpid()).encode())\n        os.close(w)\n        time.sleep(60)\n"
+            "    os._exit(0)\nos.close(w)\nprint(os.read(r, 32).decode())\n")
+    r = degraded.run(code)
+    assert r.ok, r
+    pid, deadline = int(r.stdout), time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail(f"process {pid} of the run outlived it")
+
+
+def test_a_cgroup_that_cannot_be_made_is_a_setup_failure_not_an_exception(monkeypatch, tmp_path) -> None:
+    """A parent cgroup left by a root run is not writable by a later non-root one: the probe
+    took it as usable and every `Sandbox.run` raised PermissionError. The probe now makes and
+    removes a child group, and a run whose cgroup fails is reported as a setup failure."""
+    monkeypatch.setattr(host, "_CGROUP", ("v2", ""))
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/sys/fs/cgroup/parity-sandbox/run-1")
+
+    monkeypatch.setattr(cgroup, "RunCgroup", refuse)
+    r = Sandbox(LIMITS).run("print(1)")
+    assert not r.ok and r.infra and r.error.startswith("sandbox setup failed: the run's cgroup"), r
+    for c in cgroup.V1_CONTROLLERS:  # a v1 tree whose parent groups exist
+        (tmp_path / c / cgroup.PARENT).mkdir(parents=True)
+    monkeypatch.setattr(cgroup, "ROOT", tmp_path)
+    assert cgroup._v1_ready()  # the control: children can be made
+    mkdir = cgroup.Path.mkdir
+
+    def no_children(self, *args, **kwargs):
+        if self.parent.name == cgroup.PARENT:
+            raise PermissionError(13, "Permission denied", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(cgroup.Path, "mkdir", no_children)
+    assert not cgroup._v1_ready()
+
+
+def test_a_degraded_mode_that_cannot_run_code_is_not_chosen(monkeypatch) -> None:
+    """As root without namespaces, the per-run uid could not reach its script through the
+    root-only run directory: every tool call failed "Permission denied" (judged the policy's
+    error, a host path in it), and the probe, which never looked at its run, chose that mode.
+    The run directory is now passable by the run's uid, and the probe takes the first degraded
+    mode that runs its code."""
+    runs: list[str] = []
+
+    def execute(mode, code, limits):
+        runs.append(mode)
+        if mode == "plain-keep-uid":
+            return host.ToolResult(True, "ok\n", None, 0.0, protections=("seccomp",))
+        return host.ToolResult(False, "", "can't open file 'main.py': [Errno 13] Permission denied", 0.0)
+
+    monkeypatch.setattr(sandbox_module, "execute", execute)
+    monkeypatch.setattr(sandbox_module.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sandbox_module, "others_can_run_python", lambda: True)
+    probe = sandbox_module._run_probe()
+    assert runs == ["root", "user", "plain", "plain-keep-uid"] and probe.mode == "plain-keep-uid"
+    assert "plain mode: can't open file 'main.py'" in probe.reason and probe.protections == ("seccomp",)

@@ -8,8 +8,9 @@ the new pid namespace, and enforces the wall-clock limit. The child builds a pri
 /work and /tmp), pivots into it, drops privileges (a per-run unprivileged uid when root, no capabilities,
 no_new_privs), sets rlimits (cpu, address space, file size, process count, open files, core) and execs a
 fresh interpreter on the code. When pid 1 dies the kernel kills every process left in the namespace, so
-fork bombs and background processes are cleaned up. stdout and stderr go to files capped by
-RLIMIT_FSIZE; the host reads them back bounded and maps the outcome to a one-line error.
+fork bombs and background processes are cleaned up. stdout and stderr come back through pipes
+the launcher caps into files the host opened; the host reads them back bounded, by descriptor,
+and maps the outcome to a one-line error.
 
 What works is probed once per process. Where namespaces are not permitted the sandbox degrades to a
 separate process with rlimits, an empty environment and its own temp directory, and `describe()` says
@@ -67,11 +68,22 @@ def _run_probe() -> _Probe:
         why = why.removeprefix("sandbox setup failed: ")
         if why not in reasons:
             reasons.append(why)
-    plain = "plain" if os.geteuid() != 0 or others_can_run_python() else "plain-keep-uid"
-    try:
-        protections = execute(plain, b"pass\n", SandboxLimits()).protections
-    except OSError:
-        protections = ()
+    # The degraded modes: a per-run uid (as root) where the interpreter is open to others, else
+    # the caller's uid; the first one whose probe runs the code (the per-run uid once could not
+    # reach its script: every tool call failed "Permission denied", judged the policy's error).
+    plains = ["plain"] if os.geteuid() != 0 else (["plain", "plain-keep-uid"] if others_can_run_python()
+                                                  else ["plain-keep-uid"])
+    for plain in plains:
+        try:
+            result = execute(plain, b"print('ok')\n", SandboxLimits())
+        except OSError as exc:
+            reasons.append(f"{plain} mode: {exc}")
+            protections: tuple[str, ...] = ()
+            continue
+        protections = result.protections
+        if result.ok and result.stdout == "ok\n":
+            break
+        reasons.append(f"{plain} mode: {result.error or 'the probe printed nothing'}")
     return _Probe(plain, "; ".join(reasons) or "no isolation mode worked", protections)
 
 

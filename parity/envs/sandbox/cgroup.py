@@ -6,12 +6,13 @@ cgroup v2 where the unified hierarchy has the memory and pids controllers, else 
 memory, pids and cpu hierarchies; none when neither is writable (the sandbox then says so at
 start-up). The launcher joins the run's directories before it forks anything; afterwards the
 host reads whether the kernel's OOM killer acted in the cgroup (the only memory-limit verdict
-that code cannot forge) and removes the directories.
+that code cannot forge), kills whatever is left in it and removes the directories.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +25,18 @@ V1_CONTROLLERS = ("memory", "pids", "cpu")
 def _write(path: Path, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
+
+
+def _can_make_child(parent: Path) -> bool:
+    """Whether a run's group can be made under `parent` (a parent left by another user's run
+    exists but need not be writable)."""
+    probe = parent / f"probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+        return True
+    except OSError:
+        return False
 
 
 def _v2_ready() -> bool:
@@ -39,18 +52,18 @@ def _v2_ready() -> bool:
         enable = " ".join(f"+{c}" for c in ("memory", "pids", "cpu") if c in controllers)
         for path in (ROOT / "cgroup.subtree_control", parent / "cgroup.subtree_control"):
             _write(path, enable)
-        return True
     except OSError:
         return False
+    return _can_make_child(parent)
 
 
 def _v1_ready() -> bool:
     try:
         for c in V1_CONTROLLERS:
             (ROOT / c / PARENT).mkdir(exist_ok=True)
-        return True
     except OSError:
         return False
+    return all(_can_make_child(ROOT / c / PARENT) for c in V1_CONTROLLERS)
 
 
 def probe() -> tuple[str | None, str]:
@@ -104,8 +117,35 @@ class RunCgroup:
         counts = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
         return int(counts.get("oom_kill", "0")) > 0
 
+    def kill(self) -> None:
+        """SIGKILL every process still in the run's group: without a pid namespace (the plain
+        modes) a double-forked, setsid'd process outlived the run (cgroup.kill where the kernel
+        has it, else the listed processes, until none is left or a second has passed)."""
+        first = self.dirs[0]
+        if self.version == "v2" and (first / "cgroup.kill").exists():
+            try:
+                _write(first / "cgroup.kill", "1")
+                return
+            except OSError:
+                pass
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                pids = [int(p) for d in self.dirs for p in (d / "cgroup.procs").read_text().split()]
+            except (OSError, ValueError):
+                return
+            if not pids:
+                return
+            for pid in set(pids):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.01)
+
     def close(self) -> None:
-        """Remove the directories (the run's processes are gone; give the kernel a moment)."""
+        """Kill what is left of the run and remove the directories (give the kernel a moment)."""
+        self.kill()
         for d in self.dirs:
             for _ in range(50):
                 try:

@@ -3,8 +3,12 @@
 `execute(mode, code, limits)` writes the code into a fresh temporary directory, runs
 `launcher.py` on it (by path, with an isolated interpreter and an empty environment, in its own
 process group), waits at most the wall limit plus a margin, kills whatever is left, and maps the
-launcher's status file and the capped output files to a result with a one-line error. The mount
-plan says what the private root holds.
+launcher's status and the capped output to a result with a one-line error. The host opens the
+output files and the log itself and reads them through its own descriptors, never by name again
+(in the plain modes the code can reach the run directory: a name replaced by a FIFO hung the
+host, one replaced by a symlink had the host read a file for the code); the status comes over a
+socket pair (a pipe can be reopened through /proc/PID/fd by a process of the same uid, a socket
+cannot). The mount plan says what the private root holds.
 """
 
 from __future__ import annotations
@@ -16,16 +20,20 @@ import re
 import select
 import shutil
 import signal
-import stat
+import socket
 import subprocess
-import sys
 import tempfile
 import time
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import ConfigError
 from . import cgroup, seccomp
+from .mounts import expected_root_listing, mount_plan, others_can_run_python, python_paths
+
+__all__ = ["SandboxLimits", "ToolResult", "cgroup_support", "execute", "expected_root_listing",
+           "fmt_bytes", "mount_plan", "others_can_run_python", "python_paths"]
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
 """The script that builds the sandbox and runs the code (never imported by the host)."""
@@ -90,88 +98,6 @@ class ToolResult:
     verdict is not counted here: in the plain modes the code itself can kill it.)"""
 
 
-_PLAN: list[tuple[str, str, str]] | None = None
-
-
-def _under(path: str, parents: list[str]) -> bool:
-    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in parents)
-
-
-def python_paths() -> tuple[str, list[str]]:
-    """The real interpreter and the prefixes it needs, outermost first."""
-    exe = os.path.realpath(sys.executable)
-    prefixes = {os.path.realpath(sys.base_prefix), os.path.dirname(os.path.dirname(exe))}
-    return exe, sorted(p for p in prefixes if p not in ("", "/"))
-
-
-def mount_plan() -> list[tuple[str, str, str]]:
-    """What the private root holds, as (kind, host path, arg) triples, parents before children.
-
-    Kinds: "ro" read-only bind of a directory, "file" read-only bind of a file, "dev" bind of a device
-    node, "ln" a symlink (arg: its target) mirroring the host, "mask" an empty read-only tmpfs over a
-    directory (installed packages, /usr/local) so it is not visible.
-    """
-    global _PLAN
-    if _PLAN is not None:
-        return _PLAN
-    exe, prefixes = python_paths()
-    binds = ["/usr"]
-    links: list[tuple[str, str, str]] = []
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(top):
-            links.append(("ln", top, os.readlink(top)))
-        elif os.path.isdir(top):
-            binds.append(top)
-    for prefix in prefixes:
-        if not _under(prefix, binds):
-            binds.append(prefix)
-    plan: list[tuple[str, str, str]] = links + [("ro", b, "") for b in sorted(binds)]
-    if os.path.isfile("/etc/ld.so.cache"):
-        plan.append(("file", "/etc/ld.so.cache", ""))
-    for dev in ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"):
-        if os.path.exists(dev):
-            plan.append(("dev", dev, ""))
-    masks: list[str] = []
-    if os.path.isdir("/usr/local") and not any(_under(p, ["/usr/local"]) for p in [exe, *prefixes]):
-        masks.append("/usr/local")
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    for base in [*prefixes, "/usr", "/usr/local"]:
-        for sub in (
-            f"lib/{version}/site-packages",
-            f"lib/{version}/dist-packages",
-            "lib/python3/dist-packages",
-        ):
-            path = os.path.join(base, sub)
-            if os.path.isdir(path) and not os.path.islink(path) and _under(path, binds):
-                if not _under(path, masks) and os.path.realpath(path) == path:
-                    masks.append(path)
-    plan += [("mask", m, "") for m in sorted(set(masks))]
-    _PLAN = plan
-    return plan
-
-
-def others_can_run_python() -> bool:
-    """Whether an unprivileged uid can run the interpreter (every directory on the way is o+x)."""
-    exe, _ = python_paths()
-    for target in (exe, os.path.dirname(os.path.realpath(os.__file__))):
-        path = target
-        while True:
-            try:
-                if not os.stat(path).st_mode & stat.S_IXOTH:
-                    return False
-            except OSError:
-                return False
-            if path in ("/", ""):
-                break
-            path = os.path.dirname(path)
-    return True
-
-
-def expected_root_listing() -> str:
-    tops = {p.split("/")[1] for _, p, _ in mount_plan()} | {"work", "tmp"}
-    return repr(sorted(tops))
-
-
 def fmt_bytes(n: int) -> str:
     for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size and n % size == 0:
@@ -179,22 +105,24 @@ def fmt_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
-def _read_head(path: str, limit: int) -> tuple[bytes, int]:
+def _read_head(fd: int, limit: int) -> tuple[bytes, int]:
     try:
-        with open(path, "rb") as f:
-            return f.read(limit), os.fstat(f.fileno()).st_size
+        return os.pread(fd, limit, 0), os.fstat(fd).st_size
     except OSError:
         return b"", 0
 
 
-def _read_tail(path: str, limit: int) -> tuple[bytes, int]:
+def _read_tail(fd: int, limit: int) -> tuple[bytes, int]:
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            f.seek(max(0, size - limit))
-            return f.read(limit), size
+        size = os.fstat(fd).st_size
+        return os.pread(fd, limit, max(0, size - limit)), size
     except OSError:
         return b"", 0
+
+
+def _new_file(tmp: str, name: str) -> int:
+    """A fresh file of the run directory, opened for the host to read back by descriptor."""
+    return os.open(os.path.join(tmp, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
 
 
 _STATUS_KEYS = {"status", "cpu", "timeout", "out_bytes", "err_bytes", "output_exceeded", "protections",
@@ -225,13 +153,22 @@ def _read_status(fd: int) -> dict[str, str]:
     return info
 
 
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u061c\u180e\u200b-\u200f\u2028-\u202e"
+                      "\u2060-\u206f\ufeff\ufff9-\ufffb\U000e0000-\U000e007f]")
+_VERDICT_LIKE = re.compile(r"[\W_]*\w?andbox")  # "sandbox..." whatever its first letter looks like
 
 
 def clean(text: str) -> str:
-    """`text` without control characters (newlines and tabs kept): nothing the code writes can
-    move a terminal's cursor or hide text in a log."""
+    """`text` without control characters (newlines and tabs kept) or the format characters that
+    hide or reorder text (zero-width, bidirectional overrides, byte-order marks, tags): nothing
+    the code writes can move a terminal's cursor or hide text in a log."""
     return _CONTROL.sub("", text)
+
+
+def _verdict_like(line: str) -> bool:
+    """Whether a line the code wrote could be read as one of the sandbox's own verdicts (also with
+    a look-alike first letter or full-width letters: NFKC-folded before the test)."""
+    return _VERDICT_LIKE.match(unicodedata.normalize("NFKC", line).casefold()) is not None
 
 
 def _one_line(text: str) -> str:
@@ -290,6 +227,7 @@ def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
     tmp = tempfile.mkdtemp(prefix=f"parity-sandbox-{os.getpid()}-")  # (whose it is)
     version, _ = cgroup_support()
     group = None
+    fds: list[int] = []  # out, err, launcher.log (read back by descriptor) and the status socket
     try:
         os.mkdir(os.path.join(tmp, "work"), 0o700)
         with open(os.path.join(tmp, "work", "main.py"), "wb") as f:
@@ -299,18 +237,24 @@ def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
             with open(os.path.join(tmp, "seccomp.bpf"), "wb") as f:
                 f.write(program)
         if version is not None:  # the launcher and the code's processes (+1: the launcher)
-            group = cgroup.RunCgroup(version, limits.memory_mb << 20, limits.nproc + 2)
+            try:
+                group = cgroup.RunCgroup(version, limits.memory_mb << 20, limits.nproc + 2)
+            except OSError as exc:  # (set up before any code runs: not the code's failure)
+                return ToolResult(False, "", _one_line(f"sandbox setup failed: the run's cgroup: {exc}"),
+                                  time.monotonic() - start, infra=True)
+        fds += [_new_file(tmp, name) for name in ("out", "err", "launcher.log")]
+        status_r, status_w = (s.detach() for s in socket.socketpair())  # the verdict's channel
+        fds.append(status_r)
         exe, _ = python_paths()
         argv = [exe, "-I", "-S", "-B", str(LAUNCHER), tmp, mode, exe, repr(float(limits.wall_s))]
         numbers = (limits.cpu_s, limits.memory_mb, limits.output_bytes, limits.nproc, limits.fs_mb)
         plan = [] if mode.startswith("plain") else [x for triple in mount_plan() for x in triple]
-        status_r, status_w = os.pipe()  # the verdict's channel: out of the code's reach
-        argv += [str(v) for v in numbers] + [",".join(group.paths) if group else "-", str(status_w), *plan]
+        argv += [str(v) for v in numbers] + [",".join(group.paths) if group else "-",
+                                             *(str(fd) for fd in (status_w, *fds[:2])), *plan]
         try:
-            with open(os.path.join(tmp, "launcher.log"), "wb") as log:
-                proc = subprocess.Popen(argv, env={}, cwd=tmp, stdin=subprocess.DEVNULL, stdout=log,
-                                        stderr=log, close_fds=True, pass_fds=(status_w,),
-                                        start_new_session=True)
+            proc = subprocess.Popen(argv, env={}, cwd=tmp, stdin=subprocess.DEVNULL, stdout=fds[2],
+                                    stderr=fds[2], close_fds=True, pass_fds=(status_w, *fds[:2]),
+                                    start_new_session=True)
             os.close(status_w)
             status_w = -1
             exited = reaped = False
@@ -322,30 +266,31 @@ def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
                 proc.wait()
             oom = group is not None and group.oom_killed()
             info = _read_status(status_r)
-            return _collect(tmp, limits, info, host_timeout=not exited, start=start, oom=oom)
+            return _collect(fds, limits, info, host_timeout=not exited, start=start, oom=oom)
         finally:
-            for fd in (status_r, status_w):
-                if fd >= 0:
-                    os.close(fd)
+            if status_w >= 0:
+                os.close(status_w)
     finally:
+        for fd in fds:
+            os.close(fd)
         if group is not None:
             group.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _collect(tmp: str, limits: SandboxLimits, info: dict[str, str], host_timeout: bool, start: float,
+def _collect(fds: list[int], limits: SandboxLimits, info: dict[str, str], host_timeout: bool, start: float,
              oom: bool) -> ToolResult:
     """The result, its verdict decided by the launcher's status `info` and the kernel (cgroup OOM
     kills, signals, byte counts, timers) only; stderr supplies the error text of a failing program."""
-    out, out_size = _read_head(os.path.join(tmp, "out"), limits.output_bytes)
-    err, _ = _read_tail(os.path.join(tmp, "err"), _ERR_TAIL_BYTES)
+    out, out_size = _read_head(fds[0], limits.output_bytes)
+    err, _ = _read_tail(fds[1], _ERR_TAIL_BYTES)
     if int(info.get("out_bytes", out_size) or 0) > len(out):  # cut at the cap: drop a split character
         stdout = codecs.getincrementaldecoder("utf-8")("replace").decode(out, final=False)
     else:
         stdout = out.decode("utf-8", "replace")
     stdout = clean(stdout)
     last = _last_line(err)
-    if last.lower().startswith("sandbox"):  # the code's words never read as a verdict
+    if _verdict_like(last):  # the code's words never read as a verdict
         last = "stderr: " + last
 
     def done(error: str | None, limit: str | None = None, infra: bool = False) -> ToolResult:
@@ -362,17 +307,18 @@ def _collect(tmp: str, limits: SandboxLimits, info: dict[str, str], host_timeout
     if oom:
         return done(f"sandbox: memory limit exceeded ({limits.memory_mb} MiB for the whole run)", "memory")
     if code is None:
-        log, _ = _read_tail(os.path.join(tmp, "launcher.log"), _ERR_TAIL_BYTES)
+        log, _ = _read_tail(fds[2], _ERR_TAIL_BYTES)
         # not `infra`: in the plain modes the code runs as the launcher's uid and can kill it
         return done(_one_line(f"sandbox launcher failed: {_last_line(log) or 'no status'}"))
     if code < 0:
         sig = -code
         cpu = float(info.get("cpu", "0") or 0)
         # RLIMIT_CPU (soft = hard) kills with SIGKILL; the cpu time wait4 reports for such a kill
-        # was 0.91-0.99 s of a 1 s limit on a loaded 2-core machine (0.95 s was the bar: 6 of 12
-        # runaway loops read "killed by signal SIGKILL"). (soft < hard would end it with SIGXCPU,
-        # whose default action dumps core: through a piped core_pattern, RLIMIT_CORE = 0 or not.)
-        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= 0.85 * limits.cpu_s):
+        # was 0.91-0.99 s of a 1 s limit on a loaded 2-core machine, 0.75-0.83 s at a load of 3.5
+        # (bars of 0.95, then 0.85 read "killed by signal SIGKILL"); a SIGKILL the code sends
+        # itself comes with the cpu it used. (soft < hard would end it with SIGXCPU, whose default
+        # action dumps core: through a piped core_pattern, RLIMIT_CORE = 0 or not.)
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= 0.5 * limits.cpu_s):
             return done(f"sandbox: cpu time limit exceeded ({limits.cpu_s} s)", "cpu")
         try:
             name = signal.Signals(sig).name

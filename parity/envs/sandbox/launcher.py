@@ -3,7 +3,8 @@
 The host (`parity.envs.sandbox`) never imports this file; it runs it as a script, in an empty
 environment, with an isolated interpreter that sees no site-packages:
 
-    python -I -S -B launcher.py TMP MODE EXE WALL CPU MEM OUT NPROC FS_MB CGROUPS STATUS_FD [KIND SRC ARG]...
+    python -I -S -B launcher.py TMP MODE EXE WALL CPU MEM OUT NPROC FS_MB CGROUPS STATUS_FD OUT_FD ERR_FD
+        [KIND SRC ARG]...
 
 MODE is "root" (namespaces, per-run uid), "user" (a user namespace too), "plain" (no
 namespaces; per-run uid when root) or "plain-keep-uid" (no namespaces, uid unchanged). The
@@ -16,11 +17,15 @@ keyring, sets rlimits, loads the seccomp filter the host built (TMP/seccomp.bpf)
 interpreter on TMP/work/main.py. Before anything else the launcher joins the run's cgroups
 (CGROUPS: comma-separated directories, or "-"), so every process of the run counts against the
 whole-run memory, process and CPU limits; in the new IPC namespace it sets the SysV IPC limits to
-zero. The code's stdout and stderr are pipes: the launcher keeps at most OUT bytes of each and
-kills the run when either goes beyond, so nothing the code does grows a file on the host disk.
-The launcher writes its verdict to STATUS_FD, a pipe to the host that no file names and the code
-never holds (it is closed when the code's interpreter is exec'd; a status *file* in TMP could be
-rewritten by the code in the plain modes, where TMP is within its reach), as "key value" lines:
+zero. The code's stdout and stderr are pipes: the launcher keeps at most OUT bytes of each (in
+the files the host opened, OUT_FD and ERR_FD) and kills the run when either goes beyond, so
+nothing the code does grows a file on the host disk. The code's processes are the OOM killer's
+first choice (oom_score_adj 1000), so a run out of memory loses the code, not the launcher's
+verdict. In the plain modes the launcher is not dumpable: a process of its uid cannot open its
+/proc/PID/fd or read its memory. The launcher writes its verdict to STATUS_FD, a socket to the
+host that no file names and the code never holds (it is closed when the code's interpreter is
+exec'd; a status *file* in TMP could be rewritten by the code in the plain modes, where TMP is
+within its reach, and a pipe reopened through /proc), as "key value" lines:
 status (wait status of the child), cpu (its cpu seconds), timeout (1 when the wall limit killed
 it), out_bytes / err_bytes (what the code wrote), output_exceeded, protections (the ones in
 force), setup (why the sandbox could not be built, when it could not). Only these lines decide a
@@ -98,10 +103,17 @@ def drop_privileges():
 
 def child(code, out, err, alive_r, errpipe_w, program):
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if PLAIN:  # (the launcher is not dumpable; this process will be the code's anyway)
+        prctl(PR_SET_DUMPABLE, 1)
+    try:  # (inherited by every process the code starts; while /proc is still the host's)
+        put("/proc/self/oom_score_adj", "1000")
+    except OSError:
+        pass
     if PLAIN:
         work = T + "/work"
         if DROP_UID:
             os.chown(work, UID, UID)
+            os.chmod(T, 0o711)  # the run's uid must pass through TMP to its work directory
         os.chdir(work)
         script, home, tmp = "main.py", work, work
     else:
@@ -210,6 +222,8 @@ def pump(pid, pipes, errpipe_r):
 
 def main():
     os.umask(0o022)
+    if PLAIN:  # the code runs as a uid of ours: keep it out of /proc/PID/fd and mem of this process
+        prctl(PR_SET_DUMPABLE, 0)
     protections = []
     for cgroup in CGROUPS:  # first, so that every process of the run is counted
         put(cgroup + "/cgroup.procs", str(os.getpid()))
@@ -218,10 +232,9 @@ def main():
     with open(T + "/work/main.py", "rb") as f:
         code = f.read()
     program = open(T + "/seccomp.bpf", "rb").read() if os.path.exists(T + "/seccomp.bpf") else b""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    out = os.open(T + "/out", flags, 0o600)
-    err = os.open(T + "/err", flags, 0o600)
-    os.set_inheritable(STATUS_FD, False)  # closed at the exec of the code's interpreter
+    out, err = OUT_FD, ERR_FD
+    for fd in (STATUS_FD, out, err):
+        os.set_inheritable(fd, False)  # closed at the exec of the code's interpreter
 
     def write_status(lines):
         os.write(STATUS_FD, ("\n".join(lines) + "\n").encode("utf-8", "replace"))
@@ -295,15 +308,16 @@ def main():
 
 def configure(argv):
     """Read the host's arguments (see the module docstring) into this module's settings."""
-    global T, MODE, EXE, PLAIN, DROP_UID, WALL, CPU, MEM, OUTB, NPROC, FS_MB, CGROUPS, PLAN, UID, STATUS_FD
+    global T, MODE, EXE, PLAIN, DROP_UID, WALL, CPU, MEM, OUTB, NPROC, FS_MB, CGROUPS, PLAN, UID
+    global STATUS_FD, OUT_FD, ERR_FD
     T, MODE, EXE = argv[1:4]
     PLAIN = MODE.startswith("plain")
     DROP_UID = os.geteuid() == 0 and MODE in ("root", "plain")
     WALL = float(argv[4])
     CPU, MEM, OUTB, NPROC, FS_MB = (int(a) for a in argv[5:10])
     CGROUPS = [] if argv[10] == "-" else argv[10].split(",")
-    STATUS_FD = int(argv[11])
-    rest = argv[12:]
+    STATUS_FD, OUT_FD, ERR_FD = (int(a) for a in argv[11:14])
+    rest = argv[14:]
     PLAN = [tuple(rest[i:i + 3]) for i in range(0, len(rest), 3)]
     # a fresh random uid per run: no kernel state keyed by uid carries over from an earlier run
     UID = 1500000000 + int.from_bytes(os.urandom(4), "little") % (1 << 28)

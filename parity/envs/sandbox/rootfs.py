@@ -104,7 +104,9 @@ def build_root(t, code, plan, fs_mb, owner):
     os.mkdir(root, 0o755)
     os.mkdir(rw, 0o755)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
-    mount("tmpfs", rw, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={fs_mb}m,mode=755")
+    # (inodes bounded too: empty directories take no blocks, only kernel memory)
+    flags, inodes = MS_NOSUID | MS_NODEV | MS_NOEXEC, fs_mb * 256
+    mount("tmpfs", rw, "tmpfs", flags, f"size={fs_mb}m,nr_inodes={inodes},mode=755")
     os.mkdir(rw + "/work", 0o755)
     os.mkdir(rw + "/tmp", 0o755)
     os.chmod(rw + "/tmp", 0o1777)

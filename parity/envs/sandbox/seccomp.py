@@ -5,8 +5,11 @@ right before it execs the interpreter). Refused with EPERM: new namespaces (unsh
 clone with any CLONE_NEW* flag; clone3 answers ENOSYS so libc falls back to clone), mounting
 and changing root, the kernel keyrings (keyctl, add_key, request_key), bpf, perf_event_open,
 userfaultfd, io_uring, inotify and fanotify, the kernel log (syslog), ptrace and
-process_vm_readv/writev, module, kexec, reboot, swap and accounting calls. A call from another
-ABI than the filter's (x86-64's x32, 32-bit entry) kills the process. x86-64 only; elsewhere
+process_vm_readv/writev and pidfd_getfd (another process's file descriptors), module, kexec,
+reboot, swap and accounting calls; and sockets of any family but AF_UNIX, AF_INET and AF_INET6
+(`socket`, `socketpair`): the network namespace isolates those, not every family (AF_VSOCK
+reached the hypervisor's port space from inside a Firecracker guest). A call from another ABI
+than the filter's (x86-64's x32, 32-bit entry) kills the process. x86-64 only; elsewhere
 `build_filter` returns None and the sandbox says seccomp is unavailable.
 """
 
@@ -33,9 +36,12 @@ DENIED_X86_64: dict[str, int] = {
     "process_vm_readv": 310, "process_vm_writev": 311, "finit_module": 313, "kexec_file_load": 320,
     "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
     "io_uring_register": 427, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
-    "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+    "fsmount": 432, "fspick": 433, "pidfd_getfd": 438, "mount_setattr": 442,
 }
 CLONE_X86_64, CLONE3 = 56, 435
+SOCKET_CALLS_X86_64 = {"socket": 41, "socketpair": 53}
+SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10}
+"""The only socket families the code may create (`socket`, `socketpair`; EPERM for the others)."""
 
 
 def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
@@ -56,6 +62,14 @@ def build_filter(machine: str | None = None) -> bytes | None:
     for nr in sorted(DENIED_X86_64.values()):
         prog += [_insn(JEQ, 0, 1, nr), _insn(RET, 0, 0, eperm)]
     prog += [_insn(JEQ, 0, 1, CLONE3), _insn(RET, 0, 0, enosys),
+             # socket / socketpair: the family (arg0) must be one of SOCKET_FAMILIES
+             _insn(JEQ, 1, 0, SOCKET_CALLS_X86_64["socket"]),
+             _insn(JEQ, 0, 3 + len(SOCKET_FAMILIES), SOCKET_CALLS_X86_64["socketpair"]),
+             _insn(LD_ABS, 0, 0, OFF_ARG0)]
+    families = sorted(SOCKET_FAMILIES.values())
+    for i, family in enumerate(families):  # jump to the ALLOW after the last test, else on
+        prog.append(_insn(JEQ, len(families) - 1 - i, 1 if i == len(families) - 1 else 0, family))
+    prog += [_insn(RET, 0, 0, RET_ALLOW), _insn(RET, 0, 0, eperm),
              _insn(JEQ, 0, 3, CLONE_X86_64),
              _insn(LD_ABS, 0, 0, OFF_ARG0),
              _insn(JSET, 0, 1, CLONE_NEW_FLAGS),
@@ -67,4 +81,5 @@ def build_filter(machine: str | None = None) -> bytes | None:
 def describe(program: bytes | None) -> str:
     if program is None:
         return f"no seccomp filter (not implemented for {platform.machine()})"
-    return f"seccomp filter ({len(DENIED_X86_64) + 2} syscalls refused)"
+    return (f"seccomp filter ({len(DENIED_X86_64) + 2} syscalls refused, sockets only "
+            f"{'/'.join(f.removeprefix('AF_') for f in SOCKET_FAMILIES)})")
