@@ -86,6 +86,11 @@ def test_preemption_under_cache_pressure_changes_nothing(dtype):
     for a, b in zip(roomy, tight):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     assert check_outputs(model, tight, params) == 0
+    # every block was freed (preempted or finished) and cleared: no stale key or value outlives
+    # its sequence (the last block is the padding rows' scratch)
+    cache = eng.runner.cache
+    assert not eng.has_unfinished() and len(eng.blocks.free) == eng.blocks.num_blocks
+    assert cache.k[:, :-1].count_nonzero() == 0 and cache.v[:, :-1].count_nonzero() == 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -108,6 +113,12 @@ def test_seeded_request_same_alone_and_in_busy_batch(draws):
                          max_num_seqs=6, budget=20, stagger=2, draws=draws)
     assert busy[5].token_ids == alone[0].token_ids
     assert busy[5].logprobs == alone[0].logprobs
+    other = SamplingParams(temperature=1.0, max_tokens=30, seed=8, top_p=0.95)
+    seeded, _ = run_engine(model, [target], [other], draws=draws)
+    assert seeded[0].token_ids != alone[0].token_ids  # the seed is used
+    unseeded = SamplingParams(temperature=1.0, max_tokens=30)
+    twins, _ = run_engine(model, [target, target], [unseeded, unseeded], draws=draws)
+    assert twins[0].token_ids != twins[1].token_ids  # unseeded requests draw noise of their own
     assert check_outputs(model, busy, params[:5] + [p] + params[5:]) == 0
 
 

@@ -86,7 +86,9 @@ def test_config_is_validated_and_round_trips(tmp_path):
 
 
 def test_interrupt_and_resume_match_an_uninterrupted_run(tmp_path):
-    args = ("steps=6", "max_policy_lag=2", "deterministic=true", "model.dtype=\"bfloat16\"")
+    # (a warm-up and a cosine decay: the learning-rate schedule's state is part of what resumes)
+    args = ("steps=6", "max_policy_lag=2", "deterministic=true", "model.dtype=\"bfloat16\"",
+            "learner.warmup_steps=2", "learner.schedule=\"cosine\"", "learner.total_steps=6")
     whole = Controller(config(tmp_path / "whole", *args)).run()
     first = Controller(config(tmp_path / "cut", *args))
 
@@ -103,6 +105,8 @@ def test_interrupt_and_resume_match_an_uninterrupted_run(tmp_path):
     assert resumed.start_step == 3 and resumed.learner.version == 3
     again = resumed.run()
     assert timeless(again) == timeless(whole)
+    rates = [m["train/lr"] for m in whole]
+    assert rates[0] < rates[1] and rates[2] > rates[5] > 0  # the schedule moved (so the check can fail)
     lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 6
     # its clock goes on from the interrupted part (it restarted at 0: wall time went backwards
