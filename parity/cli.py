@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -274,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     from .apps.ui import setup_logging
 
     setup_logging()
+    previous = _raise_on_sigterm()
     try:
         return importlib.import_module(f".apps.{args.module}", __package__).main(args)
     except Interrupted as stop:  # a training run inside demo, study, bench async...: its checkpoint
@@ -289,9 +291,30 @@ def main(argv: list[str] | None = None) -> int:
               f"{'' if isinstance(exc, ParityError) else ' (PARITY_DEBUG=1 shows the traceback)'}",
               file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("parity: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # (a command without a checkpoint of its own: sft, eval, ...)
+        term = isinstance(stop, Terminated)
+        print(f"parity: interrupted{' (SIGTERM)' if term else ''}", file=sys.stderr)
+        return 143 if term else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command has no handler of its own (training installs one that
+    saves a checkpoint): the command unwinds as on Ctrl-C, so its clean-ups run (a half-built
+    base policy's directory is removed), instead of dying where it stood."""
+
+
+def _raise_on_sigterm():
+    """Install the SIGTERM handler (main thread only); returns the one it replaced."""
+    def handler(signum, frame):
+        raise Terminated()
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None
 
 
 if __name__ == "__main__":

@@ -188,3 +188,26 @@ def test_base_math_learns_column_addition(tmp_path):
                        eval_problems=0)
     vocab = len(json.loads((tmp_path / "m" / "tokenizer.json").read_text())["model"]["vocab"])
     assert record["final_loss"] < 0.5 * math.log(vocab)
+
+
+def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path, capsys):
+    """A build stopped by Ctrl-C or SIGTERM (now raised as an exception by the CLI) left its
+    `OUT.tmpPID` directory behind for good; a killed one's is removed by the next build; a
+    damaged sft.json was a traceback."""
+    out = tmp_path / "base"
+    (tmp_path / "base.tmp999999999").mkdir()  # a build killed outright (no such process)
+
+    def stop(step, loss, elapsed):
+        if step == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(out, SFTConfig(steps=5, batch_size=2), progress=stop, eval_problems=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    train_sft(out, SFTConfig(steps=2, batch_size=2), eval_problems=0)
+    for damaged in ("[1]", '{"heldout": {}}', "{bad"):
+        (out / "sft.json").write_text(damaged)
+        assert main(["sft", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"parity: error: {out / 'sft.json'}")
+        assert err.endswith("rebuild it with --force\n")

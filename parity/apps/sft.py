@@ -177,9 +177,6 @@ def is_built(path: Path) -> bool:
 def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
               eval_problems: int = 100) -> dict:
     """Train the base policy into `out_dir` (written atomically); returns the sft.json record."""
-    from ..model import Model, ModelConfig, sequence_logprobs
-    from ..model.tokenizer import HFTokenizer, build_char_tokenizer
-
     cfg = cfg or SFTConfig()
     out_dir = Path(out_dir)
     # checked before training, since the finished policy replaces out_dir: never a file, nor a
@@ -189,9 +186,39 @@ def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "sft.json").exists():
         raise ParityError(f"{out_dir} is a directory with other files in it (not a base policy "
                           f"parity sft wrote), which a new base policy would replace: choose another --out")
+    _remove_stale_builds(out_dir)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        record = _train_into(tmp, out_dir, cfg, progress, eval_problems)
+    except BaseException:  # (Ctrl-C, SIGTERM, an error: no half-built directory is left behind)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return record
+
+
+def _remove_stale_builds(out_dir: Path) -> None:
+    """Remove `out_dir.tmpPID` directories whose process is gone (a build killed outright)."""
+    for old in out_dir.parent.glob(out_dir.name + ".tmp*"):
+        pid = old.name.removeprefix(out_dir.name + ".tmp")
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _train_into(tmp: Path, out_dir: Path, cfg: SFTConfig, progress, eval_problems: int) -> dict:
+    """Build the base policy in `tmp` (`train_sft` moves it to `out_dir`)."""
+    from ..model import Model, ModelConfig, sequence_logprobs
+    from ..model.tokenizer import HFTokenizer, build_char_tokenizer
+
     build_char_tokenizer().save(str(tmp / "tokenizer.json"))
     tokenizer = HFTokenizer(tmp / "tokenizer.json")
     vocab = -(-tokenizer.vocab_size // 64) * 64
@@ -240,8 +267,20 @@ def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
         math_env = MathEnv(tokenizer, cfg.math_task, cfg.math_level, seed=0)
         record["heldout"] = {env.name: evaluate(model, env, eval_problems) for env in (tool_env, math_env)}
     (tmp / "sft.json").write_text(json.dumps(record, indent=2) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    return record
+
+
+def read_record(out: Path) -> dict:
+    """A built base policy's sft.json, or a one-line error naming it."""
+    path = out / "sft.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ParityError(f"{path} cannot be read ({exc}): rebuild it with --force") from None
+    ok = isinstance(record, dict) and isinstance(record.get("train_s"), (int, float)) \
+        and isinstance(record.get("heldout", {}), dict)
+    if not ok:
+        raise ParityError(f"{path} is not a base policy's record (no train_s): rebuild it with --force")
     return record
 
 
@@ -297,9 +336,13 @@ def main(args) -> int:
     else:
         print(f"parity: training the base policy ({cfg.preset}, {cfg.steps} steps) into {out}", flush=True)
         train_sft(out, cfg, sft_progress(cfg.steps), eval_problems=args.eval_problems)
-    record = json.loads((out / "sft.json").read_text())
-    rows = [[name, f"{r['eval/pass@1']:.1%} ± {r['eval/pass@1_ci95']:.1%}", f"{r['eval/tool_calls']:.2f}"]
-            for name, r in record.get("heldout", {}).items()]
+    record = read_record(out)
+    try:
+        rows = [[name, f"{r['eval/pass@1']:.1%} ± {r['eval/pass@1_ci95']:.1%}", f"{r['eval/tool_calls']:.2f}"]
+                for name, r in record.get("heldout", {}).items()]
+    except (KeyError, TypeError, ValueError):
+        raise ParityError(f"{out / 'sft.json'}: its held-out results are damaged: rebuild it with "
+                          "--force") from None
     if rows:
         print(table(["task", "held-out pass@1 (greedy)", "tool calls"], rows))
     print(f"trained in {record['train_s']:.0f} s; checkpoint: {out}")

@@ -73,6 +73,8 @@ class StudyRun:
     """Learner steps of this row (None: the study's `steps`)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"study runs: name must be a non-empty string, got {self.name!r}")
         check_backend(self.kernels, f"study run {self.name!r}: kernels")
         if self.staleness not in ("natural", "fixed"):
             raise ConfigError(f"study run {self.name!r}: staleness must be 'natural' or 'fixed', "
@@ -121,8 +123,13 @@ class StudyConfig:
     """Smoke-sized: tiny runs from a base policy of a few SFT steps built in out_dir (CI)."""
 
     def __post_init__(self) -> None:
-        if not self.seeds:
-            raise ConfigError("study.seeds must not be empty")
+        if not isinstance(self.out_dir, str) or not self.out_dir.strip():
+            raise ConfigError(f"study.out_dir must be a directory path, got {self.out_dir!r}")
+        if not isinstance(self.seeds, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.seeds):
+            raise ConfigError(f"study.seeds must be a list of integers >= 0, got {self.seeds!r}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError(f"study.seeds must be non-empty and without repeats, got {self.seeds!r}")
         if self.task not in ("tool", "math"):
             raise ConfigError(f"study.task must be 'tool' or 'math', got {self.task!r}")
         names = [r.name for r in self.runs]
@@ -177,6 +184,8 @@ def load_study(
                 raise ConfigError(f"study runs: {r['name']}: unknown key {sorted(set(r) - fields)[0]} "
                                   f"(known: {', '.join(sorted(fields))})")
         runs = [StudyRun(**r) for r in runs]
+    if not isinstance(data.get("train", {}), dict):
+        raise ConfigError(f"study train: expected a [train] table of config keys, got {data['train']!r}")
     train = {**DEFAULT_TRAIN, **data.get("train", {})}
     if quick:
         train.update(QUICK_TRAIN)

@@ -4,16 +4,43 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
-from ..errors import ParityError
+from ..errors import CheckpointError, ParityError
+
+log = logging.getLogger(__name__)
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """A run directory's metrics.jsonl as a list of per-step dicts."""
+def read_metrics(run_dir: str | Path, limit: int | None = None) -> list[dict]:
+    """A run directory's metrics.jsonl as a list of per-step dicts (the first `limit` of them).
+
+    A last line cut short (a process killed in the middle of writing it: no newline after it) is
+    left out with a warning; any other line that is not a JSON object is a `CheckpointError`
+    naming the file and the line."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path} is not UTF-8 text (byte {exc.start}); it holds the run's "
+                              "per-step records: restore or remove it") from None
+    lines = [(n, x) for n, x in enumerate(text.split("\n"), 1) if x.strip()]
+    records: list[dict] = []
+    for n, line in lines[:limit]:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if n == len(text.split("\n")) and not text.endswith("\n"):
+                log.warning("%s: its last line (%d) was cut short and is left out", path, n)
+                break
+            raise CheckpointError(f"{path} line {n} is not a JSON record ({exc.msg}); fix or remove "
+                                  "that line") from None
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{path} line {n} is a JSON {type(record).__name__}, not a record "
+                                  "(an object of metric names); fix or remove that line")
+        records.append(record)
+    return records
 
 
 class MetricsSink:

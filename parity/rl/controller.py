@@ -15,7 +15,6 @@ not by benchmarks and sweeps that only read the metrics.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from ..config import TrainConfig, to_toml
 from ..errors import Interrupted, ParityError
-from ..metrics.sinks import MetricsSink
+from ..metrics.sinks import MetricsSink, read_metrics
 from . import checkpoint
 from .build import build_env, build_model, tokenizer_path
 from .evaluate import evaluate
@@ -83,9 +82,8 @@ class Controller:
                               f"steps (now {self.cfg.steps}) with --set steps=N")
         metrics_path = self.run_dir / "metrics.jsonl"
         if metrics_path.exists():  # keep the records of the steps the checkpoint contains
-            lines = [x for x in metrics_path.read_text().splitlines() if x.strip()][:self.start_step]
-            self.metrics = [{k: v for k, v in json.loads(x).items() if not k.endswith("_final")}
-                            for x in lines]
+            self.metrics = [{k: v for k, v in record.items() if not k.endswith("_final")}
+                            for record in read_metrics(self.run_dir, limit=self.start_step)]
         log.info("resuming %s from %s (step %d, policy version %d)", self.run_dir, path.name,
                  self.start_step, self.learner.version)
 

@@ -203,3 +203,33 @@ def test_a_full_disk_is_a_one_line_error_and_nothing_earlier_is_lost(tmp_path):
         assert [r["step"] for r in records] == list(range(len(records)))
     finally:
         subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
+
+
+def test_a_damaged_metrics_file_is_named_and_a_cut_last_line_does_not_stop_a_resume(tmp_path, caplog):
+    """A kill in the middle of writing metrics.jsonl leaves its last line cut short: resume
+    failed on it with a bare JSON error (the checkpoint was fine), and a line that was JSON but
+    not a record raised a traceback. A cut last line is now left out with a warning; any other
+    damage is one line naming the file and the line."""
+    import logging
+
+    from parity.errors import CheckpointError
+
+    controller = run(tmp_path, "steps=3")
+    controller.run()
+    path = tmp_path / "run" / "metrics.jsonl"
+    whole = path.read_text()
+    path.write_text(whole[:-200])  # the third record cut short, as a kill mid-write leaves it
+    with caplog.at_level(logging.WARNING, logger="parity"):
+        resumed = Controller(load_config(None, RUN + [f'run_dir="{tmp_path / "run"}"', "steps=4"]),
+                             resume=True)
+    assert "its last line (3) was cut short and is left out" in caplog.text
+    assert [m["step"] for m in resumed.run()] == [0, 1, 3]
+    lines = whole.splitlines()
+    for damaged, message in ((["[1, 2, 3]", *lines[1:]], "line 1 is a JSON list, not a record"),
+                             ([lines[0], "{bad", lines[2]], "line 2 is not a JSON record")):
+        path.write_text("\n".join(damaged) + "\n")
+        with pytest.raises(CheckpointError, match=f"metrics.jsonl {message}"):
+            read_metrics(tmp_path / "run")
+    path.write_bytes(b"\xae\xff\n")
+    with pytest.raises(CheckpointError, match="metrics.jsonl is not UTF-8 text"):
+        read_metrics(tmp_path / "run")
