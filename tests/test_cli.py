@@ -102,6 +102,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "notes.txt").write_text("mine")
     toy = ["--set", 'model.preset="tiny"', "--set", f'run_dir="{tmp_path / "run"}"']
+    nested = tmp_path / "not-utf8.toml" / "sub"  # a run directory under a file
     cases = [
         (["bench", "kernels", "--presets", ""], "got nothing"),
         (["check", "--cases", ","], "got nothing"),
@@ -114,7 +115,18 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
         (["train", *toy, "--set", "eval_prompts=100000000"], "eval_prompts must be at most 100,000"),
         (["train", *toy, "--set", 'task.name="math"', "--set", 'model.checkpoint="base"', "--set",
           "eval_prompts=300"], "at most task.heldout_size"),
-        (["train", *toy, "--set", "rollout.temperature=inf"], "temperature must be > 0 and finite"),
+        (["train", *toy, "--set", "rollout.temperature=inf"], "temperature must be >= 0.01 and finite"),
+        # a review of 2026-12-05: NaN log-probs, a hang that ignored SIGTERM, overflow errors
+        # naming no field, a greedy pass thrown away, an error naming a file the user never made
+        (["train", *toy, "--set", "rollout.temperature=1e-300"], "temperature must be >= 0.01"),
+        (["generate", "--prompt", "hi", "--temperature", "1e-300"], "temperature must be 0 (greedy) or in"),
+        (["eval", "--n", "2", "-k", "2", "--temperature", "-1"], "temperature must be 0 (greedy) or in"),
+        (["train", *toy, "--set", "rollout.prompts_per_step=100000000"], "at most 65,536 episodes a step"),
+        (["train", *toy, "--set", "rollout.workers=1000"], "rollout.workers must be at most 256"),
+        (["train", *toy, "--set", "rollout.heartbeat_timeout_s=nan"], "heartbeat_timeout_s must be >= 0"),
+        (["train", *toy, "--set", "model.seed=99999999999999999999999"], "model.seed must be in 0..2**63-1"),
+        (["train", "--set", 'model.preset="tiny"', "--set", f'run_dir="{nested}"'],
+         "not-utf8.toml/sub cannot be used: Not a directory"),
         (["train", *toy, "--set", "learner.weight_decay=nan"], "weight_decay must be finite"),
         (["train", "--set", 'run_dir=""'], "run_dir must name a directory"),
         (["train", "--set", f'run_dir="{tmp_path / "not-utf8.toml"}"'], "is not a directory"),

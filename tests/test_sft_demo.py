@@ -108,7 +108,7 @@ def test_cli_eval_rejects_a_checkpoint_without_tokenizer(tmp_path, capsys):
     assert len(err) == 1 and "tokenizer.json" in err[0]
 
 
-def test_cli_demo_runs_end_to_end(base, tmp_path, capsys):
+def test_cli_demo_runs_end_to_end(base, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     code = main(["demo", "--model", str(base), "--steps", "2", "--eval-prompts", "3", "--run-dir", str(run),
                  "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=2",
@@ -135,6 +135,11 @@ def test_cli_demo_runs_end_to_end(base, tmp_path, capsys):
     for run_dir, extra in ((run, []), (other, ["--overwrite"])):
         assert main(["demo", "--run-dir", str(run_dir), *small, *extra]) == 0, capsys.readouterr().err
         assert [p.name for p in sorted(run_dir.glob("checkpoint-*"))] == ["checkpoint-1"]
+    # also in the default run dir (runs/demo): a `parity train` run there was deleted unasked
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo" / "checkpoint-5").mkdir(parents=True)
+    assert main(["demo", *small]) == 2 and (tmp_path / "runs" / "demo" / "checkpoint-5").is_dir()
+    assert "--overwrite" in capsys.readouterr().err
 
 
 @given(st.integers(0, 10**6), st.integers(0, 10**6))

@@ -185,3 +185,18 @@ def test_study_runs_at_the_base_policies_level_and_math_uses_base_math():
         quick = load_study(None, task=task, quick=True, out_dir="/tmp/q")  # its smoke base: the task's
         expected = {"tool": "/tmp/q/quick-base", "math": "/tmp/q/quick-base-math"}[task]
         assert quick.train["model.checkpoint"] == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("seeds = 5", "study.seeds must be a list of integers >= 0, got 5"),
+    ("seeds = [1, 1]", "study.seeds must be non-empty and without repeats"),
+    ("train = 5", "study train: expected a [train] table of config keys, got 5"),
+    ("out_dir = 5", "study.out_dir must be a directory path, got 5"),
+    ("[[runs]]\nname = [1]", "study runs: name must be a non-empty string, got [1]"),
+])
+def test_a_study_config_of_the_wrong_types_is_one_line(tmp_path, text, message):
+    """Each was a traceback (a repeated seed counted a seed twice) before a review of 2026-12-05."""
+    path = tmp_path / "study.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_study(str(path))

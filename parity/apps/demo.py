@@ -46,7 +46,7 @@ class DemoOptions:
     """A base checkpoint to start from instead of the cached `parity sft` policy."""
     overwrite: bool = False
     """Replace another command's run found in `run_dir` (a demo's own earlier run, marked by
-    `DEMO_MARK` or in the default run dir, is always replaced)."""
+    `DEMO_MARK`, is always replaced)."""
 
 
 
@@ -81,7 +81,7 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
     log.info("base policy %s (%.0f s)", base, time.perf_counter() - t0)
     cfg = demo_config(opts, str(base), overrides)
     run_dir = Path(cfg.run_dir)
-    own = (run_dir / DEMO_MARK).exists() or run_dir.resolve() == Path(DemoOptions.run_dir).resolve()
+    own = (run_dir / DEMO_MARK).exists()  # (by the mark alone: another command's run in runs/demo was lost)
     controller = Controller(cfg, overwrite=own or opts.overwrite)  # else refuses a run it would mix with
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / DEMO_MARK).touch()

@@ -8,6 +8,7 @@ import time
 
 from ..config import ModelSection, TaskSection, TrainConfig, with_overrides
 from ..config.loading import parse_override
+from ..engine.sequence import SamplingParams
 from ..model import load_model
 from ..rl.build import build_env
 from ..rl.evaluate import evaluate
@@ -16,6 +17,8 @@ from .ui import table
 
 
 def main(args) -> int:
+    if args.k:  # checked before the greedy pass, whose result a bad temperature threw away
+        SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     task = TaskSection(name=args.task, **({"level": args.level} if args.level else {}),
                        **({"math_task": args.math_task} if args.math_task else {}))
     cfg = TrainConfig(task=task, model=ModelSection(checkpoint=args.model, kernels=args.kernels))

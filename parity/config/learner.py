@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES
 from ..errors import ConfigError
+from ..model.logprobs import MIN_TEMPERATURE
 
 LOSS_NAMES: tuple[str, ...] = ("reinforce_zero", "tis", "icepop", "mis", "seq_gate", "ppo_clip", "on_policy")
 """Objectives the learner can optimise."""
@@ -127,8 +128,9 @@ class LearnerConfig:
         if self.compute_dtype != "auto" and self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"LearnerConfig.compute_dtype must be 'auto' or one of "
                               f"{', '.join(DTYPE_NAMES)}, got {self.compute_dtype!r}")
-        if not self.temperature > 0:
-            raise ConfigError("LearnerConfig.temperature must be > 0")
+        if not MIN_TEMPERATURE <= self.temperature < math.inf:
+            raise ConfigError(f"LearnerConfig.temperature must be >= {MIN_TEMPERATURE} and finite, "
+                              f"got {self.temperature!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"LearnerConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.router_aux_loss_coef < 0:

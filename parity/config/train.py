@@ -18,6 +18,7 @@ from ..dtypes import DTYPE_NAMES
 from ..engine.engine import memory_size
 from ..errors import ConfigError, InputError
 from ..model.config import PRESET_NAMES
+from ..model.logprobs import MIN_TEMPERATURE
 from ..ops import check_backend
 from .learner import LearnerConfig
 
@@ -34,6 +35,16 @@ ROLLOUT_BACKENDS: tuple[str, ...] = ("local", "ray")
 
 MAX_STEPS = 10_000_000
 """The most learner steps a run may plan (the rollout side lists every batch index ahead)."""
+
+MAX_EPISODES = 65_536
+"""The most episodes one step may sample (prompts_per_step x group_size; each is held in memory
+with its tokens; 10^8 prompts grew a worker past 10 GB without a first batch)."""
+
+MAX_WORKERS = 256
+"""The most rollout workers (each is a process holding a model)."""
+
+MAX_SEED = 2**63 - 1
+"""Seeds are 64-bit (torch's generators take at most this)."""
 
 MAX_PROBLEMS = 100_000
 """The most problems a held-out set or one evaluation may hold (each is generated up front, all
@@ -75,6 +86,8 @@ class ModelSection:
             raise ConfigError(f"model.dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.preset not in PRESET_NAMES:
             raise ConfigError(f"model.preset must be one of {', '.join(PRESET_NAMES)}, got {self.preset!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"model.seed must be in 0..2**63-1, got {self.seed}")
 
 
 @dataclass
@@ -132,14 +145,22 @@ class RolloutSection:
             raise ConfigError(f"rollout.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.max_held_versions < 0:
             raise ConfigError("rollout.max_held_versions must be >= 0")
-        if not 0 < self.temperature < float("inf"):
-            raise ConfigError(f"rollout.temperature must be > 0 and finite, got {self.temperature!r}")
+        if not MIN_TEMPERATURE <= self.temperature < float("inf"):
+            raise ConfigError(f"rollout.temperature must be >= {MIN_TEMPERATURE} and finite, "
+                              f"got {self.temperature!r}")
         try:  # kept as given ("4GiB" stays readable in the run's config.toml)
             memory_size(self.kv_cache_memory, "rollout.kv_cache_memory")
         except InputError as exc:
             raise ConfigError(str(exc)) from None
-        if self.heartbeat_timeout_s < 0:
-            raise ConfigError("rollout.heartbeat_timeout_s must be >= 0")
+        if not 0 <= self.heartbeat_timeout_s < float("inf"):  # (NaN turned hang detection off)
+            raise ConfigError(f"rollout.heartbeat_timeout_s must be >= 0 and finite, "
+                              f"got {self.heartbeat_timeout_s!r}")
+        if self.prompts_per_step * self.group_size > MAX_EPISODES:
+            episodes = self.prompts_per_step * self.group_size
+            raise ConfigError(f"rollout.prompts_per_step x rollout.group_size must be at most "
+                              f"{MAX_EPISODES:,} episodes a step, got {episodes:,}")
+        if self.workers > MAX_WORKERS:
+            raise ConfigError(f"rollout.workers must be at most {MAX_WORKERS}, got {self.workers}")
         if self.lengths not in LENGTH_MODES:
             raise ConfigError(f"rollout.lengths must be 'fixed' or 'geometric', got {self.lengths!r}")
         if self.weight_update not in WEIGHT_UPDATE_MODES:
@@ -247,7 +268,7 @@ class TrainConfig:
     eval_prompts: int = 32
     """Held-out problems per evaluation (greedy pass@1)."""
     eval_samples: int = 0
-    """k > 0 adds mean@k (k samples per held-out problem at the rollout temperature)."""
+    """k > 0 adds mean@k (k samples per held-out problem at the rollout temperature; at most 64)."""
     model: ModelSection = field(default_factory=ModelSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     task: TaskSection = field(default_factory=TaskSection)
@@ -265,6 +286,10 @@ class TrainConfig:
             raise ConfigError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
         if self.checkpoint_every < 0 or self.eval_every < 0 or self.eval_prompts < 1 or self.eval_samples < 0:
             raise ConfigError("checkpoint_every, eval_every and eval_samples must be >= 0, eval_prompts >= 1")
+        if self.eval_samples > 64:
+            raise ConfigError(f"eval_samples must be at most 64 per problem, got {self.eval_samples:,}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed must be in 0..2**63-1, got {self.seed}")
         if self.eval_prompts > MAX_PROBLEMS:
             raise ConfigError(f"eval_prompts must be at most {MAX_PROBLEMS:,}, got {self.eval_prompts:,}")
         if self.task.name in ("tool", "math") and self.eval_prompts > self.task.heldout_size:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InputError
+from ..model.logprobs import MIN_TEMPERATURE
 
 
 @dataclass
@@ -43,8 +44,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
-            raise InputError(f"SamplingParams.temperature must be >= 0, got {self.temperature!r}")
+        number = isinstance(t, (int, float)) and not isinstance(t, bool)
+        if not number or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+            raise InputError(f"SamplingParams.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), "
+                             f"got {self.temperature!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InputError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -22,9 +22,14 @@ def as_token_tensor(seq, where: str) -> torch.Tensor:
     return t
 
 
+MIN_TEMPERATURE = 0.01
+"""The lowest sampling temperature above 0 (greedy): logits divided by less overflowed, and a
+temperature of 1e-300 sampled NUL characters with NaN log-probs."""
+
+
 def _check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise InputError(f"temperature must be > 0 for log-probs, got {temperature!r}")
+    if not temperature >= MIN_TEMPERATURE:
+        raise InputError(f"temperature must be >= {MIN_TEMPERATURE} for log-probs, got {temperature!r}")
 
 
 def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,

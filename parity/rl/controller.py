@@ -72,7 +72,10 @@ class Controller:
         if overwrite and not resume:  # only once the run is known to start
             checkpoint.clear(self.run_dir)
         if not resume:  # a new run here is no demo's (the demo marks its own after this)
-            (self.run_dir / checkpoint.DEMO_MARK).unlink(missing_ok=True)
+            try:
+                (self.run_dir / checkpoint.DEMO_MARK).unlink(missing_ok=True)
+            except OSError as exc:  # (the error named the mark file, not the run directory)
+                raise ParityError(f"run_dir {self.run_dir} cannot be used: {exc.strerror}") from None
 
     def _resume(self) -> None:
         path = checkpoint.latest(self.run_dir)
