@@ -63,10 +63,17 @@ def test_bad_checkpoints_are_refused_with_the_file_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 256}))
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*gate_proj.*shape"):
         parity.load_model(tmp_path)
-    # more layers than stored: a missing tensor
+    # more layers than stored, before a model of that size is built (10^8 layers hung the build)
+    for layers in (3, 100_000_000):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers}))
+        with pytest.raises(CheckpointError, match="num_hidden_layers"):
+            parity.load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
-    with pytest.raises(CheckpointError, match="missing tensor model.layers.2"):
+    with pytest.raises(CheckpointError, match="holds layers 0..1, config.json says num_hidden_layers = 3"):
         parity.load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 10**12}))
+    with pytest.raises(CheckpointError, match="max_position_embeddings must be at most 2,097,152"):
+        parity.load_model(tmp_path)  # (asked for 8 TB of RoPE tables, naming no field)
     # truncated weights file
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     data = (tmp_path / "model.safetensors").read_bytes()

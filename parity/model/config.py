@@ -114,6 +114,10 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        # (a config.json of 10^8 layers hung the build; 10^12 positions asked for 8 TB of RoPE tables)
+        for name, most in (("num_hidden_layers", 1024), ("max_position_embeddings", 1 << 21)):
+            if getattr(self, name) > most:
+                raise ConfigError(f"ModelConfig.{name} must be at most {most:,}, got {getattr(self, name):,}")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
