@@ -123,6 +123,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
         (["eval", "--n", "2", "-k", "2", "--temperature", "-1"], "temperature must be 0 (greedy) or in"),
         (["train", *toy, "--set", "rollout.prompts_per_step=100000000"], "at most 65,536 episodes a step"),
         (["train", *toy, "--set", "rollout.workers=1000"], "rollout.workers must be at most 256"),
+        (["train", *toy, "--set", "=5"], "no key before '='"),
         (["train", *toy, "--set", "rollout.heartbeat_timeout_s=nan"], "heartbeat_timeout_s must be >= 0"),
         (["train", *toy, "--set", "model.seed=99999999999999999999999"], "model.seed must be in 0..2**63-1"),
         (["train", "--set", 'model.preset="tiny"', "--set", f'run_dir="{nested}"'],

@@ -165,7 +165,7 @@ def encode_demo(tokenizer, prompt: str, segments: list[tuple[str, int]]) -> tupl
 def base_dir(cfg: SFTConfig | None = None) -> Path:
     """Where the base policy of this recipe is cached."""
     cfg = cfg or SFTConfig()
-    root = Path(os.environ.get("PARITY_CACHE", Path.home() / ".cache" / "parity"))
+    root = Path(os.environ.get("PARITY_CACHE") or Path.home() / ".cache" / "parity")  # (empty: unset)
     return root / "base" / cfg.key()
 
 

@@ -50,7 +50,8 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
 
 
 def memory_size(value: float | int | str, what: str = "kv_cache_memory") -> float:
@@ -58,7 +59,7 @@ def memory_size(value: float | int | str, what: str = "kv_cache_memory") -> floa
     (> 1), as a number or a string ('0.25', '1e9', '4GiB', '512MiB', '2GB'); InputError otherwise."""
     number = None
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", value)  # (1e-9 was refused)
         unit = m.group(2).lower() if m else None
         try:
             number = float(m.group(1)) * _UNITS[unit] if m and unit in _UNITS else None

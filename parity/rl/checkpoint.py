@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -171,7 +172,10 @@ def load(path: Path, cfg):
     try:
         state = torch.load(where, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointError(f"{where}: unreadable ({exc})") from None
+        # (not torch's own advice, to load it with weights_only=False: never for a damaged file)
+        why = "not plain tensors and numbers" if isinstance(exc, pickle.UnpicklingError) else \
+            (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise CheckpointError(f"{where}: unreadable ({why}): damaged, or not written by parity") from None
     learner = Learner(model, cfg.learner)
     try:
         learner.optimizer.load_state_dict(state["optimizer"])

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..config import TrainConfig, to_toml
-from ..errors import Interrupted, ParityError
+from ..errors import CheckpointError, Interrupted, ParityError
 from ..metrics.sinks import MetricsSink, read_metrics
 from . import checkpoint
 from .build import build_env, build_model, tokenizer_path
@@ -79,7 +79,14 @@ class Controller:
 
     def _resume(self) -> None:
         path = checkpoint.latest(self.run_dir)
-        self.model, self.learner, self.start_step, self.ready = checkpoint.load(path, self.cfg)
+        try:
+            self.model, self.learner, self.start_step, self.ready = checkpoint.load(path, self.cfg)
+        except CheckpointError as exc:
+            older = [p.name for p in checkpoint.found(self.run_dir) if p != path]
+            if not older:
+                raise
+            raise CheckpointError(f"{exc}; {older[-1]} is older and may be intact: move {path.name} "
+                                  "aside to resume from it") from None
         if self.start_step >= self.cfg.steps:
             raise ParityError(f"{path} is already at step {self.start_step}; to train on, raise "
                               f"steps (now {self.cfg.steps}) with --set steps=N")

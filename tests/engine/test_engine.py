@@ -360,3 +360,14 @@ def test_the_kv_cache_is_sized_from_a_memory_budget(monkeypatch):
     from parity.config import load_config
 
     assert load_config(None, ['rollout.kv_cache_memory="4GiB"']).rollout.kv_cache_memory == "4GiB"
+
+
+def test_memory_budgets_read_as_written():
+    """'1e-9' (a fraction) and '5TiB' were refused as not fractions or sizes."""
+    from parity.engine.engine import memory_size
+
+    assert memory_size("1e-9") == 1e-9 and memory_size("0.25") == 0.25 and memory_size("5TiB") == 5 * 2**40
+    assert memory_size("512MiB") == 512 * 2**20 and memory_size("2GB") == 2e9
+    for bad in ("-1", "0", "-5GiB", "4 parsecs", "nan", "inf"):
+        with pytest.raises(InputError, match="fraction of available memory"):
+            memory_size(bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -120,11 +121,13 @@ def test_interrupt_and_resume_match_an_uninterrupted_run(tmp_path):
 def test_corrupt_checkpoint_is_refused(tmp_path):
     from parity.errors import CheckpointError
 
-    Controller(config(tmp_path, "steps=2")).run()
+    Controller(config(tmp_path, "steps=2", "checkpoint_every=1")).run()
     state = tmp_path / "checkpoint-2" / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match="do not match manifest.json"):
+    with pytest.raises(CheckpointError, match="do not match manifest.json.*checkpoint-1 is older and may be "
+                                              "intact: move checkpoint-2 aside"):
         Controller(config(tmp_path, "steps=4"), resume=True)
+    shutil.rmtree(tmp_path / "checkpoint-1")
     (tmp_path / "checkpoint-2" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="manifest.json"):
         Controller(config(tmp_path, "steps=4"), resume=True)
