@@ -99,6 +99,8 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
     naming the input, before anything is trained or computed, and nothing is written or deleted."""
     (tmp_path / "not-utf8.toml").write_bytes(b"steps = 3\n\xff\n")
     (tmp_path / "prompts.txt").write_bytes(b"ok\n\xff\n")
+    (tmp_path / "typed.jsonl").write_text('{"prompt": 5}\n')
+    (tmp_path / "bools.jsonl").write_text('{"prompt_ids": [true]}\n')
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "notes.txt").write_text("mine")
     toy = ["--set", 'model.preset="tiny"', "--set", f'run_dir="{tmp_path / "run"}"']
@@ -124,6 +126,9 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
         (["train", *toy, "--set", "rollout.prompts_per_step=100000000"], "at most 65,536 episodes a step"),
         (["train", *toy, "--set", "rollout.workers=1000"], "rollout.workers must be at most 256"),
         (["train", *toy, "--set", "=5"], "no key before '='"),
+        (["demo", "--set", f'run_dir="{tmp_path / "run"}"'], "--set run_dir: the demo sets it with --run-dir"),
+        (["generate", "--prompts-file", str(tmp_path / "typed.jsonl")], ":1: prompt must be a string"),
+        (["generate", "--prompts-file", str(tmp_path / "bools.jsonl")], "must be a list of integers"),
         (["train", *toy, "--set", "rollout.heartbeat_timeout_s=nan"], "heartbeat_timeout_s must be >= 0"),
         (["train", *toy, "--set", "model.seed=99999999999999999999999"], "model.seed must be in 0..2**63-1"),
         (["train", "--set", 'model.preset="tiny"', "--set", f'run_dir="{nested}"'],

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import LearnerConfig, ModelSection, RolloutSection, TaskSection, TrainConfig, with_overrides
+from ..errors import ConfigError
 from ..metrics.report import write_report
 from ..metrics.summary import demo_rows, step_line
 from ..rl.checkpoint import DEMO_MARK
@@ -74,8 +75,17 @@ def demo_config(opts: DemoOptions, base: str, overrides: list[str] = ()) -> Trai
     return with_overrides(cfg, list(overrides)) if overrides else cfg
 
 
+OWN_OPTIONS = {"run_dir": "--run-dir", "steps": "--steps", "max_policy_lag": "--lag", "seed": "--seed",
+               "model.kernels": "--kernels", "model.checkpoint": "--model", "eval_prompts": "--eval-prompts"}
+"""Config keys the demo's own options set (`--set` of one of them silently won over its option)."""
+
+
 def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
     """Run the demo; returns {'metrics', 'summary', 'base', 'seconds', 'run_dir', 'max_policy_lag'}."""
+    for item in overrides:  # (before the base policy, which may take minutes to build)
+        key = item.split("=", 1)[0].strip()
+        if key in OWN_OPTIONS:
+            raise ConfigError(f"--set {key}: the demo sets it with {OWN_OPTIONS[key]}")
     t0 = time.perf_counter()
     base = opts.base or get_base_policy()
     log.info("base policy %s (%.0f s)", base, time.perf_counter() - t0)

@@ -66,11 +66,15 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
                 if not isinstance(item, dict):
                     raise ParityError(f"{args.prompts_file}:{n}: expected a JSON object")
                 if "prompt_ids" in item:
-                    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in ids):
                         raise ParityError(f"{args.prompts_file}:{n}: prompt_ids must be a list of integers")
                     prompts.append(ids)
                 elif "prompt" in item:
-                    prompts.append(_text_prompt(args, tokenizer, str(item["prompt"])))
+                    if not isinstance(item["prompt"], str):
+                        raise ParityError(f"{args.prompts_file}:{n}: prompt must be a string, got "
+                                          f"{json.dumps(item['prompt'])[:40]}")
+                    prompts.append(_text_prompt(args, tokenizer, item["prompt"]))
                 else:
                     raise ParityError(f"{args.prompts_file}:{n}: expected a 'prompt' or 'prompt_ids' field")
             else:
