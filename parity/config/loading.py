@@ -132,10 +132,18 @@ def with_overrides(cfg: TrainConfig, overrides: dict[str, Any] | list[str] = ())
     return config_from_dict(data)
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest TOML file read (configs are a few KiB)."""
+
+
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     """A TOML file as a dict; a missing or malformed file is a one-line ConfigError."""
     try:
-        return tomllib.loads(Path(path).read_text())
+        with open(path, "rb") as f:  # (at most MAX_CONFIG_BYTES: /dev/zero was read for good)
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB (not a {what})")
+        return tomllib.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such {what}") from None
     except UnicodeDecodeError:

@@ -24,7 +24,9 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
     (default the CPU; the weights are checked on the CPU, then moved)."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found")
+        why = "not a directory (a checkpoint is a directory of config.json and model.safetensors)" \
+            if path.exists() else "checkpoint directory not found"
+        raise CheckpointError(f"{path}: {why}")
     try:
         config = config_from_hf(read_json(path / "config.json"), path / "config.json")
     except ConfigError as exc:
