@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, default=64, help="per turn")
     e.add_argument("--kernels", default="aligned", choices=BACKENDS)
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a task config key")
+    e.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a task config key (task.level=7, task.heldout_size=300; task.* only)")
     e.add_argument("--json", action="store_true")
 
     t = _command(sub, "train", "train", "RL training run (synchronous or asynchronous)")

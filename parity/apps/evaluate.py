@@ -9,6 +9,7 @@ import time
 from ..config import ModelSection, TaskSection, TrainConfig, with_overrides
 from ..config.loading import parse_override
 from ..engine.sequence import SamplingParams
+from ..errors import ConfigError
 from ..model import load_model
 from ..rl.build import build_env
 from ..rl.evaluate import evaluate
@@ -17,6 +18,11 @@ from .ui import table
 
 
 def main(args) -> int:
+    for item in args.set or []:  # (training keys were accepted and ignored; `level=7` read as unknown)
+        key = item.split("=", 1)[0].strip()
+        if not key.startswith("task."):
+            raise ConfigError(f"--set {key}: eval takes task.* keys only (task.{key} for the task's own; "
+                              "--n, --temperature, --model... for the rest)")
     if args.k:  # checked before the greedy pass, whose result a bad temperature threw away
         SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     task = TaskSection(name=args.task, **({"level": args.level} if args.level else {}),
