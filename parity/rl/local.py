@@ -28,6 +28,7 @@ import pickle
 import queue as queue_mod
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -131,8 +132,16 @@ def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, vers
             todo.remove(b)
     except ParityError as exc:  # a problem that a restart would only repeat
         traj_q.put(("error", str(exc)))
-    except BaseException:
+    except Exception as exc:  # unexpected: one line (its exit status tells the controller)
         orphaned()  # (removes the spool if the controller is gone)
+        if os.environ.get("PARITY_DEBUG", "0") not in ("", "0"):
+            raise
+        text = (str(exc).strip().splitlines() or [""])[0][:300]
+        sys.stderr.write(f"parity: rollout worker failed: {type(exc).__name__}: {text} "
+                         "(PARITY_DEBUG=1 shows the traceback)\n")
+        raise SystemExit(1) from None  # (multiprocessing printed the traceback, once per restart)
+    except BaseException:
+        orphaned()
         raise
     while not orphaned():  # finished (or failed): stay until the controller has read everything
         stop.wait(0.5)
