@@ -27,7 +27,7 @@ def config(tmp_path, *extra):
 timeless = deterministic_view
 
 
-@pytest.mark.parametrize("lag", [0, 1, 8, 64])
+@pytest.mark.parametrize("lag", [0, 1, 3])  # (lags of 8 and 64 could not be exceeded in 6 steps)
 def test_policy_lag_bound_holds(tmp_path, lag):
     metrics = Controller(config(tmp_path, "steps=6", f"max_policy_lag={lag}")).run()
     assert [m["step"] for m in metrics] == list(range(6))
