@@ -10,7 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity.apps.sft import RECIPES, SFTConfig, encode_demo, resolve_base, tool_demonstration, train_sft
+from parity.apps.sft import (
+    RECIPES,
+    SFTConfig,
+    encode_demo,
+    read_record,
+    resolve_base,
+    tool_demonstration,
+    train_sft,
+)
 from parity.cli import main
 from parity.config import BASE_CHECKPOINTS, ModelSection, TrainConfig
 from parity.envs.math import MathTask, column_sums, score, worked_answer
@@ -195,7 +203,7 @@ def test_base_math_learns_column_addition(tmp_path):
     assert record["final_loss"] < 0.5 * math.log(vocab)
 
 
-def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path, capsys):
+def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path, capsys, monkeypatch):
     """A build stopped by Ctrl-C or SIGTERM (now raised as an exception by the CLI) left its
     `OUT.tmpPID` directory behind for good; a killed one's is removed by the next build; a
     damaged sft.json was a traceback."""
@@ -209,7 +217,15 @@ def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path
     with pytest.raises(KeyboardInterrupt):
         train_sft(out, SFTConfig(steps=5, batch_size=2), progress=stop, eval_problems=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
-    train_sft(out, SFTConfig(steps=2, batch_size=2), eval_problems=0)
+    import parity.rl.evaluate
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(parity.rl.evaluate, "evaluate", stopped)
+    with pytest.raises(KeyboardInterrupt):  # stopped in its evaluation: the trained policy is kept
+        train_sft(out, SFTConfig(steps=2, batch_size=2), eval_problems=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"] and "heldout" not in read_record(out)
     for damaged in ("[1]", '{"heldout": {}}', "{bad"):
         (out / "sft.json").write_text(damaged)
         assert main(["sft", "--out", str(out)]) == 2

@@ -192,7 +192,12 @@ def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
     tmp.mkdir(parents=True)
     try:
         record = _train_into(tmp, out_dir, cfg, progress, eval_problems)
-    except BaseException:  # (Ctrl-C, SIGTERM, an error: no half-built directory is left behind)
+    except BaseException:  # (Ctrl-C, SIGTERM, an error: no half-built directory is left behind;
+        if is_built(tmp):  # one trained and saved, stopped in its held-out evaluation, is kept)
+            shutil.rmtree(out_dir, ignore_errors=True)
+            tmp.rename(out_dir)
+            log.warning("the base policy was trained and saved to %s; its held-out evaluation was "
+                        "stopped (sft.json has no held-out results)", out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -258,6 +263,7 @@ def _train_into(tmp: Path, out_dir: Path, cfg: SFTConfig, progress, eval_problem
     model.save_pretrained(tmp)
     record = {"recipe": RECIPE_VERSION, "config": dataclasses.asdict(cfg), "train_s": train_s,
               "final_loss": sum(losses[-20:]) / len(losses[-20:])}
+    (tmp / "sft.json").write_text(json.dumps(record, indent=2) + "\n")  # built, before the evaluation
     if eval_problems:
         from ..envs.math import MathEnv
         from ..rl.evaluate import evaluate
