@@ -130,7 +130,7 @@ _STATUS_KEYS = {"status", "cpu", "timeout", "out_bytes", "err_bytes", "output_ex
 
 
 def _read_status(fd: int) -> dict[str, str]:
-    """The launcher's "key value" lines from the read end of its status pipe (non-blocking: a
+    """The launcher's "key value" lines from the host's end of its status socket (non-blocking: a
     launcher killed before writing leaves it empty). Unknown keys and malformed numbers are
     dropped, so the verdict falls to 'launcher failed' rather than an exception."""
     os.set_blocking(fd, False)
