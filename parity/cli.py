@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kernels", default="aligned", choices=BACKENDS)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a task config key (task.level=7, task.heldout_size=300; task.* only)")
+                   help="override a task or model config key (task.level=7, task.heldout_size=300)")
     e.add_argument("--json", action="store_true")
 
     t = _command(sub, "train", "train", "RL training run (synchronous or asynchronous)")
@@ -297,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"parity: interrupted{' (SIGTERM)' if term else ''}", file=sys.stderr)
         return 143 if term else 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if previous is not False:  # (None: a handler not set from Python; the default stands in)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 class Terminated(KeyboardInterrupt):
@@ -314,8 +314,8 @@ def _raise_on_sigterm():
 
     try:
         return signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        return None
+    except ValueError:  # not the main thread: nothing installed
+        return False
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
         (["train", *toy, "--set", "rollout.prompts_per_step=100000000"], "at most 65,536 episodes a step"),
         (["train", *toy, "--set", "rollout.workers=1000"], "rollout.workers must be at most 256"),
         (["train", *toy, "--set", "=5"], "no key before '='"),
-        (["eval", "--set", "steps=5"], "eval takes task.* keys only"),
+        (["eval", "--set", "steps=5"], "eval takes task.* and model.* keys only"),
         (["train", "/dev/zero"], "/dev/zero: larger than 1 MiB"),
         (["check", "--model", str(tmp_path / "not-utf8.toml")], "not-utf8.toml: not a directory (a"),
         (["demo", "--set", f'run_dir="{tmp_path / "run"}"'], "--set run_dir: the demo sets it with"),

@@ -208,7 +208,13 @@ def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path
     `OUT.tmpPID` directory behind for good; a killed one's is removed by the next build; a
     damaged sft.json was a traceback."""
     out = tmp_path / "base"
-    (tmp_path / "base.tmp999999999").mkdir()  # a build killed outright (no such process)
+    import socket
+
+    for name, builder in (("base.tmp999999999", socket.gethostname()), ("base.tmp1", "another-host"),
+                          ("base.tmp2", None)):
+        (tmp_path / name).mkdir()  # a build killed outright here (no such process); another
+        if builder:                # machine's on a shared cache; a directory of the user's
+            (tmp_path / name / ".builder").write_text(f"{builder} 999999999\n")
 
     def stop(step, loss, elapsed):
         if step == 1:
@@ -216,7 +222,10 @@ def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path
 
     with pytest.raises(KeyboardInterrupt):
         train_sft(out, SFTConfig(steps=5, batch_size=2), progress=stop, eval_problems=0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.tmp1", "base.tmp2"]
+    for name in ("base.tmp1", "base.tmp2"):
+        (tmp_path / name / ".builder").unlink(missing_ok=True)
+        (tmp_path / name).rmdir()
     import parity.rl.evaluate
 
     def stopped(*args, **kwargs):
@@ -226,6 +235,8 @@ def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path
     with pytest.raises(KeyboardInterrupt):  # stopped in its evaluation: the trained policy is kept
         train_sft(out, SFTConfig(steps=2, batch_size=2), eval_problems=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"] and "heldout" not in read_record(out)
+    assert not (out / ".builder").exists()
+    capsys.readouterr()  # (its warning, where an earlier test set up the CLI's logging)
     for damaged in ("[1]", '{"heldout": {}}', "{bad"):
         (out / "sft.json").write_text(damaged)
         assert main(["sft", "--out", str(out)]) == 2

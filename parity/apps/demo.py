@@ -55,9 +55,11 @@ class DemoOptions:
 def _recipe(base: str) -> dict:
     """The `parity sft` recipe a base checkpoint was trained with ({} when unknown)."""
     try:
-        return json.loads((Path(base) / "sft.json").read_text()).get("config", {})
+        record = json.loads((Path(base) / "sft.json").read_text())
     except (OSError, ValueError):
         return {}
+    recipe = record.get("config", {}) if isinstance(record, dict) else {}
+    return recipe if isinstance(recipe, dict) else {}  # (a damaged sft.json: the defaults)
 
 
 def demo_config(opts: DemoOptions, base: str, overrides: list[str] = ()) -> TrainConfig:

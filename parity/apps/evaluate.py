@@ -19,10 +19,10 @@ from .ui import table
 
 def main(args) -> int:
     for item in args.set or []:  # (training keys were accepted and ignored; `level=7` read as unknown)
-        key = item.split("=", 1)[0].strip()
-        if not key.startswith("task."):
-            raise ConfigError(f"--set {key}: eval takes task.* keys only (task.{key} for the task's own; "
-                              "--n, --temperature, --model... for the rest)")
+        key = parse_override(item)[0]
+        if not key.startswith(("task.", "model.")):
+            raise ConfigError(f"--set {key}: eval takes task.* and model.* keys only (task.{key} for "
+                              "the task's; --n, --temperature, --max-tokens for sampling)")
     if args.k:  # checked before the greedy pass, whose result a bad temperature threw away
         SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     task = TaskSection(name=args.task, **({"level": args.level} if args.level else {}),

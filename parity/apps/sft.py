@@ -33,6 +33,7 @@ import math
 import os
 import random
 import shutil
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,32 +191,41 @@ def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    (tmp / BUILDER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
     try:
         record = _train_into(tmp, out_dir, cfg, progress, eval_problems)
     except BaseException:  # (Ctrl-C, SIGTERM, an error: no half-built directory is left behind;
         if is_built(tmp):  # one trained and saved, stopped in its held-out evaluation, is kept)
+            (tmp / BUILDER).unlink(missing_ok=True)
             shutil.rmtree(out_dir, ignore_errors=True)
             tmp.rename(out_dir)
             log.warning("the base policy was trained and saved to %s; its held-out evaluation was "
                         "stopped (sft.json has no held-out results)", out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    (tmp / BUILDER).unlink()
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return record
 
 
+BUILDER = ".builder"
+"""In a base policy being built: the host name and pid of the process building it."""
+
+
 def _remove_stale_builds(out_dir: Path) -> None:
-    """Remove `out_dir.tmpPID` directories whose process is gone (a build killed outright)."""
+    """Remove `out_dir.tmp*` directories of builds killed outright: only those whose BUILDER file
+    names this host and a process that is gone (a cache shared between machines keeps the
+    others', and a directory without the file is left alone)."""
     for old in out_dir.parent.glob(out_dir.name + ".tmp*"):
-        pid = old.name.removeprefix(out_dir.name + ".tmp")
-        if not pid.isdigit():
-            continue
         try:
+            host, pid = (old / BUILDER).read_text().split()
+            if host != socket.gethostname():
+                continue
             os.kill(int(pid), 0)
         except ProcessLookupError:
             shutil.rmtree(old, ignore_errors=True)
-        except OSError:
+        except (OSError, ValueError, OverflowError):
             pass
 
 

@@ -184,6 +184,8 @@ def load_study(
                 raise ConfigError(f"study runs: {r['name']}: unknown key {sorted(set(r) - fields)[0]} "
                                   f"(known: {', '.join(sorted(fields))})")
         runs = [StudyRun(**r) for r in runs]
+    if not isinstance(out_dir or data.get("out_dir", "runs/study"), str):  # (--quick makes a Path of it)
+        raise ConfigError(f"study.out_dir must be a directory path, got {data['out_dir']!r}")
     if not isinstance(data.get("train", {}), dict):
         raise ConfigError(f"study train: expected a [train] table of config keys, got {data['train']!r}")
     train = {**DEFAULT_TRAIN, **data.get("train", {})}

@@ -83,7 +83,7 @@ class Controller:
             self.model, self.learner, self.start_step, self.ready = checkpoint.load(path, self.cfg)
         except CheckpointError as exc:
             older = [p.name for p in checkpoint.found(self.run_dir) if p != path]
-            if not older:
+            if not older or "does not match this run" in str(exc):  # (an older one would not either)
                 raise
             raise CheckpointError(f"{exc}; {older[-1]} is older and may be intact: move {path.name} "
                                   "aside to resume from it") from None

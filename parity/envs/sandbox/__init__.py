@@ -69,22 +69,30 @@ def _run_probe() -> _Probe:
         if why not in reasons:
             reasons.append(why)
     # The degraded modes: a per-run uid (as root) where the interpreter is open to others, else
-    # the caller's uid; the first one whose probe runs the code (the per-run uid once could not
-    # reach its script: every tool call failed "Permission denied", judged the policy's error).
-    plains = ["plain"] if os.geteuid() != 0 else (["plain", "plain-keep-uid"] if others_can_run_python()
-                                                  else ["plain-keep-uid"])
-    for plain in plains:
-        try:
-            result = execute(plain, b"print('ok')\n", SandboxLimits())
-        except OSError as exc:
-            reasons.append(f"{plain} mode: {exc}")
-            protections: tuple[str, ...] = ()
-            continue
-        protections = result.protections
-        if result.ok and result.stdout == "ok\n":
-            break
-        reasons.append(f"{plain} mode: {result.error or 'the probe printed nothing'}")
+    # the caller's uid. As root, the caller's uid (root without capabilities) is taken instead of
+    # a per-run one only where the per-run uid cannot open its script (it once could not: every
+    # tool call failed "Permission denied", judged the policy's error); any other failure of the
+    # probe keeps the per-run uid and is named in the start-up line.
+    plain = "plain" if os.geteuid() != 0 or others_can_run_python() else "plain-keep-uid"
+    result, protections = _degraded_probe(plain, reasons)
+    unreachable = result is not None and "can't open file" in (result.error or "")
+    if plain == "plain" and os.geteuid() == 0 and unreachable:
+        keep, protections_keep = _degraded_probe("plain-keep-uid", reasons)
+        if keep is not None and keep.ok:
+            plain, protections = "plain-keep-uid", protections_keep
     return _Probe(plain, "; ".join(reasons) or "no isolation mode worked", protections)
+
+
+def _degraded_probe(mode: str, reasons: list[str]) -> tuple[ToolResult | None, tuple[str, ...]]:
+    """Run the degraded `mode`'s probe; a failure is added to `reasons`."""
+    try:
+        result = execute(mode, b"print('ok')\n", SandboxLimits())
+    except OSError as exc:
+        reasons.append(f"{mode} mode: {exc}")
+        return None, ()
+    if not (result.ok and result.stdout == "ok\n"):
+        reasons.append(f"{mode} mode: {result.error or 'the probe printed nothing'}")
+    return result, result.protections
 
 
 def _probe() -> _Probe:

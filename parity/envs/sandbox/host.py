@@ -155,7 +155,10 @@ def _read_status(fd: int) -> dict[str, str]:
 
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u061c\u180e\u200b-\u200f\u2028-\u202e"
                       "\u2060-\u206f\ufeff\ufff9-\ufffb\U000e0000-\U000e007f]")
-_VERDICT_LIKE = re.compile(r"[\W_]*\w?andbox")  # "sandbox..." whatever its first letter looks like
+_VERDICT_LIKE = re.compile(r"[\W_]*\w?andbox|.*(limit exceeded|killed by signal|setup failed|"
+                           r"launcher failed)")
+"""A line that reads as one of the sandbox's verdicts: "sandbox..." whatever its first letter looks
+like, or a verdict's wording after any look-alike of "sandbox"."""
 
 
 def clean(text: str) -> str:
@@ -242,34 +245,30 @@ def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
             except OSError as exc:  # (set up before any code runs: not the code's failure)
                 return ToolResult(False, "", _one_line(f"sandbox setup failed: the run's cgroup: {exc}"),
                                   time.monotonic() - start, infra=True)
-        fds += [_new_file(tmp, name) for name in ("out", "err", "launcher.log")]
+        for name in ("out", "err", "launcher.log"):
+            fds.append(_new_file(tmp, name))
         status_r, status_w = (s.detach() for s in socket.socketpair())  # the verdict's channel
-        fds.append(status_r)
+        fds += [status_r, status_w]  # (status_w is closed, and dropped, once the launcher has it)
         exe, _ = python_paths()
         argv = [exe, "-I", "-S", "-B", str(LAUNCHER), tmp, mode, exe, repr(float(limits.wall_s))]
         numbers = (limits.cpu_s, limits.memory_mb, limits.output_bytes, limits.nproc, limits.fs_mb)
         plan = [] if mode.startswith("plain") else [x for triple in mount_plan() for x in triple]
         argv += [str(v) for v in numbers] + [",".join(group.paths) if group else "-",
                                              *(str(fd) for fd in (status_w, *fds[:2])), *plan]
+        proc = subprocess.Popen(argv, env={}, cwd=tmp, stdin=subprocess.DEVNULL, stdout=fds[2],
+                                stderr=fds[2], close_fds=True, pass_fds=(status_w, *fds[:2]),
+                                start_new_session=True)
+        os.close(fds.pop())  # status_w: the launcher's now
+        exited = reaped = False
         try:
-            proc = subprocess.Popen(argv, env={}, cwd=tmp, stdin=subprocess.DEVNULL, stdout=fds[2],
-                                    stderr=fds[2], close_fds=True, pass_fds=(status_w, *fds[:2]),
-                                    start_new_session=True)
-            os.close(status_w)
-            status_w = -1
-            exited = reaped = False
-            try:
-                exited, reaped = _wait_exit(proc, float(limits.wall_s) + _HOST_MARGIN_S)
-            finally:
-                if not reaped:
-                    _kill_group(proc.pid)  # leftovers of the group; the launcher itself when it is late
-                proc.wait()
-            oom = group is not None and group.oom_killed()
-            info = _read_status(status_r)
-            return _collect(fds, limits, info, host_timeout=not exited, start=start, oom=oom)
+            exited, reaped = _wait_exit(proc, float(limits.wall_s) + _HOST_MARGIN_S)
         finally:
-            if status_w >= 0:
-                os.close(status_w)
+            if not reaped:
+                _kill_group(proc.pid)  # leftovers of the group; the launcher itself when it is late
+            proc.wait()
+        oom = group is not None and group.oom_killed()
+        info = _read_status(status_r)
+        return _collect(fds, limits, info, host_timeout=not exited, start=start, oom=oom)
     finally:
         for fd in fds:
             os.close(fd)
