@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("k", "eval_problems"):
         if getattr(args, name, 0) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0 (0 = skip)")
+    if getattr(args, "k", 0) > 64:  # (as the trainer's eval_samples)
+        parser.error("--k must be at most 64 samples per problem")
     if getattr(args, "vocab", None) is not None and args.vocab < 2:
         parser.error("--vocab must be at least 2")
     if getattr(args, "seed", None) is not None and not 0 <= args.seed < 2**63:

@@ -110,6 +110,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
         (["check", "--cases", ","], "got nothing"),
         (["bench", "kernels", "--presets", "qwen3-0.6b", "--batches", "100000"], "GiB is available"),
         (["eval", "-k", "-1"], "--k must be >= 0"),
+        (["eval", "-k", "100000"], "--k must be at most 64"),
         (["generate", "--seed", str(10**23), "--prompt", "x"], "--seed"),
         (["generate", "--prompts-file", str(tmp_path / "prompts.txt")], "prompts.txt: not UTF-8"),
         (["train", str(tmp_path / "not-utf8.toml")], "not-utf8.toml: not UTF-8"),

@@ -114,8 +114,9 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        # (a config.json of 10^8 layers hung the build; 10^12 positions asked for 8 TB of RoPE tables)
-        for name, most in (("num_hidden_layers", 1024), ("max_position_embeddings", 1 << 21)):
+        # (a config.json of 10^8 layers hung the build; 10^12 positions asked for 8 TB of RoPE
+        # tables; 2^23 keeps the published 4M-context Llama 3 checkpoints)
+        for name, most in (("num_hidden_layers", 1024), ("max_position_embeddings", 1 << 23)):
             if getattr(self, name) > most:
                 raise ConfigError(f"ModelConfig.{name} must be at most {most:,}, got {getattr(self, name):,}")
         if self.head_dim is None:

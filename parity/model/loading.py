@@ -41,7 +41,7 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
     indices = (n.split(".")[2] for n in tensors if n.startswith("model.layers."))
     layers = {int(i) for i in indices if i.isdigit()}
     if layers and layers != set(range(config.num_hidden_layers)):  # (before a model of that size is built)
-        raise CheckpointError(f"{path / 'model.safetensors'} holds layers {min(layers)}..{max(layers)}, "
+        raise CheckpointError(f"{path}: the weights hold layers {min(layers)}..{max(layers)}, "
                               f"config.json says num_hidden_layers = {config.num_hidden_layers}")
     model = Model(config, kernels=kernels, dtype=dtype, seed=None,
                   block_size=block_size or DEFAULT_BLOCK_SIZE)
