@@ -23,6 +23,7 @@ import torch
 
 from ..errors import InputError
 from ..model.kv_cache import KVCache
+from ..model.logprobs import token_list
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .sampler import Sampler
@@ -81,6 +82,14 @@ def memory_budget(value: float | int | str) -> int:
     return int(value * available_memory()) if value <= 1 else int(value)
 
 
+def _sampling_params(params) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
 class Engine:
     def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_tokens: int | None = None, tokenizer=None, seed: int = 0,
@@ -90,8 +99,14 @@ class Engine:
         sequences of min(max_position_embeddings, 2048) tokens can use. `graphs`: decode steps
         replayed as CUDA graphs on a GPU ('auto', dense models), never ('off'), or their static
         padded step run eagerly ('emulate': tests on a CPU); see `graphs.py`."""
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise InputError("max_num_seqs and max_num_batched_tokens must be positive")
+        sizes = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                 "kv_cache_tokens": 1 if kv_cache_tokens is None else kv_cache_tokens}
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"Engine {name} must be a positive integer, got {value!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+            # (a None one failed the first step, and the engine never stepped its requests again)
+            raise InputError(f"Engine seed must be an integer in 0..2**63-1, got {seed!r}")
         self.model = model
         self.tokenizer = tokenizer
         bs = model.block_size
@@ -103,8 +118,6 @@ class Engine:
             if kv_cache_tokens < bs:
                 raise InputError(f"kv_cache_memory: {budget:,} bytes hold no cache block of this model "
                                  f"({bs} tokens x {per_token:,} bytes); raise it")
-        elif kv_cache_tokens < 1:
-            raise InputError(f"kv_cache_tokens must be positive, got {kv_cache_tokens}")
         num_blocks = max(1, -(-kv_cache_tokens // bs))
         self.cache_info = {"tokens": num_blocks * bs, "bytes": num_blocks * bs * per_token,
                            "full_length_seqs": num_blocks * bs // model.config.max_position_embeddings}
@@ -132,10 +145,7 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def _check_tokens(self, tokens: Seq[int], what: str) -> list[int]:
-        try:
-            ids = [int(t) for t in tokens]
-        except (TypeError, ValueError):
-            raise InputError(f"{what}: token ids must be integers") from None
+        ids = token_list(tokens, what)  # (floats were truncated, strings split into characters)
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -145,7 +155,7 @@ class Engine:
     def add_request(self, prompt: Seq[int], params: SamplingParams | None = None,
                     multi_turn: bool = False) -> int:
         """Queue a request; returns its id. Raises `InputError` for a bad prompt."""
-        params = params or SamplingParams()
+        params = _sampling_params(params)
         ids = self._check_tokens(prompt, "prompt")
         limit = self.model.config.max_position_embeddings
         if not ids:
@@ -171,6 +181,8 @@ class Engine:
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not Status.PAUSED:
             raise InputError(f"request {request_id}: not a paused multi-turn request")
+        if params is not None:  # (checked before the request changes: a retry appended twice)
+            params = _sampling_params(params)
         ids = self._check_tokens(env_tokens, f"request {request_id} environment tokens")
         if len(seq) + len(ids) >= self.model.config.max_position_embeddings:
             raise InputError(f"request {request_id}: environment tokens exceed the context")
@@ -315,17 +327,23 @@ class Engine:
             raise InputError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         results: list[RequestOutput | None] = [None] * len(prompts)
         index: dict[int, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                index[self.add_request(prompt, p)] = i
-            except InputError as exc:
-                prompt_ids = [t for t in prompt if isinstance(t, int)] if isinstance(prompt, (list, tuple)) \
-                    else []
-                results[i] = RequestOutput(-1, prompt_ids, [], [], [], [], [], "error", error=str(exc))
-        while any(r is None for r in results) and self.has_unfinished():
-            if before_step is not None:
-                before_step(self)
-            for out in self.step():
-                if out.request_id in index:
-                    results[index[out.request_id]] = out
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                try:
+                    index[self.add_request(prompt, p)] = i
+                except InputError as exc:
+                    prompt_ids = [t for t in prompt if isinstance(t, int)] \
+                        if isinstance(prompt, (list, tuple)) else []
+                    results[i] = RequestOutput(-1, prompt_ids, [], [], [], [], [], "error", error=str(exc))
+            while any(r is None for r in results) and self.has_unfinished():
+                if before_step is not None:
+                    before_step(self)
+                for out in self.step():
+                    if out.request_id in index:
+                        results[index[out.request_id]] = out
+        except BaseException:  # (its requests stayed queued: every later generate() refused to run)
+            for rid in index:
+                if rid in self.seqs:
+                    self.release(rid)
+            raise
         return results  # type: ignore[return-value]

@@ -93,6 +93,8 @@ class Model(nn.Module):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
                 or block_size % 16:
             raise ConfigError(f"block_size must be a positive multiple of 16, got {block_size!r}")
+        if isinstance(dtype, str) and dtype in COMPUTE_DTYPES:  # ("bfloat16" was refused, naming itself)
+            dtype = COMPUTE_DTYPES[dtype]
         if dtype not in (*COMPUTE_DTYPES.values(), torch.float64):  # float64: references, tests
             raise ConfigError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)} (or float64 for "
                               f"references), got {dtype!r}")

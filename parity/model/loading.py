@@ -45,7 +45,7 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
                               f"config.json says num_hidden_layers = {config.num_hidden_layers}")
     model = Model(config, kernels=kernels, dtype=dtype, seed=None,
                   block_size=block_size or DEFAULT_BLOCK_SIZE)
-    expected = model.state_dict()
+    expected, dtype = model.state_dict(), model.dtype  # (a dtype given by name resolved)
     weights_file = path / "model.safetensors"
     for name in [n for n in tensors if n.endswith(".rotary_emb.inv_freq")]:
         del tensors[name]  # a buffer older checkpoints saved; parity derives it from rope_theta

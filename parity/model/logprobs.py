@@ -7,6 +7,7 @@ samples; with aligned kernels both give the same float32 bits for the same weigh
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -15,11 +16,45 @@ from ..errors import InputError
 from .batch import ForwardBatch
 
 
+def token_list(seq, where: str) -> list[int]:
+    """The token ids of one sequence (a list of integers or a 1-D integer tensor) as a list; floats,
+    bools, strings, sets, dicts and nested lists are an InputError (they were truncated, split into
+    characters or flattened into one sequence)."""
+    if isinstance(seq, torch.Tensor):
+        if seq.dtype == torch.bool or seq.is_floating_point() or seq.is_complex():
+            raise InputError(f"{where}: token ids must be integers, got a {seq.dtype} tensor")
+        if seq.dim() > 1:
+            raise InputError(f"{where}: one sequence of token ids (1-D), got shape {tuple(seq.shape)}")
+        return seq.reshape(-1).tolist()
+    if isinstance(seq, (str, bytes, dict, set, frozenset)) or not hasattr(seq, "__iter__"):
+        raise InputError(f"{where}: a sequence must be a list of token ids, got {type(seq).__name__}")
+    ids = list(seq)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise InputError(f"{where}: token ids must be integers, got {t!r}")
+    return [int(t) for t in ids]
+
+
 def as_token_tensor(seq, where: str) -> torch.Tensor:
-    t = torch.as_tensor(seq, dtype=torch.long).reshape(-1)
-    if t.numel() == 0:
+    ids = token_list(seq, where)
+    if not ids:
         raise InputError(f"{where}: empty token sequence")
-    return t
+    if not all(-(1 << 63) <= t < 1 << 63 for t in ids):
+        raise InputError(f"{where}: token id {max(ids, key=abs)} is outside the vocabulary")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def check_sequence(model, seq, where: str) -> torch.Tensor:
+    """One sequence to score, checked: integer ids in the vocabulary, 2 to max_position_embeddings
+    of them."""
+    s = as_token_tensor(seq, where)
+    max_len = model.config.max_position_embeddings
+    if s.numel() < 2:
+        raise InputError(f"{where}: needs at least 2 tokens to score one")
+    if s.numel() > max_len:
+        raise InputError(f"{where}: length {s.numel()} exceeds max_position_embeddings={max_len}")
+    model.check_tokens(s, where)
+    return s
 
 
 MIN_TEMPERATURE = 0.01
@@ -28,8 +63,10 @@ temperature of 1e-300 sampled NUL characters with NaN log-probs."""
 
 
 def _check_temperature(temperature: float) -> None:
-    if not temperature >= MIN_TEMPERATURE:
-        raise InputError(f"temperature must be >= {MIN_TEMPERATURE} for log-probs, got {temperature!r}")
+    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if not number or not MIN_TEMPERATURE <= temperature < float("inf"):
+        raise InputError(f"temperature must be >= {MIN_TEMPERATURE} and finite for log-probs, "
+                         f"got {temperature!r}")
 
 
 def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
@@ -41,16 +78,11 @@ def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
     `return_entropy`, also each position's entropy of softmax(logits / T) (no grad).
     """
     _check_temperature(temperature)
-    seqs = [as_token_tensor(s, f"sequence {i}") for i, s in enumerate(sequences)]
+    if isinstance(sequences, (torch.Tensor, str, bytes)) or not hasattr(sequences, "__iter__"):
+        raise InputError(f"sequences must be a list of token-id sequences, got {type(sequences).__name__}")
+    seqs = [check_sequence(model, s, f"sequence {i}") for i, s in enumerate(sequences)]
     if not seqs:
         return ([], []) if return_entropy else []
-    max_len = model.config.max_position_embeddings
-    for i, s in enumerate(seqs):
-        if s.numel() < 2:
-            raise InputError(f"sequence {i}: needs at least 2 tokens to score one")
-        if s.numel() > max_len:
-            raise InputError(f"sequence {i}: length {s.numel()} exceeds max_position_embeddings={max_len}")
-        model.check_tokens(s, f"sequence {i}")
     batch = ForwardBatch.build(seqs, [0] * len(seqs), model.block_size)
     hidden = model(batch)
     lens = [s.numel() for s in seqs]

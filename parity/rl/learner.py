@@ -32,6 +32,7 @@ from ..metrics.diagnostics import (
     response_stats,
 )
 from ..model import scored_routing, sequence_logprobs
+from ..model.logprobs import check_sequence
 from .losses import get_loss, group_advantages, load_balancing_loss
 from .trajectory import TrajectoryBatch, pad_routing
 
@@ -227,6 +228,17 @@ class Learner:
         adv_std = cfg.loss == "ppo_clip" and cfg.loss_config.ppo_std_adv
         adv = group_advantages(batch.rewards, batch.group_ids, normalize_std=adv_std, included=batch.included)
         bsz = len(batch)
+        for i, seq in enumerate(batch.sequences):  # all of them, before a first backward (an error in
+            check_sequence(self.model, seq, f"response {i}")  # a later micro-batch left gradients)
+        try:
+            return self._step(batch, adv, bsz, t0)
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)  # (nothing half-accumulated reaches a later step)
+            self.model.zero_grad(set_to_none=True)
+            raise
+
+    def _step(self, batch: TrajectoryBatch, adv: torch.Tensor, bsz: int, t0: float) -> dict[str, float]:
+        cfg = self.config
         lps, entropies, losses, routes, extra, ratios = [], [], [], [], {}, {}
         aux_coef = cfg.router_aux_loss_coef if self.model.config.is_moe else 0.0
         for idx in micro_batches([len(x) for x in batch.sequences], cfg.micro_batch_size,

@@ -371,3 +371,38 @@ def test_memory_budgets_read_as_written():
     for bad in ("-1", "0", "-5GiB", "4 parsecs", "nan", "inf"):
         with pytest.raises(InputError, match="fraction of available memory"):
             memory_size(bad)
+
+
+def test_library_misuse_is_an_input_error_and_leaves_the_engine_usable():
+    """A review of the Python API (2026-12-05): token ids that were silently truncated (1.7),
+    split into characters ("123") or taken as ids (True), an engine seed of None that failed the
+    first step and left its request stuck for good, a dict for SamplingParams that left
+    generate()'s earlier prompts queued (every later generate() refused), a continue_request
+    whose bad params came after its tokens were appended."""
+    model = cached_model("tiny", "aligned", "float32", 0, 0.02)
+    params = SamplingParams(max_tokens=2)
+    eng = parity.Engine(model, max_num_seqs=4, kv_cache_tokens=256)
+    for prompt, message in (([1.7, 2.2], "token ids must be integers, got 1.7"),
+                            ("123", "a sequence must be a list of token ids, got str"),
+                            ([True, False], "token ids must be integers, got True"),
+                            ([[1, 2], [3, 4]], "token ids must be integers, got \\[1, 2\\]")):
+        with pytest.raises(InputError, match=message):
+            eng.add_request(prompt, params)
+    bad_engines = (({"seed": None}, "seed must be an integer"), ({"max_num_seqs": "4"}, "max_num_seqs"),
+                   ({"kv_cache_tokens": 100.5}, "kv_cache"))
+    for kwargs, message in bad_engines:
+        with pytest.raises(InputError, match=message):
+            parity.Engine(model, **kwargs)
+    outs = eng.generate([[1, 2], [3, 4]], [params, {"max_tokens": 2}])  # the bad one fails alone
+    assert len(outs[0].token_ids) == 2 and "params must be a SamplingParams, got dict" in outs[1].error
+    assert not eng.has_unfinished() and len(eng.generate([[1, 2]], params)[0].token_ids) == 2
+    rid = eng.add_request([1, 2], SamplingParams(max_tokens=1), multi_turn=True)
+    while eng.has_unfinished():
+        eng.step()
+    length = len(eng.seqs[rid])
+    with pytest.raises(InputError, match="params must be a SamplingParams"):
+        eng.continue_request(rid, [7], params={"seed": 3})
+    assert len(eng.seqs[rid]) == length  # nothing appended
+    assert parity.Model(model.config, dtype="bfloat16").dtype == torch.bfloat16  # (refused, naming itself)
+    with pytest.raises(InputError, match="sequence 0: one sequence of token ids"):
+        parity.sequence_logprobs(model, [torch.tensor([[1, 2, 3], [4, 5, 6]])])  # (scored as one)
