@@ -80,6 +80,13 @@ def test_bad_checkpoints_are_refused_with_the_file_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="corrupt"):
         parity.load_model(tmp_path)
+    for field in ("rms_norm_eps", "rope_theta"):  # (NaN made every log-prob NaN, silently)
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, field: float("nan")}))
+        with pytest.raises(CheckpointError, match=f"{field} must be a positive finite number"):
+            parity.load_model(tmp_path)
+    for where, message in (("", "path must name a directory"), (tmp_path / "config.json", "cannot be made")):
+        with pytest.raises(CheckpointError, match=message):  # (a raw OSError; "" wrote into the cwd)
+            model.save_pretrained(where)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config.json"):
         parity.load_model(tmp_path)

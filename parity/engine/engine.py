@@ -216,10 +216,19 @@ class Engine:
         other tensors)."""
         if mode not in WEIGHT_MODES:
             raise InputError(f"unknown weight update mode {mode!r}: expected one of {WEIGHT_MODES}")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:  # (tagged tokens)
+            raise InputError(f"update_weights: version must be an integer >= 0, got {version!r}")
+        if not isinstance(state, Mapping):
+            raise InputError(f"update_weights: state must map tensor names to tensors, "
+                             f"got {type(state).__name__}")
         params = dict(self.model.named_parameters())
         for name, value in state.items():  # check everything before touching any weight
             if name not in params:
                 raise InputError(f"update_weights: unknown tensor {name}")
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+                raise InputError(f"update_weights: tensor {name} must be a floating-point torch.Tensor, "
+                                 f"got {got}")
             if tuple(value.shape) != tuple(params[name].shape):
                 raise InputError(f"update_weights: tensor {name} has shape {tuple(value.shape)}, "
                                  f"the model's is {tuple(params[name].shape)}")

@@ -54,9 +54,10 @@ class SamplingParams:
             raise InputError(f"SamplingParams.top_k must be >= 0, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise InputError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):
+        if not isinstance(self.stop_strings, (list, tuple)) or not all(isinstance(s, str) and s
+                                                                          for s in self.stop_strings):
             raise InputError("SamplingParams.stop_strings must be a list of non-empty strings")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
+        if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise InputError("SamplingParams.stop_token_ids must be a list of integers")
         seed = self.seed

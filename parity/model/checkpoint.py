@@ -28,8 +28,14 @@ def save_pretrained(model, path: str | Path) -> None:
     """Write `config.json` and `model.safetensors` into directory `path` (created if needed)."""
     from safetensors.torch import save_file
 
+    if not isinstance(path, (str, Path)) or not str(path).strip():  # ("" wrote into the working directory)
+        raise CheckpointError(f"save_pretrained: path must name a directory, got {path!r}")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be made a checkpoint directory "
+                              f"({exc.strerror or exc})") from None
     cfg = config_to_hf(model.config)
     cfg["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     # q/k/v and gate/up share one buffer per layer in memory (`fused.py`): safetensors stores
@@ -43,8 +49,11 @@ def save_pretrained(model, path: str | Path) -> None:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"{tmp.parent}: could not write model.safetensors "
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-    tmp.replace(path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    try:
+        tmp.replace(path / "model.safetensors")
+        (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    except OSError as exc:
+        raise CheckpointError(f"{path}: could not write the checkpoint ({exc.strerror or exc})") from None
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

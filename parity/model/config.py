@@ -16,6 +16,7 @@ Reading a Hugging Face `config.json` (and refusing what parity does not honour) 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,8 +136,8 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
         if self.bos_token_id is not None and not (isinstance(self.bos_token_id, int)
                                                   and 0 <= self.bos_token_id < self.vocab_size):
             raise ConfigError(f"ModelConfig.bos_token_id={self.bos_token_id!r} is not a token id "

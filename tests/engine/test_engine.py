@@ -404,5 +404,16 @@ def test_library_misuse_is_an_input_error_and_leaves_the_engine_usable():
         eng.continue_request(rid, [7], params={"seed": 3})
     assert len(eng.seqs[rid]) == length  # nothing appended
     assert parity.Model(model.config, dtype="bfloat16").dtype == torch.bfloat16  # (refused, naming itself)
+    head = model.model.norm.weight.detach().clone()
+    state = {"model.norm.weight": head}
+    for bad_state, bad_version, message in ((state, "v2", "version must be an integer"),
+                                            (state, -5, "version must be an integer"),
+                                            ([("model.norm.weight", head)], 1, "must map"),
+                                            ({"model.norm.weight": head.long()}, 1, "floating")):
+        with pytest.raises(InputError, match=message):  # (were tags on tokens, or AttributeErrors)
+            eng.update_weights(bad_state, bad_version)
+    for field, value in (("stop_strings", None), ("stop_token_ids", None), ("stop_token_ids", {1: 2})):
+        with pytest.raises(InputError, match=field):
+            SamplingParams(**{field: value})
     with pytest.raises(InputError, match="sequence 0: one sequence of token ids"):
         parity.sequence_logprobs(model, [torch.tensor([[1, 2, 3], [4, 5, 6]])])  # (scored as one)
