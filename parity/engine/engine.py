@@ -82,11 +82,14 @@ def memory_budget(value: float | int | str) -> int:
     return int(value * available_memory()) if value <= 1 else int(value)
 
 
-def _sampling_params(params) -> SamplingParams:
+def _sampling_params(params, tokenizer) -> SamplingParams:
     if params is None:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
         raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if params.stop_strings and tokenizer is None:  # (they were silently never matched)
+        raise InputError("SamplingParams.stop_strings need an engine with a tokenizer (Engine(..., "
+                         "tokenizer=...)); stop_token_ids work without one")
     return params
 
 
@@ -155,7 +158,7 @@ class Engine:
     def add_request(self, prompt: Seq[int], params: SamplingParams | None = None,
                     multi_turn: bool = False) -> int:
         """Queue a request; returns its id. Raises `InputError` for a bad prompt."""
-        params = _sampling_params(params)
+        params = _sampling_params(params, self.tokenizer)
         ids = self._check_tokens(prompt, "prompt")
         limit = self.model.config.max_position_embeddings
         if not ids:
@@ -182,7 +185,7 @@ class Engine:
         if seq is None or seq.status is not Status.PAUSED:
             raise InputError(f"request {request_id}: not a paused multi-turn request")
         if params is not None:  # (checked before the request changes: a retry appended twice)
-            params = _sampling_params(params)
+            params = _sampling_params(params, self.tokenizer)
         ids = self._check_tokens(env_tokens, f"request {request_id} environment tokens")
         if len(seq) + len(ids) >= self.model.config.max_position_embeddings:
             raise InputError(f"request {request_id}: environment tokens exceed the context")

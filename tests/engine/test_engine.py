@@ -412,6 +412,8 @@ def test_library_misuse_is_an_input_error_and_leaves_the_engine_usable():
                                             ({"model.norm.weight": head.long()}, 1, "floating")):
         with pytest.raises(InputError, match=message):  # (were tags on tokens, or AttributeErrors)
             eng.update_weights(bad_state, bad_version)
+    with pytest.raises(InputError, match="stop_strings need an engine with a tokenizer"):  # (never matched)
+        eng.add_request([1, 2], SamplingParams(stop_strings=["a"]))
     for field, value in (("stop_strings", None), ("stop_token_ids", None), ("stop_token_ids", {1: 2})):
         with pytest.raises(InputError, match=field):
             SamplingParams(**{field: value})
