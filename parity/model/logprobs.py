@@ -16,16 +16,20 @@ from ..errors import InputError
 from .batch import ForwardBatch
 
 
+def _check_tensor(seq: torch.Tensor, where: str) -> torch.Tensor:
+    if seq.dtype == torch.bool or seq.is_floating_point() or seq.is_complex():
+        raise InputError(f"{where}: token ids must be integers, got a {seq.dtype} tensor")
+    if seq.dim() > 1:
+        raise InputError(f"{where}: one sequence of token ids (1-D), got shape {tuple(seq.shape)}")
+    return seq.reshape(-1)
+
+
 def token_list(seq, where: str) -> list[int]:
     """The token ids of one sequence (a list of integers or a 1-D integer tensor) as a list; floats,
     bools, strings, sets, dicts and nested lists are an InputError (they were truncated, split into
     characters or flattened into one sequence)."""
     if isinstance(seq, torch.Tensor):
-        if seq.dtype == torch.bool or seq.is_floating_point() or seq.is_complex():
-            raise InputError(f"{where}: token ids must be integers, got a {seq.dtype} tensor")
-        if seq.dim() > 1:
-            raise InputError(f"{where}: one sequence of token ids (1-D), got shape {tuple(seq.shape)}")
-        return seq.reshape(-1).tolist()
+        return _check_tensor(seq, where).tolist()
     if isinstance(seq, (str, bytes, dict, set, frozenset)) or not hasattr(seq, "__iter__"):
         raise InputError(f"{where}: a sequence must be a list of token ids, got {type(seq).__name__}")
     ids = list(seq)
@@ -36,12 +40,18 @@ def token_list(seq, where: str) -> list[int]:
 
 
 def as_token_tensor(seq, where: str) -> torch.Tensor:
-    ids = token_list(seq, where)
-    if not ids:
+    """`token_list` as an int64 tensor (an integer tensor is taken as it is, not through a list)."""
+    if isinstance(seq, torch.Tensor):
+        t = _check_tensor(seq, where).to(torch.long)
+    else:
+        ids = token_list(seq, where)
+        try:
+            t = torch.tensor(ids, dtype=torch.long)
+        except (OverflowError, ValueError, RuntimeError):  # (a Python int past 64 bits)
+            raise InputError(f"{where}: token id {max(ids, key=abs)} is outside the vocabulary") from None
+    if t.numel() == 0:
         raise InputError(f"{where}: empty token sequence")
-    if not all(-(1 << 63) <= t < 1 << 63 for t in ids):
-        raise InputError(f"{where}: token id {max(ids, key=abs)} is outside the vocabulary")
-    return torch.tensor(ids, dtype=torch.long)
+    return t
 
 
 def check_sequence(model, seq, where: str) -> torch.Tensor:
