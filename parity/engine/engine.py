@@ -301,10 +301,18 @@ class Engine:
         for seq, _ in batch:
             if seq.num_computed == 0:  # its cache starts (again) under the weights loaded now
                 seq.cache_version = self.policy_version
-        ready, logits, routing = self.runner.run(batch, self.blocks)
+        marks = [(seq, seq.num_computed, seq.draws) for seq, _ in batch]
+        try:  # a forward or sampling that fails (out of memory, an interrupt) changes nothing
+            ready, logits, routing = self.runner.run(batch, self.blocks)
+            sampled = self.sampler.sample(ready, logits) if ready else []
+        except BaseException:  # (its sequences sat fed but unsampled, never scheduled again: a hang)
+            for seq, computed, _ in marks:
+                seq.num_computed = computed  # the cache slots past it are rewritten when run again
+            self.sampler.rewind([(seq, draws) for seq, _, draws in marks], self.model.config.vocab_size)
+            raise
         done: list[RequestOutput] = []
         if ready:
-            for j, (seq, (tok, lp, slp)) in enumerate(zip(ready, self.sampler.sample(ready, logits))):
+            for j, (seq, (tok, lp, slp)) in enumerate(zip(ready, sampled)):
                 seq.append_sampled(tok, lp, slp, self.policy_version, None if routing is None else routing[j])
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:

@@ -69,6 +69,20 @@ class Sampler:
             seq.generator = torch.Generator().manual_seed(self._seed(seq))
         return seq.generator
 
+    def rewind(self, marks: list[tuple[Sequence, int]], vocab: int) -> None:
+        """Put each request's noise back to where it stood after `draws` draws (a step that failed
+        part-way is run again with the same noise): counter draws by the count, a CPU generator
+        by replaying its draws from its seed (only on such a failure; nothing on the way)."""
+        for s, draws in marks:
+            if s.draws == draws:
+                continue
+            s.draws = draws
+            if s.generator is not None:
+                g = torch.Generator().manual_seed(self._seed(s))
+                for _ in range(draws):
+                    torch.rand(vocab, generator=g, dtype=torch.float64)
+                s.generator = g
+
     def _draw_keys(self, seqs: list[Sequence], device) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's counter-draw key and draw number (int64 [n] on `device`); counts the draw."""
         keys = torch.tensor([counter.request_key(self._seed(s)) for s in seqs], dtype=torch.long)
@@ -95,6 +109,8 @@ class Sampler:
         if sub.device.type == "cpu" and self.draws != "counter":
             u = torch.stack([torch.rand(vocab, generator=self._generator(s), dtype=torch.float64)
                              for s in seqs])
+            for s in seqs:
+                s.draws += 1  # (`rewind` replays this many)
             return torch.argmax(sub + gumbel(u), dim=-1)
         keys, counts = self._draw_keys(seqs, sub.device)
         rows = max(1, counter.CHUNK // max(1, vocab))

@@ -419,3 +419,44 @@ def test_library_misuse_is_an_input_error_and_leaves_the_engine_usable():
             SamplingParams(**{field: value})
     with pytest.raises(InputError, match="sequence 0: one sequence of token ids"):
         parity.sequence_logprobs(model, [torch.tensor([[1, 2, 3], [4, 5, 6]])])  # (scored as one)
+
+
+@pytest.mark.parametrize("draws", ["generator", "counter"])
+@pytest.mark.parametrize("where", ["forward", "sampler"])
+def test_a_step_that_fails_part_way_changes_nothing_and_can_be_run_again(where, draws):
+    """An out-of-memory error or an interrupt in a step's forward, or in its sampling after some
+    noise was drawn, once per step for several steps (prefill chunks and decodes): the caller
+    catches it and steps on, and every request ends with the tokens and log-probs of a run that
+    never failed. (A failed step left its sequences fed but unsampled: never scheduled again, the
+    engine spun for good; a retried sampling drew different noise.)"""
+    model = cached_model("tiny", "aligned", "float32", 4, 0.1)
+    prompts, params = _pressure_workload(3, 6)
+    clean, _ = run_engine(model, prompts, params, max_num_seqs=4, budget=24, draws=draws)
+    eng = parity.Engine(model, max_num_seqs=4, max_num_batched_tokens=24)
+    eng.sampler.draws = draws
+    ids = {eng.add_request(p, q): i for i, (p, q) in enumerate(zip(prompts, params))}
+    target = eng.runner if where == "forward" else eng.sampler
+    name = "forward" if where == "forward" else "_gumbel_argmax"
+    real, calls = getattr(target, name), []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        result = real(*args, **kwargs)  # the work is done (noise drawn, cache written), then it fails
+        if len(calls) % 3 == 1:
+            raise MemoryError("injected")
+        return result
+
+    setattr(target, name, flaky)
+    outs, failures = {}, 0
+    for _ in range(2000):
+        if not eng.has_unfinished():
+            break
+        try:
+            done = eng.step()
+        except MemoryError:
+            failures += 1
+            continue
+        outs.update({ids[o.request_id]: o for o in done})
+    assert not eng.has_unfinished() and failures >= 5
+    for i, o in enumerate(clean):
+        assert outs[i].token_ids == o.token_ids and outs[i].logprobs == o.logprobs, i
