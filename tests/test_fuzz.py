@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +21,16 @@ from hypothesis import strategies as st
 
 import parity
 from parity.cli import main
-from parity.config import load_config
+from parity.config import (
+    LearnerConfig,
+    LossConfig,
+    ModelSection,
+    RaySection,
+    RolloutSection,
+    TaskSection,
+    TrainConfig,
+    load_config,
+)
 from parity.envs.tool import ToolEnv
 from parity.errors import ParityError
 from parity.model.tokenizer import HFTokenizer, build_char_tokenizer
@@ -56,6 +67,46 @@ def test_set_overrides(pairs, raw):
         load_config(None, overrides)
     except ParityError as exc:
         assert one_line(exc), exc
+
+
+CONFIG_CLASSES = [parity.ModelConfig, LearnerConfig, LossConfig, ModelSection, RolloutSection, RaySection,
+                  TaskSection, TrainConfig, parity.SamplingParams]
+PY_VALUES = st.one_of(VALUES, st.none(), st.sampled_from(["false", "true", "1e-3", "2", {"lr": 1.0}, (0.9,)]),
+                      st.builds(np.int64, st.integers(-5, 5)), st.builds(np.float32, st.floats(-2, 2)))
+
+
+def _plainly_wrong(hint, value) -> bool:
+    """Whether `value` is plainly not of annotation `hint` (judged here without parity.fields)."""
+    if hint is bool:
+        return not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, (bool, str, float, dict, list, tuple)) or value is None
+    if hint is float:
+        return isinstance(value, (bool, str, dict, list, tuple)) or value is None
+    if hint is str:
+        return not isinstance(value, str)
+    return False
+
+
+@settings(FUZZ, max_examples=400)
+@given(st.sampled_from(CONFIG_CLASSES), st.data(), PY_VALUES)
+def test_configs_built_in_python(cls, data, value):
+    """Any field of any config built from Python with any value: a valid config whose field
+    holds its annotated type, or a one-line error; a plainly wrong type names the field (a
+    "false" was true, 2.5 micro-batches took every sequence at once, "1e-3" raised a TypeError
+    from a comparison, a dict for a section an AttributeError)."""
+    hints = typing.get_type_hints(cls)
+    name = data.draw(st.sampled_from(sorted(hints)))
+    try:
+        obj = cls(**{name: value})
+    except ParityError as exc:
+        assert one_line(exc), exc
+        if _plainly_wrong(hints[name], value):
+            assert f".{name} must be" in str(exc), exc
+        return
+    assert not _plainly_wrong(hints[name], getattr(obj, name)), (name, value)
+    if hints[name] in (int, float, bool):
+        assert type(getattr(obj, name)) is hints[name]  # NumPy scalars as Python numbers
 
 
 @FUZZ

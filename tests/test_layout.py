@@ -20,8 +20,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "parity"
-LAYERS = {"errors": 0, "_startup": 0, "dtypes": 1, "hardware": 1, "ops": 2, "model": 3, "engine": 4,
-          "config": 5, "envs": 5, "metrics": 5, "invariance": 5, "rl": 6, "apps": 7, "cli": 8}
+LAYERS = {"errors": 0, "_startup": 0, "dtypes": 1, "hardware": 1, "fields": 1, "ops": 2, "model": 3,
+          "engine": 4, "config": 5, "envs": 5, "metrics": 5, "invariance": 5, "rl": 6, "apps": 7, "cli": 8}
 MAX_LINES = 400
 
 

@@ -11,6 +11,7 @@ from .loading import (
     load_config,
     parse_override,
     read_toml,
+    revalidated,
     set_dotted,
     to_toml,
     with_overrides,
@@ -27,4 +28,5 @@ from .train import (
 
 __all__ = ["BASE_CHECKPOINTS", "LOSS_NAMES", "TASK_NAMES", "LearnerConfig", "LossConfig", "ModelSection",
            "RaySection", "RolloutSection", "TaskSection", "TrainConfig", "config_from_dict", "config_to_dict",
-           "load_config", "parse_override", "read_toml", "set_dotted", "to_toml", "with_overrides"]
+           "load_config", "parse_override", "read_toml", "revalidated", "set_dotted", "to_toml",
+           "with_overrides"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES
 from ..errors import ConfigError
+from ..fields import check_fields
 from ..model.logprobs import MIN_TEMPERATURE
 
 LOSS_NAMES: tuple[str, ...] = ("reinforce_zero", "tis", "icepop", "mis", "seq_gate", "ppo_clip", "on_policy")
@@ -46,6 +47,7 @@ class LossConfig:
     """ppo_clip: divide advantages by the group's reward std (GRPO)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("tis_cap", "mis_cap", "icepop_high", "gate_high", "gate_max_k3", "ppo_eps"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
@@ -105,6 +107,7 @@ class LearnerConfig:
     """Parameters of the objectives."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for f in dataclasses.fields(self):  # nan / inf would pass every comparison below
             value = getattr(self, f.name)
             values = value if isinstance(value, (list, tuple)) else [value]

@@ -1,8 +1,9 @@
 """Configs in and out of TOML: files, dotted overrides (`--set learner.lr=3e-4`), dicts.
 
 Every path into a `TrainConfig` goes through `config_from_dict`, which builds the dataclasses
-recursively, coerces TOML values to the field types and turns unknown keys and bad values into
-one-line `ConfigError`s. `with_overrides` is the programmatic form of `--set`.
+recursively, checks values against the field types (`parity.fields`) and turns unknown keys and
+bad values into one-line `ConfigError`s. `with_overrides` is the programmatic form of `--set`;
+`revalidated` checks a config again as it stands (the controller does, when a run starts).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..fields import check_value
 from .learner import LossConfig
 from .train import DERIVED_LEARNER_FIELDS, TrainConfig
 
@@ -34,33 +36,13 @@ def _build(cls, data: dict[str, Any], where: str):
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, key)
             continue
-        kwargs[name] = _coerce(value, hint, key)
+        kwargs[name] = check_value(value, hint, key)
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where or 'config'}: {exc}") from None
-
-
-def _coerce(value, hint, key):
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if origin is typing.Union or (origin is not None and type(None) in args):
-        if value is None:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key) if len(inner) == 1 else value
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key} must be a list, got {value!r}")
-        return origin(_coerce(v, args[0], key) for v in value) if args else origin(value)
-    if hint in (int, float, str, bool):
-        if isinstance(value, bool) != (hint is bool) or not isinstance(value, hint):
-            raise ConfigError(f"{key} must be {hint.__name__}, got {value!r}")
-    return value
 
 
 def set_dotted(data: dict, dotted: str, value: Any) -> dict:
@@ -120,6 +102,16 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     for name in DERIVED_LEARNER_FIELDS:
         data["learner"].pop(name)
     return data
+
+
+def revalidated(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` checked again as it stands now, as a new config: a field changed after construction
+    (`cfg.rollout.temperature = 0.5`) is checked like any other, and the learner fields derived
+    from it follow it (the learner scored at the old temperature: no log-prob matched)."""
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(f"expected a TrainConfig, got {type(cfg).__name__} (config_from_dict builds one "
+                          "from nested dicts)")
+    return config_from_dict(config_to_dict(cfg))
 
 
 def with_overrides(cfg: TrainConfig, overrides: dict[str, Any] | list[str] = ()) -> TrainConfig:

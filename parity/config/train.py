@@ -17,6 +17,7 @@ from .. import hardware
 from ..dtypes import DTYPE_NAMES
 from ..engine.engine import memory_size
 from ..errors import ConfigError, InputError
+from ..fields import check_fields
 from ..model.config import PRESET_NAMES
 from ..model.logprobs import MIN_TEMPERATURE
 from ..ops import check_backend
@@ -78,6 +79,7 @@ class ModelSection:
     kernels are the Triton ones; versions, batches and checkpoints stay on the CPU either way."""
 
     def __post_init__(self) -> None:
+        check_fields(self, prefix="model")
         check_backend(self.kernels, "model.kernels")
         hardware.check_device(self.device, "model.device")
         if self.dtype == "auto":
@@ -136,13 +138,12 @@ class RolloutSection:
     wait for weights) for this long is taken for hung, killed and restarted (0 = never)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, prefix="rollout")
         if self.backend not in ROLLOUT_BACKENDS:
             raise ConfigError(f"rollout.backend must be 'local' or 'ray', got {self.backend!r}")
         for name in ("prompts_per_step", "group_size", "max_tokens", "max_num_seqs", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ConfigError(f"rollout.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.max_held_versions < 0:
             raise ConfigError("rollout.max_held_versions must be >= 0")
         if not MIN_TEMPERATURE <= self.temperature < float("inf"):
@@ -193,6 +194,7 @@ class RaySection:
     what it needs; while it waits, the heartbeat timeout does not count."""
 
     def __post_init__(self) -> None:
+        check_fields(self, prefix="ray")
         if not self.cpus_per_worker > 0:
             raise ConfigError(f"ray.cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
         if not 0 < self.placement_timeout_s < float("inf"):
@@ -234,6 +236,7 @@ class TaskSection:
     unless the run is root), which the start-up line says in capitals."""
 
     def __post_init__(self) -> None:
+        check_fields(self, prefix="task")
         if self.name not in TASK_NAMES:
             raise ConfigError(f"unknown task {self.name!r}: expected one of {', '.join(TASK_NAMES)}")
         if self.prompt_len < 1 or not self.targets:
@@ -276,6 +279,7 @@ class TrainConfig:
     ray: RaySection = field(default_factory=RaySection)
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if not 1 <= self.steps <= MAX_STEPS:
             raise ConfigError(f"steps must be in 1..{MAX_STEPS:,}, got {self.steps}")
         if not str(self.run_dir).strip():

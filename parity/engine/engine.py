@@ -22,6 +22,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from ..errors import InputError
+from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
 from ..model.logprobs import token_list
 from .block_manager import BlockManager
@@ -87,6 +88,7 @@ def _sampling_params(params, tokenizer) -> SamplingParams:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
         raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()  # (fields changed since construction were sampled with unchecked)
     if params.stop_strings and tokenizer is None:  # (they were silently never matched)
         raise InputError("SamplingParams.stop_strings need an engine with a tokenizer (Engine(..., "
                          "tokenizer=...)); stop_token_ids work without one")
@@ -110,6 +112,11 @@ class Engine:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
             # (a None one failed the first step, and the engine never stepped its requests again)
             raise InputError(f"Engine seed must be an integer in 0..2**63-1, got {seed!r}")
+        if not isinstance(getattr(model, "config", None), ModelConfig) or not hasattr(model, "block_size"):
+            raise InputError(f"Engine needs a parity.Model, got {type(model).__name__}")
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):  # (failed at the end)
+            raise InputError(f"Engine tokenizer must be a tokenizer (with decode()), "
+                             f"got {type(tokenizer).__name__}")
         self.model = model
         self.tokenizer = tokenizer
         bs = model.block_size

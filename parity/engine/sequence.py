@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InputError
+from ..fields import check_fields
 from ..model.logprobs import MIN_TEMPERATURE
 
 
@@ -43,16 +44,23 @@ class SamplingParams:
     """Do not stop on the model's EOS token."""
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (the engine checks again when a request is added: a SamplingParams
+        changed after construction was sampled with, temperature -1 and all)."""
+        if isinstance(self.stop_token_ids, (set, frozenset)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        check_fields(self, InputError)
         t = self.temperature
-        number = isinstance(t, (int, float)) and not isinstance(t, bool)
-        if not number or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+        if not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
             raise InputError(f"SamplingParams.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), "
                              f"got {self.temperature!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InputError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             raise InputError(f"SamplingParams.top_k must be >= 0, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:
             raise InputError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.stop_strings, (list, tuple)) or not all(isinstance(s, str) and s
                                                                           for s in self.stop_strings):

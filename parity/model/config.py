@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from ..fields import check_fields
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama")
 """Decoder families parity builds."""
@@ -109,6 +110,7 @@ class ModelConfig:
     """Fields of a loaded config.json that parity does not use, kept so a save round-trips."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         ints = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
         for name in ints:
@@ -136,8 +138,11 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            if not 0 < value < math.inf:
                 raise ConfigError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
+        if not 0 <= self.router_aux_loss_coef < math.inf:  # (a saved one failed load_model)
+            raise ConfigError(f"ModelConfig.router_aux_loss_coef must be >= 0 and finite, "
+                              f"got {self.router_aux_loss_coef!r}")
         if self.bos_token_id is not None and not (isinstance(self.bos_token_id, int)
                                                   and 0 <= self.bos_token_id < self.vocab_size):
             raise ConfigError(f"ModelConfig.bos_token_id={self.bos_token_id!r} is not a token id "

@@ -90,6 +90,12 @@ class Model(nn.Module):
                  dtype: torch.dtype = torch.float32, seed: int | None = 0,
                  block_size: int = DEFAULT_BLOCK_SIZE, device: torch.device | str | None = None):
         super().__init__()
+        if not isinstance(config, ModelConfig):  # (an AttributeError deep in the build)
+            raise ConfigError(f"Model needs a ModelConfig (e.g. ModelConfig.preset('tiny')), got "
+                              f"{type(config).__name__}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed < 1 << 63):
+            raise ConfigError(f"Model seed must be an integer in 0..2**63-1 or None, got {seed!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
                 or block_size % 16:
             raise ConfigError(f"block_size must be a positive multiple of 16, got {block_size!r}")

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..config import TrainConfig, to_toml
+from ..config import TrainConfig, revalidated, to_toml
 from ..errors import CheckpointError, Interrupted, ParityError
 from ..metrics.sinks import MetricsSink, read_metrics
 from . import checkpoint
@@ -49,7 +49,7 @@ class Controller:
     def __init__(self, cfg: TrainConfig, resume: bool = False, overwrite: bool = False):
         """`resume`: continue from the run dir's latest checkpoint. Otherwise a run dir that holds
         an earlier run's checkpoints is refused, or with `overwrite` cleared of them first."""
-        self.cfg = cfg
+        self.cfg = cfg = revalidated(cfg)  # as it stands now, not as it was built
         self.run_dir = Path(cfg.run_dir)
         self.start_step = 0
         self.ready = []  # batches sampled before a checkpoint and not consumed (resume serves them)

@@ -55,6 +55,8 @@ def micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -> lis
 
 class Learner:
     def __init__(self, model, config: LearnerConfig | None = None):
+        if config is not None and not isinstance(config, LearnerConfig):
+            raise ConfigError(f"Learner config must be a LearnerConfig, got {type(config).__name__}")
         self.config = cfg = config or LearnerConfig()
         if cfg.dump_dir:  # checked now, not at the first non-finite step
             try:

@@ -417,6 +417,21 @@ def test_library_misuse_is_an_input_error_and_leaves_the_engine_usable():
     for field, value in (("stop_strings", None), ("stop_token_ids", None), ("stop_token_ids", {1: 2})):
         with pytest.raises(InputError, match=field):
             SamplingParams(**{field: value})
+    changed = SamplingParams(max_tokens=2)
+    for field, value, message in (("temperature", -1.0, "temperature must be 0"),
+                                  ("max_tokens", 0, "max_tokens must be a positive"),
+                                  ("top_k", 2.5, "top_k must be an integer"),
+                                  ("seed", "x", "seed must be an integer")):
+        setattr(changed, field, value)  # after construction: was sampled with (T=-1 recorded as such)
+        with pytest.raises(InputError, match=message):
+            eng.add_request([1, 2], changed)
+        changed = SamplingParams(max_tokens=2)
+    for bad, message in ((lambda: parity.Engine(model.config), "Engine needs a parity.Model, got Model"),
+                         (lambda: parity.Engine(model, tokenizer="t.json"), "tokenizer must be a tokenizer"),
+                         (lambda: parity.Model({"vocab_size": 128}), "Model needs a ModelConfig .*got dict"),
+                         (lambda: parity.Model(model.config, seed=1.5), "seed must be an integer")):
+        with pytest.raises(parity.ParityError, match=message):  # (AttributeErrors deep inside, or late)
+            bad()
     with pytest.raises(InputError, match="sequence 0: one sequence of token ids"):
         parity.sequence_logprobs(model, [torch.tensor([[1, 2, 3], [4, 5, 6]])])  # (scored as one)
 

@@ -143,7 +143,7 @@ def test_what_is_not_graphed():
         Engine(_model("aligned"), kv_cache_tokens=256, graphs="sometimes")
     with pytest.raises(ConfigError, match="rollout.cuda_graphs must be true or false"):
         RolloutSection(cuda_graphs="yes")
-    with pytest.raises(ConfigError, match="rollout.cuda_graphs must be bool"):
+    with pytest.raises(ConfigError, match="rollout.cuda_graphs must be true or false"):
         config_from_dict({"rollout": {"cuda_graphs": "yes"}})
     assert TrainConfig().rollout.cuda_graphs is True
 

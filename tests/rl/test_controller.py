@@ -15,6 +15,7 @@ from parity.errors import ConfigError
 from parity.metrics.report import write_report
 from parity.metrics.summary import deterministic_view
 from parity.rl.controller import Controller
+from parity.rl.learner import Learner
 
 BASE = ["model.preset=\"tiny\"", "rollout.prompts_per_step=2", "rollout.group_size=2",
         "rollout.max_tokens=8", "learner.lr=0.003", "learner.micro_batch_size=4", "task.targets=[7, 8]"]
@@ -75,7 +76,7 @@ def test_config_is_validated_and_round_trips(tmp_path):
         load_config(None, ["max_policy_lag=-1"])
     with pytest.raises(ConfigError, match="unknown loss"):
         load_config(None, ["learner.loss=\"ppo\""])
-    with pytest.raises(ConfigError, match="learner.lr must be float"):
+    with pytest.raises(ConfigError, match="learner.lr must be a number, got .fast."):
         load_config(None, ["learner.lr=\"fast\""])
     with pytest.raises(ConfigError, match="expected key=value"):
         load_config(None, ["steps"])
@@ -84,6 +85,23 @@ def test_config_is_validated_and_round_trips(tmp_path):
     path = tmp_path / "resolved.toml"
     path.write_text(to_toml(cfg))
     assert load_config(path) == cfg
+
+
+def test_a_config_changed_after_construction_is_checked_again_when_the_run_starts(tmp_path):
+    """A field set after the TrainConfig was built: the learner fields derived from it follow it
+    (the learner scored at the old temperature: no log-prob matched, kernel mismatch 0.31), and
+    a value of the wrong type is one line (it failed in a worker, four restarts later)."""
+    cfg = config(tmp_path, "steps=1", "eval_every=0")
+    cfg.rollout.temperature = 0.5
+    controller = Controller(cfg)
+    assert controller.cfg.learner.temperature == 0.5 and controller.learner.config.temperature == 0.5
+    cfg.rollout.prompts_per_step = 2.0
+    with pytest.raises(ConfigError, match="rollout.prompts_per_step must be an integer, got 2.0"):
+        Controller(cfg)
+    with pytest.raises(ConfigError, match="expected a TrainConfig, got dict"):
+        Controller({"steps": 1})
+    with pytest.raises(ConfigError, match="Learner config must be a LearnerConfig, got dict"):
+        Learner(controller.model, {"lr": 1e-3})  # (an AttributeError)
 
 
 def test_interrupt_and_resume_match_an_uninterrupted_run(tmp_path):

@@ -1,0 +1,136 @@
+"""Strict field types for the configuration dataclasses, read from their annotations.
+
+Every config (`ModelConfig`, `LearnerConfig`, the `TrainConfig` sections, `SamplingParams`)
+calls `check_fields(self)` first in `__post_init__`, and the TOML loader checks each value with
+`check_value` under its dotted key, so a value of the wrong type is one line naming the field
+whichever way the config was built: `"false"` is not a bool, `2.5` not an int, `"1e-3"` not a
+number, a dict not a `LearnerConfig`. Integers are taken where numbers are (as floats), NumPy
+scalars as the Python numbers they hold, paths as strings; nothing else is converted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+import types
+import typing
+from functools import cache
+from typing import Any
+
+from .errors import ConfigError
+
+_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+          dict: "a table (dict)"}
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def describe(hint) -> str:
+    """What a value of type `hint` is, in words ('a list of integers')."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        words = [describe(a) for a in args if a is not type(None)]
+        return " or ".join(words) + (" or None" if type(None) in args else "")
+    if origin in (list, tuple):
+        inner = [a for a in args if a is not Ellipsis]
+        if origin is tuple and inner and Ellipsis not in args:
+            return f"{len(inner)} values ({', '.join(describe(a) for a in inner)})"
+        return "a list" + (f" of {describe(inner[0]).split(' ', 1)[-1]}s" if inner else "")
+    if origin is dict:
+        return _NAMES[dict]
+    if dataclasses.is_dataclass(hint):
+        return f"a {hint.__name__}"
+    return _NAMES.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _convert(value, hint):
+    """`value` as type `hint` (ints as floats, NumPy scalars as Python numbers); _Mismatch if it
+    is not one."""
+    if hint is Any or hint is typing.Any:
+        return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for alternative in args:
+            if alternative is type(None):
+                continue
+            try:
+                return _convert(value, alternative)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch
+        if origin is tuple and args and Ellipsis not in args:
+            if len(value) != len(args):
+                raise _Mismatch
+            return tuple(_convert(v, a) for v, a in zip(value, args))
+        inner = args[0] if args else Any
+        return origin(_convert(v, inner) for v in value)
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise _Mismatch
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _Mismatch
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise _Mismatch
+        return int(value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise _Mismatch
+        return float(value)
+    if hint is str:
+        if isinstance(value, os.PathLike):  # run_dir=Path(...)
+            return os.fspath(value)
+        if not isinstance(value, str):
+            raise _Mismatch
+        return value
+    if isinstance(hint, type):
+        if not isinstance(value, hint):
+            raise _Mismatch
+        return value
+    return value  # an annotation this module does not read
+
+
+def check_value(value, hint, key: str, error: type[Exception] = ConfigError):
+    """`value` checked against `hint` (converted as the module docstring says); `error` naming
+    `key` otherwise."""
+    try:
+        return _convert(value, hint)
+    except _Mismatch:
+        pass
+    shown = type(value).__name__ if dataclasses.is_dataclass(hint) or isinstance(value, dict) else repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    hint_text = ""
+    if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        hint_text = " (parity.config.config_from_dict builds a whole config from nested dicts)"
+    raise error(f"{key} must be {describe(hint)}, got {shown}{hint_text}") from None
+
+
+def check_fields(obj, error: type[Exception] = ConfigError, prefix: str | None = None) -> None:
+    """Check (and convert in place) every field of dataclass `obj` against its annotation;
+    `error` names the first that does not fit, as `prefix.field` (the class name by default)."""
+    prefix = type(obj).__name__ if prefix is None else prefix
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if not f.init:
+            continue
+        value = getattr(obj, f.name)
+        converted = check_value(value, hints[f.name], f"{prefix}.{f.name}", error)
+        if converted is not value:
+            object.__setattr__(obj, f.name, converted)
