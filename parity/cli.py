@@ -286,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
             "nothing kept (the run was a benchmark's, in a temporary directory)"
         print(f"parity: interrupted ({stop.signal_name}); {kept}", file=sys.stderr)
         return 143 if stop.signal_name == "SIGTERM" else 130
+    except BrokenPipeError:  # stdout piped into `head`, say: the work is done, its reader gone
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush failed too)
+        except OSError:
+            pass
+        return 141  # as a process that SIGPIPE ended
     except (ParityError, ValueError, OverflowError, MemoryError, OSError, RuntimeError) as exc:
         if os.environ.get("PARITY_DEBUG", "0") not in ("", "0"):
             raise

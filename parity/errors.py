@@ -31,3 +31,9 @@ class SandboxFailure(OSError):
     """The sandbox could not be set up, before any of the model's code ran: the tool call cannot
     be judged, so its episode must not be scored. The rollout fails (a local worker is restarted
     and its batch sampled again, up to its restart limit; elsewhere the run stops with this line)."""
+
+
+class WaitInterrupted(Exception):
+    """A rollout backend stopped waiting for a batch because the run was asked to stop (Ctrl-C
+    or SIGTERM while the learner waited): the controller saves at that step boundary and raises
+    `Interrupted` (a wait could outlast a scheduler's grace period)."""

@@ -54,7 +54,9 @@ class MetricsSink:
 
     def write(self, record: dict) -> None:
         """Append one line; on a write failure (a full disk) cut the file back to its last whole
-        line and raise a one-line error."""
+        line and raise a one-line error (the next write opens the file again)."""
+        if self._file is None:  # (a failed write or rewrite left none: AttributeError on 'tell')
+            self._file = self.path.open("a")
         end = self._file.tell()
         try:
             self._file.write(json.dumps(record) + "\n")
@@ -76,20 +78,27 @@ class MetricsSink:
 
     def rewrite(self, records: list[dict]) -> None:
         """Replace the file's contents (e.g. after the final evaluation amends the last record)."""
-        if self._file is not None:
-            self._file.close()
+        self.close_file()
         tmp = self.path.with_name(self.path.name + ".tmp")  # a crash mid-write keeps the old file
-        tmp.write_text("".join(json.dumps(m) + "\n" for m in records))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text("".join(json.dumps(m) + "\n" for m in records))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise ParityError(f"{self.path}: could not be rewritten ({exc.strerror or exc}); its "
+                              "earlier contents are intact") from None
         self._file = self.path.open("a")
 
-    def close(self) -> None:
+    def close_file(self) -> None:
         if self._file is not None:
             try:
                 self._file.close()
             except OSError:  # a full disk can fail the last flush too; the lines are whole
                 pass
             self._file = None
+
+    def close(self) -> None:
+        self.close_file()
         if self.tb is not None:
             self.tb.close()
             self.tb = None

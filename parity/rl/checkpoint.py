@@ -67,6 +67,7 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
     """Write checkpoint-<step>; `tokenizer` (a tokenizer.json) is copied in so the checkpoint
     can be evaluated or trained from on its own; `ready`: RolloutBatches sampled for steps after
     `step` (a resumed run consumes them instead of sampling them again)."""
+    learner.check_whole()  # (a torn update saved would be resumed as if whole)
     final = Path(run_dir) / f"checkpoint-{step}"
     tmp = Path(run_dir) / f".checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -94,6 +95,9 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
         raise CheckpointError(f"{final}: could not be written ({reason}); earlier checkpoints are "
                               "untouched") from None
+    except BaseException:  # anything else (out of memory, an interrupt): no model-sized leftover
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # the step saved again: swapped by renames, never left half-removed
         old = final.with_name(f".{final.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -130,13 +134,26 @@ def latest(run_dir: Path) -> Path:
     return paths[-1]
 
 
+def sweep(run_dir: Path) -> list[str]:
+    """Remove what an interrupted save left (`.checkpoint-N.tmp`, `.checkpoint-N.old`: a kill
+    mid-write keeps a model-sized directory nothing reads); returns their names."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    left = sorted(run_dir.glob(".checkpoint-*.tmp")) + sorted(run_dir.glob(".checkpoint-*.old"))
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in left]
+
+
 def clear(run_dir: Path) -> None:
     """Remove an earlier run's checkpoints (unfinished ones too), metrics, TensorBoard events and
     report from `run_dir`, so a run started over there cannot be mixed with them (a resume would
     take the newest checkpoint; a study takes a report.md for a finished run; TensorBoard would
     draw both runs' curves as one)."""
     run_dir = Path(run_dir)
-    for path in found(run_dir) + sorted(run_dir.glob(".checkpoint-*.tmp")):
+    sweep(run_dir)
+    for path in found(run_dir):
         shutil.rmtree(path)
     if (run_dir / "tensorboard").is_dir():
         shutil.rmtree(run_dir / "tensorboard")

@@ -19,10 +19,11 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import TrainConfig, revalidated, to_toml
-from ..errors import CheckpointError, Interrupted, ParityError
+from ..errors import CheckpointError, Interrupted, ParityError, WaitInterrupted
 from ..metrics.sinks import MetricsSink, read_metrics
 from . import checkpoint
 from .build import build_env, build_model, tokenizer_path
@@ -41,6 +42,26 @@ def make_rollout(cfg: TrainConfig, model_config, versions):
 
         return RayRollout(cfg, model_config, versions)
     return LocalRollout(cfg, model_config, versions)
+
+
+@dataclass
+class _Clock:
+    """A run's wall clock and counts, going on from a resumed run's last record (the time
+    between an interrupt and the resume is not counted)."""
+
+    t_start: float
+    counted_from: int  # the first step the clock covers
+    tokens: int
+    eval_s: float  # in-loop evaluations so far
+    first: dict | None  # step 0's record (start-up included), or this invocation's first
+
+    @staticmethod
+    def resumed(metrics: list[dict], start_step: int) -> _Clock:
+        prior = metrics[-1] if metrics else {}
+        wall0 = float(prior.get("time/wall_s", 0.0))
+        return _Clock(time.perf_counter() - wall0, 0 if prior else start_step,
+                      round(float(prior.get("throughput/tokens_per_s", 0.0)) * wall0),
+                      float(prior.get("time/eval_s", 0.0)), metrics[0] if metrics else None)
 
 
 class Controller:
@@ -69,6 +90,7 @@ class Controller:
         self.env = build_env(cfg, self.model.config.vocab_size)  # a bad task fails here, not in a worker
         self.task_description = self.env.describe()
         self.rollout = make_rollout(cfg, self.model.config, lambda: self.learner.history)
+        self.rollout.should_stop = lambda: bool(self.interrupted)  # a wait for a batch gives way
         if overwrite and not resume:  # only once the run is known to start
             checkpoint.clear(self.run_dir)
         if not resume:  # a new run here is no demo's (the demo marks its own after this)
@@ -98,9 +120,13 @@ class Controller:
                  self.start_step, self.learner.version)
 
     def run(self, progress=None) -> list[dict]:
-        """Train to `cfg.steps`; `progress(step, metrics)` is called after every step."""
+        """Train to `cfg.steps`; `progress(step, metrics)` is called after every step (a display
+        that fails, e.g. stdout piped into `head`, is dropped; training goes on). Any error ends
+        the run with a checkpoint at the last whole step boundary (the batch in hand kept)."""
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        for name in checkpoint.sweep(self.run_dir):
+            log.info("removed %s (a save that was interrupted)", name)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
         sink = MetricsSink(self.run_dir, self.metrics)
         previous_handler = self._catch_ctrl_c()
@@ -108,70 +134,45 @@ class Controller:
             self.rollout.start(self.start_step, ready=self.ready)
             self._catch_ctrl_c()  # again: ray.init installs a SIGTERM handler of its own over ours
             self.ready = []  # the backend holds them now
-            # a resumed run's clock and counts go on from its last record (wall time of training:
-            # the time between the interrupt and the resume is not counted)
-            prior = self.metrics[-1] if self.metrics else {}
-            counted_from = 0 if prior else self.start_step  # steps the clock below covers
-            wall0 = float(prior.get("time/wall_s", 0.0))
-            t_start = time.perf_counter() - wall0
-            tokens = round(float(prior.get("throughput/tokens_per_s", 0.0)) * wall0)
-            eval_s = float(prior.get("time/eval_s", 0.0))  # in-loop evaluations so far
-            first = self.metrics[0] if self.metrics else None  # step 0's record: start-up included
+            clock = _Clock.resumed(self.metrics, self.start_step)
             for step in range(self.start_step, cfg.steps):
-                t_eval = time.perf_counter()
-                evaluation = self.evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
-                eval_s += time.perf_counter() - t_eval
-                t0 = time.perf_counter()
-                try:
+                rollout, stage = None, f"the evaluation before step {step} failed"
+                try:  # until the update the learner is as at this step's start
+                    t_eval = time.perf_counter()
+                    evaluation = self.evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
+                    clock.eval_s += time.perf_counter() - t_eval
+                    t0, stage = time.perf_counter(), f"the rollout failed at batch {step}"
                     rollout = self.rollout.next_batch(step)
-                except Exception:  # the rollout gave up: keep what the learner has trained
-                    self._save_after_failure(step)
+                    wait_s, stage = time.perf_counter() - t0, f"the learner's step {step} failed"
+                    assert rollout.index == step, f"batch {rollout.index} arrived for step {step}"
+                    batch = TrajectoryBatch(rollout.trajectories)
+                    m = self.learner.step(batch)
+                except WaitInterrupted:  # Ctrl-C / SIGTERM while the learner waited for the batch
+                    raise Interrupted(self.save_checkpoint(step), self._signal_name()) from None
+                except Exception:
+                    self._save_after_failure(step, stage, rollout)
                     raise
-                wait_s = time.perf_counter() - t0
-                assert rollout.index == step, f"batch {rollout.index} arrived for step {step}"
-                batch = TrajectoryBatch(rollout.trajectories)
-                m = self.learner.step(batch)
-                state, version = self.learner.publish()
-                t_pub = time.perf_counter()
-                self.rollout.publish(version, state)
-                publish_s = time.perf_counter() - t_pub
-                kept = self._retain()
-                version_bytes = sum(t.numel() * t.element_size() for t in state.values())
-                tokens += int(batch.mask.sum())
-                shape = self.learner.model.config
-                # useful model FLOPs of the step: each sequence's forward on the rollout side and
-                # forward + backward (3x) on the learner's, 4 forwards in all
-                model_flops = 4 * sum(len(s) * shape.forward_flops_per_token((len(s) - 1) / 2)
-                                      for s in batch.sequences)
-                elapsed = time.perf_counter() - t_start
-                done = step + 1 - counted_from
-                m.update({"time/generate_s": rollout.generate_s, "time/wait_s": wait_s,
-                          "sync/versions_kept": float(kept),
-                          "time/rollout_wait_s": rollout.wait_s, "time/wall_s": elapsed,
-                          "throughput/tokens_per_s": tokens / elapsed,
-                          "throughput/steps_per_hour": 3600 * done / elapsed, "time/eval_s": eval_s,
-                          **self._steady(step, elapsed, eval_s, first),
-                          "throughput/model_flops": model_flops,
-                          "sync/publish_s": publish_s, "sync/rollout_pause_s": rollout.load_s,
-                          "sync/version_bytes": float(version_bytes),
-                          "sync/bytes_moved": float(version_bytes * cfg.rollout.workers),
-                          "lag/bound": float(cfg.max_policy_lag), **rollout.stats, **evaluation})
-                record = {"step": step, **m}
-                first = first or record
-                self.metrics.append(record)
-                sink.write(record)
-                if progress:
-                    progress(step, m)
+                try:  # from here the learner is at step + 1
+                    record = self._record(step, m, rollout, batch, wait_s, evaluation, clock)
+                    sink.write(record)
+                except Exception:
+                    if self.metrics[-1:] and self.metrics[-1]["step"] == step:
+                        self.metrics.pop()  # not written: the learner's own record, if it can be
+                    record = {"step": step, **m, "lag/bound": float(cfg.max_policy_lag), **rollout.stats,
+                              **evaluation}  # all but the transport figures (publish_s, ...)
+                    if self._write_after_failure(sink, record):  # (else resumed records
+                        self._save_after_failure(step + 1, f"recording step {step} failed")  # skip one)
+                    raise
+                progress = self._show(progress, step, m)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     self.save_checkpoint(step + 1)
                 if self.interrupted:  # Ctrl-C / SIGTERM: stop at this clean step boundary
-                    raise Interrupted(self.save_checkpoint(step + 1),
-                                      self.interrupted if isinstance(self.interrupted, str) else "SIGINT")
+                    raise Interrupted(self.save_checkpoint(step + 1), self._signal_name())
+            self.save_checkpoint(cfg.steps)  # before the final evaluation: whatever it meets
             if cfg.eval_every and self.metrics:  # the final weights, recorded with the last step
                 final = self.evaluate()
                 self.metrics[-1].update({k + "_final": v for k, v in final.items()})
                 sink.rewrite(self.metrics)
-            self.save_checkpoint(cfg.steps)  # the report (plots) is the apps' to write: write_report
         finally:
             self.rollout.close()
             sink.close()
@@ -179,19 +180,85 @@ class Controller:
                 signal.signal(signum, handler)
         return self.metrics
 
-    def _save_after_failure(self, step: int) -> None:
-        """A checkpoint at this step boundary (the learner's state is whole there) when the
-        rollout fails for good, if this invocation trained anything: the error ends the run, not
-        the steps since the last checkpoint."""
+    def _record(self, step: int, m: dict, rollout, batch: TrajectoryBatch, wait_s: float,
+                evaluation: dict, clock: _Clock) -> dict:
+        """Publish the new weights, take in finished batches, and make step's metrics record."""
+        cfg = self.cfg
+        state, version = self.learner.publish()
+        t_pub = time.perf_counter()
+        self.rollout.publish(version, state)
+        publish_s = time.perf_counter() - t_pub
+        kept = self._retain()
+        version_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        clock.tokens += int(batch.mask.sum())
+        shape = self.learner.model.config
+        # useful model FLOPs of the step: each sequence's forward on the rollout side and
+        # forward + backward (3x) on the learner's, 4 forwards in all
+        model_flops = 4 * sum(len(s) * shape.forward_flops_per_token((len(s) - 1) / 2)
+                              for s in batch.sequences)
+        elapsed = time.perf_counter() - clock.t_start
+        done = step + 1 - clock.counted_from
+        m.update({"time/generate_s": rollout.generate_s, "time/wait_s": wait_s,
+                  "sync/versions_kept": float(kept),
+                  "time/rollout_wait_s": rollout.wait_s, "time/wall_s": elapsed,
+                  "throughput/tokens_per_s": clock.tokens / elapsed,
+                  "throughput/steps_per_hour": 3600 * done / elapsed, "time/eval_s": clock.eval_s,
+                  **self._steady(step, elapsed, clock.eval_s, clock.first),
+                  "throughput/model_flops": model_flops,
+                  "sync/publish_s": publish_s, "sync/rollout_pause_s": rollout.load_s,
+                  "sync/version_bytes": float(version_bytes),
+                  "sync/bytes_moved": float(version_bytes * cfg.rollout.workers),
+                  "lag/bound": float(cfg.max_policy_lag), **rollout.stats, **evaluation})
+        record = {"step": step, **m}
+        clock.first = clock.first or record
+        self.metrics.append(record)
+        return record
+
+    def _signal_name(self) -> str:
+        return self.interrupted if isinstance(self.interrupted, str) else "SIGINT"
+
+    @staticmethod
+    def _show(progress, step: int, m: dict):
+        """Call the progress display; a display that fails is dropped (returns None), not the run."""
+        if progress is None:
+            return None
+        try:
+            progress(step, m)
+            return progress
+        except Exception as exc:  # noqa: BLE001 - e.g. BrokenPipeError: stdout piped into `head`
+            log.warning("the progress display failed (%s); training goes on without it", exc)
+            return None
+
+    def _write_after_failure(self, sink: MetricsSink, record: dict) -> bool:
+        """Best effort: the step's record in metrics.jsonl, so a resume finds one per step.
+        Whether it is there now."""
+        self.metrics.append(record)
+        try:
+            sink.rewrite(self.metrics)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the step's own error is the one to report
+            log.warning("could not write step %d's metrics either (%s); no checkpoint is saved past "
+                        "the last one", record["step"], exc)
+            return False
+
+    def _save_after_failure(self, step: int, what: str, in_hand=None) -> None:
+        """A checkpoint at this step boundary (the learner's state is whole there, unless its
+        update itself failed part-way) when the run fails, if this invocation trained anything:
+        the error ends the run, not the steps since the last checkpoint. `in_hand`: the batch for
+        `step`, received and not trained on (kept with the checkpoint)."""
         if step <= self.start_step:
             return
-        try:
-            path = self.save_checkpoint(step)
-        except Exception as exc:  # noqa: BLE001 - the rollout's error is the one to report
-            log.warning("could not save a checkpoint after the rollout failed: %s", exc)
+        if self.learner.torn is not None:
+            log.warning("%s part-way through the learner's update; no checkpoint can be saved from it "
+                        "(the last one is %s)", what, self._saved[1] if self._saved else "none")
             return
-        log.warning("the rollout failed at batch %d; the %d steps trained are in %s (continue with: "
-                    "parity train --resume %s)", step, step, path, self.run_dir)
+        try:
+            path = self.save_checkpoint(step, in_hand=in_hand)
+        except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("could not save a checkpoint after %s: %s", what, exc)
+            return
+        log.warning("%s; the %d steps trained are in %s (continue with: parity train --resume %s)",
+                    what, step, path, self.run_dir)
 
     def _catch_ctrl_c(self):
         """Ctrl-C or SIGTERM (a scheduler ending the job): finish the step, save, stop; a second
@@ -238,14 +305,18 @@ class Controller:
         span = elapsed - first["time/wall_s"] - (eval_s - first.get("time/eval_s", 0.0))
         return {"throughput/steady_steps_per_hour": 3600 * (step - first["step"]) / span} if span > 0 else {}
 
-    def save_checkpoint(self, step: int) -> Path:
+    def save_checkpoint(self, step: int, in_hand=None) -> Path:
         """The model, the learner's state, the versions a restarted worker could need and the
-        batches already sampled for later steps (so no older weights need storing)."""
+        batches already sampled for later steps (so no older weights need storing); `in_hand`: a
+        batch taken from the rollout and not trained on (a failed step's)."""
         if self._saved is not None and self._saved[0] == step:  # checkpoint_every's, then the end's
             return self._saved[1]
         tokenizer = tokenizer_path(self.cfg) if self.cfg.task.name != "target_tokens" else None
-        self._retain()
-        path = checkpoint.save(self.run_dir, step, self.model, self.learner, tokenizer,
-                               ready=self.rollout.ready_batches())
+        try:
+            self._retain()
+        except Exception as exc:  # noqa: BLE001 - a failing worker: save what is in hand
+            log.warning("could not take in the finished batches before saving: %s", exc)
+        ready = ([in_hand] if in_hand is not None else []) + self.rollout.ready_batches()
+        path = checkpoint.save(self.run_dir, step, self.model, self.learner, tokenizer, ready=ready)
         self._saved = (step, path)
         return path

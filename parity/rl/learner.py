@@ -23,7 +23,7 @@ import torch
 
 from ..config.learner import LearnerConfig
 from ..dtypes import dtype_from_name, dtype_name
-from ..errors import ConfigError
+from ..errors import ConfigError, ParityError
 from ..metrics.diagnostics import (
     bucketed_stats,
     importance_weight_stats,
@@ -86,6 +86,16 @@ class Learner:
         self.steps = 0
         self._scratch = None
         self.last_kernel_delta: torch.Tensor | None = None
+        self.torn: str | None = None
+        """Why an update failed part-way (after the optimizer began changing weights): the
+        weights, optimizer state, master copy and versions may disagree, so the learner refuses
+        to step, publish or be checkpointed again (None: whole)."""
+
+    def check_whole(self) -> None:
+        """ParityError if an earlier update failed part-way (`torn`)."""
+        if self.torn is not None:
+            raise ParityError(f"the learner's update at step {self.steps} failed part-way ({self.torn}): its "
+                              "weights and optimizer state may disagree; resume from the last checkpoint")
 
     # ------------------------------------------------------------------ weights
     def _lr_factor(self, step: int) -> float:
@@ -103,6 +113,7 @@ class Learner:
 
     def publish(self) -> tuple[dict[str, torch.Tensor], int]:
         """The current weights (in the compute dtype the engine runs) and their version."""
+        self.check_whole()
         return self.history[self.version], self.version
 
     def _model_at(self, version: int):
@@ -230,6 +241,7 @@ class Learner:
         adv_std = cfg.loss == "ppo_clip" and cfg.loss_config.ppo_std_adv
         adv = group_advantages(batch.rewards, batch.group_ids, normalize_std=adv_std, included=batch.included)
         bsz = len(batch)
+        self.check_whole()
         for i, seq in enumerate(batch.sequences):  # all of them, before a first backward (an error in
             check_sequence(self.model, seq, f"response {i}")  # a later micro-batch left gradients)
         try:
@@ -284,15 +296,8 @@ class Learner:
             metrics.update(self.decompose(batch, learner_lp, learner_routing))  # pre-update weights
         grad_norm = torch.nn.utils.clip_grad_norm_(self.master, cfg.max_grad_norm)
         metrics["train/grad_norm"] = float(grad_norm)  # before clipping
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
-        if self.compute_dtype != torch.float32:
-            with torch.no_grad():
-                for m, p in zip(self.master, self.model.parameters()):
-                    p.copy_(m)
-        # diagnostics are about the weights that computed this step's loss (before the update)
+        # diagnostics are about the weights that computed this step's loss (before the update),
+        # and computed before it: whatever fails here leaves the learner as it was
         metrics.update(mismatch_stats(learner_lp, batch.rollout_logprobs, batch.mask))
         metrics.update(importance_weight_stats(learner_lp, batch.rollout_logprobs, batch.mask))
         if cfg.mechanism:
@@ -303,15 +308,34 @@ class Learner:
         metrics.update(extra)
         if not batch.included.all():  # responses the objective left out (engine errors)
             metrics["train/excluded_frac"] = float(1 - batch.included.float().mean())
-        self._advance_version()
+        self._update()
         metrics["train/policy_version"] = float(self.version)
         metrics["time/train_s"] = time.perf_counter() - t0
         return metrics
 
+    def _update(self) -> None:
+        """The optimizer step, the master weights' copy into the model and the new version: all
+        of it, or the learner is marked `torn` (a retry would have applied the update twice, and
+        published the old weights as the new version's)."""
+        try:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            if self.compute_dtype != torch.float32:
+                with torch.no_grad():
+                    for m, p in zip(self.master, self.model.parameters()):
+                        p.copy_(m)
+            self._advance_version()
+        except BaseException as exc:
+            self.torn = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}"
+            raise
+
     def _advance_version(self) -> None:
+        snapshot = self._snapshot()  # first: a failure here changes no count
         self.version += 1
         self.steps += 1
-        self.history[self.version] = self._snapshot()
+        self.history[self.version] = snapshot
         for v in [v for v in self.history if v < self.version - self.config.max_policy_lag]:
             del self.history[v]
 

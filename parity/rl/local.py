@@ -23,6 +23,7 @@ and `close`; the Ray backend (`rl/ray_backend.py`) provides the same.
 from __future__ import annotations
 
 import logging
+import multiprocessing.queues
 import os
 import pickle
 import queue as queue_mod
@@ -40,7 +41,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..config import TrainConfig
-from ..errors import ParityError
+from ..errors import ParityError, WaitInterrupted
 from ..model import ModelConfig
 from .build import build_env, model_skeleton
 from .faults import worker_faults
@@ -189,6 +190,19 @@ class _Slot:
     started: float = 0.0  # when the process was started (time.monotonic)
 
 
+class _WeightsQueue(multiprocessing.queues.Queue):
+    """A queue whose feeder thread remembers a message it could not send (pickling the weights
+    failed: /dev/shm full, too many open files). A plain queue printed a traceback and dropped
+    it, and a worker waiting for that version waited for good, beating all the while."""
+
+    def __init__(self, ctx):
+        super().__init__(ctx=ctx)
+        self.dropped: BaseException | None = None
+
+    def _on_queue_feeder_error(self, e, obj):  # called on the feeder thread (bound: not static)
+        self.dropped = e
+
+
 class LocalRollout:
     """Runs `rollout.workers` rollout workers as child processes (spawned) and hands their batches
     over in order."""
@@ -206,6 +220,7 @@ class LocalRollout:
         self.spool: str | None = None
         self.ready: dict[int, RolloutBatch] = {}  # received ahead of the step that consumes them
         self.floor = 0  # the oldest version batches may ask for (see RolloutWorker.floor)
+        self.should_stop: Callable[[], bool] = lambda: False  # the controller's: a wait gives way
 
     @property
     def pids(self) -> list[int | None]:
@@ -244,7 +259,7 @@ class LocalRollout:
             slot.process = None
             return
         self._close_queues(slot)
-        slot.weights_q, slot.traj_q, slot.stop = self.ctx.Queue(), self.ctx.Queue(), self.ctx.Event()
+        slot.weights_q, slot.traj_q, slot.stop = _WeightsQueue(self.ctx), self.ctx.Queue(), self.ctx.Event()
         slot.heartbeat = self.ctx.Value("d", 0.0, lock=False)
         slot.started = time.monotonic()
         history = self.versions()
@@ -306,6 +321,12 @@ class LocalRollout:
             except queue_mod.Empty:
                 if not block:
                     return False
+                if self.should_stop():  # Ctrl-C / SIGTERM: save at this step boundary, not after the batch
+                    raise WaitInterrupted from None
+                dropped = slot.weights_q.dropped
+                if dropped is not None:  # it waits for a version it will never get
+                    self._restart(slot, f"missed a weight version (sending it failed: {dropped})")
+                    continue
                 beat = slot.heartbeat.value
                 silent = time.monotonic() - (beat or slot.started)
                 limit = timeout if beat else max(timeout, STARTUP_GRACE_S)  # starting: imports, model

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import TrainConfig
-from ..errors import ConfigError, ParityError
+from ..errors import ConfigError, ParityError, WaitInterrupted
 from ..model import ModelConfig
 from .local import STARTUP_GRACE_S, split_threads
 from .ray_actor import RolloutActor
@@ -86,6 +86,7 @@ class RayRollout:
         self.budget = RestartBudget()  # actor restarts: 3 within any hour
         self.started_at = [0.0] * self.n  # per actor: when it was created (time.monotonic)
         self.killed_hung: set[int] = set()  # actors killed for silence (reported as hung)
+        self.should_stop: Callable[[], bool] = lambda: False  # the controller's: a wait gives way
         self.unplaced_since: dict[int, float] = {}  # actor -> when it was first seen with no node
         self.warned_unplaced: set[int] = set()  # actors said to be waiting for a node
         self.node_refs: list = [None] * self.n  # per actor: ObjectRef of the id of its Ray node
@@ -255,6 +256,8 @@ class RayRollout:
         while True:
             try:
                 ready, _ = self.ray.wait([self.pending[step]], timeout=1.0)
+                if not ready and self.should_stop():  # Ctrl-C / SIGTERM: save at this step boundary
+                    raise WaitInterrupted
                 if not ready:
                     if self._unplaced(step % self.n):
                         continue

@@ -166,6 +166,7 @@ def test_the_learner_killed_while_writing_a_checkpoint_keeps_the_previous_one(tm
     resumed = subprocess.run([sys.executable, "-m", "parity.cli", "train", "--resume", str(run_dir)],
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
+    assert not (run_dir / ".checkpoint-4.tmp").exists()  # a model's size, removed when the run resumed
     assert not _spools(proc.pid), "the killed run's spool directory was left in /dev/shm"
     assert deterministic_view(read_metrics(run_dir)) == reference
 
@@ -233,3 +234,140 @@ def test_a_damaged_metrics_file_is_named_and_a_cut_last_line_does_not_stop_a_res
     path.write_bytes(b"\xae\xff\n")
     with pytest.raises(CheckpointError, match="metrics.jsonl is not UTF-8 text"):
         read_metrics(tmp_path / "run")
+
+
+def _fail_once(target, name: str, at: int, exc: BaseException, after: bool = False) -> None:
+    """Make `target.name` raise `exc` on its `at`-th call (1-based), before doing its work or
+    (`after`) once it is done."""
+    real, calls = getattr(target, name), []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at and not after:
+            raise exc
+        out = real(*args, **kwargs)
+        if len(calls) == at:
+            raise exc
+        return out
+    setattr(target, name, flaky)
+
+
+@pytest.mark.parametrize("where", ["learner", "publish"])
+def test_a_failure_anywhere_in_a_step_keeps_the_steps_trained_and_resumes(tmp_path, reference, where, caplog):
+    """The learner's step out of memory at step 3 (the batch in hand is kept with checkpoint-3),
+    sending version 3 to the workers failing (checkpoint-3: the learner is past step 2): only a
+    failed rollout saved a checkpoint, so with the default checkpoint_every every other error
+    lost the whole run."""
+    import logging
+
+    controller = run(tmp_path)
+    if where == "learner":
+        _fail_once(controller.learner, "step", 4, RuntimeError("CUDA out of memory (injected)"))
+    else:
+        _fail_once(controller.rollout, "publish", 3, OSError(28, "No space left on device"))
+    with caplog.at_level(logging.WARNING, logger="parity"), pytest.raises((RuntimeError, OSError)):
+        controller.run()
+    said = "the learner's step 3 failed" if where == "learner" else "recording step 2 failed"
+    assert f"{said}; the 3 steps trained are in" in caplog.text
+    saved = checkpoint.latest(tmp_path / "run")
+    assert saved.name == "checkpoint-3"
+    checkpoint.verify(saved)
+    (tmp_path / "run" / ".checkpoint-9.tmp").mkdir()  # as a killed save leaves it
+    Controller(load_config(None, RUN + [f'run_dir="{tmp_path / "run"}"']), resume=True).run()
+    assert deterministic_view(read_metrics(tmp_path / "run")) == reference
+    assert not (tmp_path / "run" / ".checkpoint-9.tmp").exists()
+
+
+def test_sigterm_while_the_learner_waits_for_a_batch_saves_at_once(tmp_path, faults, reference):
+    """A scheduler's SIGTERM while the learner waits for a batch that takes long (here one held
+    back for ten minutes): the wait gives way and checkpoint-3 is saved at once (the signal
+    was only seen once the batch came, long after a scheduler's grace period)."""
+    import threading
+
+    from parity.errors import Interrupted
+
+    faults(f"worker-hold@3:{tmp_path / 'never'}")
+    controller = run(tmp_path)
+    done = threading.Event()
+
+    def signal_when_waiting():
+        while len(controller.metrics) < 3 and not done.is_set():
+            time.sleep(0.05)
+        time.sleep(1.5)  # the learner is waiting for batch 3 by now
+        if not done.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_when_waiting, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Interrupted) as stop:
+            controller.run()
+    finally:
+        done.set()
+    assert time.monotonic() - t0 < 120 and stop.value.signal_name == "SIGTERM"
+    assert Path(stop.value.path).name == "checkpoint-3"
+    checkpoint.verify(stop.value.path)
+    Controller(load_config(None, RUN + [f'run_dir="{tmp_path / "run"}"']), resume=True).run()
+    assert deterministic_view(read_metrics(tmp_path / "run")) == reference
+
+
+class _Unsendable:
+    def __reduce__(self):
+        raise OSError(28, "No space left on device")  # as /dev/shm full fails pickling the weights
+
+
+def test_a_weight_version_that_could_not_be_sent_restarts_the_worker(tmp_path, reference):
+    """The queue's feeder thread fails to send version 2 (it printed a traceback and dropped
+    the message: the worker waited for that version for good, beating all the while, and the run
+    hung): the worker is restarted with the versions it needs and the run ends as an
+    uninterrupted one."""
+    controller = run(tmp_path)
+    real = controller.rollout.publish
+    controller.rollout.publish = lambda version, state: real(
+        version, {**state, "unsendable": _Unsendable()} if version == 2 else state)
+    t0 = time.monotonic()
+    assert deterministic_view(controller.run()) == reference
+    assert controller.rollout.restarts == 1 and time.monotonic() - t0 < 120
+
+
+def test_a_metrics_file_that_failed_a_write_takes_the_next_one(tmp_path):
+    """After a full disk failed one write (a one-line error), space freed: the next write
+    raised AttributeError ('NoneType' has no 'tell'), so nothing more could be recorded."""
+    from parity.errors import ParityError
+    from parity.metrics.sinks import MetricsSink
+
+    sink = MetricsSink(tmp_path, [])
+    sink.write({"step": 0})
+    real = sink._file
+
+    class Full:
+        def tell(self):
+            return real.tell()
+
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            real.close()
+
+    sink._file = Full()
+    with pytest.raises(ParityError, match="could not write step 1 .No space left on device.; earlier"):
+        sink.write({"step": 1})
+    sink.write({"step": 1})
+    sink.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+
+
+def test_stdout_piped_into_head_does_not_end_the_run(tmp_path, reference):
+    """`parity train ... | head -n 1`: the progress display's broken pipe ended the run at its
+    next step with "error: [Errno 32] Broken pipe" (exit 2, no checkpoint); now the display is
+    dropped, the run trains to its end and exits as SIGPIPE would (141)."""
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader is gone
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 141, err
+    assert "the progress display failed ([Errno 32] Broken pipe); training goes on" in err
+    assert deterministic_view(read_metrics(run_dir)) == reference
+    assert checkpoint.latest(run_dir).name == "checkpoint-6"

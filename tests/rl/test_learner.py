@@ -286,3 +286,56 @@ def test_a_bad_response_fails_the_step_before_any_gradient_and_is_named_in_the_b
         failed.step(bad)
     assert all(p.grad is None for p in failed.model.parameters())
     assert failed.step(good)["train/grad_norm"] == fresh.step(good)["train/grad_norm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_that_fails_before_the_update_changes_nothing_and_one_during_it_is_refused(dtype, monkeypatch,
+                                                                                            tmp_path):
+    """A failure in the step's diagnostics (they ran after the optimizer step: a retry applied the
+    update twice and, in float32, published the old weights as the new version's) changes
+    nothing: the retried step's weights equal an unfailed one's bit for bit. A failure inside the
+    update itself (the optimizer step, the bf16 copy, the version's snapshot) marks the learner
+    torn: it refuses to step, publish or be checkpointed again, instead of training on."""
+    from parity.rl import checkpoint
+    from parity.rl import learner as learner_module
+
+    def trajectory(ids):
+        return Trajectory(ids, [0] + [1] * (len(ids) - 1), [0.0] + [-1.0] * (len(ids) - 1),
+                          [-1] + [0] * (len(ids) - 1), float(ids[-1] % 2), ids[0] % 2)
+
+    batch = TrajectoryBatch([trajectory([1, 2, 3]), trajectory([4, 5, 6]), trajectory([7, 8, 9]),
+                             trajectory([2, 4, 7])])
+    cfg = LearnerConfig(lr=1e-2, decompose_every=0, compute_dtype="auto")
+    clean, failed = Learner(model(dtype=dtype, seed=5), cfg), Learner(model(dtype=dtype, seed=5), cfg)
+    clean.step(batch)
+    real = learner_module.response_stats
+    calls = []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("injected")
+        return real(*args)
+
+    monkeypatch.setattr(learner_module, "response_stats", flaky)
+    with pytest.raises(MemoryError):
+        failed.step(batch)
+    assert failed.version == 0 and failed.torn is None
+    failed.step(batch)
+    assert failed.publish()[1] == clean.publish()[1] == 1
+    for a, b in zip(failed.master, clean.master):
+        assert torch.equal(a, b)
+    for a, b in zip(failed.publish()[0].values(), clean.publish()[0].values()):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(checkpoint, "_trainer_state", lambda *a: (_ for _ in ()).throw(MemoryError("state")))
+    with pytest.raises(MemoryError):  # a save failing with no OSError: no model-sized leftover
+        checkpoint.save(tmp_path, 1, failed.model, failed)
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(failed, "_snapshot", lambda: (_ for _ in ()).throw(MemoryError("snapshot")))
+    with pytest.raises(MemoryError):
+        failed.step(batch)
+    assert failed.torn == "MemoryError: snapshot" and failed.version == 1
+    for refused in (lambda: failed.step(batch), failed.publish,
+                    lambda: checkpoint.save(tmp_path, 2, failed.model, failed)):
+        with pytest.raises(parity.ParityError, match="update at step 1 failed part-way"):
+            refused()
