@@ -48,6 +48,10 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        for f in dataclasses.fields(self):  # (ppo_eps = inf turned clipping off, silently)
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"LossConfig.{f.name} must be finite, got {value!r}")
         for name in ("tis_cap", "mis_cap", "icepop_high", "gate_high", "gate_max_k3", "ppo_eps"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")

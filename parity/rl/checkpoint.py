@@ -90,6 +90,7 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
                 raise
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
+        _sync(*sorted(tmp.iterdir()), tmp)  # on disk before the rename makes it the newest
     except (OSError, RuntimeError, CheckpointError) as exc:  # a full disk, say
         shutil.rmtree(tmp, ignore_errors=True)
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
@@ -106,7 +107,22 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    try:
+        _sync(Path(run_dir))  # the rename itself
+    except OSError:
+        pass
     return final
+
+
+def _sync(*paths: Path) -> None:
+    """fsync files and directories: after a power loss the newest checkpoint is whole (its
+    files were in the page cache only, and its manifest check would fail on resume)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 DEMO_MARK = ".parity-demo"

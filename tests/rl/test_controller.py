@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from parity.config import load_config, to_toml
+from parity.config import LossConfig, load_config, to_toml
 from parity.errors import ConfigError
 from parity.metrics.report import write_report
 from parity.metrics.summary import deterministic_view
@@ -102,6 +102,8 @@ def test_a_config_changed_after_construction_is_checked_again_when_the_run_start
         Controller({"steps": 1})
     with pytest.raises(ConfigError, match="Learner config must be a LearnerConfig, got dict"):
         Learner(controller.model, {"lr": 1e-3})  # (an AttributeError)
+    with pytest.raises(ConfigError, match="LossConfig.ppo_eps must be finite"):
+        LossConfig(ppo_eps=float("inf"))  # (clipping silently off)
 
 
 def test_interrupt_and_resume_match_an_uninterrupted_run(tmp_path):
