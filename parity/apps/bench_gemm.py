@@ -202,13 +202,16 @@ def bench_gemm(preset: str = "qwen3-0.6b", dtype_name: str = "bfloat16",
     tiles = [parse_tiles(c) for c in (candidates or CANDIDATES.get(dtype_name, CANDIDATES["float32"]))]
     gen = torch.Generator().manual_seed(0)
     shapes = weight_shapes(cfg)
-    done = collect(_shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progress, gen),
-                   stopped, "shapes", len(shapes))
+    done = collect(_shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progress, gen,
+                               stopped), stopped, "shapes", len(shapes))
     return [r for shape_rows in done for r in shape_rows]
 
 
-def _shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progress, gen):
-    """Per weight shape, its candidates' rows (checked, then timed)."""
+def _shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progress, gen, stopped=None):
+    """Per weight shape, its candidates' rows (checked, then timed). A candidate whose timing
+    fails gets that error; when cuBLAS's own timing fails (the device is in error: the rest would
+    only fail too), the shapes so far are what there is, and `stopped` says why."""
+    done = []
     for name, (n, k) in shapes.items():
         w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype).to(device)
         x = torch.randn(max(rows), k, generator=gen).to(dtype).to(device)
@@ -228,6 +231,7 @@ def _shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progre
             row.shape, row.n, row.k, row.dtype, row.tiles = name, n, k, dtype_name, label
             shape_rows.append(row)
         runnable = [r for r in shape_rows if not r.error]
+        failed: dict[str, str] = {}  # tile -> why its timing failed
         for m in rows:
             if progress:
                 progress(f"{name} {n}x{k} M={m}: timing {len(runnable)} tiles beside cuBLAS")
@@ -236,13 +240,28 @@ def _shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progre
                 fns[r.tiles] = partial(tg.matmul, x[:m], w, tiles=parse_tiles(r.tiles))
             times: dict[str, list[float]] = {key: [] for key in fns}
             for _ in range(reps):  # interleaved: standard, each candidate, standard, ...
-                for key, fn in fns.items():
-                    times[key].append(_seconds(fn, device))
+                for key, fn in list(fns.items()):
+                    try:
+                        times[key].append(_seconds(fn, device))
+                    except Exception as err:  # noqa: BLE001 - a tile that fails timing (a graph capture)
+                        msg = f"{type(err).__name__}: {err}".splitlines()[0][:160]
+                        if key == "standard" or stopped is None:  # the device itself: nothing more to time
+                            if stopped is None:
+                                raise
+                            stopped.append(f"cuBLAS failed at {name} M={m} ({msg}): {len(done)} shapes done")
+                            return
+                        del fns[key]
+                        failed[key] = msg
             standard = statistics.median(times["standard"])
             for r in runnable:
+                if r.tiles in failed:
+                    r.error = failed[r.tiles]
+                    continue
                 r.ratios[m] = standard / statistics.median(times[r.tiles])
+            runnable = [r for r in runnable if not r.error]
         for r in runnable:
             r.geomean = math.exp(statistics.fmean(math.log(v) for v in r.ratios.values()))
+        done.append(name)
         yield shape_rows
 
 

@@ -35,7 +35,8 @@ def main(args) -> int:
     else:
         cfg = resolve_base(load_config(args.config, args.set or []))
         controller = Controller(cfg, overwrite=args.overwrite)
-    warning = hardware.bf16_warning(cfg.model.dtype, linear=gemm_linear)
+    warning = None if cfg.model.device.startswith("cuda") else \
+        hardware.bf16_warning(cfg.model.dtype, linear=gemm_linear)  # (a CPU's figure, not a GPU's)
     if warning:
         print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
     print(f"parity: {controller.task_description}", flush=True)

@@ -82,8 +82,8 @@ class ModelSection:
         check_fields(self, prefix="model")
         check_backend(self.kernels, "model.kernels")
         hardware.check_device(self.device, "model.device")
-        if self.dtype == "auto":
-            self.dtype = hardware.preferred_dtype()
+        if self.dtype == "auto":  # (a GPU's answer is bf16 whatever its host CPU has)
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else hardware.preferred_dtype()
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"model.dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.preset not in PRESET_NAMES:

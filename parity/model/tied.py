@@ -9,7 +9,8 @@ feeds everything the head sees), which adds the looked-up rows into it in place 
 as the weight's only gradient — the same bits as autograd's sum (each row's lookups summed from
 zero, then added once), so training is unchanged bit for bit, only faster. Forward values are
 the kernels' own, so the learner's log-probs keep the engine's bits; only grad-enabled forwards
-come here.
+come here. On a GPU the looked-up rows are summed by a sort (deterministic, where atomics are
+not), so gradients repeat run to run there too, though not in autograd's own order.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ class TiedLookup(torch.autograd.Function):
         # the embedding backward's index_add does), then added once to the head's gradient
         uniq, inverse = torch.unique(ids, return_inverse=True)
         rows = torch.zeros(len(uniq), grad.shape[-1], dtype=dense.dtype, device=grad.device)
-        rows.index_add_(0, inverse, grad.to(dense.dtype))
+        if rows.is_cuda:  # index_add_ sums repeated rows with atomics there (run to run, other bits);
+            rows.index_put_((inverse,), grad.to(dense.dtype), accumulate=True)  # this sorts: deterministic
+        else:
+            rows.index_add_(0, inverse, grad.to(dense.dtype))
         return None, dense.index_add_(0, uniq, rows), None
 
 

@@ -378,6 +378,27 @@ def test_bench_gemm_checks_each_candidate_tiles_rows(triton_impl, monkeypatch):
         wrong = bench_gemm("tiny", "float32", (4, 16), candidates[:2], reps=1)
         assert [r.correct for r in wrong[:2]] == [True, False] and not wrong[1].ratios, wrong_kernel
         assert wrong[1].error.startswith("wrong sums: row ") and best(wrong)["qkv"].tiles == candidates[0]
+    monkeypatch.setattr(tk, "matmul", real)
+    import parity.apps.bench_gemm as bg
+    timed = bg._seconds
+
+    broken = []
+
+    def failing(fn, device):  # a tile whose timing fails (a CUDA graph capture, say): marked, the
+        if fn.func is F.linear and broken:  # others go on; cuBLAS failing (the device in error)
+            raise RuntimeError("CUDA error: an illegal memory access")  # ends the run with the
+        if getattr(fn, "keywords", {}).get("tiles") == (64, 32, 64, 4, 4):  # shapes done (it
+            raise RuntimeError("capture failed")  # killed the bench: no JSON at all)
+        return timed(fn, "cpu", 0.001)
+    monkeypatch.setattr(bg, "_seconds", failing)
+    marked = bench_gemm("tiny", "float32", (4, 16), candidates[:2], reps=1, stopped=[])
+    assert [r.error for r in marked[:2]] == ["", "RuntimeError: capture failed"] and len(marked) == 8
+    assert best(marked)["qkv"].tiles == candidates[0]
+    broken.append(1)
+    stopped = []
+    assert bench_gemm("tiny", "float32", (4, 16), candidates[:1], reps=1, stopped=stopped) == []
+    assert stopped == ["cuBLAS failed at qkv M=4 (RuntimeError: CUDA error: an illegal memory access): "
+                       "0 shapes done"]
     assert parse_tiles("128x256x64x8x3+TMA") == (128, 256, 64, 8, 3, "tma")
     for bad in ("64x100x64x4x3", "64x128x64x4x3+wgmma", "64x128x64x4x3+tma+tma"):
         with pytest.raises(ParityError, match="is not BLOCK_MxBLOCK_N"):
