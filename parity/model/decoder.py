@@ -162,6 +162,11 @@ class Model(nn.Module):
         other.load_state_dict(self.state_dict())
         return other
 
+    @property
+    def backend(self) -> str:
+        """The name of the kernel backend this instance runs on ('aligned' or 'standard')."""
+        return self._backend
+
     def set_kernels(self, kernels: str) -> Model:
         """Switch this instance to another kernel backend (weights unchanged)."""
         self._backend = check_backend(kernels)

@@ -12,7 +12,6 @@ restarted worker may still need (`retain`), at most `max_policy_lag` back.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -119,8 +118,8 @@ class Learner:
     def _model_at(self, version: int):
         if version == self.version:
             return self.model
-        if self._scratch is None:
-            self._scratch = copy.deepcopy(self.model)
+        if self._scratch is None:  # (not a deepcopy: a MoE model's router logits of the last grad-
+            self._scratch = self.model.twin(self.model.backend)  # enabled forward refused to be copied)
         self._scratch.load_state_dict(self.history[version])
         return self._scratch
 

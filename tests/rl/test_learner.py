@@ -339,3 +339,19 @@ def test_a_step_that_fails_before_the_update_changes_nothing_and_one_during_it_i
                     lambda: checkpoint.save(tmp_path, 2, failed.model, failed)):
         with pytest.raises(parity.ParityError, match="update at step 1 failed part-way"):
             refused()
+
+
+def test_a_moe_learner_scores_a_lagged_batch_under_the_version_that_sampled_it():
+    """MoE rollouts are not scored by the worker, so a lagged step scores them under the older
+    version on a scratch copy of the model: that copy was a deepcopy, which the router logits of
+    the last grad-enabled forward refused ("Only Tensors created explicitly by the user..."): every
+    asynchronous MoE run failed at its second learner step. The dense control never needed it."""
+    engine_model = model(preset="tiny-moe", seed=41)
+    learner = Learner(model(preset="tiny-moe", seed=41), LearnerConfig(lr=1e-2))
+    outs = parity.Engine(engine_model, kv_cache_tokens=256).generate(
+        [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=5, seed=0))
+    batch = TrajectoryBatch([Trajectory.from_output(o, float(i), 0) for i, o in enumerate(outs)])
+    learner.step(batch)
+    lp, mask = learner.logprobs(batch, version=0), batch.mask.bool()
+    assert learner.version == 1 and torch.equal(lp[mask], batch.rollout_logprobs[mask])
+    assert not torch.equal(learner.logprobs(batch)[mask], lp[mask])  # the current version differs
