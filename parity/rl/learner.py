@@ -325,6 +325,7 @@ class Learner:
                 with torch.no_grad():
                     for m, p in zip(self.master, self.model.parameters()):
                         p.copy_(m)
+            self.model.invalidate_fused()  # (the fused optimizer leaves version counters as they were)
             self._advance_version()
         except BaseException as exc:
             self.torn = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}"

@@ -355,3 +355,22 @@ def test_a_moe_learner_scores_a_lagged_batch_under_the_version_that_sampled_it()
     lp, mask = learner.logprobs(batch, version=0), batch.mask.bool()
     assert learner.version == 1 and torch.equal(lp[mask], batch.rollout_logprobs[mask])
     assert not torch.equal(learner.logprobs(batch)[mask], lp[mask])  # the current version differs
+
+
+def test_the_learner_scores_with_its_updated_weights_when_the_projections_do_not_share_a_buffer():
+    """Model caches a concatenated q/k/v weight when the projections are separate tensors, keyed
+    on their version counters, which the fused optimizer's in-place writes leave unchanged: after
+    a step the learner scored with the old weights (0.84 off a fresh model holding the new ones)."""
+    learner = Learner(model(seed=1), LearnerConfig(lr=1e-2))
+    q = learner.model.model.layers[0].self_attn.q_proj.weight
+    q.data = q.data.clone()  # q/k/v no longer one buffer: the concatenation is cached
+    outs = parity.Engine(model(seed=1), kv_cache_tokens=256).generate(
+        [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=8, seed=0))
+    batch = TrajectoryBatch([Trajectory.from_output(o, float(i), 0) for i, o in enumerate(outs)])
+    learner.logprobs(batch)  # fills the cache
+    learner.step(batch)
+    fresh = model(seed=1)
+    fresh.load_state_dict(learner.model.state_dict())
+    mask = batch.mask.bool()
+    expected = batch.pad(parity.sequence_logprobs(fresh, batch.sequences))[mask]
+    assert torch.equal(learner.logprobs(batch)[mask], expected)
