@@ -11,6 +11,7 @@ scalars as the Python numbers they hold, paths as strings; nothing else is conve
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 import types
@@ -122,9 +123,12 @@ def check_value(value, hint, key: str, error: type[Exception] = ConfigError):
     raise error(f"{key} must be {describe(hint)}, got {shown}{hint_text}") from None
 
 
-def check_fields(obj, error: type[Exception] = ConfigError, prefix: str | None = None) -> None:
+def check_fields(obj, error: type[Exception] = ConfigError, prefix: str | None = None,
+                 finite: bool = False) -> None:
     """Check (and convert in place) every field of dataclass `obj` against its annotation;
-    `error` names the first that does not fit, as `prefix.field` (the class name by default)."""
+    `error` names the first that does not fit, as `prefix.field` (the class name by default).
+    `finite`: a NaN or an infinity in a number field (or a tuple of them) is refused too (they
+    pass every comparison a range check makes: ppo_eps = inf turned clipping off)."""
     prefix = type(obj).__name__ if prefix is None else prefix
     hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
@@ -134,3 +138,6 @@ def check_fields(obj, error: type[Exception] = ConfigError, prefix: str | None =
         converted = check_value(value, hints[f.name], f"{prefix}.{f.name}", error)
         if converted is not value:
             object.__setattr__(obj, f.name, converted)
+        values = converted if isinstance(converted, (list, tuple)) else [converted]
+        if finite and any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise error(f"{prefix}.{f.name} must be finite, got {converted!r}")

@@ -6,7 +6,6 @@ These dataclasses live with the other configs (the `rl` package imports them, ne
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -47,11 +46,7 @@ class LossConfig:
     """ppo_clip: divide advantages by the group's reward std (GRPO)."""
 
     def __post_init__(self) -> None:
-        check_fields(self)
-        for f in dataclasses.fields(self):  # (ppo_eps = inf turned clipping off, silently)
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"LossConfig.{f.name} must be finite, got {value!r}")
+        check_fields(self, finite=True)
         for name in ("tis_cap", "mis_cap", "icepop_high", "gate_high", "gate_max_k3", "ppo_eps"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
@@ -111,12 +106,7 @@ class LearnerConfig:
     """Parameters of the objectives."""
 
     def __post_init__(self) -> None:
-        check_fields(self)
-        for f in dataclasses.fields(self):  # nan / inf would pass every comparison below
-            value = getattr(self, f.name)
-            values = value if isinstance(value, (list, tuple)) else [value]
-            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
-                raise ConfigError(f"LearnerConfig.{f.name} must be finite, got {value!r}")
+        check_fields(self, finite=True)
         if self.loss not in LOSS_NAMES:
             raise ConfigError(f"unknown loss {self.loss!r}: expected one of {', '.join(LOSS_NAMES)}")
         if not self.lr > 0:

@@ -56,21 +56,16 @@ class SamplingParams:
         if not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
             raise InputError(f"SamplingParams.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), "
                              f"got {self.temperature!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if self.max_tokens <= 0:
             raise InputError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.top_k < 0:
             raise InputError(f"SamplingParams.top_k must be >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.stop_strings, (list, tuple)) or not all(isinstance(s, str) and s
-                                                                          for s in self.stop_strings):
+        if not all(self.stop_strings):
             raise InputError("SamplingParams.stop_strings must be a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-            raise InputError("SamplingParams.stop_token_ids must be a list of integers")
         seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                                 or not 0 <= seed < 2**63):
+        if seed is not None and not 0 <= seed < 2**63:
             raise InputError(f"SamplingParams.seed must be an integer in 0..2**63-1 or None, got {seed!r}")
 
     @property

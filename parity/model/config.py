@@ -115,7 +115,7 @@ class ModelConfig:
                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
         for name in ints:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if value <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
         # (a config.json of 10^8 layers hung the build; 10^12 positions asked for 8 TB of RoPE
         # tables; 2^23 keeps the published 4M-context Llama 3 checkpoints)
@@ -128,7 +128,7 @@ class ModelConfig:
                     f"ModelConfig.num_attention_heads={self.num_attention_heads} does not divide "
                     f"hidden_size={self.hidden_size} (set head_dim explicitly)")
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0:
+        if self.head_dim <= 0:
             raise ConfigError(f"ModelConfig.head_dim must be a positive integer, got {self.head_dim!r}")
         if self.head_dim % 2:
             raise ConfigError(f"ModelConfig.head_dim={self.head_dim} must be even for rotary embeddings")
@@ -143,12 +143,11 @@ class ModelConfig:
         if not 0 <= self.router_aux_loss_coef < math.inf:  # (a saved one failed load_model)
             raise ConfigError(f"ModelConfig.router_aux_loss_coef must be >= 0 and finite, "
                               f"got {self.router_aux_loss_coef!r}")
-        if self.bos_token_id is not None and not (isinstance(self.bos_token_id, int)
-                                                  and 0 <= self.bos_token_id < self.vocab_size):
+        if self.bos_token_id is not None and not 0 <= self.bos_token_id < self.vocab_size:
             raise ConfigError(f"ModelConfig.bos_token_id={self.bos_token_id!r} is not a token id "
                               "below vocab_size")
         for value in self.eos_token_ids:
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
+            if not 0 <= value < self.vocab_size:
                 raise ConfigError(f"ModelConfig.eos_token_id={self.eos_token_id!r} is not a token id "
                                   "(or list of ids) below vocab_size")
         if self.model_type not in MODEL_TYPES:
@@ -184,14 +183,14 @@ class ModelConfig:
             return
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if value <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be a positive integer for qwen3_moe, "
                                   f"got {value!r}")
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                               f"num_experts={self.num_experts}")
         layers = range(self.num_hidden_layers)
-        bad = [i for i in self.mlp_only_layers if not (isinstance(i, int) and i in layers)]
+        bad = [i for i in self.mlp_only_layers if i not in layers]
         if bad:
             raise ConfigError(f"ModelConfig.mlp_only_layers: {bad[0]!r} is not a layer index")
 
