@@ -83,6 +83,11 @@ def memory_budget(value: float | int | str) -> int:
     return int(value * available_memory()) if value <= 1 else int(value)
 
 
+def _decode_failed(seq: Sequence, err: Exception) -> str:
+    """The one-line error of a request whose text the engine's tokenizer could not decode."""
+    return f"request {seq.request_id}: tokenizer.decode failed on its tokens: {type(err).__name__}: {err}"
+
+
 def _sampling_params(params, tokenizer) -> SamplingParams:
     if params is None:
         return SamplingParams()
@@ -321,20 +326,34 @@ class Engine:
         if ready:
             for j, (seq, (tok, lp, slp)) in enumerate(zip(ready, sampled)):
                 seq.append_sampled(tok, lp, slp, self.policy_version, None if routing is None else routing[j])
-                reason = self._stop_reason(seq, tok)
+                try:
+                    reason, error = self._stop_reason(seq, tok), None
+                except Exception as err:  # noqa: BLE001 - the tokenizer failed on this text: this request
+                    reason, error = "error", _decode_failed(seq, err)  # fails, the batch's others go on
                 if reason is not None:
                     seq.finish_reason = reason
-                    self.scheduler.finish(seq, pause=seq.multi_turn)
-                    if not seq.multi_turn:
+                    pause = seq.multi_turn and error is None
+                    self.scheduler.finish(seq, pause=pause)
+                    if not pause:
                         self.seqs.pop(seq.request_id, None)
-                    done.append(self._output(seq))
+                    out = self._output(seq)
+                    if error is not None or out.error is not None:
+                        out.error, out.finish_reason = error or out.error, "error"
+                        seq.finish_reason = "error"
+                        if pause:  # (a turn whose text cannot be read is not continued)
+                            self.scheduler.release(seq)
+                            self.seqs.pop(seq.request_id, None)
+                    done.append(out)
         self.step_times.append(time.perf_counter() - t0)
         return done
 
     def _output(self, seq: Sequence) -> RequestOutput:
         out = RequestOutput.from_sequence(seq)
         if self.tokenizer is not None:
-            out.text = self.tokenizer.decode(out.token_ids)
+            try:  # (its tokens and log-probs stand; the text is missing and the output says why)
+                out.text = self.tokenizer.decode(out.token_ids)
+            except Exception as err:  # noqa: BLE001 - any failure of a user's tokenizer
+                out.error = _decode_failed(seq, err)
         return out
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -272,6 +272,37 @@ def test_bad_requests_fail_alone():
             SamplingParams(**bad)
 
 
+class _Picky:
+    """A tokenizer that cannot decode one token (a user's tokenizer raising on some text)."""
+
+    def __init__(self, bad: int):
+        self.bad = bad
+
+    def decode(self, ids):
+        if self.bad in ids:
+            raise ValueError(f"no text for token {self.bad}")
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("stop_strings", [["zz"], []])  # fails in the stop check / in the output's text
+def test_a_tokenizer_failing_on_one_request_fails_it_alone_without_hanging(stop_strings):
+    # (a failure in the stop check left the batch's later sequences fed but unsampled: a hang)
+    model = cached_model("tiny", "aligned", "float32", 0, 0.02)
+    prompts, greedy = [[1, 2], [30, 40, 50], [5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True)
+    plain = parity.Engine(model, max_num_seqs=4).generate(prompts, greedy)
+    bad = [t for t in plain[1].token_ids if all(t not in o.token_ids for o in (plain[0], plain[2]))]
+    assert bad, "the prompts' greedy outputs share every token: pick other prompts"
+    eng = parity.Engine(model, max_num_seqs=4, tokenizer=_Picky(bad[0]))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, stop_strings=stop_strings)
+    outs = eng.generate(prompts, params)
+    assert not eng.has_unfinished() and not eng.scheduler.blocks.owns(outs[1].request_id)
+    assert outs[1].finish_reason == "error" and "tokenizer.decode failed" in outs[1].error
+    assert outs[1].token_ids == plain[1].token_ids[:len(outs[1].token_ids)]  # what it sampled is kept
+    for o, ref in ((outs[0], plain[0]), (outs[2], plain[2])):
+        assert o.error is None and o.token_ids == ref.token_ids and o.text is not None
+
+
 def test_a_request_that_outgrows_the_cache_fails_alone_without_hanging():
     model = cached_model("tiny", "aligned", "float32", 0, 0.02)
     eng = parity.Engine(model, max_num_seqs=2, kv_cache_tokens=64)
