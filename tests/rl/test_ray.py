@@ -127,6 +127,43 @@ def test_a_hung_actor_is_replaced_and_nothing_is_lost(ray_cluster, tmp_path, mon
     assert deterministic_view(hung) == deterministic_view(whole)
 
 
+def test_sigterm_while_the_learner_waits_for_an_actor_saves_at_once(ray_cluster, tmp_path, monkeypatch):
+    """The Ray backend's wait gives way to a SIGTERM as the local one does: actor 0 holds batch
+    3 back; the signal comes while the learner waits for it and checkpoint-3 is saved at once
+    (not when the batch comes, released here 20 s after the signal)."""
+    import threading
+
+    from parity.errors import Interrupted
+
+    gate = tmp_path / "release"
+    (tmp_path / "state").mkdir()
+    monkeypatch.setenv("PARITY_FAULTS", f"worker-hold@3:{gate}")
+    monkeypatch.setenv("PARITY_FAULT_STATE", str(tmp_path / "state"))
+    run = Controller(config(tmp_path / "run", *DETERMINISTIC, "rollout.backend=\"ray\""))
+    signalled = []
+
+    def signal_when_waiting():
+        while len(run.metrics) < 3 and not gate.exists():
+            time.sleep(0.05)
+        time.sleep(1.5)  # the learner waits for batch 3 by now
+        if not gate.exists():
+            signalled.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(20)
+        gate.touch()
+
+    threading.Thread(target=signal_when_waiting, daemon=True).start()
+    try:
+        with pytest.raises(Interrupted) as stop:
+            run.run()
+        ended = time.monotonic()
+    finally:
+        gate.touch()
+    assert signalled and ended - signalled[0] < 15 and stop.value.signal_name == "SIGTERM"
+    assert Path(stop.value.path).name == "checkpoint-3"
+    checkpoint.verify(stop.value.path)
+
+
 def test_ray_keeps_only_the_weight_versions_uncollected_batches_need(tmp_path):
     """Fixed lag 8, newest version 4: batches 5-12 submitted, 5-10 finished in Ray's store (9's
     actor died under it), 13 on not submitted. The finished ones are taken in (kept in a
