@@ -31,7 +31,7 @@ def hf_config(family: str, tied: bool = False, **over):
     if family == "qwen2":
         return transformers.Qwen2Config(**kw)
     if family == "llama":
-        return transformers.LlamaConfig(rope_theta=500000.0, rope_scaling=LLAMA3, **kw)
+        return transformers.LlamaConfig(rope_theta=500000.0, rope_scaling=dict(LLAMA3), **kw)  # (adds to it)
     return transformers.Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2,
                                        moe_intermediate_size=32, mlp_only_layers=[1],
                                        **{"norm_topk_prob": True, **kw})
@@ -111,7 +111,7 @@ def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):
 @pytest.mark.parametrize("edit, culprit", [
     (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "mistral"),
     (dict(architectures=["Qwen2ForSequenceClassification"]), "Qwen2ForSequenceClassification"),
-    (dict(use_sliding_window=True), "use_sliding_window"),
+    (dict(use_sliding_window=True, sliding_window=8, layer_types=None, max_window_layers=1), "use_sliding"),
     (dict(layer_types=["sliding_attention", "full_attention", "full_attention"]), "layer_types"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
@@ -120,6 +120,14 @@ def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):
     (dict(layer_types=5), "layer_types must be a list"),
     (dict(rope_parameters="oops", rope_theta=None), "rope_parameters must be an object"),
     (dict(architectures="Qwen2ForCausalLM"), "architectures must be a list"),
+    (dict(architectures=[["Qwen2ForCausalLM"]]), "architectures must list strings"),
+    (dict(layer_types=["full_attention"] * 5), "layer_types lists 5 layers"),
+    (dict(norm_topk_prob="false"), "norm_topk_prob must be true or false"),
+    (dict(quantization_config={"quant_method": "fp8"}), r"quantized checkpoints \(quantization_config: fp8"),
+    # the two layouts' RoPE fields disagreeing: transformers 4 and 5 would read different values
+    (dict(rope_theta=1e6, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+     "rope_theta 1000000.0 and rope_parameters.rope_theta 10000.0 disagree"),
+    (dict(rope_scaling=dict(LLAMA3, rope_theta=5e5), rope_theta=1e4), "rope_scaling.rope_theta 500000.0"),
 ])
 def test_what_parity_does_not_honour_is_a_one_line_error(tmp_path, edit, culprit):
     hf_model("qwen2").save_pretrained(tmp_path)
@@ -167,6 +175,84 @@ def test_a_checkpoint_that_contradicts_its_config_is_refused_not_half_read(tmp_p
     _rewrite(tmp_path / "moe", **{name.format(8): None, name.format(3): up[:, :-1].clone()})
     with pytest.raises(CheckpointError, match=r"experts\.3\.up_proj\.weight has shape \(32, 63\)"):
         parity.load_model(tmp_path / "moe")
+
+
+@pytest.mark.parametrize("family, edit", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=None)),  # from layer 28 on
+    ("qwen2", dict(hidden_act="swish")),
+    ("qwen3", dict(head_dim=None)),  # null: hidden/heads (16 here), not Qwen3's default 128
+    ("llama", dict(original_max_position_embeddings=8, rope_scaling=None,
+                   rope_parameters={k: v for k, v in LLAMA3.items() if not k.startswith("original")})),
+    ("llama", dict(rope_scaling=LLAMA3, rope_parameters={**LLAMA3, "rope_theta": 5e5}, rope_theta=None)),
+])
+def test_configs_transformers_reads_as_plain_ones_load_and_agree(tmp_path, family, edit):
+    """Spellings transformers reads as something parity implements are read the same way (were
+    refused, or read with another theta / context: 0.16-0.55 nats off)."""
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None
+                                                      or k == "head_dim"}))
+    if "head_dim" not in edit:  # (transformers 5 refuses a null head_dim: the model saved is the reference)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = parity.load_model(tmp_path, dtype=torch.float32)
+    long = torch.arange(1, 120, 3)  # past the llama3 contexts, where theta and context matter
+    with torch.no_grad():
+        lp = parity.sequence_logprobs(ours, [long])[0]
+    assert torch.allclose(lp, hf_logprobs(hf, long), atol=1e-4)
+
+
+def test_malformed_checkpoint_files_are_one_line_errors(tmp_path):
+    """Shard indexes, tensors and configs that raised AttributeError/TypeError tracebacks, or were
+    read silently (a shard outside the directory, a tensor in two shards, integer weights cast,
+    experts stored both ways) are refused naming the problem; the control loads."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf_model("qwen3_moe").save_pretrained(tmp_path / "good")
+    parity.load_model(tmp_path / "good")
+
+    def case(edit, message):
+        d = tmp_path / "bad"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(tmp_path / "good", d)
+        edit(d)
+        with pytest.raises(CheckpointError, match=message) as err:
+            parity.load_model(d)
+        assert "\n" not in str(err.value)
+
+    def shards(weight_map, split=False):
+        def edit(d):
+            tensors = load_file(str(d / "model.safetensors"))
+            os.remove(d / "model.safetensors")
+            names = sorted(tensors)
+            save_file({n: tensors[n] for n in names[:5]} if split else tensors, str(d / "a.safetensors"))
+            save_file({n: tensors[n] for n in names[3:]} if split else {}, str(d / "b.safetensors"))
+            (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        return edit
+
+    def config(**kw):
+        def edit(d):
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**cfg, **kw}))
+        return edit
+
+    def tensors(**kw):
+        return lambda d: _rewrite(d, **kw)
+
+    case(shards(["a.safetensors"]), "weight_map must map tensor names to file names, got list")
+    case(shards({"x": 1}), "tensor x maps to 1")
+    case(shards({"x": "../good/model.safetensors"}), "not a file name in")
+    case(shards({"x": "a.safetensors", "y": "b.safetensors"}, split=True), "is also in another shard")
+    case(lambda d: (os.remove(d / "config.json"), os.mkdir(d / "config.json")), "cannot read the config")
+    case(config(vocab_size=2 ** 34), r"embed_tokens.weight has shape \(128, 64\), config.json implies")
+    case(config(intermediate_size=2 ** 40), "cannot be built here")
+    case(tensors(**{"model.norm.weight": torch.ones(64, dtype=torch.int64)}), "norm.weight has dtype int64")
+    stacked = torch.zeros(8, 64, 64)
+    case(tensors(**{"model.layers.0.mlp.experts.gate_up_proj": stacked}), "stored both stacked and expert by")
 
 
 def test_transformers_defaults_and_buffers_are_honoured(tmp_path):

@@ -65,15 +65,26 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not files[0].exists() and index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as exc:
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names, "
+                                  f"got {type(weight_map).__name__}")
+        for name, file in weight_map.items():  # shards lie beside the index, nowhere else
+            if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+                raise CheckpointError(f"{index}: tensor {name} maps to {file!r}, not a file name in "
+                                      f"{path}")
         files = [path / name for name in sorted(set(weight_map.values()))]
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         if not f.exists():
             raise CheckpointError(f"{f}: weights file not found")
         try:
-            tensors.update(load_file(str(f)))
+            shard = load_file(str(f))
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({exc})") from None
+        twice = sorted(set(shard) & set(tensors))
+        if twice:  # (the later shard's silently won)
+            raise CheckpointError(f"{f}: tensor {twice[0]} is also in another shard")
+        tensors.update(shard)
     return tensors

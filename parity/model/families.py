@@ -35,6 +35,8 @@ def read_json(path: Path) -> dict[str, Any]:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except OSError as exc:  # a directory, no permission
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -73,32 +75,76 @@ def _check_types(data: dict, where: str) -> None:
         v = data.get(key)
         if v is not None and not isinstance(v, list):
             raise ConfigError(f"{where}: {key} must be a list, got {v!r}")
+    for key in ("architectures", "layer_types"):
+        bad = [x for x in data.get(key) or [] if not isinstance(x, str)]
+        if bad:
+            raise ConfigError(f"{where}: {key} must list strings, got {bad[0]!r}")
+    if data.get("norm_topk_prob") is not None and not isinstance(data["norm_topk_prob"], bool):
+        raise ConfigError(f"{where}: norm_topk_prob must be true or false, got {data['norm_topk_prob']!r}")
     if data.get("rope_parameters") is not None and not isinstance(data["rope_parameters"], dict):
         raise ConfigError(f"{where}: rope_parameters must be an object, got {data['rope_parameters']!r}")
 
 
+def _number(value, what: str, where: str):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{where}: {what} must be a number, got {value!r}")
+    return value
+
+
 def _rope(data: dict, where: str) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from transformers 4 (`rope_theta`, `rope_scaling`) or 5
-    (`rope_parameters`) layouts."""
+    """(rope_theta, rope_scaling) as transformers reads them from either layout: 4.x
+    (`rope_theta`, `rope_scaling`) or 5.x (`rope_parameters`). A legacy `rope_scaling` wins over
+    `rope_parameters` in both versions; with `rope_parameters` alone 5.x takes its theta over a
+    top-level one, which 4.x would read: values the two versions would read differently are
+    refused, never guessed."""
     params = data.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per layer type (5.x)
         params = params["full_attention"]
         if not isinstance(params, dict):
             raise ConfigError(f"{where}: rope_parameters.full_attention must be an object, got {params!r}")
-    theta = data.get("rope_theta")
-    if theta is None:
-        theta = (params or {}).get("rope_theta")
-        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))):
-            raise ConfigError(f"{where}: rope_parameters.rope_theta must be a number, got {theta!r}")
-    theta = 10000.0 if theta is None else theta
+    top = data.get("rope_theta")
     scaling = data.get("rope_scaling")
-    if scaling is None and isinstance(params, dict):
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
     if scaling is not None and not isinstance(scaling, dict):
         raise ConfigError(f"{where}: rope_scaling must be an object, got {scaling!r}")
+    if scaling is not None:  # 4.x and 5.x: rope_parameters unread
+        own = _number(scaling.get("rope_theta"), "rope_scaling.rope_theta", where)
+        if own is not None and top is not None and float(own) != float(top):
+            raise ConfigError(f"{where}: rope_theta {top} and rope_scaling.rope_theta {own} disagree "
+                              "(transformers 4 reads the first, 5 the second): remove one")
+        theta = top if top is not None else own
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    elif isinstance(params, dict):
+        theta = _number(params.get("rope_theta"), "rope_parameters.rope_theta", where)
+        if theta is not None and top is not None and float(theta) != float(top):
+            raise ConfigError(f"{where}: rope_theta {top} and rope_parameters.rope_theta {theta} disagree "
+                              "(transformers 4 reads the first, 5 the second): remove one")
+        theta = top if theta is None else theta
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = top
+    theta = 10000.0 if theta is None else theta
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    context = _number(data.get("original_max_position_embeddings"), "original_max_position_embeddings", where)
+    if scaling is not None and context is not None:  # (5.x: the top-level one wins; 4.x reads the inner)
+        inner = scaling.get("original_max_position_embeddings")
+        if inner is not None and inner != context:
+            raise ConfigError(f"{where}: original_max_position_embeddings {context} and the RoPE scaling's "
+                              f"{inner} disagree (transformers 5 reads the first, 4 the second): remove one")
+        scaling = {**scaling, "original_max_position_embeddings": context}
     return theta, scaling
+
+
+def _sliding_layers(data: dict, where: str) -> list[int]:
+    """The layers transformers gives sliding-window attention when `layer_types` is absent:
+    from `max_window_layers` on, where `use_sliding_window` and a `sliding_window` are set."""
+    if not data.get("use_sliding_window") or data.get("sliding_window") is None:
+        return []
+    first = data.get("max_window_layers", 28)  # (transformers' default)
+    if isinstance(first, bool) or not isinstance(first, int):
+        raise ConfigError(f"{where}: max_window_layers must be an integer, got {first!r}")
+    layers = data["num_hidden_layers"]  # (a wrong type is ModelConfig's one-line error)
+    return [i for i in range(layers) if i >= first] if isinstance(layers, int) else []
 
 
 def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> ModelConfig:
@@ -108,14 +154,24 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise ConfigError(f"{where}: required field {missing[0]!r} is missing")
-    if data.get("hidden_act", "silu") != "silu":
+    if data.get("quantization_config") is not None:
+        kind = data["quantization_config"]
+        kind = kind.get("quant_method", "?") if isinstance(kind, dict) else kind
+        raise ConfigError(f"{where}: quantized checkpoints (quantization_config: {kind}) are not supported: "
+                          "load a dequantized (float32/bfloat16/float16) checkpoint")
+    if data.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers: the same function)
         raise ConfigError(f"{where}: hidden_act {data['hidden_act']!r} is not supported (only 'silu')")
-    if data.get("use_sliding_window"):
-        raise ConfigError(f"{where}: sliding-window attention (use_sliding_window=true) is not supported")
-    layer_types = data.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
+    layer_types = data.get("layer_types")
+    if layer_types is None:  # transformers derives them (and then follows layer_types alone)
+        if _sliding_layers(data, str(where)):
+            raise ConfigError(f"{where}: sliding-window attention (use_sliding_window=true from layer "
+                              f"{data.get('max_window_layers', 28)} on) is not supported")
+    elif any(t != "full_attention" for t in layer_types):
         raise ConfigError(f"{where}: layer_types {sorted(set(layer_types))} are not supported "
                           "(only full attention)")
+    elif len(layer_types) != data["num_hidden_layers"]:
+        raise ConfigError(f"{where}: layer_types lists {len(layer_types)} layers, num_hidden_layers is "
+                          f"{data['num_hidden_layers']}")
     if data.get("mlp_bias"):
         raise ConfigError(f"{where}: mlp_bias=true is not supported")
     if model_type != "qwen2" and data.get("attention_bias"):
@@ -125,8 +181,8 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                                    "num_attention_heads", "num_key_value_heads", "head_dim",
                                    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
                                    "bos_token_id", "eos_token_id") if data.get(k) is not None}
-    if model_type == "qwen3":
-        fields.setdefault("head_dim", 128)  # transformers' Qwen3Config default (not hidden/heads)
+    if model_type == "qwen3" and "head_dim" not in data:
+        fields["head_dim"] = 128  # transformers' Qwen3Config default (not hidden/heads; null means that)
     fields.setdefault("num_key_value_heads", data["num_attention_heads"])
     fields.setdefault("max_position_embeddings", _DEFAULT_CONTEXT[model_type])
     fields.setdefault("tie_word_embeddings", False)  # every supported family's default
@@ -136,7 +192,7 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         fields.update(num_experts=data.get("num_experts", data.get("num_local_experts")),
                       num_experts_per_tok=data.get("num_experts_per_tok"),
                       moe_intermediate_size=data.get("moe_intermediate_size"),
-                      norm_topk_prob=bool(data.get("norm_topk_prob", False)),
+                      norm_topk_prob=data.get("norm_topk_prob") or False,
                       decoder_sparse_step=data.get("decoder_sparse_step", 1),
                       mlp_only_layers=list(data.get("mlp_only_layers") or []),
                       router_aux_loss_coef=float(data.get("router_aux_loss_coef") or 0.0))
@@ -211,6 +267,8 @@ def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
                 if tuple(t.shape) != shape:
                     raise ConfigError(f"{where}: tensor {prefix}.{e}.{kind}.weight has shape "
                                       f"{tuple(t.shape)}, config.json implies {shape}")
+        if f"{prefix}.gate_up_proj" in out or f"{prefix}.down_proj" in out:  # (one silently won)
+            raise ConfigError(f"{where}: {prefix} is stored both stacked and expert by expert")
         stack = {k: torch.stack([parts[k][e] for e in range(cfg.num_experts)]) for k in parts}
         out[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
         out[f"{prefix}.down_proj"] = stack["down_proj"]

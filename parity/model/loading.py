@@ -17,6 +17,8 @@ from .checkpoint import read_tensors
 from .decoder import DEFAULT_BLOCK_SIZE, Model
 from .families import config_from_hf, read_json, tensors_from_files
 
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 
 def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | None = None,
                block_size: int | None = None, device: torch.device | str | None = None):
@@ -43,8 +45,21 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
     if layers and layers != set(range(config.num_hidden_layers)):  # (before a model of that size is built)
         raise CheckpointError(f"{path}: the weights hold layers {min(layers)}..{max(layers)}, "
                               f"config.json says num_hidden_layers = {config.num_hidden_layers}")
-    model = Model(config, kernels=kernels, dtype=dtype, seed=None,
-                  block_size=block_size or DEFAULT_BLOCK_SIZE)
+    for name, t in tensors.items():
+        if t.dtype not in _WEIGHT_DTYPES:  # (int, bool or float8 ones were cast without a word)
+            raise CheckpointError(f"{path}: tensor {name} has dtype {str(t.dtype).removeprefix('torch.')}; "
+                                  "parity loads float32, bfloat16 or float16 weights")
+    embed = tensors.get("model.embed_tokens.weight")
+    want = (config.vocab_size, config.hidden_size)
+    if embed is not None and tuple(embed.shape) != want:  # (before a model of the config's size is built)
+        raise CheckpointError(f"{path}: tensor model.embed_tokens.weight has shape {tuple(embed.shape)}, "
+                              f"config.json implies {want}")
+    try:
+        model = Model(config, kernels=kernels, dtype=dtype, seed=None,
+                      block_size=block_size or DEFAULT_BLOCK_SIZE)
+    except (RuntimeError, MemoryError) as exc:  # sizes no memory holds (e.g. a wrong intermediate_size)
+        raise CheckpointError(f"{path}: the model config.json describes cannot be built here "
+                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     expected, dtype = model.state_dict(), model.dtype  # (a dtype given by name resolved)
     weights_file = path / "model.safetensors"
     for name in [n for n in tensors if n.endswith(".rotary_emb.inv_freq")]:
