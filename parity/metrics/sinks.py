@@ -13,8 +13,10 @@ from ..errors import CheckpointError, ParityError
 log = logging.getLogger(__name__)
 
 
-def read_metrics(run_dir: str | Path, limit: int | None = None) -> list[dict]:
-    """A run directory's metrics.jsonl as a list of per-step dicts (the first `limit` of them).
+def read_metrics(run_dir: str | Path, limit: int | None = None, before_step: int | None = None) -> list[dict]:
+    """A run directory's metrics.jsonl as a list of per-step dicts (the first `limit` of them;
+    with `before_step`, those up to the first record of that step or later: a resume keeps the
+    steps its checkpoint holds by their numbers, not by line counts).
 
     A last line cut short (a process killed in the middle of writing it: no newline after it) is
     left out with a warning; any other line that is not a JSON object is a `CheckpointError`
@@ -39,6 +41,9 @@ def read_metrics(run_dir: str | Path, limit: int | None = None) -> list[dict]:
         if not isinstance(record, dict):
             raise CheckpointError(f"{path} line {n} is a JSON {type(record).__name__}, not a record "
                                   "(an object of metric names); fix or remove that line")
+        step = record.get("step")
+        if before_step is not None and isinstance(step, (int, float)) and step >= before_step:
+            break
         records.append(record)
     return records
 

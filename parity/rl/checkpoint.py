@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import pickle
 import re
@@ -25,6 +26,8 @@ from ..errors import CheckpointError
 from .faults import checkpoint_fault
 from .learner import Learner
 from .trajectory import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 
 def _sha256(path: Path) -> str:
@@ -213,6 +216,8 @@ def load(path: Path, cfg):
     try:
         learner.optimizer.load_state_dict(state["optimizer"])
         learner.scheduler.load_state_dict(state["scheduler"])
+        for change in learner.adopt_config():
+            log.info("resuming with %s (this run's config)", change)
         if state["master"] is not None:
             with torch.no_grad():
                 for m, saved in zip(learner.master, state["master"], strict=True):

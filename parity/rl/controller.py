@@ -57,6 +57,8 @@ class _Clock:
 
     @staticmethod
     def resumed(metrics: list[dict], start_step: int) -> _Clock:
+        if metrics and metrics[-1].get("step") != start_step - 1:  # records missing at the end:
+            metrics = []  # their clock stopped before the checkpoint's step; time from the resume
         prior = metrics[-1] if metrics else {}
         wall0 = float(prior.get("time/wall_s", 0.0))
         return _Clock(time.perf_counter() - wall0, 0 if prior else start_step,
@@ -115,7 +117,13 @@ class Controller:
         metrics_path = self.run_dir / "metrics.jsonl"
         if metrics_path.exists():  # keep the records of the steps the checkpoint contains
             self.metrics = [{k: v for k, v in record.items() if not k.endswith("_final")}
-                            for record in read_metrics(self.run_dir, limit=self.start_step)]
+                            for record in read_metrics(self.run_dir, before_step=self.start_step)]
+            kept = [r.get("step") for r in self.metrics]
+            if kept != list(range(self.start_step)):  # (was kept by line count: steps repeated or lost)
+                lost = sorted(set(range(self.start_step)) - set(kept))
+                log.warning("%s holds %d records for the %d steps %s contains (missing steps: %s); "
+                            "they stay as they are", metrics_path, len(kept), self.start_step, path.name,
+                            ", ".join(map(str, lost[:10])) + (" ..." if len(lost) > 10 else "") or "none")
         log.info("resuming %s from %s (step %d, policy version %d)", self.run_dir, path.name,
                  self.start_step, self.learner.version)
 

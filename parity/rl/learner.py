@@ -96,6 +96,22 @@ class Learner:
             raise ParityError(f"the learner's update at step {self.steps} failed part-way ({self.torn}): its "
                               "weights and optimizer state may disagree; resume from the last checkpoint")
 
+    def adopt_config(self) -> list[str]:
+        """After a restored optimizer and schedule (a resume): this run's lr, betas and weight
+        decay replace the saved ones (loading the state restored those; a resume with a new lr
+        trained on at the old one while config.toml recorded the new). Returns what changed."""
+        cfg, groups = self.config, self.optimizer.param_groups
+        old = {"lr": self.scheduler.base_lrs[0], "betas": tuple(groups[0]["betas"]),
+               "weight_decay": groups[0]["weight_decay"]}
+        new = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
+        self.scheduler.base_lrs = [cfg.lr] * len(groups)
+        factor = self._lr_factor(self.scheduler.last_epoch)  # as LambdaLR sets it, from the new base
+        for group in groups:
+            group.update(lr=cfg.lr * factor, initial_lr=cfg.lr, betas=new["betas"],
+                         weight_decay=cfg.weight_decay)
+        self.scheduler._last_lr = [group["lr"] for group in groups]  # (what get_last_lr() reports)
+        return [f"learner.{k} {old[k]} -> {new[k]}" for k in new if old[k] != new[k]]
+
     # ------------------------------------------------------------------ weights
     def _lr_factor(self, step: int) -> float:
         cfg = self.config

@@ -436,3 +436,27 @@ def test_a_run_resumed_without_its_metrics_counts_only_the_steps_it_timed(tmp_pa
     first = metrics[0]
     span = last["time/wall_s"] - first["time/wall_s"]
     assert last["throughput/steady_steps_per_hour"] == pytest.approx(3600 * 2 / span, rel=1e-3)
+
+
+def test_a_resume_takes_the_runs_own_optimizer_settings_and_keeps_records_by_step(tmp_path, caplog):
+    """A resume with a new lr, betas and weight decay trains with them (the restored optimizer
+    state brought back the old ones while config.toml recorded the new); the kept records are
+    those of the checkpoint's steps by number (a removed line made a line count keep step 3 and
+    write it again), the missing one named."""
+    import logging
+
+    args = ("eval_every=0", "checkpoint_every=3")
+    Controller(config(tmp_path, *args, "steps=5")).run()
+    shutil.rmtree(tmp_path / "checkpoint-5")  # as if killed after step 4's record
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "metrics.jsonl").write_text("".join(lines[:1] + lines[2:]))  # step 1's line removed
+    new = ("learner.lr=0.1", "learner.weight_decay=0.5", "learner.betas=[0.5, 0.6]")
+    with caplog.at_level(logging.INFO, logger="parity"):
+        run = Controller(config(tmp_path, *args, "steps=5", *new), resume=True)
+        metrics = run.run()
+    group = run.learner.optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (0.1, (0.5, 0.6), 0.5)
+    assert [m["train/lr"] for m in metrics[-2:]] == [0.1, 0.1]
+    assert "learner.lr 0.003 -> 0.1" in caplog.text and "missing steps: 1" in caplog.text
+    assert [m["step"] for m in metrics] == [0, 2, 3, 4]
+    assert "throughput/steps_per_hour" in metrics[-1]
