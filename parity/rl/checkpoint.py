@@ -9,6 +9,7 @@ A directory without a valid manifest, or whose files do not match it, is refused
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..dtypes import dtype_from_name
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ParityError
 from .faults import checkpoint_fault
 from .learner import Learner
 from .trajectory import RolloutBatch
@@ -55,8 +56,25 @@ class _Writes(io.RawIOBase):
             raise
 
 
-def _trainer_state(step: int, learner: Learner, separate: bool, ready: list | None) -> dict:
-    return {
+def sampling_fields(cfg) -> dict:
+    """What a batch sampled ahead was sampled and scored under, besides its weights: a resume
+    whose config changes any of it samples those batches again (they were trained on as they
+    were: another temperature's log-probs in the importance weights, the old task's rewards)."""
+    r = cfg.rollout
+    return {"rollout": {k: getattr(r, k) for k in ("prompts_per_step", "group_size", "max_tokens",
+                                                   "temperature", "lengths")},
+            "task": dataclasses.asdict(cfg.task), "model": {"kernels": cfg.model.kernels}}
+
+
+def _changed(saved: dict, now: dict) -> list[str]:
+    return [f"{section}.{k}" for section in sorted(set(saved) | set(now))
+            for k in sorted(set(saved.get(section, {})) | set(now.get(section, {})))
+            if saved.get(section, {}).get(k) != now.get(section, {}).get(k)]
+
+
+def _trainer_state(step: int, learner: Learner, separate: bool, ready: list | None,
+                   sampled_under: dict | None) -> dict:
+    return {"sampled_under": sampled_under,
         "step": step, "version": learner.version, "steps": learner.steps,
         "optimizer": learner.optimizer.state_dict(), "scheduler": learner.scheduler.state_dict(),
         "master": [m.detach() for m in learner.master] if separate else None,
@@ -66,7 +84,7 @@ def _trainer_state(step: int, learner: Learner, separate: bool, ready: list | No
 
 
 def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | None = None,
-         ready: list | None = None) -> Path:
+         ready: list | None = None, sampled_under: dict | None = None) -> Path:
     """Write checkpoint-<step>; `tokenizer` (a tokenizer.json) is copied in so the checkpoint
     can be evaluated or trained from on its own; `ready`: RolloutBatches sampled for steps after
     `step` (a resumed run consumes them instead of sampling them again)."""
@@ -86,7 +104,7 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
         with (tmp / "trainer_state.pt").open("wb") as raw:
             out = _Writes(raw)
             try:
-                torch.save(_trainer_state(step, learner, separate, ready), out)
+                torch.save(_trainer_state(step, learner, separate, ready, sampled_under), out)
             except RuntimeError:
                 if out.error is not None:
                     raise out.error from None
@@ -126,6 +144,48 @@ def _sync(*paths: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+LOCK = ".parity-lock"
+"""The file a run holds an exclusive lock on while it trains in its run dir (its pid inside)."""
+
+
+class RunLock:
+    """One run at a time in a run dir: a second one (or a resume of a run still going) is
+    refused in one line (two wrote into one metrics.jsonl and one set of checkpoints). The lock
+    is the OS's (flock): it goes with the process, however that ends."""
+
+    def __init__(self, run_dir: Path):
+        self.path, self.fd = Path(run_dir) / LOCK, None
+
+    def acquire(self) -> RunLock:
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # (a read-only run dir fails on its own writes, with its own message)
+            return self
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ParityError(f"{self.path.parent} is in use by another run (pid {holder}): wait for it "
+                              "to end, or choose another run_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def check(self) -> None:
+        """Refuse now if another run holds the run dir (before anything in it is read or cleared)."""
+        if self.path.parent.is_dir():
+            self.acquire().release()
 
 
 DEMO_MARK = ".parity-demo"
@@ -227,6 +287,12 @@ def load(path: Path, cfg):
         torch.set_rng_state(state["torch_rng"])
         step = int(state["step"])
         ready = [RolloutBatch.from_dict(b) for b in state.get("ready", [])]
+        changed = _changed(state.get("sampled_under") or {}, sampling_fields(cfg)) \
+            if ready and state.get("sampled_under") is not None else []
+        if changed:
+            log.warning("the %d batches %s sampled ahead were sampled under another %s: sampling them "
+                        "again", len(ready), path.name, ", ".join(changed))
+            ready = []
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise CheckpointError(f"{where}: does not match this run's model or optimizer ({exc})") from None
     return model, learner, step, ready

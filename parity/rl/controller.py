@@ -79,6 +79,7 @@ class Controller:
         self.metrics: list[dict] = []
         self.interrupted = False
         self._saved: tuple[int, Path] | None = None  # the last checkpoint written: (step, path)
+        checkpoint.RunLock(self.run_dir).check()  # another run's dir is neither read nor cleared
         if resume:
             self._resume()
         else:
@@ -131,8 +132,15 @@ class Controller:
         """Train to `cfg.steps`; `progress(step, metrics)` is called after every step (a display
         that fails, e.g. stdout piped into `head`, is dropped; training goes on). Any error ends
         the run with a checkpoint at the last whole step boundary (the batch in hand kept)."""
-        cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        lock = checkpoint.RunLock(self.run_dir).acquire()
+        try:
+            return self._run(progress)
+        finally:
+            lock.release()
+
+    def _run(self, progress) -> list[dict]:
+        cfg = self.cfg
         for name in checkpoint.sweep(self.run_dir):
             log.info("removed %s (a save that was interrupted)", name)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
@@ -325,6 +333,7 @@ class Controller:
         except Exception as exc:  # noqa: BLE001 - a failing worker: save what is in hand
             log.warning("could not take in the finished batches before saving: %s", exc)
         ready = ([in_hand] if in_hand is not None else []) + self.rollout.ready_batches()
-        path = checkpoint.save(self.run_dir, step, self.model, self.learner, tokenizer, ready=ready)
+        path = checkpoint.save(self.run_dir, step, self.model, self.learner, tokenizer, ready=ready,
+                               sampled_under=checkpoint.sampling_fields(self.cfg))
         self._saved = (step, path)
         return path

@@ -245,7 +245,7 @@ class LocalRollout:
             remove_stale_spools(root)
             # named by this process's pid: whose it is, if one is ever left behind
             self.spool = tempfile.mkdtemp(prefix=f"parity-batches-{os.getpid()}-", dir=root)
-        self.floor = resume_floor(self.cfg, self.versions(), start_batch)
+        self.floor = resume_floor(self.cfg, self.versions(), start_batch, ready)
         self.ready = restored(self.cfg, ready, start_batch, self.floor)
         n = len(self.slots)
         for slot in self.slots:

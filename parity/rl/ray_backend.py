@@ -142,7 +142,7 @@ class RayRollout:
     def start(self, start_batch: int, ready: list[RolloutBatch] | None = None) -> None:
         """Start the actors on batches start_batch, ...; `ready` batches (from a checkpoint) are
         served as they are."""
-        self.floor = resume_floor(self.cfg, self.versions(), start_batch)
+        self.floor = resume_floor(self.cfg, self.versions(), start_batch, ready)
         self.ready = restored(self.cfg, ready, start_batch, self.floor)
         self._connect()
         torch.set_num_threads(split_threads(self.cfg)[1])

@@ -176,15 +176,20 @@ def start_version(cfg: TrainConfig, versions: dict, first: int) -> int:
     return max(versions)
 
 
-def resume_floor(cfg: TrainConfig, versions: dict, start_batch: int) -> int:
+def resume_floor(cfg: TrainConfig, versions: dict, start_batch: int,
+                 ready: list[RolloutBatch] | None = None) -> int:
     """The oldest version batches from `start_batch` on may ask for: 0 in a fresh or exactly
     resumed run; in a deterministic run resumed past its planned end, the oldest version kept
-    (the fixed-lag versions of the next batches are gone: those batches are sampled by it)."""
-    oldest = min(versions)
-    if cfg.deterministic and max(0, start_batch - cfg.max_policy_lag) < oldest:
+    (the fixed-lag versions of the next batches are gone: those batches are sampled by it).
+    Batches the checkpoint holds, sampled by their fixed-lag version, need none."""
+    oldest, lag = min(versions), cfg.max_policy_lag
+    have = {b.index for b in ready or [] if b.version == max(0, b.index - lag)}
+    short = [b for b in range(start_batch, min(cfg.steps, oldest + lag))
+             if max(0, b - lag) < oldest and b not in have]
+    if cfg.deterministic and short:
         log.warning("batches %d..%d are sampled by version %d: their fixed-lag versions were not kept "
-                    "(resumed past the run's planned end, or with another max_policy_lag)", start_batch,
-                    oldest + cfg.max_policy_lag - 1, oldest)
+                    "(resumed past the run's planned end, or with another max_policy_lag)", short[0],
+                    short[-1], oldest)
         return oldest
     return 0
 

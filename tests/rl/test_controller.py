@@ -272,8 +272,11 @@ def test_kept_weight_versions_do_not_grow_with_the_lag(tmp_path):
     assert metrics[-1]["mismatch/weight_lag_mean_abs"] > 0
 
 
-def test_checkpoint_keeps_batches_sampled_ahead(tmp_path):
-    """A checkpoint stores the batches sampled for later steps as plain data and gives them back."""
+def test_checkpoint_keeps_batches_sampled_ahead(tmp_path, caplog):
+    """A checkpoint stores the batches sampled for later steps as plain data and gives them back,
+    unless the run resumed samples under another config."""
+    import logging
+
     from parity.rl import checkpoint
     from parity.rl.build import build_model
     from parity.rl.learner import Learner
@@ -284,11 +287,19 @@ def test_checkpoint_keeps_batches_sampled_ahead(tmp_path):
     tr = Trajectory([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.25], [-1, 0, 0], 1.0, 0,
                     sampled_learner_logprobs=[float("nan"), -0.5, -0.25])
     ready = [RolloutBatch(3, [tr], 0, 0.1, 0.0, {"rollout/turns": 1.0})]
-    path = checkpoint.save(tmp_path, 2, model, Learner(model, cfg.learner), ready=ready)
+    path = checkpoint.save(tmp_path, 2, model, Learner(model, cfg.learner), ready=ready,
+                           sampled_under=checkpoint.sampling_fields(cfg))
     _, _, step, back = checkpoint.load(path, cfg)
     assert step == 2 and len(back) == 1 and back[0].index == 3
     assert back[0].trajectories[0].token_ids == [1, 2, 3]
     assert back[0].trajectories[0].sampled_learner_logprobs[1:] == [-0.5, -0.25]
+    # resumed with another temperature or task: sampled again (were trained on as they were: the
+    # old temperature's log-probs in the importance weights, the old targets' rewards)
+    for change in ("rollout.temperature=0.5", "task.targets=[1]", 'model.kernels="standard"'):
+        with caplog.at_level(logging.WARNING, logger="parity"):
+            assert checkpoint.load(path, config(tmp_path, "steps=4", change))[3] == []
+        assert f"sampled under another {change.split('=')[0]}" in caplog.text
+    assert len(checkpoint.load(path, config(tmp_path, "steps=9", "learner.lr=0.1"))[3]) == 1  # unrelated
 
 
 def test_a_run_resumed_with_a_smaller_lag_samples_again_the_batches_it_does_not_admit(tmp_path, caplog):
@@ -308,6 +319,19 @@ def test_a_run_resumed_with_a_smaller_lag_samples_again_the_batches_it_does_not_
     with caplog.at_level(logging.WARNING, logger="parity"):
         assert restored(config(tmp_path, "max_policy_lag=0", "deterministic=true"), ready, 3, 0) == {}
     assert "batches [3, 4, 5, 6] of the checkpoint" in caplog.text
+    # a lag-2 run resumed at step 3 keeps version 3 only: batches 3 and 4 need versions 1 and 2,
+    # gone, unless the checkpoint holds them sampled (it warned on every exact resume)
+    from parity.rl.rollout_worker import resume_floor
+
+    lag2 = config(tmp_path, "max_policy_lag=2", "deterministic=true", "steps=6")
+    ahead = [RolloutBatch(3, [], 1, 0.0, 0.0), RolloutBatch(4, [], 2, 0.0, 0.0)]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="parity"):
+        assert resume_floor(lag2, {3: None}, 3, ahead) == 0
+        assert "were not kept" not in caplog.text
+        assert resume_floor(lag2, {3: None}, 3, ahead[:1]) == 3
+        assert "batches 4..4 are sampled by version 3" in caplog.text
+        assert resume_floor(lag2, {0: None}, 0, []) == 0 and caplog.text.count("were not kept") == 1
     ready.append(RolloutBatch(7, [], 6, 0.0, 0.0))
     natural = config(tmp_path, "max_policy_lag=3")  # natural staleness: version >= index - lag
     assert sorted(restored(natural, ready, 3, 0)) == [3, 7]
@@ -460,3 +484,28 @@ def test_a_resume_takes_the_runs_own_optimizer_settings_and_keeps_records_by_ste
     assert "learner.lr 0.003 -> 0.1" in caplog.text and "missing steps: 1" in caplog.text
     assert [m["step"] for m in metrics] == [0, 2, 3, 4]
     assert "throughput/steps_per_hour" in metrics[-1]
+
+
+def test_a_run_dir_in_use_by_another_run_is_refused(tmp_path):
+    """While a run trains in a run dir another process's run there, or a resume of it, is refused
+    in one line naming the holder (both ran: the second's rewrite lost the first's records, and
+    a resume mixed one's weights with the other's config); once it ends the dir is free."""
+    import subprocess
+    import sys
+
+    from parity.errors import ParityError
+
+    tmp_path.mkdir(exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from parity.rl.checkpoint import RunLock; RunLock(sys.argv[1]).acquire(); "
+        "print('held', flush=True); time.sleep(60)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for resume in (False, True):
+            with pytest.raises(ParityError, match=rf"in use by another run \(pid {holder.pid}\)"):
+                Controller(config(tmp_path, "steps=1", "eval_every=0"), resume=resume)
+    finally:
+        holder.kill()
+        holder.wait()
+    Controller(config(tmp_path, "steps=1", "eval_every=0")).run()  # its lock went with its process
+    Controller(config(tmp_path, "steps=2", "eval_every=0"), resume=True).run()  # and a run's with its end
