@@ -243,3 +243,25 @@ def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path
         err = capsys.readouterr().err
         assert err.startswith(f"parity: error: {out / 'sft.json'}")
         assert err.endswith("rebuild it with --force\n")
+
+
+def test_a_run_resumes_after_its_starting_checkpoint_went(base, tmp_path):
+    """The task's tokenizer comes from the run's own checkpoint once the directory the run started
+    from is gone (the resume was refused for want of its tokenizer.json, the copy beside the
+    weights unused, and model.checkpoint cannot be changed on a resume)."""
+    import shutil
+
+    from parity.config import load_config
+    from parity.rl import Learner, checkpoint
+    from parity.rl.controller import Controller
+
+    start = tmp_path / "mybase"
+    shutil.copytree(base, start)
+    cfg = load_config(None, ['task.name="math"', "task.heldout_size=4", "eval_prompts=4", "steps=2",
+                             f'model.checkpoint="{start}"', f'run_dir="{tmp_path / "run"}"'])
+    model = load_model(start)
+    checkpoint.save(tmp_path / "run", 1, model, Learner(model, cfg.learner), start / "tokenizer.json")
+    shutil.rmtree(start)
+    run = Controller(cfg, resume=True)  # (refused here: no tokenizer.json in mybase)
+    assert run.cfg.model.checkpoint == str(tmp_path / "run" / "checkpoint-1")
+    assert run.env.describe() and run.start_step == 1

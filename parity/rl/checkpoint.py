@@ -257,6 +257,32 @@ def verify(path: Path) -> dict:
     return data
 
 
+_ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
+                 "moe_intermediate_size", "tie_word_embeddings")
+
+
+def _check_belongs(path: Path, cfg, model) -> None:
+    """Refuse a checkpoint that is not this run's: of another model or dtype than the run's
+    config.toml describes (a copied-in one trained on under the wrong config), or misnamed."""
+    from ..model import ModelConfig
+    from ..model.families import config_from_hf, read_json
+
+    try:
+        src = cfg.model.checkpoint and Path(cfg.model.checkpoint) / "config.json"
+        want = config_from_hf(read_json(src), src) if src else ModelConfig.preset(cfg.model.preset)
+    except ParityError:  # the run's starting checkpoint is gone: nothing to compare with
+        want = None
+    diff = [k for k in _ARCHITECTURE if want is not None and getattr(want, k) != getattr(model.config, k)]
+    if diff:
+        raise CheckpointError(f"{path} holds a model with {diff[0]} = {getattr(model.config, diff[0])}; this "
+                              f"run's config describes {getattr(want, diff[0])}: not this run's checkpoint")
+    saved = json.loads((path / "config.json").read_text()).get("torch_dtype")
+    if cfg.learner.compute_dtype != "auto" and saved not in (None, cfg.learner.compute_dtype):
+        raise CheckpointError(f"{path} holds {saved} weights; this run's model.dtype is "
+                              f"{cfg.learner.compute_dtype} (the checkpoint fixes it)")
+
+
 def load(path: Path, cfg):
     """(model, learner, step, ready batches) restored from a verified checkpoint directory."""
     from ..model import load_model
@@ -264,6 +290,7 @@ def load(path: Path, cfg):
     verify(path)
     model = load_model(path, kernels=cfg.model.kernels, dtype=dtype_from_name(cfg.learner.compute_dtype),
                        device=cfg.model.device)
+    _check_belongs(path, cfg, model)
     where = path / "trainer_state.pt"
     try:
         state = torch.load(where, weights_only=True)
@@ -286,6 +313,9 @@ def load(path: Path, cfg):
         learner.history = dict(state["history"])
         torch.set_rng_state(state["torch_rng"])
         step = int(state["step"])
+        named = re.fullmatch(r"checkpoint-(\d+)", path.name)
+        if named and int(named.group(1)) != step:
+            raise CheckpointError(f"{path} holds step {step}: not this run's {path.name} (copied in?)")
         ready = [RolloutBatch.from_dict(b) for b in state.get("ready", [])]
         changed = _changed(state.get("sampled_under") or {}, sampling_fields(cfg)) \
             if ready and state.get("sampled_under") is not None else []

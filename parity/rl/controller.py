@@ -19,7 +19,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import TrainConfig, revalidated, to_toml
@@ -82,6 +82,7 @@ class Controller:
         checkpoint.RunLock(self.run_dir).check()  # another run's dir is neither read nor cleared
         if resume:
             self._resume()
+            cfg = self.cfg  # (its tokenizer may come from the checkpoint now)
         else:
             earlier = checkpoint.found(self.run_dir)
             if earlier and not overwrite:
@@ -125,6 +126,11 @@ class Controller:
                 log.warning("%s holds %d records for the %d steps %s contains (missing steps: %s); "
                             "they stay as they are", metrics_path, len(kept), self.start_step, path.name,
                             ", ".join(map(str, lost[:10])) + (" ..." if len(lost) > 10 else "") or "none")
+        if self.cfg.task.name != "target_tokens" and (path / "tokenizer.json").exists() \
+                and not Path(self.cfg.model.checkpoint or path, "tokenizer.json").exists():
+            log.info("%s has no tokenizer.json now (moved or removed): the task reads %s's copy",
+                     self.cfg.model.checkpoint, path.name)  # (the resume failed for want of it)
+            self.cfg = replace(self.cfg, model=replace(self.cfg.model, checkpoint=str(path)))
         log.info("resuming %s from %s (step %d, policy version %d)", self.run_dir, path.name,
                  self.start_step, self.learner.version)
 

@@ -509,3 +509,26 @@ def test_a_run_dir_in_use_by_another_run_is_refused(tmp_path):
         holder.wait()
     Controller(config(tmp_path, "steps=1", "eval_every=0")).run()  # its lock went with its process
     Controller(config(tmp_path, "steps=2", "eval_every=0"), resume=True).run()  # and a run's with its end
+
+
+def test_a_checkpoint_that_is_not_the_runs_is_refused(tmp_path):
+    """Another model's checkpoint copied into a run dir, one renamed to another step, and a
+    config.toml whose dtype was edited: each was resumed (trained a MoE model under a dense run's
+    config, bf16 master weights rebuilt from a float32 run's); now one line names the mismatch."""
+    from parity.errors import CheckpointError
+    from parity.model import Model, ModelConfig
+    from parity.rl import checkpoint
+
+    cfg = config(tmp_path, "steps=4")
+    moe = Model(ModelConfig.preset("tiny-moe"))
+    path = checkpoint.save(tmp_path / "moe", 2, moe, Learner(moe, cfg.learner))
+    with pytest.raises(CheckpointError, match="model_type = qwen3_moe; this run.s config describes qwen3"):
+        checkpoint.load(path, cfg)
+    dense = Model(ModelConfig.preset("tiny"))
+    path = checkpoint.save(tmp_path / "dense", 2, dense, Learner(dense, cfg.learner))
+    assert checkpoint.load(path, cfg)[2] == 2  # the control
+    with pytest.raises(CheckpointError, match="holds float32 weights; this run's model.dtype is bfloat16"):
+        checkpoint.load(path, config(tmp_path, "steps=4", 'model.dtype="bfloat16"'))
+    path.rename(tmp_path / "dense" / "checkpoint-5")
+    with pytest.raises(CheckpointError, match="holds step 2: not this run's checkpoint-5"):
+        checkpoint.load(tmp_path / "dense" / "checkpoint-5", cfg)
