@@ -344,6 +344,12 @@ def main() -> None:
     ap.add_argument("--study-time", default="")
     ap.add_argument("--demo-time", default="")
     args = ap.parse_args()
+    if not (args.study / "results.json").is_file():
+        ap.error(f"{args.study / 'results.json'}: not found (a finished `parity study` writes it)")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--out {args.out}: {exc.strerror}")
 
     r = json.loads((args.study / "results.json").read_text())
     machine = r.get("machine") or hardware.describe()

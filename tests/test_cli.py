@@ -152,8 +152,10 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
             code = main(argv)
         except SystemExit as stop:  # argparse's own errors
             code = stop.code
-        err = capsys.readouterr().err.strip()
+        captured = capsys.readouterr()
+        err = captured.err.strip()
         assert code == 2, (argv, err)
+        assert "training the base policy" not in captured.out  # (said so of a file, then refused)
         if err.startswith("usage:"):  # argparse's usage lines, then its one error line
             err = err.splitlines()[-1]
         assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err, (argv, err)

@@ -175,18 +175,22 @@ def is_built(path: Path) -> bool:
     return all((path / f).exists() for f in files)
 
 
-def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
-              eval_problems: int = 100) -> dict:
-    """Train the base policy into `out_dir` (written atomically); returns the sft.json record."""
-    cfg = cfg or SFTConfig()
-    out_dir = Path(out_dir)
-    # checked before training, since the finished policy replaces out_dir: never a file, nor a
-    # directory holding anything but an earlier base policy
+def check_out(out_dir: Path) -> None:
+    """Refuse an --out the finished policy would replace but must not: a file, or a directory
+    holding anything but an earlier base policy (checked before training)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ParityError(f"{out_dir} exists and is not a directory: choose another --out")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "sft.json").exists():
         raise ParityError(f"{out_dir} is a directory with other files in it (not a base policy "
                           f"parity sft wrote), which a new base policy would replace: choose another --out")
+
+
+def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
+              eval_problems: int = 100) -> dict:
+    """Train the base policy into `out_dir` (written atomically); returns the sft.json record."""
+    cfg = cfg or SFTConfig()
+    out_dir = Path(out_dir)
+    check_out(out_dir)
     _remove_stale_builds(out_dir)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -350,6 +354,7 @@ def main(args) -> int:
     if is_built(out) and not args.force:
         print(f"parity: base policy already built: {out} (--force rebuilds)")
     else:
+        check_out(out)  # (said it was training into a file, then refused)
         print(f"parity: training the base policy ({cfg.preset}, {cfg.steps} steps) into {out}", flush=True)
         train_sft(out, cfg, sft_progress(cfg.steps), eval_problems=args.eval_problems)
     record = read_record(out)
