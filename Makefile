@@ -1,7 +1,8 @@
 # The README's two commands. Each installs what is missing first, so both work on a fresh machine:
 #   make demo   - the main job: base policy + asynchronous REINFORCE Zero on the tool task
 #   make test   - lint and the whole test suite (what .ci/run runs)
-# torch is pinned to the CPU build (an unpinned `torch` would pull a multi-GB CUDA build).
+# torch is pinned (torch==2.13.0, whose CPU build these machines find locally; an unpinned `torch` would
+# pull a multi-GB CUDA build); TORCH="torch==2.13.0 --index-url ..." passes pip options too.
 # Extra arguments go through ARGS, e.g. `make demo ARGS="--steps 20"`, `make test ARGS="-x tests/rl"`.
 
 PYTHON ?= python3
@@ -19,7 +20,7 @@ test: install-dev
 	$(PYTHON) -m pytest $(ARGS)
 
 install:
-	@$(HAVE) torch || { echo "installing $(TORCH) (CPU build)"; $(PIP) "$(TORCH)"; }
+	@$(HAVE) torch || { echo "installing $(TORCH) (CPU build)"; $(PIP) $(TORCH); }
 	@$(PYTHON) -m pip show -q parity >/dev/null 2>&1 && $(HAVE) safetensors tokenizers jinja2 rich matplotlib \
 		|| { echo "installing parity and its dependencies"; $(PIP) -e .; }
 
