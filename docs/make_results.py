@@ -62,7 +62,8 @@ def cell(xs: list[float], fmt: str) -> str:
     m, s = stat(xs)
     if math.isnan(m):
         return "-"
-    return fmt.format(m) + (f" ± {fmt.format(s)}" if len(xs) > 1 and s > 0 else "")
+    spread = fmt.replace("x{", "{").replace("{:+", "{:")  # (a spread is neither a ratio nor a change)
+    return fmt.format(m) + (f" ± {spread.format(s)}" if len(xs) > 1 and s > 0 else "")
 
 
 def worse(standard: list[float], aligned: list[float]) -> str:

@@ -30,7 +30,7 @@ _POSITIVE = ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_se
 def _memory(text: str) -> float:
     """'0.25' (a fraction of available memory), '4GiB', '512MiB', '1e9' -> a number for
     `kv_cache_memory`."""
-    from .engine.engine import memory_size
+    from .engine.memory import memory_size
 
     try:
         return memory_size(text)
@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     gsrc.add_argument("--preset", default="tiny", help="random model preset when no --model")
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
-    g.add_argument("--prompts-file", help="one prompt per line, or JSONL with prompt / prompt_ids")
+    g.add_argument("--prompts-file", help="one prompt per line, or JSONL with prompt / prompt_ids (a line "
+                   "starting with { is JSON: such text goes in as {\"prompt\": ...})")
     g.add_argument("--chat", action="store_true", help="text prompts as a user turn of the chat template")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=1.0)

@@ -93,7 +93,7 @@ def test_bad_input_is_one_line_no_traceback(tmp_path):
         assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("parity: error:")
 
 
-def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
+def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
     """Found by a hostile-input review: each of these used to give a traceback, an unnamed
     error, a hang, an out-of-memory kill, or a silent reinterpretation. All are refused in one line
     naming the input, before anything is trained or computed, and nothing is written or deleted."""
@@ -101,6 +101,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
     (tmp_path / "prompts.txt").write_bytes(b"ok\n\xff\n")
     (tmp_path / "typed.jsonl").write_text('{"prompt": 5}\n')
     (tmp_path / "bools.jsonl").write_text('{"prompt_ids": [true]}\n')
+    (tmp_path / "extra.jsonl").write_text('{"prompt": "hi", "max_tokens": 2}\n')
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "notes.txt").write_text("mine")
     toy = ["--set", 'model.preset="tiny"', "--set", f'run_dir="{tmp_path / "run"}"']
@@ -113,6 +114,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
         (["eval", "-k", "100000"], "--k must be at most 64"),
         (["generate", "--seed", str(10**23), "--prompt", "x"], "--seed"),
         (["generate", "--prompts-file", str(tmp_path / "prompts.txt")], "prompts.txt: not UTF-8"),
+        (["generate", "--prompts-file", str(tmp_path / "extra.jsonl")], "unknown field 'max_tokens'"),
         (["train", str(tmp_path / "not-utf8.toml")], "not-utf8.toml: not UTF-8"),
         (["train", *toy, "--set", "steps=1000000000"], "steps must be in 1..10,000,000"),
         (["train", *toy, "--set", "eval_prompts=100000000"], "eval_prompts must be at most 100,000"),
@@ -160,6 +162,10 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys):
             err = err.splitlines()[-1]
         assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err, (argv, err)
     assert (tmp_path / "keep" / "notes.txt").read_text() == "mine" and not (tmp_path / "run").exists()
+    (tmp_path / "base").mkdir()  # a directory named like the cached base policy: was read as that
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--model", "base", "--prompt", "x"]) == 2
+    assert "names both a cached base policy and ./base" in capsys.readouterr().err
     from parity.config import load_config
 
     assert load_config(None, ["eval_prompts=256"]).eval_prompts == 256  # target_tokens makes its own
@@ -279,11 +285,13 @@ def test_flops_per_token_counts_the_parameters_and_attention():
 
 def test_generate_json_records_logprobs_and_versions(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "hi"}\n{"prompt_ids": [1, 2, 3]}\nplain text line\n')
-    proc = run("generate", "--prompts-file", str(prompts), "--max-tokens", "5", "--json", "--seed", "3")
+    # a byte-order mark (made line 1's JSON a text prompt); the largest seed for several prompts
+    prompts.write_bytes('\ufeff{"prompt": "hi"}\n{"prompt_ids": [1, 2, 3]}\nplain text line\n'.encode())
+    proc = run("generate", "--prompts-file", str(prompts), "--max-tokens", "5", "--json",
+               "--seed", str(2**63 - 1))
     assert proc.returncode == 0, proc.stderr
     outs = json.loads(proc.stdout)
-    assert len(outs) == 3
+    assert len(outs) == 3 and outs[0]["prompt_token_ids"] == [104, 105]
     for o in outs:
         assert len(o["token_ids"]) == len(o["logprobs"]) == len(o["policy_versions"]) == 5
         assert o["policy_versions"] == [0] * 5 and o["error"] is None

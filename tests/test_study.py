@@ -42,6 +42,30 @@ def test_row_figures_follow_the_published_definitions():
     assert f["kernel_mismatch_max"] == 0.0 and f["lag_max"] == 3.0 and f["wall_s"] == 200.0
 
 
+def test_report_tables_say_what_was_not_measured_and_give_wilson_intervals():
+    """pass@1's 95% CI is Wilson's (the normal approximation printed ± 0.0% at 5/5 and ran past
+    100%: 98.5% ± 1.7%); a run without the kernel/lag decomposition reads 'not measured' (was
+    the headline 'exactly 0'); a demo without evaluations gets its table (was a TypeError after
+    the whole run); throughput leaves out start-up and evaluations."""
+    from parity.metrics.summary import demo_rows, run_rows, wilson
+
+    lo, hi = wilson(197 / 200, 200)
+    assert (round(lo, 3), round(hi, 3)) == (0.957, 0.995)
+    lo, hi = wilson(1.0, 5)
+    assert (round(lo, 3), hi) == (0.566, 1.0) and wilson(0.0, 5)[0] == 0.0
+    rows = _metrics(12)
+    rows[-1]["eval/problems_final"] = 5.0
+    for r in rows:
+        del r["mismatch/kernel_max_abs"]
+        r.pop("eval/pass@1", None)
+        r["throughput/steady_steps_per_hour"] = 900.0
+    assert dict(run_rows(rows))["kernel mismatch max |Δ| (all steps)"].startswith("not measured")
+    table = dict(demo_rows(rows))
+    assert table["held-out pass@1 (greedy), before -> after"].startswith("not evaluated -> 40.0% (95% CI")
+    speed = "learner steps/hour (after the first step, evaluations out); sampled tokens/s"
+    assert table[speed].startswith("900;")
+
+
 def test_lag_figures_leave_out_the_warm_up_of_a_bound():
     """A fixed-64 row's lag is the step number during its first 64 steps: its KL's first 10% and
     its weight-lag mean were taken over those, so they measured the run's length, not lag 64."""

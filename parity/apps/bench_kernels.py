@@ -22,7 +22,7 @@ import torch
 from .. import hardware
 from ..dtypes import dtype_from_name
 from ..engine import Decoder
-from ..engine.engine import available_memory
+from ..engine.memory import available_memory
 from ..errors import ParityError
 from ..model import DEFAULT_BLOCK_SIZE, ForwardBatch, KVCache, Model, ModelConfig
 from ..ops import BACKENDS, describe_aligned

@@ -10,6 +10,7 @@ from ..config import ModelSection, TaskSection, TrainConfig, with_overrides
 from ..config.loading import parse_override
 from ..engine.sequence import SamplingParams
 from ..errors import ConfigError
+from ..metrics.summary import pass_at_1_text
 from ..model import load_model
 from ..rl.build import build_env
 from ..rl.evaluate import evaluate
@@ -40,7 +41,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(r))
         return 0
-    rows = [["pass@1 (greedy)", f"{r['eval/pass@1']:.1%} ± {r['eval/pass@1_ci95']:.1%}"]]
+    rows = [["pass@1 (greedy)", pass_at_1_text(r)]]
     if args.k:
         rows.append([f"mean@{args.k} (T={args.temperature})",
                      f"{r[f'eval/mean@{args.k}']:.1%} ± {r[f'eval/mean@{args.k}_ci95']:.1%}"])

@@ -3,7 +3,8 @@
 Prompts come as text (`--prompt`, encoded with the checkpoint's tokenizer.json or UTF-8 bytes;
 with `--chat` as a user turn: in the checkpoint's chat template, or parity's turn format),
 as token ids (`--prompt-ids`) or from a file (one prompt per line, or JSONL with `prompt` /
-`prompt_ids`). `--json` prints token ids, float32 log-probs and the policy version of each token.
+`prompt_ids`: a line that starts with `{` is JSON, so text that does goes in as {"prompt": ...}).
+`--json` prints token ids, float32 log-probs and the policy version of each token.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from ..errors import ParityError
 from ..model import Model, ModelConfig, load_model
 from ..model.tokenizer import load_tokenizer
 from ..ops.common import gemm_linear
-from .sft import RECIPES, get_base_policy
+from .sft import RECIPES, get_base_policy, names_recipe
+
+MAX_PROMPTS_FILE = 64 * 2**20
+"""The largest --prompts-file read, in characters."""
 
 
 def _text_prompt(args, tokenizer, text: str) -> list[int]:
@@ -49,7 +53,11 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
             raise ParityError(f"--prompt-ids: expected comma-separated integers, got {ids!r}") from None
     if args.prompts_file:
         try:
-            lines = open(args.prompts_file, encoding="utf-8").read().splitlines()
+            with open(args.prompts_file, encoding="utf-8-sig") as f:  # (a BOM made line 1 text)
+                text = f.read(MAX_PROMPTS_FILE + 1)
+            if len(text) > MAX_PROMPTS_FILE:  # (/dev/zero was read until memory ran out)
+                raise ParityError(f"{args.prompts_file}: larger than {MAX_PROMPTS_FILE // 2**20} MiB")
+            lines = text.splitlines()
         except OSError as exc:
             raise ParityError(f"{args.prompts_file}: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
@@ -65,6 +73,10 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
                 ids = item.get("prompt_ids") if isinstance(item, dict) else None
                 if not isinstance(item, dict):
                     raise ParityError(f"{args.prompts_file}:{n}: expected a JSON object")
+                unknown = sorted(set(item) - {"prompt", "prompt_ids"})
+                if unknown:  # (were ignored: a line's own max_tokens or temperature silently not used)
+                    raise ParityError(f"{args.prompts_file}:{n}: unknown field {unknown[0]!r} (a line holds "
+                                      "'prompt' or 'prompt_ids'; sampling options are the command's)")
                 if "prompt_ids" in item:
                     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                             for t in ids):
@@ -90,7 +102,7 @@ def main(args) -> int:
     warning = hardware.bf16_warning(args.dtype, "--dtype", linear=gemm_linear)
     if warning:
         print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
-    if args.model in RECIPES:  # a cached base policy of `parity sft` by name, as `parity eval` takes it
+    if names_recipe(args.model):  # a cached base policy of `parity sft` by name, as `parity eval` takes it
         args.model = str(get_base_policy(RECIPES[args.model]))
     if args.model:
         model = load_model(args.model, kernels=args.kernels, dtype=dtype, device=args.device)
@@ -100,7 +112,7 @@ def main(args) -> int:
     tokenizer = load_tokenizer(args.model, model.config.vocab_size)
     prompts = _read_prompts(args, tokenizer)
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=args.top_k,
-                             top_p=args.top_p, seed=args.seed + i, stop_strings=args.stop or [])
+                             top_p=args.top_p, seed=(args.seed + i) % (1 << 63), stop_strings=args.stop or [])
               for i in range(len(prompts))]
     engine = Engine(model, max_num_seqs=args.max_num_seqs, tokenizer=tokenizer,
                     kv_cache_memory=args.kv_cache_memory)

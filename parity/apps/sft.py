@@ -45,6 +45,7 @@ from ..envs.chat import EOS, prompt_text
 from ..envs.math import MathTask, Problem, worked_answer
 from ..envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
 from ..errors import ConfigError, ParityError
+from ..metrics.summary import pass_at_1_text
 from .ui import Progress, table
 
 log = logging.getLogger(__name__)
@@ -330,11 +331,22 @@ def get_base_policy(cfg: SFTConfig | None = None, progress=None) -> Path:
     return path
 
 
+def names_recipe(name: str | None) -> bool:
+    """Whether a model name means a cached base policy ("base", "base-math"); the same name as
+    a directory here is refused (it read as the recipe, the user's directory silently unused)."""
+    if name not in RECIPES:
+        return False
+    if Path(name).exists():
+        raise ParityError(f"{name!r} names both a cached base policy and ./{name}: write ./{name} for the "
+                          "directory, or move it")
+    return True
+
+
 def resolve_base(cfg: TrainConfig, progress=None) -> TrainConfig:
     """`cfg` with model.checkpoint = "base" (or another recipe name, `RECIPES`) replaced by that
     base policy's directory."""
     name = cfg.model.checkpoint
-    if name not in RECIPES:
+    if not names_recipe(name):
         return cfg
     return with_overrides(cfg, {"model.checkpoint": str(get_base_policy(RECIPES[name], progress=progress))})
 
@@ -359,7 +371,7 @@ def main(args) -> int:
         train_sft(out, cfg, sft_progress(cfg.steps), eval_problems=args.eval_problems)
     record = read_record(out)
     try:
-        rows = [[name, f"{r['eval/pass@1']:.1%} ± {r['eval/pass@1_ci95']:.1%}", f"{r['eval/tool_calls']:.2f}"]
+        rows = [[name, pass_at_1_text(r), f"{r['eval/tool_calls']:.2f}"]
                 for name, r in record.get("heldout", {}).items()]
     except (KeyError, TypeError, ValueError):
         raise ParityError(f"{out / 'sft.json'}: its held-out results are damaged: rebuild it with "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import hardware
 from ..dtypes import DTYPE_NAMES
-from ..engine.engine import memory_size
+from ..engine.memory import memory_size
 from ..errors import ConfigError, InputError
 from ..fields import check_fields
 from ..model.config import PRESET_NAMES
@@ -99,7 +99,7 @@ class RolloutSection:
     prompts_per_step: int = 8
     """Prompts per learner step; each is answered `group_size` times."""
     group_size: int = 4
-    """Responses per prompt (the group whose mean reward is the baseline)."""
+    """Responses per prompt (the group whose mean reward is the baseline; at least 2)."""
     max_tokens: int = 32
     """Longest response."""
     temperature: float = 1.0
@@ -144,6 +144,9 @@ class RolloutSection:
         for name in ("prompts_per_step", "group_size", "max_tokens", "max_num_seqs", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1")
+        if self.group_size < 2:  # (accepted: every advantage was 0, so nothing was ever learned)
+            raise ConfigError("rollout.group_size must be >= 2: the advantage is a response's reward minus "
+                              "its group's mean, 0 for a group of one")
         if self.max_held_versions < 0:
             raise ConfigError("rollout.max_held_versions must be >= 0")
         if not MIN_TEMPERATURE <= self.temperature < float("inf"):

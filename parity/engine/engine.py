@@ -11,11 +11,11 @@ can run several turns, with environment tokens appended between them (`continue_
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
-import os
-import re
 import time
+from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
@@ -26,6 +26,7 @@ from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
 from ..model.logprobs import token_list
 from .block_manager import BlockManager
+from .memory import DEFAULT_KV_CACHE_MEMORY, memory_budget
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import CacheFull, Scheduler
@@ -34,54 +35,6 @@ from .sequence import RequestOutput, SamplingParams, Sequence, Status
 log = logging.getLogger(__name__)
 
 WEIGHT_MODES = ("inflight", "drain")
-
-DEFAULT_KV_CACHE_MEMORY = 0.25
-"""The KV cache's default budget: this fraction of the memory available when the engine starts
-(the rest is the learner's, the weights' and the other processes')."""
-
-
-def available_memory() -> int:
-    """Bytes of memory available to a new allocation now (MemAvailable; physical memory when
-    /proc/meminfo is not there)."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
-
-
-def memory_size(value: float | int | str, what: str = "kv_cache_memory") -> float:
-    """A memory budget as given: a fraction of available memory (0 < x <= 1) or a number of bytes
-    (> 1), as a number or a string ('0.25', '1e9', '4GiB', '512MiB', '2GB'); InputError otherwise."""
-    number = None
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", value)  # (1e-9 was refused)
-        unit = m.group(2).lower() if m else None
-        try:
-            number = float(m.group(1)) * _UNITS[unit] if m and unit in _UNITS else None
-        except ValueError:
-            number = None
-        if unit and number is not None and number <= 1:
-            number = None  # '1B' or '0.5GiB'-style slips that would read as a fraction
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    if number is None or not 0 < number < float("inf"):
-        raise InputError(f"{what} must be a fraction of available memory in (0, 1] or a size in "
-                         f"bytes (a number, or like 4GiB / 512MiB), got {value!r}")
-    return number
-
-
-def memory_budget(value: float | int | str) -> int:
-    """A memory budget in bytes: a fraction of available memory (0 < value <= 1) or bytes (> 1)."""
-    value = memory_size(value)
-    return int(value * available_memory()) if value <= 1 else int(value)
-
 
 def _decode_failed(seq: Sequence, err: Exception) -> str:
     """The one-line error of a request whose text the engine's tokenizer could not decode."""
@@ -93,6 +46,7 @@ def _sampling_params(params, tokenizer) -> SamplingParams:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
         raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params = copy.deepcopy(params)  # the request's own: the caller may change or reuse theirs
     params.validate()  # (fields changed since construction were sampled with unchecked)
     if params.stop_strings and tokenizer is None:  # (they were silently never matched)
         raise InputError("SamplingParams.stop_strings need an engine with a tokenizer (Engine(..., "
@@ -150,7 +104,9 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.seqs: dict[int, Sequence] = {}
-        self.step_times: list[float] = []
+        self.step_times: deque[float] = deque(maxlen=100_000)  # (a long-lived engine's grew for good)
+        self._unchecked: list[Sequence] = []  # sampled, stop check not yet run (an interrupt came)
+        self._finished: list[RequestOutput] = []  # finished, not yet returned by step()
 
     def describe_cache(self) -> str:
         """The cache's capacity in one line (what the commands print at start-up)."""
@@ -272,7 +228,8 @@ class Engine:
 
     # ------------------------------------------------------------------ loop
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._pending is not None
+        return (self.scheduler.has_work() or self._pending is not None
+                or bool(self._unchecked or self._finished))  # (what an interrupted step left)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -282,7 +239,7 @@ class Engine:
             return "eos"
         if p.stop_strings and self.tokenizer is not None:
             # the tail of this turn's text: enough tokens to hold the longest stop string
-            span = max(len(s) for s in p.stop_strings) + 1
+            span = max(len(s.encode("utf-8")) for s in p.stop_strings) + 1  # tokens: one byte at least
             tail = self.tokenizer.decode(seq.token_ids[-min(seq.turn_tokens, span):])
             if any(s in tail for s in p.stop_strings):
                 return "stop"
@@ -294,6 +251,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward and sample; return requests that finished or paused."""
+        if self._unchecked or self._finished:  # a step an interrupt cut short: its checks first
+            return self._commit()
         if self._pending is not None and not self.scheduler.started():
             self._load(*self._pending, drained=True)
         t0 = time.perf_counter()
@@ -322,29 +281,39 @@ class Engine:
                 seq.num_computed = computed  # the cache slots past it are rewritten when run again
             self.sampler.rewind([(seq, draws) for seq, _, draws in marks], self.model.config.vocab_size)
             raise
-        done: list[RequestOutput] = []
-        if ready:
-            for j, (seq, (tok, lp, slp)) in enumerate(zip(ready, sampled)):
-                seq.append_sampled(tok, lp, slp, self.policy_version, None if routing is None else routing[j])
-                try:
-                    reason, error = self._stop_reason(seq, tok), None
-                except Exception as err:  # noqa: BLE001 - the tokenizer failed on this text: this request
-                    reason, error = "error", _decode_failed(seq, err)  # fails, the batch's others go on
-                if reason is not None:
-                    seq.finish_reason = reason
-                    pause = seq.multi_turn and error is None
-                    self.scheduler.finish(seq, pause=pause)
-                    if not pause:
-                        self.seqs.pop(seq.request_id, None)
-                    out = self._output(seq)
-                    if error is not None or out.error is not None:
-                        out.error, out.finish_reason = error or out.error, "error"
-                        seq.finish_reason = "error"
-                        if pause:  # (a turn whose text cannot be read is not continued)
-                            self.scheduler.release(seq)
-                            self.seqs.pop(seq.request_id, None)
-                    done.append(out)
+        for j, (seq, (tok, lp, slp)) in enumerate(zip(ready, sampled)):
+            seq.append_sampled(tok, lp, slp, self.policy_version, None if routing is None else routing[j])
+        self._unchecked = list(ready)
         self.step_times.append(time.perf_counter() - t0)
+        return self._commit()
+
+    def _commit(self) -> list[RequestOutput]:
+        """Each sampled sequence's stop check, then the outputs of those that finished. An
+        interrupt here (the checks run the user's tokenizer) loses nothing: the next step()
+        carries on with the sequences not yet checked and returns what finished (they sat with
+        their token appended, never checked nor scheduled again: a hang)."""
+        while self._unchecked:
+            seq = self._unchecked[0]
+            if self.seqs.get(seq.request_id) is not seq:  # released since the interrupt
+                self._unchecked.pop(0)
+                continue
+            try:
+                reason, error = self._stop_reason(seq, seq.token_ids[-1]), None
+            except Exception as err:  # noqa: BLE001 - the tokenizer failed on this text: this request
+                reason, error = "error", _decode_failed(seq, err)  # fails, the batch's others go on
+            if reason is not None:
+                seq.finish_reason = reason
+                out = self._output(seq)
+                error = error or out.error
+                pause = seq.multi_turn and error is None  # (a turn whose text cannot be read ends)
+                if error is not None:
+                    out.error, out.finish_reason, seq.finish_reason = error, "error", "error"
+                self.scheduler.finish(seq, pause=pause)
+                if not pause:
+                    self.seqs.pop(seq.request_id, None)
+                self._finished.append(out)
+            self._unchecked.pop(0)
+        done, self._finished = self._finished, []
         return done
 
     def _output(self, seq: Sequence) -> RequestOutput:

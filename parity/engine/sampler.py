@@ -61,8 +61,11 @@ class Sampler:
         self.draws = draws
 
     def _seed(self, seq: Sequence) -> int:
-        """The request's seed; unseeded: still deterministic per (engine seed, request)."""
-        return seq.draw_seed if seq.draw_seed is not None else self.seed * 1_000_003 + seq.request_id
+        """The request's seed; unseeded: still deterministic per (engine seed, request), within
+        the 64 bits a generator takes (engine seeds past ~1.8e13 overflowed it)."""
+        if seq.draw_seed is not None:
+            return seq.draw_seed
+        return (self.seed * 1_000_003 + seq.request_id) % (1 << 64)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.generator is None:

@@ -63,6 +63,31 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return m, 1.96 * math.sqrt(var / n)
 
 
+def wilson(p: float, n: float) -> tuple[float, float]:
+    """The 95% Wilson score interval of a success fraction `p` over `n` trials (the normal
+    approximation's p ± 1.96 sd gave ± 0 at 0/n and n/n and ran past 100%: 98.5% ± 1.7%)."""
+    if not n or n != n:
+        return NAN, NAN
+    z2 = 1.96 ** 2
+    d = 1 + z2 / n
+    center = (p + z2 / (2 * n)) / d
+    half = 1.96 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / d
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def pass_at_1_text(r: dict, suffix: str = "") -> str:
+    """'49.5% (95% CI 42.6-56.4%)' from a record's held-out greedy pass@1 (`suffix` '_final': the
+    evaluation after the last step); records from before the interval was recorded get it from
+    their pass@1 and problem count."""
+    p = r.get("eval/pass@1" + suffix)
+    if p is None:
+        return "not evaluated"
+    lo, hi = r.get("eval/pass@1_lo95" + suffix), r.get("eval/pass@1_hi95" + suffix)
+    if lo is None or hi is None:
+        lo, hi = wilson(p, r.get("eval/problems" + suffix, NAN))
+    return f"{p:.1%} (95% CI {lo:.1%}-{hi:.1%})"
+
+
 def pass_at_1_track(metrics: Metrics) -> list[float]:
     """Held-out greedy pass@1 at every evaluation, the final one (after the last step) included."""
     return series(metrics, "eval/pass@1") + series(metrics, "eval/pass@1_final")
@@ -85,6 +110,12 @@ def step_line(m: dict, timing: bool = False) -> str:
 
 
 # --------------------------------------------------------------------------- a run
+def steady(record: dict) -> float:
+    """Learner steps per hour after the first step, evaluation time out (runs recorded before the
+    figure existed: all steps over the wall time)."""
+    return record.get("throughput/steady_steps_per_hour", record.get("throughput/steps_per_hour", NAN))
+
+
 def run_rows(metrics: Metrics) -> list[tuple[str, str]]:
     """The run report's summary table (figure, value)."""
     if not metrics:
@@ -92,6 +123,7 @@ def run_rows(metrics: Metrics) -> list[tuple[str, str]]:
     last = metrics[-1]
     first10, last10 = head(metrics, 0.10), tail(metrics, 0.10)
     evals = pass_at_1_track(metrics)
+    kernel = series(metrics, "mismatch/kernel_max_abs")
 
     def val(k, fmt="{:.4g}"):
         return fmt.format(last[k]) if k in last else "-"
@@ -103,15 +135,15 @@ def run_rows(metrics: Metrics) -> list[tuple[str, str]]:
         ("rollout-learner KL k3, first 10% -> last 10%",
          f"{mean(series(first10, 'mismatch/k3')):.3g} -> {mean(series(last10, 'mismatch/k3')):.3g}"),
         ("kernel mismatch max |Δ| (all steps)",
-         f"{max(series(metrics, 'mismatch/kernel_max_abs'), default=0.0):.3g}"),
+         f"{max(kernel):.3g}" if kernel else "not measured (learner.decompose_every = 0)"),
         ("importance weight peak/median (max over steps)",
          f"{max(series(metrics, 'is_weight/peak_over_median'), default=1.0):.4g}"),
         ("largest gradient norm before clipping",
          f"{max(series(metrics, 'train/grad_norm'), default=0.0):.4g}"),
         ("policy lag max / mean",
          f"{max(series(metrics, 'lag/max'), default=0):.0f} / {mean(series(metrics, 'lag/mean')):.2f}"),
-        ("learner steps/hour (end)", val("throughput/steps_per_hour", "{:,.0f}")),
-        ("wall time (s)", val("time/wall_s", "{:.1f}")),
+        ("learner steps/hour (after the first step, evaluations out)", f"{steady(metrics[-1]):,.0f}"),
+        ("wall time (s), start-up and evaluations included", val("time/wall_s", "{:.1f}")),
         ("held-out pass@1: start / peak / end",
          f"{evals[0]:.3f} / {max(evals):.3f} / {evals[-1]:.3f}" if evals else "-"),
     ]
@@ -121,14 +153,14 @@ def demo_rows(metrics: Metrics) -> list[tuple[str, str]]:
     """`parity demo`'s closing table (figure, value)."""
     first, last = metrics[0], metrics[-1]
     before = first.get("eval/pass@1")
+    after_text = pass_at_1_text(last, "_final" if "eval/pass@1_final" in last else "")
     after = last.get("eval/pass@1_final", last.get("eval/pass@1"))
-    ci_b, ci_a = first.get("eval/pass@1_ci95", NAN), last.get("eval/pass@1_ci95_final", NAN)
     peak = series(metrics, "is_weight/peak_over_median")
     first10, last10 = head(metrics, 0.10), tail(metrics, 0.10)
     pts = (after - before) * 100 if before is not None and after is not None else NAN
     return [
         ("held-out pass@1 (greedy), before -> after",
-         f"{before:.1%} ± {ci_b:.1%} -> {after:.1%} ± {ci_a:.1%}  ({pts:+.1f} points)"),
+         f"{pass_at_1_text(first)} -> {after_text}  ({pts:+.1f} points)"),
         ("rollout-learner KL at the sampling version (max)",
          f"{max(series(metrics, 'mismatch/kernel_k3'), default=NAN):.3g}"),
         ("kernel mismatch max |Δ log-prob| (all steps)",
@@ -142,9 +174,9 @@ def demo_rows(metrics: Metrics) -> list[tuple[str, str]]:
         ("tool calls per episode, first 10% -> last 10%",
          f"{mean(series(first10, 'rollout/tool_calls')):.2f} -> "
          f"{mean(series(last10, 'rollout/tool_calls')):.2f}"),
-        ("learner steps/hour; sampled tokens/s", f"{last.get('throughput/steps_per_hour', 0):,.0f}; "
-                                                 f"{last.get('throughput/tokens_per_s', 0):,.0f}"),
-        ("training wall time (s)", f"{last.get('time/wall_s', 0):.0f}"),
+        ("learner steps/hour (after the first step, evaluations out); sampled tokens/s",
+         f"{steady(last):,.0f}; {last.get('throughput/tokens_per_s', NAN):,.0f}"),
+        ("wall time (s), start-up and evaluations included", f"{last.get('time/wall_s', NAN):.0f}"),
     ]
 
 
@@ -195,8 +227,7 @@ def row_figures(metrics: Metrics) -> dict[str, float]:
         "pass1_peak": max(evals) if evals else NAN,
         "pass1_end": evals[-1] if evals else NAN,
         "wall_s": last.get("time/wall_s", NAN),
-        "steps_per_hour": last.get("throughput/steady_steps_per_hour",
-                                   last.get("throughput/steps_per_hour", NAN)),
+        "steps_per_hour": steady(last),
         "lag_mean": mean(series(metrics, "lag/mean")),
         "lag_max": max(series(metrics, "lag/max"), default=0.0),
         **_after_warmup(metrics),
@@ -268,7 +299,7 @@ def _cell(fig: dict, fmt: str, seeds: int) -> str:
         return "-"
     text = fmt.format(m)
     if seeds > 1 and not math.isnan(spread) and spread > 0:
-        text += " ± " + fmt.format(spread).rstrip("x")
+        text += " ± " + fmt.replace("x{", "{").replace("{:+", "{:").format(spread).rstrip("x")
     return text
 
 

@@ -57,8 +57,8 @@ class _Clock:
 
     @staticmethod
     def resumed(metrics: list[dict], start_step: int) -> _Clock:
-        if metrics and metrics[-1].get("step") != start_step - 1:  # records missing at the end:
-            metrics = []  # their clock stopped before the checkpoint's step; time from the resume
+        if metrics and (metrics[-1].get("step") != start_step - 1 or "time/wall_s" not in metrics[-1]):
+            metrics = []  # records missing at the end, or untimed: time from the resume
         prior = metrics[-1] if metrics else {}
         wall0 = float(prior.get("time/wall_s", 0.0))
         return _Clock(time.perf_counter() - wall0, 0 if prior else start_step,

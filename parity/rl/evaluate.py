@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..engine import Engine, SamplingParams
 from ..envs.base import Env
 from ..errors import InputError
-from ..metrics.summary import mean_ci
+from ..metrics.summary import mean_ci, wilson
 from .rollout_worker import run_episodes
 
 
@@ -22,8 +22,10 @@ def evaluate(model, env: Env, n: int | None = None, k: int = 0, temperature: flo
     engine = Engine(model, max_num_seqs=max_num_seqs, tokenizer=env.tokenizer)
     greedy_params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     greedy = run_episodes(engine, env, problems, [greedy_params] * len(problems))
-    p1, p1_ci = mean_ci([float(r.episode.passed) for r in greedy])
-    out = {"eval/pass@1": p1, "eval/pass@1_ci95": p1_ci, "eval/problems": float(len(problems)),
+    p1 = sum(float(r.episode.passed) for r in greedy) / len(greedy)
+    lo, hi = wilson(p1, len(greedy))
+    out = {"eval/pass@1": p1, "eval/pass@1_lo95": lo, "eval/pass@1_hi95": hi,
+           "eval/problems": float(len(problems)),
            "eval/reward": sum(r.reward for r in greedy) / len(greedy),
            "eval/answered": sum(r.episode.answered for r in greedy) / len(greedy),
            "eval/tool_calls": sum(r.episode.tool_calls for r in greedy) / len(greedy),

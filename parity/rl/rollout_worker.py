@@ -1,7 +1,6 @@
 """The rollout worker: model + engine + environment; weights in, trajectories out.
 
 Everything the rollout side does lives here, whatever process or actor hosts it:
-
 - **weights**: versions arrive through `receive` (pushed) or a `poll` function (pulled); between
   batches the worker loads the one admission allows (drain), and with in-flight updates it
   switches running sequences to the newest version between two engine steps;
@@ -11,10 +10,9 @@ Everything the rollout side does lives here, whatever process or actor hosts it:
 - **episodes**: `run_episodes` keeps every episode of the batch in the engine at once, judges each
   finished turn with the environment, runs tool calls of turns that ended in the same engine step
   concurrently and feeds observations back (`loss_mask` 0, cache kept);
-- **trajectories**: the batch leaves as one `RolloutBatch`; in async runs, on the batches the
-  learner will decompose, each token also carries the learner path's log-prob under the weights
-  that sampled it (`sampled_learner_logprobs`, computed here while those weights are loaded), so
-  the learner keeps no copy of old weights for its kernel/lag split.
+- **trajectories**: the batch leaves as one `RolloutBatch`; in async runs, on the batches the learner
+  will decompose, each token also carries the learner path's log-prob under the weights that sampled
+  it (`sampled_learner_logprobs`), so the learner keeps no copy of old weights for its kernel/lag split.
 
 A batch's content depends only on (seed, batch index, the version that sampled it).
 """
@@ -176,22 +174,20 @@ def start_version(cfg: TrainConfig, versions: dict, first: int) -> int:
     return max(versions)
 
 
-def resume_floor(cfg: TrainConfig, versions: dict, start_batch: int,
-                 ready: list[RolloutBatch] | None = None) -> int:
+def resume_floor(cfg: TrainConfig, versions: dict, start_batch: int, ready: list | None = None) -> int:
     """The oldest version batches from `start_batch` on may ask for: 0 in a fresh or exactly
-    resumed run; in a deterministic run resumed past its planned end, the oldest version kept
-    (the fixed-lag versions of the next batches are gone: those batches are sampled by it).
-    Batches the checkpoint holds, sampled by their fixed-lag version, need none."""
+    resumed run (the checkpoint holds the batches sampled by versions it no longer keeps); in a
+    deterministic run resumed past its planned end, the oldest version kept (the next batches'
+    fixed-lag versions are gone: they are sampled by it)."""
     oldest, lag = min(versions), cfg.max_policy_lag
     have = {b.index for b in ready or [] if b.version == max(0, b.index - lag)}
     short = [b for b in range(start_batch, min(cfg.steps, oldest + lag))
              if max(0, b - lag) < oldest and b not in have]
-    if cfg.deterministic and short:
-        log.warning("batches %d..%d are sampled by version %d: their fixed-lag versions were not kept "
-                    "(resumed past the run's planned end, or with another max_policy_lag)", short[0],
-                    short[-1], oldest)
-        return oldest
-    return 0
+    if not (cfg.deterministic and short):
+        return 0
+    log.warning("batches %d..%d are sampled by version %d: their fixed-lag versions were not kept (resumed "
+                "past the planned end, or with another max_policy_lag)", short[0], short[-1], oldest)
+    return oldest
 
 
 class RestartBudget:

@@ -353,7 +353,7 @@ def test_the_kv_cache_is_sized_from_a_memory_budget(monkeypatch):
     """The cache holds what its budget allows (bytes, or a fraction of available memory), never
     more than max_num_seqs full sequences, and says so; a budget without room for one block is a
     one-line error. A model whose full-length cache would not fit in memory still starts."""
-    from parity.engine import engine as engine_mod
+    from parity.engine import memory as engine_mod
     from parity.model.kv_cache import KVCache
 
     model = cached_model("tiny", "aligned", "float32", 0, 0.02)
@@ -395,7 +395,7 @@ def test_the_kv_cache_is_sized_from_a_memory_budget(monkeypatch):
 
 def test_memory_budgets_read_as_written():
     """'1e-9' (a fraction) and '5TiB' were refused as not fractions or sizes."""
-    from parity.engine.engine import memory_size
+    from parity.engine.memory import memory_size
 
     assert memory_size("1e-9") == 1e-9 and memory_size("0.25") == 0.25 and memory_size("5TiB") == 5 * 2**40
     assert memory_size("512MiB") == 512 * 2**20 and memory_size("2GB") == 2e9
@@ -506,3 +506,72 @@ def test_a_step_that_fails_part_way_changes_nothing_and_can_be_run_again(where, 
     assert not eng.has_unfinished() and failures >= 5
     for i, o in enumerate(clean):
         assert outs[i].token_ids == o.token_ids and outs[i].logprobs == o.logprobs, i
+
+
+def test_a_request_keeps_the_params_it_was_added_with_and_multibyte_stop_strings_match():
+    """One SamplingParams changed between requests changed the queued ones too (a T=1, 3-token
+    request ran at T=0.5 for 12 tokens; T=-1 set after add_request was sampled with); a stop
+    string of multi-byte characters was looked for in too few tokens and never matched."""
+    from parity.model.tokenizer import ByteTokenizer
+
+    model = cached_model("tiny", "aligned", "float32", 0, 0.02)
+    eng = parity.Engine(model, max_num_seqs=8)
+    p = SamplingParams(seed=0, max_tokens=3)
+    first = eng.add_request([1, 2, 3], p)
+    p.temperature, p.max_tokens = 0.5, 12
+    eng.add_request([1, 2, 3], p)
+    p.temperature = -1.0
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    out = outs[first]
+    assert len(out.token_ids) == 3 and len(outs[first + 1].token_ids) == 12
+    with torch.no_grad():
+        ref = parity.sequence_logprobs(model, [out.full_token_ids], 1.0)[0][2:]
+    assert torch.equal(ref, torch.tensor(out.logprobs, dtype=torch.float32))
+    forced = list("ok ✓ done".encode())  # ✓ is three bytes: three tokens
+    model = parity.Model(parity.ModelConfig.preset("tiny", vocab_size=512))  # every byte a token
+    eng = parity.Engine(model, tokenizer=ByteTokenizer(model.config.vocab_size))
+    real = eng.sampler.sample  # the model "writes" `forced` (log-probs as sampled)
+    eng.sampler.sample = lambda seqs, logits: [(forced[s.turn_tokens], lp, slp)
+                                              for s, (_, lp, slp) in zip(seqs, real(seqs, logits))]
+    out = eng.generate([[1, 2]], SamplingParams(max_tokens=len(forced), stop_strings=["✓"]))[0]
+    assert out.finish_reason == "stop" and out.text == "ok ✓"
+    big = parity.Engine(model, seed=2**62)  # (an engine seed past ~1.8e13 overflowed the generator)
+    assert len(big.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+def test_an_interrupt_in_the_stop_checks_loses_nothing():
+    """Ctrl-C while the engine checks stop strings (the user's tokenizer): stepping on, every
+    request finishes with what an uninterrupted run gives (one sat with its token appended,
+    never checked nor scheduled again, and the requests finished before the interrupt in that
+    step were never returned)."""
+
+    class Tok:
+        calls, at = 0, None
+
+        def decode(self, ids):
+            Tok.calls += 1
+            if Tok.calls == Tok.at:
+                raise KeyboardInterrupt
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    model = cached_model("tiny", "aligned", "float32", 0, 0.02)
+
+    def run(at):
+        Tok.calls, Tok.at = 0, at
+        eng = parity.Engine(model, max_num_seqs=4, tokenizer=Tok())
+        for i in range(3):
+            eng.add_request([1, 2, 3], SamplingParams(max_tokens=6, seed=i, stop_strings=["zz"]))
+        done, interrupts, steps = {}, 0, 0
+        while eng.has_unfinished() and steps < 100:  # (the old engine spun here for good)
+            steps += 1
+            try:
+                done.update({o.request_id: (o.token_ids, o.logprobs, o.finish_reason) for o in eng.step()})
+            except KeyboardInterrupt:
+                interrupts += 1
+        return done, interrupts
+
+    whole, _ = run(None)
+    for at in (2, 5, 17):  # within a step's checks, and on a finished request's text
+        assert run(at) == (whole, 1), at

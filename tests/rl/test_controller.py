@@ -80,6 +80,13 @@ def test_config_is_validated_and_round_trips(tmp_path):
         load_config(None, ["learner.lr=\"fast\""])
     with pytest.raises(ConfigError, match="expected key=value"):
         load_config(None, ["steps"])
+    with pytest.raises(ConfigError, match="group_size must be >= 2"):  # (every advantage 0: learned nothing)
+        load_config(None, ["rollout.group_size=1"])
+    from parity.rl.controller import _Clock
+
+    untimed = [{"step": 0, "time/wall_s": 5.0}, {"step": 1, "train/loss": 0.0}]  # a record written after a
+    clock = _Clock.resumed(untimed, 2)  # failure has no timings: counted from 0 over no time, 198,968/h
+    assert clock.counted_from == 2 and clock.first is None
     cfg = config(tmp_path, "learner.tis_cap=3.0", "max_policy_lag=4")
     assert cfg.learner.loss_config.tis_cap == 3.0
     path = tmp_path / "resolved.toml"
