@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from parity import hardware  # noqa: E402
+from parity.config import load_config  # noqa: E402
 from parity.metrics.sinks import read_metrics  # noqa: E402
 from parity.metrics.summary import demo_rows, mechanism_table_markdown, study_table_markdown  # noqa: E402
 
@@ -318,12 +319,15 @@ def tis_split(r: dict) -> str:
 def demo_section(demo_dir: Path, demo_time: str, out: Path) -> list[str]:
     shutil.copyfile(demo_dir / "report.png", out / "demo.png")
     demo = read_metrics(demo_dir)
+    cfg = load_config(demo_dir / "config.toml")  # the run as it ran (was typed: any demo read as the default)
+    mode = "synchronous" if cfg.max_policy_lag == 0 else "asynchronous"
+    problems = demo[0].get("eval/problems")
     return [
         "## `parity demo`",
         "",
-        f"`parity demo` ({demo_time or 'time not recorded'}): asynchronous REINFORCE Zero, aligned "
-        f"kernels, policy lag 8, {len(demo)} learner steps on the tool-use task; held-out set of 200 "
-        "problems:",
+        f"`parity demo` ({demo_time or 'time not recorded'}): {mode} {cfg.learner.loss}, {cfg.model.kernels} "
+        f"kernels, policy lag {cfg.max_policy_lag}, {len(demo)} learner steps on the {cfg.task.name} task"
+        + (f"; held-out set of {problems:.0f} problems:" if problems else "; no held-out evaluation:"),
         "",
         "| figure | value |",
         "|---|---|",
