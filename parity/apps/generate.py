@@ -31,6 +31,9 @@ def _text_prompt(args, tokenizer, text: str) -> list[int]:
     tokenizers, whose turn markers are special tokens) in the tasks' format; else raw text."""
     if args.chat:
         own = getattr(tokenizer, "token_id", lambda _: None)(chat.USER) is not None
+        if not args.model:
+            raise ParityError("--chat needs a checkpoint with a chat template (--model DIR, or base): "
+                              "a random-init preset has none")
         if not getattr(tokenizer, "chat_template", None) and not own:
             raise ParityError("--chat: this checkpoint has no chat template (tokenizer_config.json "
                               "or chat_template.jinja) and no <|user|> turn token")

@@ -336,6 +336,10 @@ class Engine:
             busy = len(self.scheduler.waiting) + len(self.scheduler.running)
             raise InputError(f"generate: {busy} earlier request(s) from add_request are unfinished; "
                              f"run step() until has_unfinished() is False first")
+        if prompts is None or isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+            raise InputError(f"generate: prompts must be a list of token-id lists, "
+                             f"got {type(prompts).__name__}")
+        prompts = list(prompts)  # (a generator was a TypeError: no len())
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):

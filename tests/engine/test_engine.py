@@ -267,6 +267,9 @@ def test_bad_requests_fail_alone():
     assert [o.error is None for o in outs] == [True, False, False, False, True]
     assert "empty" in outs[1].error and "999" in outs[2].error and "max_position" in outs[3].error
     assert len(outs[0].token_ids) == 3 and len(outs[4].token_ids) == 3
+    assert len(eng.generate(([1, 2] for _ in range(2)), SamplingParams(max_tokens=1))) == 2  # a generator
+    with pytest.raises(InputError, match="prompts must be a list of token-id lists, got NoneType"):
+        eng.generate(None)
     for bad in (dict(max_tokens=0), dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-1.0)):
         with pytest.raises(InputError):
             SamplingParams(**bad)
