@@ -167,11 +167,14 @@ class RunLock:
             return self
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
             os.close(fd)
             raise ParityError(f"{self.path.parent} is in use by another run (pid {holder}): wait for it "
                               "to end, or choose another run_dir") from None
+        except OSError:  # a file system without locks: runs there are not guarded
+            os.close(fd)
+            return self
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
