@@ -364,5 +364,6 @@ class Engine:
             for rid in index:
                 if rid in self.seqs:
                     self.release(rid)
+            self._finished = [o for o in self._finished if o.request_id not in index]  # (released too)
             raise
         return results  # type: ignore[return-value]
