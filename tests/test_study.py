@@ -64,6 +64,11 @@ def test_report_tables_say_what_was_not_measured_and_give_wilson_intervals():
     assert table["held-out pass@1 (greedy), before -> after"].startswith("not evaluated -> 40.0% (95% CI")
     speed = "learner steps/hour (after the first step, evaluations out); sampled tokens/s"
     assert table[speed].startswith("900;")
+    from parity.metrics.summary import token_mean  # per-token figures weigh each step by its tokens
+
+    short_long = [{"step": 0, "lag/mean": 0.0, "response/length_mean": 1.0},
+                  {"step": 1, "lag/mean": 2.0, "response/length_mean": 3.0}]
+    assert token_mean(short_long, "lag/mean") == 1.5  # (the plain mean over steps read 1.0)
 
 
 def test_lag_figures_leave_out_the_warm_up_of_a_bound():

@@ -68,12 +68,18 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path | None]:
             ax.set_xlabel("learner step")
             if len(keys) > 1:
                 ax.legend(fontsize=7)
-        hist: dict[int, float] = {}  # lag histogram over the whole run (token fractions)
-        for m in metrics:
+        # the lag histogram over the whole run's tokens: each step's fractions weighted by its
+        # tokens (every step has as many episodes; a plain mean over steps, skipped ones counted,
+        # weighed a short step's tokens as a long one's and summed below 1)
+        steps = [m for m in metrics if any(k.startswith("lag/hist_") for k in m)]
+        weight = {id(m): float(m.get("response/length_mean", 1.0)) for m in steps}
+        total = sum(weight.values()) or 1.0
+        hist: dict[int, float] = {}
+        for m in steps:
             for k, v in m.items():
                 if k.startswith("lag/hist_"):
                     lag = int(k.rsplit("_", 1)[1])
-                    hist[lag] = hist.get(lag, 0.0) + v / len(metrics)
+                    hist[lag] = hist.get(lag, 0.0) + v * weight[id(m)] / total
         ax = axes.flat[len(PANELS)]
         ax.bar(list(hist), list(hist.values()))
         ax.set_title("policy lag histogram (fraction of tokens)", fontsize=10)

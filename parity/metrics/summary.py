@@ -63,6 +63,15 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return m, 1.96 * math.sqrt(var / n)
 
 
+def token_mean(metrics: Metrics, key: str) -> float:
+    """The run's mean of a per-token figure recorded as each step's mean: weighted by the step's
+    tokens (every step has as many episodes; a plain mean over steps gave a short step's tokens
+    a long one's weight)."""
+    pts = [(m[key], float(m.get("response/length_mean", 1.0))) for m in metrics if key in m]
+    total = sum(w for _, w in pts)
+    return sum(v * w for v, w in pts) / total if total else NAN
+
+
 def wilson(p: float, n: float) -> tuple[float, float]:
     """The 95% Wilson score interval of a success fraction `p` over `n` trials (the normal
     approximation's p ± 1.96 sd gave ± 0 at 0/n and n/n and ran past 100%: 98.5% ± 1.7%)."""
@@ -141,7 +150,7 @@ def run_rows(metrics: Metrics) -> list[tuple[str, str]]:
         ("largest gradient norm before clipping",
          f"{max(series(metrics, 'train/grad_norm'), default=0.0):.4g}"),
         ("policy lag max / mean",
-         f"{max(series(metrics, 'lag/max'), default=0):.0f} / {mean(series(metrics, 'lag/mean')):.2f}"),
+         f"{max(series(metrics, 'lag/max'), default=0):.0f} / {token_mean(metrics, 'lag/mean'):.2f}"),
         ("learner steps/hour (after the first step, evaluations out)", f"{steady(metrics[-1]):,.0f}"),
         ("wall time (s), start-up and evaluations included", val("time/wall_s", "{:.1f}")),
         ("held-out pass@1: start / peak / end",
@@ -168,7 +177,7 @@ def demo_rows(metrics: Metrics) -> list[tuple[str, str]]:
         ("importance weight peak/median (median step / worst step)",
          f"{median(peak):.4g} / {max(peak, default=NAN):.4g}"),
         ("policy lag max / mean",
-         f"{max(series(metrics, 'lag/max'), default=0):.0f} / {mean(series(metrics, 'lag/mean')):.2f}"),
+         f"{max(series(metrics, 'lag/max'), default=0):.0f} / {token_mean(metrics, 'lag/mean'):.2f}"),
         ("reward, first 10% -> last 10%",
          f"{mean(series(first10, 'reward/mean')):.3f} -> {mean(series(last10, 'reward/mean')):.3f}"),
         ("tool calls per episode, first 10% -> last 10%",
@@ -228,7 +237,7 @@ def row_figures(metrics: Metrics) -> dict[str, float]:
         "pass1_end": evals[-1] if evals else NAN,
         "wall_s": last.get("time/wall_s", NAN),
         "steps_per_hour": steady(last),
-        "lag_mean": mean(series(metrics, "lag/mean")),
+        "lag_mean": token_mean(metrics, "lag/mean"),
         "lag_max": max(series(metrics, "lag/max"), default=0.0),
         **_after_warmup(metrics),
         **mechanism_figures(metrics),
