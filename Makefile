@@ -2,11 +2,12 @@
 #   make demo   - the main job: base policy + asynchronous REINFORCE Zero on the tool task
 #   make test   - lint and the whole test suite (what .ci/run runs)
 # torch is pinned (torch==2.13.0, whose CPU build these machines find locally; an unpinned `torch` would
-# pull a multi-GB CUDA build); TORCH="torch==2.13.0 --index-url ..." passes pip options too.
+# pull a multi-GB CUDA build); TORCH_ARGS passes pip options with it, e.g. an --index-url.
 # Extra arguments go through ARGS, e.g. `make demo ARGS="--steps 20"`, `make test ARGS="-x tests/rl"`.
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+TORCH_ARGS ?=
 PIP = PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check
 HAVE = $(PYTHON) -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))'
 
@@ -20,7 +21,7 @@ test: install-dev
 	$(PYTHON) -m pytest $(ARGS)
 
 install:
-	@$(HAVE) torch || { echo "installing $(TORCH) (CPU build)"; $(PIP) $(TORCH); }
+	@$(HAVE) torch || { echo "installing $(TORCH) (CPU build)"; $(PIP) "$(TORCH)" $(TORCH_ARGS); }
 	@$(PYTHON) -m pip show -q parity >/dev/null 2>&1 && $(HAVE) safetensors tokenizers jinja2 rich matplotlib \
 		|| { echo "installing parity and its dependencies"; $(PIP) -e .; }
 

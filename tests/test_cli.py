@@ -166,6 +166,10 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
     monkeypatch.chdir(tmp_path)
     assert main(["generate", "--model", "base", "--prompt", "x"]) == 2
     assert "names both a cached base policy and ./base" in capsys.readouterr().err
+    from parity.apps.sft import names_recipe
+
+    monkeypatch.setenv("PARITY_CACHE", ".")  # ./base is the cache itself then: no clash
+    assert names_recipe("base")
     from parity.config import load_config
 
     assert load_config(None, ["eval_prompts=256"]).eval_prompts == 256  # target_tokens makes its own

@@ -184,6 +184,7 @@ def test_a_checkpoint_that_contradicts_its_config_is_refused_not_half_read(tmp_p
     ("llama", dict(original_max_position_embeddings=8, rope_scaling=None,
                    rope_parameters={k: v for k, v in LLAMA3.items() if not k.startswith("original")})),
     ("llama", dict(rope_scaling=LLAMA3, rope_parameters={**LLAMA3, "rope_theta": 5e5}, rope_theta=None)),
+    ("llama", dict(rope_scaling={}, rope_parameters={**LLAMA3, "rope_theta": 5e5}, rope_theta=None)),  # {}
 ])
 def test_configs_transformers_reads_as_plain_ones_load_and_agree(tmp_path, family, edit):
     """Spellings transformers reads as something parity implements are read the same way (were

@@ -237,7 +237,7 @@ def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"] and "heldout" not in read_record(out)
     assert not (out / ".builder").exists()
     capsys.readouterr()  # (its warning, where an earlier test set up the CLI's logging)
-    for damaged in ("[1]", '{"heldout": {}}', "{bad"):
+    for damaged in ("[1]", '{"heldout": {}}', "{bad", '{"heldout": {"tool": [0.5]}}'):
         (out / "sft.json").write_text(damaged)
         assert main(["sft", "--out", str(out)]) == 2
         err = capsys.readouterr().err
@@ -263,5 +263,6 @@ def test_a_run_resumes_after_its_starting_checkpoint_went(base, tmp_path):
     checkpoint.save(tmp_path / "run", 1, model, Learner(model, cfg.learner), start / "tokenizer.json")
     shutil.rmtree(start)
     run = Controller(cfg, resume=True)  # (refused here: no tokenizer.json in mybase)
-    assert run.cfg.model.checkpoint == str(tmp_path / "run" / "checkpoint-1")
+    assert run.cfg.task.tokenizer == str(tmp_path / "run" / "checkpoint-1" / "tokenizer.json")
+    assert run.cfg.model.checkpoint == str(start)  # (the run's record of where it started stays)
     assert run.env.describe() and run.start_step == 1

@@ -336,7 +336,7 @@ def names_recipe(name: str | None) -> bool:
     a directory here is refused (it read as the recipe, the user's directory silently unused)."""
     if name not in RECIPES:
         return False
-    if Path(name).exists():
+    if Path(name).exists() and Path(name).resolve() != base_dir().parent.resolve():  # (not the cache's)
         raise ParityError(f"{name!r} names both a cached base policy and ./{name}: write ./{name} for the "
                           "directory, or move it")
     return True
@@ -373,7 +373,7 @@ def main(args) -> int:
     try:
         rows = [[name, pass_at_1_text(r), f"{r['eval/tool_calls']:.2f}"]
                 for name, r in record.get("heldout", {}).items()]
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AttributeError):
         raise ParityError(f"{out / 'sft.json'}: its held-out results are damaged: rebuild it with "
                           "--force") from None
     if rows:

@@ -232,6 +232,9 @@ class TaskSection:
     heldout_size: int = 200
     """Size of the fixed held-out set problems are kept out of (evaluation uses its first
     `eval_prompts`)."""
+    tokenizer: str | None = None
+    """The text tasks' tokenizer.json (default: the one in model.checkpoint's directory; a
+    resume whose starting checkpoint went sets it to the run checkpoint's copy)."""
     require_isolation: bool = False
     """tool: refuse, at start-up, to run model-written code where the sandbox cannot isolate it
     (namespaces, a private read-only root, no network). False: there it runs in the degraded

@@ -166,14 +166,14 @@ def demo_rows(metrics: Metrics) -> list[tuple[str, str]]:
     after = last.get("eval/pass@1_final", last.get("eval/pass@1"))
     peak = series(metrics, "is_weight/peak_over_median")
     first10, last10 = head(metrics, 0.10), tail(metrics, 0.10)
-    pts = (after - before) * 100 if before is not None and after is not None else NAN
+    pts = f"  ({(after - before) * 100:+.1f} points)" if before is not None and after is not None else ""
+    kernel = series(metrics, "mismatch/kernel_max_abs")
     return [
-        ("held-out pass@1 (greedy), before -> after",
-         f"{pass_at_1_text(first)} -> {after_text}  ({pts:+.1f} points)"),
+        ("held-out pass@1 (greedy), before -> after", f"{pass_at_1_text(first)} -> {after_text}{pts}"),
         ("rollout-learner KL at the sampling version (max)",
          f"{max(series(metrics, 'mismatch/kernel_k3'), default=NAN):.3g}"),
         ("kernel mismatch max |Δ log-prob| (all steps)",
-         f"{max(series(metrics, 'mismatch/kernel_max_abs'), default=NAN):.3g}"),
+         f"{max(kernel):.3g}" if kernel else "not measured (learner.decompose_every = 0)"),
         ("importance weight peak/median (median step / worst step)",
          f"{median(peak):.4g} / {max(peak, default=NAN):.4g}"),
         ("policy lag max / mean",

@@ -103,7 +103,7 @@ def _rope(data: dict, where: str) -> tuple[float, dict | None]:
         if not isinstance(params, dict):
             raise ConfigError(f"{where}: rope_parameters.full_attention must be an object, got {params!r}")
     top = data.get("rope_theta")
-    scaling = data.get("rope_scaling")
+    scaling = data.get("rope_scaling") or None  # ({} is absent, as transformers reads it)
     if scaling is not None and not isinstance(scaling, dict):
         raise ConfigError(f"{where}: rope_scaling must be an object, got {scaling!r}")
     if scaling is not None:  # 4.x and 5.x: rope_parameters unread

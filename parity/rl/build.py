@@ -42,7 +42,9 @@ def model_skeleton(cfg: TrainConfig, config: ModelConfig) -> Model:
 
 
 def tokenizer_path(cfg: TrainConfig) -> Path | None:
-    """The checkpoint's tokenizer.json, when the run has one."""
+    """The run's tokenizer.json: task.tokenizer, or the checkpoint's when it has one."""
+    if cfg.task.tokenizer:
+        return Path(cfg.task.tokenizer)
     path = checkpoint_dir(cfg)
     return Path(path) / "tokenizer.json" if path and (Path(path) / "tokenizer.json").exists() else None
 
@@ -57,6 +59,8 @@ def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
     from ..model.tokenizer import HFTokenizer
 
     path = tokenizer_path(cfg)
+    if path is not None and not path.is_file():
+        raise ParityError(f"task.tokenizer {path}: no such file")
     if path is None:
         raise ParityError(f"task {t.name!r} needs a tokenizer.json in the checkpoint directory "
                           f"({cfg.model.checkpoint}); use model.checkpoint = \"base\" or a parity sft output")

@@ -63,7 +63,8 @@ def sampling_fields(cfg) -> dict:
     r = cfg.rollout
     return {"rollout": {k: getattr(r, k) for k in ("prompts_per_step", "group_size", "max_tokens",
                                                    "temperature", "lengths")},
-            "task": dataclasses.asdict(cfg.task), "model": {"kernels": cfg.model.kernels}}
+            "task": {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "tokenizer"},
+            "model": {"kernels": cfg.model.kernels}}
 
 
 def _changed(saved: dict, now: dict) -> list[str]:

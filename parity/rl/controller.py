@@ -95,8 +95,7 @@ class Controller:
         self.task_description = self.env.describe()
         self.rollout = make_rollout(cfg, self.model.config, lambda: self.learner.history)
         self.rollout.should_stop = lambda: bool(self.interrupted)  # a wait for a batch gives way
-        if overwrite and not resume:  # only once the run is known to start
-            checkpoint.clear(self.run_dir)
+        self._clear = overwrite and not resume  # in run(), under the run dir's lock
         if not resume:  # a new run here is no demo's (the demo marks its own after this)
             try:
                 (self.run_dir / checkpoint.DEMO_MARK).unlink(missing_ok=True)
@@ -127,10 +126,10 @@ class Controller:
                             "they stay as they are", metrics_path, len(kept), self.start_step, path.name,
                             ", ".join(map(str, lost[:10])) + (" ..." if len(lost) > 10 else "") or "none")
         if self.cfg.task.name != "target_tokens" and (path / "tokenizer.json").exists() \
-                and not Path(self.cfg.model.checkpoint or path, "tokenizer.json").exists():
+                and not (tokenizer_path(self.cfg) or path / "none").exists():
             log.info("%s has no tokenizer.json now (moved or removed): the task reads %s's copy",
                      self.cfg.model.checkpoint, path.name)  # (the resume failed for want of it)
-            self.cfg = replace(self.cfg, model=replace(self.cfg.model, checkpoint=str(path)))
+            self.cfg = replace(self.cfg, task=replace(self.cfg.task, tokenizer=str(path / "tokenizer.json")))
         log.info("resuming %s from %s (step %d, policy version %d)", self.run_dir, path.name,
                  self.start_step, self.learner.version)
 
@@ -141,6 +140,9 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         lock = checkpoint.RunLock(self.run_dir).acquire()
         try:
+            if self._clear:  # (was in __init__, before the lock: a run that took it meanwhile lost its files)
+                checkpoint.clear(self.run_dir)
+                self._clear = False
             return self._run(progress)
         finally:
             lock.release()

@@ -185,8 +185,8 @@ def resume_floor(cfg: TrainConfig, versions: dict, start_batch: int, ready: list
              if max(0, b - lag) < oldest and b not in have]
     if not (cfg.deterministic and short):
         return 0
-    log.warning("batches %d..%d are sampled by version %d: their fixed-lag versions were not kept (resumed "
-                "past the planned end, or with another max_policy_lag)", short[0], short[-1], oldest)
+    log.warning("batches %s are sampled by version %d: their fixed-lag versions were not kept (resumed past "
+                "the planned end, or with another max_policy_lag)", ", ".join(map(str, short)), oldest)
     return oldest
 
 

@@ -337,7 +337,7 @@ def test_a_run_resumed_with_a_smaller_lag_samples_again_the_batches_it_does_not_
         assert resume_floor(lag2, {3: None}, 3, ahead) == 0
         assert "were not kept" not in caplog.text
         assert resume_floor(lag2, {3: None}, 3, ahead[:1]) == 3
-        assert "batches 4..4 are sampled by version 3" in caplog.text
+        assert "batches 4 are sampled by version 3" in caplog.text
         assert resume_floor(lag2, {0: None}, 0, []) == 0 and caplog.text.count("were not kept") == 1
     ready.append(RolloutBatch(7, [], 6, 0.0, 0.0))
     natural = config(tmp_path, "max_policy_lag=3")  # natural staleness: version >= index - lag
@@ -430,7 +430,7 @@ def test_a_fixed_lag_run_resumed_past_its_end_trains_on(tmp_path, caplog):
     assert "fixed-lag versions were not kept" not in caplog.text  # a fresh run has them all
     with caplog.at_level(logging.WARNING, logger="parity"):
         more = Controller(config(tmp_path, *args, "steps=6"), resume=True).run()
-    assert "batches 3..4 are sampled by version 3" in caplog.text
+    assert "batches 3, 4 are sampled by version 3" in caplog.text
     assert [m["step"] for m in more[-3:]] == [3, 4, 5]
     assert [m["lag/max"] for m in more[-3:]] == [0, 1, 2]  # versions 3, 3, 3: back to the lag
 
@@ -502,8 +502,9 @@ def test_a_run_dir_in_use_by_another_run_is_refused(tmp_path):
 
     from parity.errors import ParityError
 
-    tmp_path.mkdir(exist_ok=True)
-    holder = subprocess.Popen([sys.executable, "-c", (
+    Controller(config(tmp_path, "steps=1", "eval_every=0")).run()
+    over = Controller(config(tmp_path, "steps=1", "eval_every=0"), overwrite=True)  # built before the
+    holder = subprocess.Popen([sys.executable, "-c", (  # other run takes the dir: it clears nothing
         "import sys, time; from parity.rl.checkpoint import RunLock; RunLock(sys.argv[1]).acquire(); "
         "print('held', flush=True); time.sleep(60)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -511,10 +512,13 @@ def test_a_run_dir_in_use_by_another_run_is_refused(tmp_path):
         for resume in (False, True):
             with pytest.raises(ParityError, match=rf"in use by another run \(pid {holder.pid}\)"):
                 Controller(config(tmp_path, "steps=1", "eval_every=0"), resume=resume)
+        with pytest.raises(ParityError, match="in use by another run"):
+            over.run()
+        assert (tmp_path / "checkpoint-1").is_dir() and (tmp_path / "metrics.jsonl").exists()
     finally:
         holder.kill()
         holder.wait()
-    Controller(config(tmp_path, "steps=1", "eval_every=0")).run()  # its lock went with its process
+    Controller(config(tmp_path, "steps=1", "eval_every=0"), overwrite=True).run()  # its lock went with it
     Controller(config(tmp_path, "steps=2", "eval_every=0"), resume=True).run()  # and a run's with its end
 
 
