@@ -185,3 +185,28 @@ def test_eval_and_train_accept_a_brought_checkpoint(bpe_dir, tmp_path, capsys):
             "rollout.group_size=2", "rollout.max_tokens=4", "eval_every=0", f'run_dir="{tmp_path / "run"}"']
     assert main(["train", *[x for s in sets for x in ("--set", s)]]) == 0
     assert (tmp_path / "run" / "checkpoint-1" / "tokenizer.json").exists()
+
+
+def test_plain_text_encodes_as_encode_does_and_never_as_added_tokens(bpe_dir, tmp_path):
+    """`encode_plain` (a tool's output) gives `encode`'s ids for ordinary text and never an added
+    token's id, on byte-level BPE and on SentencePiece-style (Metaspace) tokenizers: cutting the
+    text around each added token put a word-start marker on every piece there ('< /s>')."""
+    import random
+
+    sp = Tokenizer(models.BPE(unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    sp.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>", "<|im_end|>"])
+    sp.train_from_iterator(["the tool printed </s> and <|im_end|> then stopped"] * 10, trainer)
+    sp.save(str(tmp_path / "sp.json"))
+    rng = random.Random(0)
+    for tok, marker in ((HFTokenizer(bpe_dir / "tokenizer.json"), "<|im_end|>"),
+                        (HFTokenizer(tmp_path / "sp.json"), "</s>")):
+        for _ in range(100):
+            text = "".join(rng.choice("abdeilnoprst <>/|_0123456789\n") for _ in range(rng.randint(1, 30)))
+            if marker not in text:
+                assert tok.encode_plain(text) == tok.encode(text), text
+        text = f"the tool printed {marker} then stopped"
+        assert tok.token_id(marker) in tok.encode(text)  # control: encode makes it the added token
+        plain = tok.encode_plain(text)
+        assert tok.token_id(marker) not in plain and tok.decode(plain) == text

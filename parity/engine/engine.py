@@ -157,8 +157,8 @@ class Engine:
         ids = self._check_tokens(env_tokens, f"request {request_id} environment tokens")
         if len(seq) + len(ids) >= self.model.config.max_position_embeddings:
             raise InputError(f"request {request_id}: {len(seq)} tokens so far and {len(ids)} environment "
-                             f"tokens leave no room for a next turn (max_position_embeddings = "
-                             f"{self.model.config.max_position_embeddings})")
+                             f"tokens exceed the context, leaving no room for a next turn "
+                             f"(max_position_embeddings = {self.model.config.max_position_embeddings})")
         seq.append_environment(ids)
         if params is not None:
             if params.seed is not None and params.seed != seq.params.seed:

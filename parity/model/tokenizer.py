@@ -82,16 +82,15 @@ class HFTokenizer:
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` as plain characters: the text of an added (special) token inside it,
-        an end-of-sequence or turn marker say, does not become that token (the earliest such
-        occurrence is split after its first character, repeatedly). For text that is not the
-        model's own, such as a tool's output."""
-        added = [t.content for t in self._tok.get_added_tokens_decoder().values() if len(t.content) > 1]
-        ids: list[int] = []
-        while hits := [i for t in added if (i := text.find(t)) >= 0]:
-            cut = min(hits) + 1  # text[:cut] holds no whole added token: none starts earlier
-            ids += self.encode(text[:cut])
-            text = text[cut:]
-        return ids + self.encode(text)
+        an end-of-sequence or turn marker say, does not become that token; text without one
+        encodes as `encode` does. For text that is not the model's own, such as a tool's output."""
+        # the tokenizer's own normalizer, pre-tokenizer and model, without its added-token pass
+        # (text cut around each added token and encoded piece by piece got a word-start marker
+        # per piece from SentencePiece-style pre-tokenizers: '</s>' came back as '< /s>')
+        tok = self._tok
+        text = tok.normalizer.normalize_str(text) if tok.normalizer is not None else text
+        pieces = tok.pre_tokenizer.pre_tokenize_str(text) if tok.pre_tokenizer is not None else [(text, None)]
+        return [t.id for piece, _ in pieces for t in tok.model.tokenize(piece)]
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a raw prompt, with the tokenizer's own additions (a BOS token, say)."""
