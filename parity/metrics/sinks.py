@@ -13,10 +13,10 @@ from ..errors import CheckpointError, ParityError
 log = logging.getLogger(__name__)
 
 
-def read_metrics(run_dir: str | Path, limit: int | None = None, before_step: int | None = None) -> list[dict]:
-    """A run directory's metrics.jsonl as a list of per-step dicts (the first `limit` of them;
-    with `before_step`, those up to the first record of that step or later: a resume keeps the
-    steps its checkpoint holds by their numbers, not by line counts).
+def read_metrics(run_dir: str | Path, before_step: int | None = None) -> list[dict]:
+    """A run directory's metrics.jsonl as a list of per-step dicts (with `before_step`, those up
+    to the first record of that step or later: a resume keeps the steps its checkpoint holds by
+    their numbers, not by line counts).
 
     A last line cut short (a process killed in the middle of writing it: no newline after it) is
     left out with a warning; any other line that is not a JSON object is a `CheckpointError`
@@ -29,7 +29,7 @@ def read_metrics(run_dir: str | Path, limit: int | None = None, before_step: int
                               "per-step records: restore or remove it") from None
     lines = [(n, x) for n, x in enumerate(text.split("\n"), 1) if x.strip()]
     records: list[dict] = []
-    for n, line in lines[:limit]:
+    for n, line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
