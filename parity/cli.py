@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = _command(sub, "eval", "evaluate", "held-out pass@1 (greedy) and mean@k of a checkpoint on a task")
     e.add_argument("--model", default="base",
                    help=f"checkpoint directory (or {', '.join(BASE_CHECKPOINTS)}: the cached base policies)")
-    e.add_argument("--task", default="tool", help="tool or math")
+    e.add_argument("--task", help="tool, math, dataset or custom (default: --config's task, else tool)")
+    e.add_argument("--config", help="a training config (a run's config.toml) whose [task] table to use")
     e.add_argument("--level", type=int, default=0, help="difficulty (default: the task's)")
     e.add_argument("--math-task", help="math: add, sub, mul, expr or countdown")
     e.add_argument("--n", type=int, default=200, help="held-out problems")

@@ -6,6 +6,9 @@ calls `check_fields(self)` first in `__post_init__`, and the TOML loader checks 
 whichever way the config was built: `"false"` is not a bool, `2.5` not an int, `"1e-3"` not a
 number, a dict not a `LearnerConfig`. Integers are taken where numbers are (as floats), NumPy
 scalars as the Python numbers they hold, paths as strings; nothing else is converted.
+
+Two field kinds of the user's tasks are checked here too: an import spec ('module:name' or
+'path/to/file.py:name', `check_spec`) and a table of TOML values (`check_options`).
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 import types
 import typing
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
@@ -141,3 +146,34 @@ def check_fields(obj, error: type[Exception] = ConfigError, prefix: str | None =
         values = converted if isinstance(converted, (list, tuple)) else [converted]
         if finite and any(isinstance(v, float) and not math.isfinite(v) for v in values):
             raise error(f"{prefix}.{f.name} must be finite, got {converted!r}")
+
+
+def check_spec(spec: str, key: str) -> str:
+    """`spec` ('module:name' or 'file.py:name') with a file's path made absolute (every process
+    of the run, whatever its working directory, reads the same file); a ConfigError otherwise."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where.strip() or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
+        raise ConfigError(f"{key} must be 'module:name' or 'path/to/file.py:name', got {spec!r}")
+    if is_file_spec(where):
+        return f"{Path(where).expanduser().absolute()}:{name}"
+    return spec
+
+
+def check_options(options: dict, key: str) -> None:
+    """`options` must be what a TOML table holds (strings, numbers, booleans, lists and tables;
+    no None or dates): the run writes it into config.toml and its checkpoints."""
+    if isinstance(options, dict):
+        for name, value in options.items():
+            if not isinstance(name, str):
+                raise ConfigError(f"{key}: keys must be strings, got {name!r}")
+            check_options(value, f"{key}.{name}")
+    elif isinstance(options, (list, tuple)):
+        for i, value in enumerate(options):
+            check_options(value, f"{key}[{i}]")
+    elif not isinstance(options, (str, int, float, bool)):
+        raise ConfigError(f"{key} must be a string, number, boolean, list or table, got "
+                          f"{type(options).__name__}")
+
+
+def is_file_spec(where: str) -> bool:
+    return where.endswith(".py") or "/" in where or "\\" in where

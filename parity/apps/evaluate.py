@@ -6,8 +6,8 @@ import json
 import sys
 import time
 
-from ..config import ModelSection, TaskSection, TrainConfig, with_overrides
-from ..config.loading import parse_override
+from ..config import config_from_dict
+from ..config.loading import parse_override, read_toml, set_dotted
 from ..engine.sequence import SamplingParams
 from ..errors import ConfigError
 from ..metrics.summary import pass_at_1_text
@@ -26,12 +26,18 @@ def main(args) -> int:
                               "the task's; --n, --temperature, --max-tokens for sampling)")
     if args.k:  # checked before the greedy pass, whose result a bad temperature threw away
         SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    task = TaskSection(name=args.task, **({"level": args.level} if args.level else {}),
-                       **({"math_task": args.math_task} if args.math_task else {}))
-    cfg = TrainConfig(task=task, model=ModelSection(checkpoint=args.model, kernels=args.kernels))
-    # --n with the --set overrides in one step (--set task.heldout_size=300 --n 300 is valid)
-    cfg = resolve_base(with_overrides(cfg, {**dict(parse_override(o) for o in args.set or []),
-                                            "eval_prompts": args.n}))
+    task = dict(read_toml(args.config).get("task", {})) if args.config else {}
+    if not isinstance(task, dict):
+        raise ConfigError(f"{args.config}: [task] must be a table")
+    if args.task or not task:
+        task = {"name": args.task or "tool"} if args.task != task.get("name") else task
+    task.update({**({"level": args.level} if args.level else {}),
+                 **({"math_task": args.math_task} if args.math_task else {})})
+    data = {"task": task, "model": {"checkpoint": args.model, "kernels": args.kernels},
+            "eval_prompts": args.n}
+    for item in args.set or []:  # with --n in one step (--set task.heldout_size=300 --n 300 is valid)
+        set_dotted(data, *parse_override(item))
+    cfg = resolve_base(config_from_dict(data))
     model = load_model(cfg.model.checkpoint, kernels=cfg.model.kernels)
     env = build_env(cfg, model.config.vocab_size)
     print(f"parity: {env.describe()}", file=sys.stderr if args.json else sys.stdout, flush=True)

@@ -9,6 +9,9 @@ bad values into one-line `ConfigError`s. `with_overrides` is the programmatic fo
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -165,10 +168,10 @@ def to_toml(cfg: TrainConfig) -> str:
             lines.append(f"\n[{prefix}]")
         for name, v in table.items():
             if v is not None and not isinstance(v, dict):
-                lines.append(f"{name} = {_toml_value(v)}")
+                lines.append(f"{_toml_key(name)} = {_toml_value(v)}")
         for name, v in table.items():
             if isinstance(v, dict):
-                emit(v, f"{prefix}.{name}" if prefix else name)
+                emit(v, f"{prefix}.{_toml_key(name)}" if prefix else _toml_key(name))
 
     emit(config_to_dict(cfg), "")
     return "\n".join(lines).lstrip() + "\n"
@@ -179,6 +182,14 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else "inf" if v > 0 else "-inf"
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    return json.dumps(str(v), ensure_ascii=False)  # a TOML basic string: its escapes are JSON's
+
+
+def _toml_key(name: str) -> str:
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name, ensure_ascii=False)

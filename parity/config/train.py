@@ -17,14 +17,15 @@ from .. import hardware
 from ..dtypes import DTYPE_NAMES
 from ..engine.memory import memory_size
 from ..errors import ConfigError, InputError
-from ..fields import check_fields
+from ..fields import check_fields, check_options, check_spec
 from ..model.config import PRESET_NAMES
 from ..model.logprobs import MIN_TEMPERATURE
 from ..ops import check_backend
 from .learner import LearnerConfig
 
-TASK_NAMES: tuple[str, ...] = ("tool", "math", "target_tokens")
-"""Environments a run can train on."""
+TASK_NAMES: tuple[str, ...] = ("tool", "math", "target_tokens", "dataset", "custom")
+"""Environments a run can train on ('dataset' and 'custom' are the user's: `parity.envs.dataset`,
+`parity.envs.custom`)."""
 
 BASE_CHECKPOINTS: tuple[str, ...] = ("base", "base-math")
 """Names `model.checkpoint` may give instead of a directory: the cached base policies of
@@ -213,7 +214,8 @@ class TaskSection:
 
     name: str = "target_tokens"
     """'tool' (multi-turn arithmetic with a sandboxed Python tool), 'math' (single-turn exact
-    answers) or 'target_tokens' (a toy for the plumbing; works from a random init). The text
+    answers), 'target_tokens' (a toy for the plumbing; works from a random init), 'dataset' (your
+    prompts from a JSONL file, your reward) or 'custom' (your environment, `task.env`). The text
     tasks need a checkpoint with a tokenizer.json (model.checkpoint = "base" is the cached base
     policy of `parity sft`)."""
     targets: list[int] = field(default_factory=lambda: [7])
@@ -235,6 +237,22 @@ class TaskSection:
     tokenizer: str | None = None
     """The text tasks' tokenizer.json (default: the one in model.checkpoint's directory; a
     resume whose starting checkpoint went sets it to the run checkpoint's copy)."""
+    data: str | None = None
+    """dataset: a JSONL file of problems, one JSON object per line with a 'prompt' string (or
+    'messages', a chat) and the fields the reward reads ('answer' for 'exact')."""
+    heldout_data: str | None = None
+    """dataset: a JSONL file of held-out problems (default: task.heldout_size problems of
+    task.data, drawn by a fixed seed and kept out of training)."""
+    reward: str = "exact"
+    """dataset: 'exact' (the response's answer equals the problem's 'answer') or a function
+    'module:name' / 'path/to/file.py:name', called as name(response_text, problem_dict) -> a
+    number (a reward >= 1 counts as solved for pass@1)."""
+    env: str | None = None
+    """custom: your environment, 'module:name' or 'path/to/file.py:name': an Env subclass (or a
+    function returning an Env) called as name(ctx, **task.options) with a
+    `parity.envs.custom.TaskContext` in every process of the run."""
+    options: dict = field(default_factory=dict)
+    """custom: keyword arguments for task.env (a TOML table, [task.options])."""
     require_isolation: bool = False
     """tool: refuse, at start-up, to run model-written code where the sandbox cannot isolate it
     (namespaces, a private read-only root, no network). False: there it runs in the degraded
@@ -252,6 +270,28 @@ class TaskSection:
         if self.heldout_size > MAX_PROBLEMS:
             raise ConfigError(f"task.heldout_size must be at most {MAX_PROBLEMS:,}, "
                               f"got {self.heldout_size:,}")
+        self._check_user_task()
+
+    def _check_user_task(self) -> None:
+        mine = {"data": "dataset", "heldout_data": "dataset", "env": "custom", "options": "custom"}
+        for key, task in mine.items():
+            if getattr(self, key) and self.name != task:
+                raise ConfigError(f"task.{key} is for task.name = {task!r} (this run's task is "
+                                  f"{self.name!r})")
+        if self.reward != "exact" and self.name != "dataset":
+            raise ConfigError(f"task.reward is for task.name = 'dataset' (this run's task is {self.name!r})")
+        if self.name == "dataset" and not self.data:
+            raise ConfigError("task 'dataset' needs task.data, a JSONL file of problems")
+        if self.name == "custom" and not self.env:
+            raise ConfigError("task 'custom' needs task.env = 'module:name' or 'path/to/file.py:name'")
+        for key in ("data", "heldout_data"):  # absolute: every process reads the same file
+            if getattr(self, key):
+                setattr(self, key, str(Path(getattr(self, key)).expanduser().absolute()))
+        if self.env:
+            self.env = check_spec(self.env, "task.env")
+        if self.reward != "exact":
+            self.reward = check_spec(self.reward, "task.reward")
+        check_options(self.options, "task.options")
 
 
 @dataclass
@@ -305,7 +345,7 @@ class TrainConfig:
         if self.task.name in ("tool", "math") and self.eval_prompts > self.task.heldout_size:
             raise ConfigError(f"eval_prompts ({self.eval_prompts}) must be at most task.heldout_size "
                               f"({self.task.heldout_size}): evaluation uses the held-out set's first ones")
-        if self.task.name != "target_tokens" and not self.model.checkpoint:
+        if self.task.name not in ("target_tokens", "custom") and not self.model.checkpoint:
             raise ConfigError(f"task {self.task.name!r} needs model.checkpoint with a tokenizer.json "
                               "(\"base\" = the base policy of parity sft)")
         if self.deterministic and self.rollout.weight_update == "inflight":

@@ -1,0 +1,90 @@
+"""An environment of your own, as `task.name = "custom"` runs it: sums with a Python tool.
+
+The model is asked `What is a+b+c?`. It may write `<python>code</python>`; the code runs in
+parity's sandbox and what it prints comes back as `<result>...</result>` before the model's next
+turn; the final turn's `answer: N` scores 1 if right. Run it from the repository root:
+
+    parity train examples/calculator.toml
+
+It shows the whole `parity.envs.base.Env` API: a constructor called as
+`CalculatorEnv(ctx, **task.options)`, problems that follow from (seed, batch index) alone, a
+held-out set fixed for every run and kept out of training, prompts as token ids, a token that
+ends a turn, and a multi-turn `step` that never raises for anything the model wrote. The model's
+code runs only through `ctx.sandbox().run(code)`, never in this process.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from parity.envs.base import Env, Episode, Turn
+from parity.envs.chat import prompt_ids, turn_text
+
+OPEN, CLOSE = "<python>", "</python>"
+
+
+class CalculatorEnv(Env):
+    multi_turn = True  # step may answer a turn with an observation
+
+    def __init__(self, ctx, digits: int = 2, terms: int = 3, max_calls: int = 2, heldout_seed: int = 12345):
+        if ctx.tokenizer is None:
+            raise ValueError("CalculatorEnv needs a checkpoint with a tokenizer.json")
+        self.ctx, self.tokenizer, self.seed = ctx, ctx.tokenizer, ctx.seed
+        self.digits, self.terms, self.max_calls = digits, terms, max_calls
+        self.name = f"calculator-sums-{terms}x{digits}"
+        self.close_id = ctx.tokenizer.token_id(CLOSE)  # a special token in parity's tokenizer, else None
+        rnd = random.Random(heldout_seed)  # the same held-out set whatever the run's seed
+        self._heldout = [self._problem(rnd) for _ in range(ctx.heldout_size)]
+        self._held = {p["prompt"] for p in self._heldout}
+
+    def _problem(self, rnd: random.Random) -> dict:
+        numbers = [rnd.randint(10 ** (self.digits - 1), 10**self.digits - 1) for _ in range(self.terms)]
+        return {"prompt": f"What is {'+'.join(map(str, numbers))}?", "answer": sum(numbers)}
+
+    # what ends a model turn besides EOS: the end of a tool call
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return [self.close_id] if self.close_id is not None else []
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [] if self.close_id is not None else [CLOSE]
+
+    def problems(self, batch_index: int, n: int) -> list[dict]:
+        rnd = random.Random(f"{self.seed}/{batch_index}")  # str seeds hash the same in every process
+        out = []
+        while len(out) < n:
+            problem = self._problem(rnd)
+            if problem["prompt"] not in self._held:
+                out.append(problem)
+        return out
+
+    def heldout(self, n: int | None = None) -> list[dict]:
+        return self._heldout[:n]
+
+    def prompt_ids(self, problem: dict) -> list[int]:
+        return prompt_ids(self.tokenizer, problem["prompt"])  # the chat template, or parity's format
+
+    def step(self, episode: Episode, turn_ids: list[int]) -> Turn:
+        episode.turns += 1
+        text = turn_text(self.tokenizer, turn_ids)
+        if text.rstrip().endswith(CLOSE) and OPEN in text:  # a tool call
+            episode.tool_calls += 1
+            if episode.tool_calls > self.max_calls:
+                return Turn(None, True, 0.0)
+            code = text[text.rfind(OPEN) + len(OPEN):text.rstrip().rfind(CLOSE)]
+            result = self.ctx.sandbox().run(code)  # never exec() here: the sandbox isolates it
+            if not result.ok:
+                episode.tool_errors += 1
+            shown = (result.stdout[:200] + (f"error: {result.error}\n" if result.error else ""))
+            # markers as tokens, what the code printed as plain characters (it cannot forge them)
+            tok = self.tokenizer
+            observation = tok.encode("<result>") + tok.encode_plain(shown) + tok.encode("</result>")
+            return Turn(observation, done=False)
+        at = text.lower().rfind("answer:")
+        found = re.findall(r"-?\d+", text[at + len("answer:"):]) if at >= 0 else []
+        episode.answered = bool(found)
+        episode.passed = bool(found) and int(found[-1]) == episode.problem["answer"]
+        episode.reward = float(episode.passed)
+        return Turn(None, True, episode.reward)

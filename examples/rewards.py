@@ -1,0 +1,25 @@
+"""A reward function of your own for `task.name = "dataset"`: `task.reward = "examples/rewards.py:digits"`.
+
+It is called as `digits(response, problem)`: the model's response as text (without the token that
+ended it) and the problem, the JSON object of its line in `task.data`. It returns a number; 1 or
+more counts as solved for pass@1. It runs in the rollout processes, on every response, so keep it
+fast and never run the response: it is model-written text.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+def digits(response: str, problem: dict) -> float:
+    """1 for the exact answer, else the share of the answer's digits right in place (partial
+    credit: a denser signal than right/wrong while the policy is weak)."""
+    at = response.lower().rfind("answer:")
+    found = re.findall(r"-?\d+", response[at + len("answer:"):] if at >= 0 else response)
+    if not found:
+        return 0.0
+    said, want = found[-1], str(problem["answer"])
+    if said == want:
+        return 1.0
+    right = sum(a == b for a, b in zip(said.rjust(len(want)), want))
+    return 0.9 * right / max(len(want), len(said))

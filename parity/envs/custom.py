@@ -1,0 +1,240 @@
+"""Bring your own task: an environment or a reward function named in the config by import path.
+
+`task.env = "mypkg.tasks:make_env"` (an installed or `PYTHONPATH` module) or
+`task.env = "tasks/countdown.py:CountdownEnv"` (a file) names an `Env` subclass or a function
+returning one; the run calls it as `name(ctx, **task.options)` with a `TaskContext` in every
+process that needs the task (the learner's evaluation, each rollout worker, each Ray actor).
+`task.reward` of the dataset task is named the same way (`parity.envs.dataset`).
+
+The environment is user code, so what it returns is checked where it enters the run
+(`CheckedEnv`): a problem count other than asked, a prompt id outside the vocabulary, a reward
+that is not a finite number, problems that change from one call to the next (a resumed or
+restarted run must sample the same batches), a method that raises. Each is a one-line
+`ParityError` naming the task and the method, and the run stops at its last whole step with a
+checkpoint, as on any failed step. An `OSError` passes as it is: a transient fault (a tool's
+network, the sandbox) restarts a local rollout worker instead. `PARITY_DEBUG=1` shows the
+traceback of the user code's exception.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import numbers
+import operator
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, ParityError
+from ..fields import is_file_spec
+from .base import Env, Episode, Turn
+
+_LOADED: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def load_object(spec: str, key: str):
+    """The object `spec` names (a module imported once per process; a file loaded once, under a
+    module name of its own so that its classes pickle); a one-line ConfigError when it cannot be."""
+    where, _, name = spec.rpartition(":")
+    with _LOCK:
+        module = _LOADED.get(where)
+        if module is None:
+            module = _LOADED[where] = _import(where, key)
+    obj = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{key} {spec!r}: {where} has no {name!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _import(where: str, key: str):
+    if is_file_spec(where):
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(f"{key}: {where}: no such file")
+        name = f"parity_task_{path.stem.replace('-', '_')}_{hashlib.sha256(where.encode()).hexdigest()[:10]}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ConfigError(f"{key}: {where}: not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as exc:
+            sys.modules.pop(name, None)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ConfigError(f"{key}: importing {where} raised {one_line(exc)}") from exc
+        return module
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        if exc.name and where.startswith(exc.name):
+            raise ConfigError(f"{key}: no module named {exc.name!r} (install it, put its directory on "
+                              "PYTHONPATH, or name a file: path/to/file.py:name)") from None
+        raise ConfigError(f"{key}: importing {where} raised {one_line(exc)}") from exc
+    except Exception as exc:
+        raise ConfigError(f"{key}: importing {where} raised {one_line(exc)}") from exc
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    text = text[0] if text else ""
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@dataclass
+class TaskContext:
+    """What a custom environment's factory is given besides `task.options`."""
+
+    tokenizer: Any
+    """The run's tokenizer (`parity.model.tokenizer.HFTokenizer`: encode, decode,
+    apply_chat_template, eos_token_ids), or None for a random-init preset without one."""
+    vocab_size: int
+    """The model's vocabulary: every prompt and observation id must be below it."""
+    seed: int
+    """The run's seed (seed the training stream with it; keep the held-out set fixed)."""
+    heldout_size: int
+    """task.heldout_size: how many held-out problems evaluation may ask for."""
+    require_isolation: bool = False
+    """task.require_isolation (the sandbox refuses to run degraded)."""
+    _sandbox: Any = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def sandbox(self):
+        """The run's sandbox for model-written code (`parity.envs.sandbox.Sandbox`: `run(code)` ->
+        stdout, error, ok), made on first use. Never run model-written code in the host process."""
+        with self._lock:
+            if self._sandbox is None:
+                from .sandbox import Sandbox
+
+                self._sandbox = Sandbox(require_isolation=self.require_isolation)
+            return self._sandbox
+
+
+def build_custom_env(spec: str, options: dict, ctx: TaskContext) -> CheckedEnv:
+    """The environment `task.env` names, built with `task.options` and checked (`CheckedEnv`)."""
+    factory = load_object(spec, "task.env")
+    if not callable(factory):
+        raise ConfigError(f"task.env {spec!r} is a {type(factory).__name__}, not a class or function")
+    try:
+        env = factory(ctx, **options)
+    except ParityError:
+        raise
+    except TypeError as exc:
+        raise ConfigError(f"task.env {spec!r}: {one_line(exc)} (it is called as name(ctx, **task.options))") \
+            from exc
+    except Exception as exc:
+        raise ConfigError(f"task.env {spec!r} raised {one_line(exc)}") from exc
+    missing = [m for m in ("problems", "heldout", "prompt_ids", "step")
+               if not callable(getattr(env, m, None))]
+    if missing:
+        raise ConfigError(f"task.env {spec!r} returned a {type(env).__name__} without {', '.join(missing)} "
+                          "(an environment subclasses parity.envs.base.Env)")
+    return CheckedEnv(env, spec, ctx.vocab_size, ctx.tokenizer)
+
+
+class CheckedEnv(Env):
+    """A user environment behind checks: what it returns is checked, what it raises is one line."""
+
+    def __init__(self, env, spec: str, vocab_size: int, tokenizer=None):
+        self.env, self.spec, self.vocab_size = env, spec, vocab_size
+        self.multi_turn = bool(getattr(env, "multi_turn", False))
+        self.tokenizer = getattr(env, "tokenizer", None) or tokenizer  # (the engine's, for stop strings)
+        name = getattr(env, "name", None)
+        self.name = str(name) if name and name != Env.name else spec.rpartition(":")[2]
+        first = [self.prompt_ids(p) for p in self.problems(0, 2)]
+        again = [self.prompt_ids(p) for p in self.problems(0, 2)]
+        if first != again:
+            raise ConfigError(f"task.env {spec!r}: problems(0, 2) gave other prompts when called again; a "
+                              "batch's problems must follow from (seed, batch index) alone, or a resumed or "
+                              "restarted run trains on other problems than it sampled")
+
+    def _call(self, method: str, *args):
+        try:
+            return getattr(self.env, method)(*args)
+        except (ParityError, OSError, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:
+            shown = ", ".join(repr(a) if isinstance(a, int) else type(a).__name__ for a in args)
+            raise ParityError(f"task {self.name} ({self.spec}): {method}({shown}) raised {one_line(exc)}") \
+                from exc
+
+    def _fail(self, what: str) -> ParityError:
+        return ParityError(f"task {self.name} ({self.spec}): {what}")
+
+    def _ids(self, ids, what: str) -> list[int]:
+        try:
+            out = [operator.index(t) for t in ids]
+        except TypeError:
+            raise self._fail(f"{what} must be a list of token ids (integers), got "
+                             f"{type(ids).__name__}") from None
+        bad = next((t for t in out if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise self._fail(f"{what} holds token id {bad}, outside the vocabulary "
+                             f"(0..{self.vocab_size - 1})")
+        return out
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return self._ids(getattr(self.env, "stop_token_ids", []), "stop_token_ids")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        stops = list(getattr(self.env, "stop_strings", []))
+        if not all(isinstance(s, str) and s for s in stops):
+            raise self._fail("stop_strings must be a list of non-empty strings")
+        return stops
+
+    def problems(self, batch_index: int, n: int) -> list:
+        out = self._call("problems", batch_index, n)
+        if not isinstance(out, (list, tuple)) or len(out) != n:
+            got = f"{len(out)} problems" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
+            raise self._fail(f"problems({batch_index}, {n}) returned {got}, expected a list of {n}")
+        return list(out)
+
+    def heldout(self, n: int | None = None) -> list:
+        out = self._call("heldout", n)
+        if not isinstance(out, (list, tuple)) or (n is not None and len(out) > n):
+            raise self._fail(f"heldout({n}) must return a list of at most {n} problems")
+        return list(out)
+
+    def prompt_ids(self, problem) -> list[int]:
+        ids = self._ids(self._call("prompt_ids", problem), "prompt_ids")
+        if not ids:
+            raise self._fail("prompt_ids returned an empty prompt")
+        return ids
+
+    def start(self, problem) -> Episode:
+        episode = self._call("start", problem) if hasattr(self.env, "start") else Episode(problem)
+        if not isinstance(episode, Episode):
+            raise self._fail(f"start must return a parity.envs.base.Episode, got {type(episode).__name__}")
+        return episode
+
+    def step(self, episode: Episode, turn_ids: list[int]) -> Turn:
+        turn = self._call("step", episode, turn_ids)
+        if not isinstance(turn, Turn):
+            raise self._fail(f"step must return a parity.envs.base.Turn, got {type(turn).__name__}")
+        if not isinstance(turn.reward, numbers.Real) or not math.isfinite(turn.reward):
+            raise self._fail(f"step returned reward {turn.reward!r}; a reward is a finite number")
+        if not turn.done:
+            if not self.multi_turn:
+                raise self._fail("step returned done = False, but the environment's multi_turn is False")
+            turn = Turn(self._ids(turn.observation or [], "step's observation"), False, float(turn.reward))
+        else:
+            turn = Turn(None, True, float(turn.reward))
+        return turn
+
+    def describe(self) -> str:
+        text = getattr(self.env, "describe", None)
+        line = self._call("describe") if callable(text) else f"task: {self.name}"
+        return f"{line} [{self.spec}]"

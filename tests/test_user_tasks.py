@@ -1,0 +1,263 @@
+"""Your own tasks: a JSONL dataset with a reward function (`task.name = "dataset"`) and an
+environment named by import path (`task.name = "custom"`), checked where they enter the run and
+trained end to end in rollout worker processes that load them by name."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+
+from parity.config import TaskSection, config_from_dict, load_config
+from parity.config.loading import to_toml
+from parity.envs.base import Episode
+from parity.envs.custom import TaskContext, build_custom_env
+from parity.envs.dataset import DatasetEnv, exact
+from parity.errors import ConfigError, ParityError
+from parity.model.tokenizer import HFTokenizer, build_char_tokenizer
+
+VOCAB = 64
+
+TOY_ENV = '''
+import random
+from parity.envs.base import Env, Turn
+
+class Toy(Env):
+    """Reward: the share of response tokens equal to `target` (a custom twin of target_tokens)."""
+    def __init__(self, ctx, target=7, mode="ok"):
+        self.vocab, self.seed, self.n = ctx.vocab_size, ctx.seed, ctx.heldout_size
+        self.target, self.mode = target, mode
+    def problems(self, batch_index, n):
+        rnd = random.Random() if self.mode == "random" else random.Random(f"{self.seed}/{batch_index}")
+        out = [[rnd.randrange(self.vocab) for _ in range(6)] for _ in range(n)]
+        return out[:-1] if self.mode == "short" else out
+    def heldout(self, n=None):
+        rnd = random.Random("heldout")
+        count = self.n if n is None else min(n, self.n)
+        return [[rnd.randrange(self.vocab) for _ in range(6)] for _ in range(count)]
+    def prompt_ids(self, problem):
+        return [self.vocab] if self.mode == "oov" else problem
+    def step(self, episode, turn_ids):
+        if self.mode == "raise":
+            raise KeyError("boom")
+        if self.mode == "oserror":
+            raise OSError("flaky tool")
+        if self.mode == "observation":
+            return Turn([1, 2], False, 0.0)
+        reward = sum(t == self.target for t in turn_ids) / max(1, len(turn_ids))
+        episode.reward, episode.passed = reward, reward >= 0.5
+        return Turn(None, True, float("nan") if self.mode == "nan" else reward)
+'''
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    build_char_tokenizer().save(str(path))
+    return HFTokenizer(path)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def additions(n, start=10):
+    return [{"prompt": f"{a}+{a % 7}=", "answer": a + a % 7} for a in range(start, start + n)]
+
+
+def test_dataset_split_is_fixed_disjoint_and_batches_walk_every_problem_once_per_epoch(tmp_path, tokenizer):
+    rows = additions(50) + [additions(1)[0]]  # a repeated prompt: both copies on one side of the split
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    env, again, other = (DatasetEnv(tokenizer, data, seed=s, heldout_size=10) for s in (0, 0, 1))
+    held = {p["prompt"] for p in env.heldout()}
+    assert [p["prompt"] for p in other.heldout()] == [p["prompt"] for p in env.heldout()]  # every seed
+    train = [p["prompt"] for p in env._train]
+    assert len(held) == 10 and not held & set(train) and len(train) + len(env.heldout()) + env.left_out == 51
+    assert env.problems(3, 5) == again.problems(3, 5)  # batch 3 follows from (seed, index) alone
+    assert env.problems(3, 5) != other.problems(3, 5)
+    per_epoch = len(train) // 5  # the whole batches of the first epoch: no row twice, a repeated one twice
+    epoch = [p["prompt"] for b in range(per_epoch) for p in env.problems(b, 5)]
+    assert len(epoch) == per_epoch * 5 and Counter(epoch) <= Counter(train)
+    assert env.problems(1_000_000, 5)  # far epochs are as cheap as the first
+    first = env.problems(0, 1)[0]
+    assert env.prompt_ids(first) == tokenizer.encode(f"<|user|>{first['prompt']}<|assistant|>")
+
+
+def test_dataset_heldout_file_keeps_its_prompts_out_of_training(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "train.jsonl", additions(30))
+    held = write_jsonl(tmp_path / "held.jsonl", additions(5, start=20) + additions(3, start=500))
+    env = DatasetEnv(tokenizer, data, heldout_data=held)
+    assert len(env.heldout()) == 8 and env.left_out == 5 and len(env._train) == 25
+    assert "5 left out" in env.describe()
+
+
+def test_exact_reward_compares_numbers_as_numbers_and_text_as_text():
+    assert exact("so the answer: 1,234", {"answer": 1234}) == 1.0
+    assert exact("answer: 12.0", {"answer": "12"}) == 1.0
+    assert exact("answer: 13", {"answer": 12}) == 0.0
+    assert exact("I think\nParis.", {"answer": "paris"}) == 1.0  # no answer: marker: the last line
+    assert exact("answer:  New   York ", {"answer": "new york"}) == 1.0
+    assert exact("answer: Boston", {"answer": "new york"}) == 0.0
+    assert exact("", {"answer": 3}) == 0.0
+
+
+def test_a_reward_function_scores_and_its_failures_are_one_line(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "d.jsonl", additions(20))
+    (tmp_path / "rewards.py").write_text(textwrap.dedent('''
+        import math
+        def half(response, problem):
+            return 0.5 if str(problem["answer"]) in response else 0
+        def nan(response, problem):
+            return math.nan
+        def boom(response, problem):
+            return int(response)
+        def text(response, problem):
+            return "1"
+        value = 3
+    '''))
+    episode = lambda env: env.start(env.problems(0, 1)[0])  # noqa: E731
+    env = DatasetEnv(tokenizer, data, reward=f"{tmp_path}/rewards.py:half", heldout_size=5)
+    problem = env.problems(0, 1)[0]
+    e = env.start(problem)
+    turn = env.step(e, tokenizer.encode(f"answer: {problem['answer']}<|eos|>"))
+    assert turn.done and turn.reward == 0.5 and e.reward == 0.5 and not e.passed  # 1 or more solves
+    for name, message in [("nan", "returned nan"), ("boom", "raised ValueError: invalid literal"),
+                          ("text", "returned '1'")]:
+        env = DatasetEnv(tokenizer, data, reward=f"{tmp_path}/rewards.py:{name}", heldout_size=5)
+        with pytest.raises(ParityError, match=f"task.reward .*rewards.py:{name}.*{message}") as err:
+            env.step(episode(env), tokenizer.encode("answer: 3"))
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="is a int, not a function"):
+        DatasetEnv(tokenizer, data, reward=f"{tmp_path}/rewards.py:value")
+    with pytest.raises(ConfigError, match="has no 'missing'"):
+        DatasetEnv(tokenizer, data, reward=f"{tmp_path}/rewards.py:missing")
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"prompt": "1+1=", "answer": 2}', "{not json"], r"d.jsonl:2: not JSON"),
+    (['["a list"]'], r"d.jsonl:1: expected a JSON object, got list"),
+    (['{"answer": 2}'], "needs exactly one of 'prompt'"),
+    (['{"prompt": "1+1=", "messages": [], "answer": 2}'], "needs exactly one of 'prompt'"),
+    (['{"prompt": "  ", "answer": 2}'], "'prompt' must be a non-empty string"),
+    (['{"prompt": "1+1="}'], r"d.jsonl:1: needs an 'answer'"),
+    (['{"prompt": "1+1=", "answer": true}'], "needs an 'answer'"),
+    (['{"messages": [{"role": "user"}], "answer": 2}'], "'messages' must be a non-empty list"),
+    (["", "  "], "no problems"),
+    ([json.dumps({"messages": [{"role": "user", "content": f"1+{i}="}], "answer": i + 1}) for i in range(5)],
+     "needs a checkpoint with a chat"),
+    (['{"prompt": "1+1=", "answer": 2}'] * 3, "leaves none of task.data's 3 problems"),
+])
+def test_bad_dataset_files_are_one_line_naming_the_line(tmp_path, tokenizer, lines, message):
+    data = write_jsonl(tmp_path / "d.jsonl", lines)
+    with pytest.raises(ConfigError, match=message) as err:
+        DatasetEnv(tokenizer, data, heldout_size=3)
+    assert "\n" not in str(err.value)
+
+
+def test_task_config_fields_belong_to_their_task_and_paths_are_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    task = TaskSection(name="dataset", data="d.jsonl", reward="r.py:score")
+    assert task.data == str(tmp_path / "d.jsonl") and task.reward == f"{tmp_path}/r.py:score"
+    assert TaskSection(name="custom", env="mypkg.tasks:Env").env == "mypkg.tasks:Env"  # a module as it is
+    for kwargs, message in [({"name": "tool", "env": "a:b"}, "task.env is for task.name = 'custom'"),
+                            ({"name": "math", "data": "x"}, "task.data is for task.name = 'dataset'"),
+                            ({"name": "tool", "reward": "a:b"}, "task.reward is for"),
+                            ({"name": "tool", "options": {"a": 1}}, "task.options is for"),
+                            ({"name": "dataset"}, "needs task.data"),
+                            ({"name": "custom"}, "needs task.env"),
+                            ({"name": "custom", "env": "no_colon"}, "task.env must be 'module:name'"),
+                            ({"name": "custom", "env": "a:1x"}, "task.env must be 'module:name'"),
+                            ({"name": "custom", "env": "a:b", "options": {"x": None}},
+                             "task.options.x must be a string, number"),
+                            ({"name": "dataset", "data": "d", "reward": ":f"}, "task.reward must be")]:
+        with pytest.raises(ConfigError, match=message):
+            TaskSection(**kwargs)
+    cfg = config_from_dict({"task": {"name": "custom", "env": "e.py:Toy",
+                                     "options": {"mode": "ok", "odd key": [1, {"x": "a\"\n"}]}}})
+    import tomllib
+
+    assert config_from_dict(tomllib.loads(to_toml(cfg))) == cfg  # config.toml reads back, options too
+
+
+def toy_file(tmp_path):
+    path = tmp_path / "toy_env.py"
+    path.write_text(TOY_ENV)
+    return path
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("short", r"problems\(0, 2\) returned 1 problems, expected a list of 2"),
+    ("oov", r"prompt_ids holds token id 64, outside the vocabulary \(0..63\)"),
+    ("random", r"gave other prompts when called again"),
+    ("raise", r"step\(Episode, list\) raised KeyError: 'boom'"),
+    ("nan", r"step returned reward nan"),
+    ("observation", r"done = False, but the environment's multi_turn is False"),
+])
+def test_a_custom_env_is_checked_where_it_enters_the_run(tmp_path, mode, message):
+    spec = f"{toy_file(tmp_path)}:Toy"
+    ctx = TaskContext(None, VOCAB, 0, 4)
+    assert build_custom_env(spec, {}, ctx).problems(0, 2)  # the control: mode "ok" passes
+    with pytest.raises(ParityError, match=message) as err:
+        env = build_custom_env(spec, {"mode": mode}, ctx)
+        env.step(Episode([1]), [7, 7, 3])
+    assert "\n" not in str(err.value)
+    assert mode != "raise" or isinstance(err.value.__cause__, KeyError)  # PARITY_DEBUG=1 shows its traceback
+    env = build_custom_env(spec, {"mode": "oserror"}, ctx)  # a transient fault passes as it is
+    with pytest.raises(OSError, match="flaky tool"):
+        env.step(Episode([1]), [7])
+
+
+def test_custom_env_loading_errors_are_one_line(tmp_path):
+    ctx = TaskContext(None, VOCAB, 0, 4)
+    path = toy_file(tmp_path)
+    (tmp_path / "broken.py").write_text("import nothing_here_at_all\n")
+    for spec, options, message in [
+            (f"{tmp_path}/none.py:Toy", {}, "no such file"),
+            (f"{path}:Nope", {}, "has no 'Nope'"),
+            (f"{tmp_path}/broken.py:Toy", {}, "importing .*broken.py raised ModuleNotFoundError"),
+            ("parity_no_such_module:Env", {}, "no module named 'parity_no_such_module'"),
+            (f"{path}:random", {}, "module, not a class or function"),
+            (f"{path}:Toy", {"colour": "red"}, "unexpected keyword argument 'colour'.*task.options"),
+            ("parity.envs.base:Turn", {}, "Turn without problems, heldout, prompt_ids"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as err:
+            build_custom_env(spec, options, ctx)
+        assert "\n" not in str(err.value)
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "parity.cli", *args], capture_output=True, text=True,
+                          timeout=600, cwd=cwd)
+
+
+def test_a_custom_env_trains_in_rollout_workers_and_evaluates_from_the_runs_config(tmp_path):
+    """End to end: the env file is loaded by name in the learner and in a worker process (async,
+    lag 1), the run's config.toml names it for `parity eval --config`; a failing env stops the
+    run in one line with the checkpoint of its last whole step."""
+    toy_file(tmp_path)
+    sets = ["steps=2", "model.preset=\"tiny\"", "run_dir=\"run\"", "rollout.prompts_per_step=2",
+            "max_policy_lag=1", "task.name=\"custom\"", "task.env=\"toy_env.py:Toy\"", "task.heldout_size=8",
+            "eval_prompts=4", "eval_every=1", "task.options.target=3"]
+    proc = run("train", *[x for s in sets for x in ("--set", s)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(0 <= r["reward/mean"] <= 1 for r in records)
+    config = load_config(tmp_path / "run" / "config.toml")
+    assert config.task.env == f"{tmp_path}/toy_env.py:Toy" and config.task.options == {"target": 3}
+    proc = run("eval", "--model", str(tmp_path / "run" / "checkpoint-2"), "--config",
+               str(tmp_path / "run" / "config.toml"), "--n", "4", "-k", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["eval/problems"] == 4 and math.isfinite(result["eval/pass@1"])
+
+    bad = run("train", *[x for s in sets + ["task.options.mode=\"raise\"", "eval_every=0",
+                                            "run_dir=\"bad\""] for x in ("--set", s)], cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "step(Episode, list) raised KeyError: 'boom'" in bad.stderr.strip().splitlines()[-1]
