@@ -206,6 +206,50 @@ def test_tokenizer_files(tmp_path_factory, data):
         assert one_line(exc), exc
 
 
+GOOD_ROWS = st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=12).filter(str.strip),
+                                   "answer": st.one_of(st.integers(-10**6, 10**6), st.text(max_size=6),
+                                                       st.floats(allow_nan=False, allow_infinity=False))})
+JUNK_LINES = st.one_of(
+    st.text(max_size=30),
+    st.dictionaries(st.sampled_from(["prompt", "messages", "answer", "x"]),
+                    st.one_of(st.text(max_size=8), VALUES,
+                              st.lists(st.dictionaries(st.sampled_from(["role", "content"]), st.text(max_size=5),
+                                                       max_size=2), max_size=2)), max_size=3).map(json.dumps))
+DATASET_LINES = st.builds(lambda good, junk, at: good[:at] + ([junk] if junk is not None else []) + good[at:],
+                          st.lists(GOOD_ROWS.map(json.dumps), max_size=8), st.one_of(st.none(), JUNK_LINES),
+                          st.integers(0, 8))
+
+
+@settings(FUZZ, max_examples=60)
+@given(DATASET_LINES, st.integers(0, 4),
+       st.one_of(st.text(max_size=30), st.integers(-10**6, 10**6).map(lambda n: f"answer: {n:,}")))
+def test_dataset_files(tmp_path_factory, tokenizer_path, lines, heldout, response):
+    """A `task.data` file of any lines: a one-line ConfigError, or an environment whose problems,
+    prompts and scores of any response are well formed."""
+    from parity.envs.dataset import DatasetEnv
+
+    path = tmp_path_factory.mktemp("data") / "d.jsonl"
+    path.write_text("\n".join(lines))
+    tok = HFTokenizer(tokenizer_path)
+    try:
+        env = DatasetEnv(tok, str(path), heldout_size=heldout)
+    except ParityError as exc:
+        assert one_line(exc), exc
+        return
+    for problem in env.problems(0, 3) + env.heldout():
+        assert env.prompt_ids(problem)
+        episode = env.start(problem)
+        turn = env.step(episode, tok.encode(response))
+        assert turn.done and turn.reward in (0.0, 1.0) and episode.passed == (turn.reward == 1.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    build_char_tokenizer().save(str(path))
+    return path
+
+
 @pytest.fixture(scope="module")
 def tool_env(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
