@@ -12,6 +12,11 @@ environment) may answer a turn with observation tokens that the engine appends w
 `loss_mask = 0` before the model's next turn; the last turn carries the reward. `step` never
 raises for anything the model wrote: a malformed tool call, an answer that does not parse or a
 tool that fails becomes a tool error or zero reward, and the episode goes on or ends.
+
+Your own task subclasses `Env` and is named in the config (`task.name = "custom"`, `task.env`;
+`parity/envs/custom.py`). Problems must follow from (seed, batch index) alone and the held-out set
+must be the same for every run; a multi-turn env's `step` may be called from several threads at
+once (one per episode); set `episode.passed` for pass@1.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import logging
 import math
 import numbers
 import operator
@@ -34,6 +35,7 @@ from ..errors import ConfigError, ParityError
 from ..fields import is_file_spec
 from .base import Env, Episode, Turn
 
+log = logging.getLogger(__name__)
 _LOADED: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
@@ -118,6 +120,9 @@ class TaskContext:
                 from .sandbox import Sandbox
 
                 self._sandbox = Sandbox(require_isolation=self.require_isolation)
+                # what protects the host, said once per process as the tool task's start-up line does
+                log.log(logging.INFO if self._sandbox.isolated else logging.WARNING, "%s",
+                        self._sandbox.describe())
             return self._sandbox
 
 
