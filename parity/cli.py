@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .config import BASE_CHECKPOINTS
+from .config import BASE_CHECKPOINTS, TASK_NAMES
 from .dtypes import DTYPE_NAMES
 from .errors import Interrupted, ParityError
 from .model.config import PRESET_NAMES
@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = _command(sub, "study", "study", "the published comparisons as a grid of runs, one report")
     st.add_argument("config", nargs="?", help="study TOML (default grid when omitted)")
     st.add_argument("--quick", action="store_true", help="smoke-sized runs, one seed (CI)")
-    st.add_argument("--task", choices=["tool", "math"], help="task (default: the config's, else tool)")
+    st.add_argument("--task", choices=list(TASK_NAMES),
+                    help="task (default: the config's, else tool; yours: its task.* keys in [train])")
     st.add_argument("--seeds", type=_csv(int), help="comma-separated seeds")
     st.add_argument("--out", help="output directory (default runs/study)")
     st.add_argument("--report-only", action="store_true",

@@ -213,8 +213,9 @@ JUNK_LINES = st.one_of(
     st.text(max_size=30),
     st.dictionaries(st.sampled_from(["prompt", "messages", "answer", "x"]),
                     st.one_of(st.text(max_size=8), VALUES,
-                              st.lists(st.dictionaries(st.sampled_from(["role", "content"]), st.text(max_size=5),
-                                                       max_size=2), max_size=2)), max_size=3).map(json.dumps))
+                              st.lists(st.dictionaries(st.sampled_from(["role", "content"]),
+                                                       st.text(max_size=5), max_size=2), max_size=2)),
+                    max_size=3).map(json.dumps))
 DATASET_LINES = st.builds(lambda good, junk, at: good[:at] + ([junk] if junk is not None else []) + good[at:],
                           st.lists(GOOD_ROWS.map(json.dumps), max_size=8), st.one_of(st.none(), JUNK_LINES),
                           st.integers(0, 8))

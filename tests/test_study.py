@@ -204,7 +204,7 @@ def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
     assert "no finished study runs" in capsys.readouterr().err
 
 
-def test_study_runs_at_the_base_policies_level_and_math_uses_base_math():
+def test_study_runs_at_the_base_policies_level_and_math_uses_base_math(tmp_path):
     from parity.apps.study import run_config
 
     for task, base in (("tool", "base"), ("math", "base-math")):
@@ -214,6 +214,14 @@ def test_study_runs_at_the_base_policies_level_and_math_uses_base_math():
         quick = load_study(None, task=task, quick=True, out_dir="/tmp/q")  # its smoke base: the task's
         expected = {"tool": "/tmp/q/quick-base", "math": "/tmp/q/quick-base-math"}[task]
         assert quick.train["model.checkpoint"] == expected
+    # your own task: its task.* keys in the [train] table, on every cell of the grid
+    path = tmp_path / "study.toml"
+    path.write_text('task = "custom"\nseeds = [1]\n[train]\n"task.env" = "my_env.py:MyEnv"\n'
+                    '"task.options.level" = 2\n')
+    study = load_study(str(path))
+    cfg = run_config(study, study.runs[2], 1)
+    assert cfg.task.name == "custom" and cfg.task.env.endswith("/my_env.py:MyEnv")
+    assert cfg.task.options == {"level": 2} and cfg.max_policy_lag == 64 and cfg.seed == 1
 
 
 @pytest.mark.parametrize("text, message", [

@@ -35,7 +35,16 @@ from pathlib import Path
 from typing import Any
 
 from .. import hardware
-from ..config import LOSS_NAMES, TrainConfig, config_from_dict, read_toml, set_dotted, to_toml, with_overrides
+from ..config import (
+    LOSS_NAMES,
+    TASK_NAMES,
+    TrainConfig,
+    config_from_dict,
+    read_toml,
+    set_dotted,
+    to_toml,
+    with_overrides,
+)
 from ..dtypes import DTYPE_NAMES
 from ..errors import CheckpointError, ConfigError, ParityError
 from ..metrics.report import write_report, write_study_report
@@ -114,7 +123,8 @@ class StudyConfig:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Seeds (prompts, sampling); every run is repeated per seed."""
     task: str = "tool"
-    """'tool' or 'math'."""
+    """'tool', 'math', or any task.name (your own: 'dataset' or 'custom', with its task.* keys in
+    the [train] table)."""
     runs: list[StudyRun] = field(default_factory=lambda: list(DEFAULT_GRID))
     """The grid."""
     train: dict[str, Any] = field(default_factory=dict)
@@ -130,8 +140,8 @@ class StudyConfig:
             raise ConfigError(f"study.seeds must be a list of integers >= 0, got {self.seeds!r}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"study.seeds must be non-empty and without repeats, got {self.seeds!r}")
-        if self.task not in ("tool", "math"):
-            raise ConfigError(f"study.task must be 'tool' or 'math', got {self.task!r}")
+        if self.task not in TASK_NAMES:
+            raise ConfigError(f"study.task must be one of {', '.join(TASK_NAMES)}, got {self.task!r}")
         names = [r.name for r in self.runs]
         if not names or len(set(names)) != len(names):
             raise ConfigError("study.runs must be non-empty with unique names")
