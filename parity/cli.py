@@ -107,13 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="rebuild even when cached")
 
     e = _command(sub, "eval", "evaluate", "held-out pass@1 (greedy) and mean@k of a checkpoint on a task")
-    e.add_argument("--model", default="base",
-                   help=f"checkpoint directory (or {', '.join(BASE_CHECKPOINTS)}: the cached base policies)")
+    e.add_argument("--model", help=f"checkpoint directory (or {', '.join(BASE_CHECKPOINTS)}: the cached base "
+                   "policies; default: --config's run's newest checkpoint, else base)")
     e.add_argument("--task", help="tool, math, dataset or custom (default: --config's task, else tool)")
     e.add_argument("--config", help="a training config (a run's config.toml) whose [task] table to use")
     e.add_argument("--level", type=int, default=0, help="difficulty (default: the task's)")
     e.add_argument("--math-task", help="math: add, sub, mul, expr or countdown")
-    e.add_argument("--n", type=int, default=200, help="held-out problems")
+    e.add_argument("--n", type=int, help="held-out problems (default: the task's whole held-out set)")
     e.add_argument("-k", "--k", type=int, default=4, help="samples per problem for mean@k (0 = skip)")
     e.add_argument("--temperature", type=float, default=1.0)
     e.add_argument("--max-tokens", type=int, default=64, help="per turn")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 from ..config import config_from_dict
 from ..config.loading import parse_override, read_toml, set_dotted
@@ -12,10 +14,23 @@ from ..engine.sequence import SamplingParams
 from ..errors import ConfigError
 from ..metrics.summary import pass_at_1_text
 from ..model import load_model
+from ..rl import checkpoint
 from ..rl.build import build_env
 from ..rl.evaluate import evaluate
 from .sft import resolve_base
 from .ui import table
+
+
+def _newest(run, config: Path) -> str:
+    """The newest checkpoint of the run whose config.toml `config` is (beside it, or in its
+    run_dir), else the checkpoint it started from."""
+    saved = checkpoint.found(config.parent) or checkpoint.found(Path(run.run_dir))
+    if saved:
+        return str(saved[-1])
+    if not run.model.checkpoint:
+        raise ConfigError(f"{config}: no checkpoint beside it or in {run.run_dir}, and its model was a "
+                          "random preset: name one with --model")
+    return run.model.checkpoint
 
 
 def main(args) -> int:
@@ -26,23 +41,27 @@ def main(args) -> int:
                               "the task's; --n, --temperature, --max-tokens for sampling)")
     if args.k:  # checked before the greedy pass, whose result a bad temperature threw away
         SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    task = dict(read_toml(args.config).get("task", {})) if args.config else {}
-    if not isinstance(task, dict):
-        raise ConfigError(f"{args.config}: [task] must be a table")
-    if args.task or not task:
-        task = {"name": args.task or "tool"} if args.task != task.get("name") else task
-    task.update({**({"level": args.level} if args.level else {}),
-                 **({"math_task": args.math_task} if args.math_task else {})})
-    data = {"task": task, "model": {"checkpoint": args.model, "kernels": args.kernels},
-            "eval_prompts": args.n}
-    for item in args.set or []:  # with --n in one step (--set task.heldout_size=300 --n 300 is valid)
+    run = config_from_dict(read_toml(args.config)) if args.config else None  # a run's whole config
+    task = dataclasses.asdict(run.task) if run else {}
+    if args.task and args.task != task.get("name"):
+        task = {"name": args.task}
+    task = {"name": "tool", **task, **({"level": args.level} if args.level else {}),
+            **({"math_task": args.math_task} if args.math_task else {})}
+    where = args.model or ("base" if run is None else _newest(run, Path(args.config)))
+    data = {"task": task, "model": {"checkpoint": where, "kernels": args.kernels}, "eval_prompts": 1}
+    for item in args.set or []:
         set_dotted(data, *parse_override(item))
+    # the whole held-out set by default (--set task.heldout_size=300 goes with it)
+    n = args.n if args.n is not None else data["task"].get("heldout_size", 200)
+    data["eval_prompts"] = n
     cfg = resolve_base(config_from_dict(data))
+    if not args.model and args.config:
+        print(f"parity: evaluating {cfg.model.checkpoint}", file=sys.stderr if args.json else sys.stdout)
     model = load_model(cfg.model.checkpoint, kernels=cfg.model.kernels)
     env = build_env(cfg, model.config.vocab_size)
     print(f"parity: {env.describe()}", file=sys.stderr if args.json else sys.stdout, flush=True)
     t0 = time.perf_counter()
-    r = evaluate(model, env, args.n, k=args.k, temperature=args.temperature, max_tokens=args.max_tokens,
+    r = evaluate(model, env, n, k=args.k, temperature=args.temperature, max_tokens=args.max_tokens,
                  seed=args.seed)
     if args.json:
         print(json.dumps(r))

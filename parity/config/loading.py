@@ -188,8 +188,13 @@ def _toml_value(v) -> str:
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
         return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    return json.dumps(str(v), ensure_ascii=False)  # a TOML basic string: its escapes are JSON's
+    return _toml_string(str(v))
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: JSON's escapes, and DEL escaped too (TOML forbids it raw; JSON does not)."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def _toml_key(name: str) -> str:
-    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name, ensure_ascii=False)
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else _toml_string(name)

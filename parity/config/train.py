@@ -247,6 +247,9 @@ class TaskSection:
     """dataset: 'exact' (the response's answer equals the problem's 'answer') or a function
     'module:name' / 'path/to/file.py:name', called as name(response_text, problem_dict) -> a
     number (a reward >= 1 counts as solved for pass@1)."""
+    max_prompt_tokens: int = 0
+    """dataset: problems whose prompt is longer (in tokens) are left out at start-up (0: none are;
+    a prompt too long for the model then stops the run)."""
     env: str | None = None
     """custom: your environment, 'module:name' or 'path/to/file.py:name': an Env subclass (or a
     function returning an Env) called as name(ctx, **task.options) with a
@@ -265,6 +268,8 @@ class TaskSection:
             raise ConfigError(f"unknown task {self.name!r}: expected one of {', '.join(TASK_NAMES)}")
         if self.prompt_len < 1 or not self.targets:
             raise ConfigError("task.prompt_len must be >= 1 and task.targets non-empty")
+        if self.max_prompt_tokens < 0:
+            raise ConfigError(f"task.max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
         if self.heldout_size < 1 or self.max_tool_calls < 1:
             raise ConfigError("task.heldout_size and task.max_tool_calls must be >= 1")
         if self.heldout_size > MAX_PROBLEMS:
@@ -273,7 +278,8 @@ class TaskSection:
         self._check_user_task()
 
     def _check_user_task(self) -> None:
-        mine = {"data": "dataset", "heldout_data": "dataset", "env": "custom", "options": "custom"}
+        mine = {"data": "dataset", "heldout_data": "dataset", "max_prompt_tokens": "dataset", "env": "custom",
+                "options": "custom"}
         for key, task in mine.items():
             if getattr(self, key) and self.name != task:
                 raise ConfigError(f"task.{key} is for task.name = {task!r} (this run's task is "
@@ -342,7 +348,9 @@ class TrainConfig:
             raise ConfigError(f"seed must be in 0..2**63-1, got {self.seed}")
         if self.eval_prompts > MAX_PROBLEMS:
             raise ConfigError(f"eval_prompts must be at most {MAX_PROBLEMS:,}, got {self.eval_prompts:,}")
-        if self.task.name in ("tool", "math") and self.eval_prompts > self.task.heldout_size:
+        sized = self.task.name in ("tool", "math", "custom") or (self.task.name == "dataset"
+                                                                 and not self.task.heldout_data)
+        if sized and self.eval_prompts > self.task.heldout_size:
             raise ConfigError(f"eval_prompts ({self.eval_prompts}) must be at most task.heldout_size "
                               f"({self.task.heldout_size}): evaluation uses the held-out set's first ones")
         if self.task.name not in ("target_tokens", "custom") and not self.model.checkpoint:

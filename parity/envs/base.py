@@ -52,6 +52,14 @@ class Episode:
     """The final turn gave a parseable answer."""
     info: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_passed_set", False)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "passed":  # an env of the user's that never sets it is judged by its reward
+            object.__setattr__(self, "_passed_set", True)  # (parity.envs.custom.CheckedEnv)
+        object.__setattr__(self, name, value)
+
 
 class Env(ABC):
     """A task the trainer, the evaluator and `parity sft` can use."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
 import numbers
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, ParityError
+from ..errors import ConfigError, ParityError, SandboxFailure
 from ..fields import is_file_spec
 from .base import Env, Episode, Turn
 
@@ -60,13 +61,16 @@ def _import(where: str, key: str):
     if is_file_spec(where):
         path = Path(where)
         if not path.is_file():
-            raise ConfigError(f"{key}: {where}: no such file")
+            raise ConfigError(f"{key}: {where}: no such file (a relative path is read from the working "
+                              "directory)")
         name = f"parity_task_{path.stem.replace('-', '_')}_{hashlib.sha256(where.encode()).hexdigest()[:10]}"
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
             raise ConfigError(f"{key}: {where}: not a Python file")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
+        if str(path.parent) not in sys.path:  # its neighbours import as a script's do
+            sys.path.append(str(path.parent))
         try:
             spec.loader.exec_module(module)
         except BaseException as exc:
@@ -84,6 +88,32 @@ def _import(where: str, key: str):
         raise ConfigError(f"{key}: importing {where} raised {one_line(exc)}") from exc
     except Exception as exc:
         raise ConfigError(f"{key}: importing {where} raised {one_line(exc)}") from exc
+
+
+def call_user(fn, args: tuple, where: str, context: str = ""):
+    """`fn(*args)`, user code: what it raises is one line naming `where` (a ParityError; an OSError
+    stays an OSError, a transient fault that restarts a local rollout worker; the sandbox's own
+    failures and interrupts pass as they are; `PARITY_DEBUG=1` shows the traceback)."""
+    try:
+        return fn(*args)
+    except (ParityError, SandboxFailure, KeyboardInterrupt, SystemExit):
+        raise
+    except OSError as exc:
+        raise OSError(f"{where} raised {one_line(exc)}{context}") from exc
+    except Exception as exc:
+        raise ParityError(f"{where} raised {one_line(exc)}{context}") from exc
+
+
+def finite_number(value) -> float | None:
+    """A reward as a float (bools, NumPy scalars and one-element tensors too), or None when it is
+    not a finite number."""
+    if isinstance(value, str) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 def one_line(exc: BaseException) -> str:
@@ -132,12 +162,16 @@ def build_custom_env(spec: str, options: dict, ctx: TaskContext) -> CheckedEnv:
     if not callable(factory):
         raise ConfigError(f"task.env {spec!r} is a {type(factory).__name__}, not a class or function")
     try:
+        inspect.signature(factory).bind(ctx, **options)
+    except TypeError as exc:
+        raise ConfigError(f"task.env {spec!r}: {one_line(exc)} (it is called as name(ctx, **task.options))") \
+            from None
+    except ValueError:  # no signature to read (a builtin): the call says
+        pass
+    try:
         env = factory(ctx, **options)
     except ParityError:
         raise
-    except TypeError as exc:
-        raise ConfigError(f"task.env {spec!r}: {one_line(exc)} (it is called as name(ctx, **task.options))") \
-            from exc
     except Exception as exc:
         raise ConfigError(f"task.env {spec!r} raised {one_line(exc)}") from exc
     missing = [m for m in ("problems", "heldout", "prompt_ids", "step")
@@ -165,24 +199,22 @@ class CheckedEnv(Env):
                               "restarted run trains on other problems than it sampled")
 
     def _call(self, method: str, *args):
-        try:
-            return getattr(self.env, method)(*args)
-        except (ParityError, OSError, KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as exc:
-            shown = ", ".join(repr(a) if isinstance(a, int) else type(a).__name__ for a in args)
-            raise ParityError(f"task {self.name} ({self.spec}): {method}({shown}) raised {one_line(exc)}") \
-                from exc
+        shown = ", ".join(repr(a) if isinstance(a, int) else type(a).__name__ for a in args)
+        where = f"task {self.name} ({self.spec}): {method}({shown})"
+        return call_user(getattr(self.env, method), args, where)
 
     def _fail(self, what: str) -> ParityError:
         return ParityError(f"task {self.name} ({self.spec}): {what}")
 
     def _ids(self, ids, what: str) -> list[int]:
-        try:
-            out = [operator.index(t) for t in ids]
-        except TypeError:
-            raise self._fail(f"{what} must be a list of token ids (integers), got "
-                             f"{type(ids).__name__}") from None
+        if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+            raise self._fail(f"{what} must be a list of token ids (integers), got {type(ids).__name__}")
+        out = []
+        for t in ids:
+            try:
+                out.append(operator.index(t))
+            except TypeError:
+                raise self._fail(f"{what} holds {t!r} ({type(t).__name__}); token ids are integers") from None
         bad = next((t for t in out if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise self._fail(f"{what} holds token id {bad}, outside the vocabulary "
@@ -195,10 +227,10 @@ class CheckedEnv(Env):
 
     @property
     def stop_strings(self) -> list[str]:
-        stops = list(getattr(self.env, "stop_strings", []))
-        if not all(isinstance(s, str) and s for s in stops):
-            raise self._fail("stop_strings must be a list of non-empty strings")
-        return stops
+        stops = getattr(self.env, "stop_strings", [])
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+            raise self._fail(f"stop_strings must be a list of non-empty strings, got {stops!r:.60}")
+        return list(stops)
 
     def problems(self, batch_index: int, n: int) -> list:
         out = self._call("problems", batch_index, n)
@@ -229,17 +261,20 @@ class CheckedEnv(Env):
         turn = self._call("step", episode, turn_ids)
         if not isinstance(turn, Turn):
             raise self._fail(f"step must return a parity.envs.base.Turn, got {type(turn).__name__}")
-        if not isinstance(turn.reward, numbers.Real) or not math.isfinite(turn.reward):
-            raise self._fail(f"step returned reward {turn.reward!r}; a reward is a finite number")
+        reward = finite_number(turn.reward)
+        if reward is None:
+            raise self._fail(f"step returned reward {turn.reward!r:.60}; a reward is a finite number")
         if not turn.done:
             if not self.multi_turn:
                 raise self._fail("step returned done = False, but the environment's multi_turn is False")
-            turn = Turn(self._ids(turn.observation or [], "step's observation"), False, float(turn.reward))
-        else:
-            turn = Turn(None, True, float(turn.reward))
-        return turn
+            observation = turn.observation if turn.observation is not None else []
+            return Turn(self._ids(observation, "step's observation"), False, reward)
+        if not getattr(episode, "_passed_set", True):  # the env never set it: solved = a reward of 1+
+            episode.passed = reward >= 1.0
+        return Turn(None, True, reward)
 
     def describe(self) -> str:
-        text = getattr(self.env, "describe", None)
-        line = self._call("describe") if callable(text) else f"task: {self.name}"
+        own = getattr(type(self.env), "describe", Env.describe) is not Env.describe
+        line = self._call("describe") if own and callable(getattr(self.env, "describe", None)) \
+            else f"task: {self.name}"
         return f"{line} [{self.spec}]"

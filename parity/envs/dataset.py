@@ -23,38 +23,43 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import random
 import re
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from ..errors import ConfigError, ParityError
 from .base import Env, Episode, Turn
 from .chat import prompt_ids, turn_text
-from .custom import load_object, one_line
-from .math import HELDOUT_SEED, _stable_seed, extract_answer
+from .custom import call_user, finite_number, load_object, one_line
+from .math import HELDOUT_SEED, _stable_seed
 
 MAX_DATA_BYTES = 512 << 20
 """The largest JSONL file read (the problems are held in memory by every rollout process)."""
+MAX_LINE_BYTES = 16 << 20
+"""The longest line read (a file without newlines is not read whole to find out)."""
 
 
 def read_problems(path: str, key: str, needs_answer: bool) -> list[dict]:
     """The problems of a JSONL file; a one-line ConfigError naming the line otherwise."""
     rows: list[dict] = []
-    size = 0
+    size = number = 0
     try:
         with open(path, "rb") as f:
-            for number, line in enumerate(f, 1):
+            while line := f.readline(MAX_LINE_BYTES + 1):
+                number += 1
                 size += len(line)
                 if size > MAX_DATA_BYTES:
                     raise ConfigError(f"{key} {path}: larger than {MAX_DATA_BYTES >> 20} MiB")
+                if len(line) > MAX_LINE_BYTES:
+                    raise ConfigError(f"{path}:{number}: a line longer than {MAX_LINE_BYTES >> 20} MiB")
                 if number == 1 and line.startswith(b"\xef\xbb\xbf"):
                     line = line[3:]
-                if not line.strip():
-                    continue
-                rows.append(_check_row(_parse(line, path, number), path, number, needs_answer))
+                if line.strip():
+                    rows.append(_check_row(_parse(line, path, number), f"{path}:{number}", needs_answer))
     except FileNotFoundError:
-        raise ConfigError(f"{key}: {path}: no such file") from None
+        raise ConfigError(f"{key}: {path}: no such file (a relative path is read from the working "
+                          "directory)") from None
     except IsADirectoryError:
         raise ConfigError(f"{key}: {path} is a directory, not a JSONL file") from None
     except OSError as exc:
@@ -71,26 +76,44 @@ def _parse(line: bytes, path: str, number: int):
         raise ConfigError(f"{path}:{number}: not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}:{number}: not JSON ({exc.msg} at column {exc.colno})") from None
+    except (RecursionError, ValueError) as exc:  # nesting too deep, an integer of 4,300+ digits
+        raise ConfigError(f"{path}:{number}: not readable JSON ({one_line(exc)})") from None
 
 
-def _check_row(row, path: str, number: int, needs_answer: bool) -> dict:
-    where = f"{path}:{number}"
+def _text(value, where: str, what: str, empty: bool = False) -> str:
+    """`value` as a (non-empty) string a tokenizer can take (JSON escapes can spell lone surrogates)."""
+    if not isinstance(value, str) or not (empty or value.strip()):
+        raise ConfigError(f"{where}: {what} must be a {'' if empty else 'non-empty '}string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{where}: {what} holds a lone surrogate (\\ud800-\\udfff), not text") from None
+    return value
+
+
+def _check_row(row, where: str, needs_answer: bool) -> dict:
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if ("prompt" in row) == ("messages" in row):
         raise ConfigError(f"{where}: needs exactly one of 'prompt' (a string) and 'messages' (a list)")
-    if "prompt" in row and not (isinstance(row["prompt"], str) and row["prompt"].strip()):
-        raise ConfigError(f"{where}: 'prompt' must be a non-empty string")
-    messages = row.get("messages")
-    if messages is not None and not (isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
-        raise ConfigError(f"{where}: 'messages' must be a non-empty list of objects with 'role' and "
-                          "'content' strings")
+    if "prompt" in row:
+        _text(row["prompt"], where, "'prompt'")
+    else:
+        messages = row["messages"]
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+            raise ConfigError(f"{where}: 'messages' must be a non-empty list of objects with 'role' and "
+                              "'content' strings")
+        for m in messages:
+            _text(m.get("content"), where, "a message's 'content'", empty=True)
     answer = row.get("answer")
-    if needs_answer and (not isinstance(answer, (str, int, float)) or isinstance(answer, bool)):
-        raise ConfigError(f"{where}: needs an 'answer' (a string or a number): task.reward = 'exact' "
-                          "compares with it")
+    if needs_answer:
+        if isinstance(answer, str):
+            _text(answer, where, "'answer'")
+        elif isinstance(answer, bool) or not isinstance(answer, (int, float)) or \
+                not math.isfinite(answer):
+            raise ConfigError(f"{where}: needs an 'answer' (a string or a finite number): task.reward = "
+                              "'exact' compares with it")
     return row
 
 
@@ -98,26 +121,44 @@ def _key(row: dict) -> str:
     return json.dumps(row.get("prompt", row.get("messages")), sort_keys=True, ensure_ascii=False)
 
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?|-?\.\d+(?:[eE][-+]?\d+)?")
+_PUNCTUATION = " \t.,;:!?\"'`*()[]{}"
+
+
+def _decimal(text: str) -> Decimal | None:
+    try:
+        return Decimal(text.replace(",", ""))
+    except InvalidOperation:
+        return None
 
 
 def exact(response: str, problem: dict) -> float:
-    """1.0 when the response's answer is the problem's `answer`, else 0.0 (see the module)."""
-    text = extract_answer(response)
+    """1.0 when the response's answer is the problem's `answer`, else 0.0. The answer is the first
+    line after the response's last `answer:` (else its last non-empty line). A numeric answer (a
+    JSON number, or a string that is one: `42`, `-3.5`, `1,234`, `1e3`) is compared exactly with
+    the first number on that line (`answer: 12 or 13` is 12); any other with the whole line,
+    ignoring case, runs of spaces and surrounding quotes and punctuation."""
+    at = response.lower().rfind("answer:")
+    if at >= 0:
+        line = (response[at + len("answer:"):].strip().splitlines() or [""])[0]
+    else:
+        line = next((x for x in reversed(response.splitlines()) if x.strip()), "")
     answer = problem["answer"]
-    if isinstance(answer, numbers.Real) or _NUMBER.fullmatch(str(answer).strip().replace(",", "")):
-        found = _NUMBER.findall(text.replace(",", ""))
-        return float(bool(found) and math.isclose(float(found[-1]), float(str(answer).replace(",", "")),
-                                                  rel_tol=1e-9, abs_tol=1e-12))
-    norm = " ".join(text.strip().rstrip(".").split()).casefold()
-    return float(norm == " ".join(str(answer).strip().rstrip(".").split()).casefold())
+    want = _decimal(repr(answer) if isinstance(answer, float) else str(answer).strip()) \
+        if isinstance(answer, (int, float)) or _NUMBER.fullmatch(str(answer).strip()) else None
+    if want is not None:
+        found = _NUMBER.search(line)
+        return float(found is not None and _decimal(found.group()) == want)
+    def norm(text: str) -> str:
+        return " ".join(text.strip(_PUNCTUATION).split()).casefold()
+    return float(bool(norm(line)) and norm(line) == norm(str(answer)))
 
 
 class DatasetEnv(Env):
     """Single-turn problems from a JSONL file, scored by `exact` or a function of yours."""
 
     def __init__(self, tokenizer, data: str, reward: str = "exact", seed: int = 0,
-                 heldout_size: int = 200, heldout_data: str | None = None):
+                 heldout_size: int = 200, heldout_data: str | None = None, max_prompt_tokens: int = 0):
         if tokenizer is None:
             raise ConfigError("task 'dataset' needs a tokenizer (model.checkpoint with a tokenizer.json)")
         self.tokenizer, self.seed, self.reward_spec = tokenizer, seed, reward
@@ -130,29 +171,40 @@ class DatasetEnv(Env):
                 raise ConfigError(f"task.reward {reward!r} is a {type(self.reward_fn).__name__}, "
                                   "not a function")
         rows = read_problems(data, "task.data", needs_answer)
-        if heldout_data:
-            self._heldout = read_problems(heldout_data, "task.heldout_data", needs_answer)
-            held = {_key(r) for r in self._heldout}
-            self._train = [r for r in rows if _key(r) not in held]
-            self.left_out = len(rows) - len(self._train)
-        else:
-            order = random.Random(_stable_seed("dataset", HELDOUT_SEED, len(rows))).sample(range(len(rows)),
-                                                                                          len(rows))
-            if heldout_size >= len(rows):
+        held_rows = read_problems(heldout_data, "task.heldout_data", needs_answer) if heldout_data else None
+        if any("messages" in r for r in rows + (held_rows or [])) and not tokenizer.chat_template:
+            raise ConfigError("task.data: a problem gives 'messages', which needs a checkpoint with a chat "
+                              "template; this tokenizer has none (give a 'prompt' string instead)")
+        self.too_long = 0
+        if max_prompt_tokens:  # left out, as verl's filter_overlong_prompts does
+            fits = [r for r in rows if len(self.prompt_ids(r)) <= max_prompt_tokens]
+            held_fits = [r for r in held_rows if len(self.prompt_ids(r)) <= max_prompt_tokens] \
+                if held_rows is not None else None
+            self.too_long = len(rows) - len(fits) + (len(held_rows) - len(held_fits) if held_rows else 0)
+            rows, held_rows = fits, held_fits
+            if not rows:
+                raise ConfigError(f"task.data {data}: no prompt fits task.max_prompt_tokens = "
+                                  f"{max_prompt_tokens}")
+        if held_rows is None:  # the distinct prompts ranked by a hash: a row added to the file moves at
+            # most one prompt in or out of the held-out set (a shuffle seeded by the row count moved most)
+            first: dict[str, dict] = {}
+            for r in rows:
+                first.setdefault(_key(r), r)
+            if heldout_size >= len(first):
                 raise ConfigError(f"task.heldout_size ({heldout_size}) leaves none of task.data's "
-                                  f"{len(rows)} problems to train on (lower it, or give task.heldout_data)")
-            self._heldout = [rows[i] for i in order[:heldout_size]]
-            held = {_key(r) for r in self._heldout}
-            self._train = [rows[i] for i in order[heldout_size:] if _key(rows[i]) not in held]
-            self.left_out = len(rows) - heldout_size - len(self._train)
+                                  f"{len(first)} distinct prompts to train on (lower it, or give "
+                                  "task.heldout_data)")
+            ranked = sorted(first, key=lambda k: _stable_seed("dataset-heldout", HELDOUT_SEED, k))
+            held_rows = [first[k] for k in ranked[:heldout_size]]
+        held = {_key(r) for r in held_rows}
+        self._heldout = held_rows
+        self._train = [r for r in rows if _key(r) not in held]
+        self.left_out = len(rows) - len(self._train) - (0 if heldout_data else len(held_rows))
         if not self._train:
             raise ConfigError(f"task.data {data}: every problem's prompt is in the held-out set; none "
                               "is left to train on")
         self.name = f"dataset-{Path(data).stem}"
         self._orders: dict[int, list[int]] = {}
-        if any("messages" in r for r in self._train + self._heldout) and not tokenizer.chat_template:
-            raise ConfigError("task.data: a problem gives 'messages', which needs a checkpoint with a chat "
-                              "template; this tokenizer has none (give a 'prompt' string instead)")
 
     def _epoch(self, epoch: int) -> list[int]:
         """The training problems' order in `epoch` (the last few kept: a batch spans at most two)."""
@@ -183,23 +235,19 @@ class DatasetEnv(Env):
         episode.turns += 1
         text = turn_text(self.tokenizer, turn_ids)
         episode.answered = "answer:" in text.lower()
-        try:
-            reward = self.reward_fn(text, episode.problem)
-        except (ParityError, OSError, KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as exc:
-            raise ParityError(f"task.reward {self.reward_spec} raised {one_line(exc)} on a response to "
-                              f"{_key(episode.problem)[:60]}") from exc
-        if isinstance(reward, bool):
-            reward = float(reward)
-        if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-            raise ParityError(f"task.reward {self.reward_spec}: returned {reward!r} for a response to "
+        where = f"task.reward {self.reward_spec}"
+        value = call_user(self.reward_fn, (text, episode.problem), where,
+                          f" on a response to {_key(episode.problem)[:60]}")
+        reward = finite_number(value)
+        if reward is None:
+            raise ParityError(f"{where}: returned {repr(value)[:60]} for a response to "
                               f"{_key(episode.problem)[:60]}; a reward is a finite number (or true/false)")
-        episode.reward = float(reward)
+        episode.reward = reward
         episode.passed = episode.reward >= 1.0
         return Turn(None, True, episode.reward)
 
     def describe(self) -> str:
         extra = f", {self.left_out} left out as held-out prompts" if self.left_out else ""
+        extra += f", {self.too_long} over task.max_prompt_tokens left out" if self.too_long else ""
         return (f"task: {self.name} ({len(self._train)} training problems{extra}, {len(self._heldout)} "
                 f"held out; reward {self.reward_spec})")

@@ -77,7 +77,8 @@ def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
     if t.name == "dataset":
         from ..envs.dataset import DatasetEnv
 
-        return DatasetEnv(tokenizer, t.data, t.reward, cfg.seed, t.heldout_size, t.heldout_data)
+        return DatasetEnv(tokenizer, t.data, t.reward, cfg.seed, t.heldout_size, t.heldout_data,
+                          t.max_prompt_tokens)
     if t.name == "math":
         from ..envs.math import MathEnv
 

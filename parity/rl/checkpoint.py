@@ -18,12 +18,14 @@ import os
 import pickle
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
 
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ParityError
+from ..fields import is_file_spec
 from .faults import checkpoint_fault
 from .learner import Learner
 from .trajectory import RolloutBatch
@@ -61,10 +63,40 @@ def sampling_fields(cfg) -> dict:
     whose config changes any of it samples those batches again (they were trained on as they
     were: another temperature's log-probs in the importance weights, the old task's rewards)."""
     r = cfg.rollout
+    task = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "tokenizer"}
+    for key in ("data", "heldout_data", "env", "reward"):  # your own task's files: their contents
+        path = task.get(key)
+        if path and key in ("env", "reward"):
+            where = path.rpartition(":")[0]
+            path = where if is_file_spec(where) else None
+        if path:
+            task[f"{key}_sha256"] = _digest(path)
     return {"rollout": {k: getattr(r, k) for k in ("prompts_per_step", "group_size", "max_tokens",
                                                    "temperature", "lengths")},
-            "task": {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "tokenizer"},
-            "model": {"kernels": cfg.model.kernels}}
+            "task": task, "model": {"kernels": cfg.model.kernels}}
+
+
+_DIGESTS: dict[tuple, str] = {}
+
+
+def _digest(path: str) -> str | None:
+    """The first 16 hex digits of a file's SHA-256 (kept per size and modification time, as every
+    checkpoint asks, unless modified in the last 2 s: a rewrite within the clock's granularity
+    keeps both), or None when it cannot be read."""
+    try:
+        stat = os.stat(path)
+        key = (path, stat.st_size, stat.st_mtime_ns)
+        if key in _DIGESTS:
+            return _DIGESTS[key]
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        if time.time_ns() - stat.st_mtime_ns > 2_000_000_000:
+            _DIGESTS[key] = h.hexdigest()[:16]
+        return h.hexdigest()[:16]
+    except OSError:
+        return None
 
 
 def _changed(saved: dict, now: dict) -> list[str]:
@@ -322,8 +354,12 @@ def load(path: Path, cfg):
             raise CheckpointError(f"{path} holds step {step}: not this run's {path.name} (copied in?)")
         ready = [RolloutBatch.from_dict(b) for b in state.get("ready", [])]
         changed = _changed(state.get("sampled_under") or {}, sampling_fields(cfg)) \
-            if ready and state.get("sampled_under") is not None else []
-        if changed:
+            if state.get("sampled_under") is not None else []
+        edited = [c.removesuffix("_sha256") for c in changed if c.endswith("_sha256")]
+        if edited:
+            log.warning("%s changed since %s was saved: the problems, held-out set or rewards from here "
+                        "on follow the files as they are now", ", ".join(edited), path.name)
+        if changed and ready:
             log.warning("the %d batches %s sampled ahead were sampled under another %s: sampling them "
                         "again", len(ready), path.name, ", ".join(changed))
             ready = []
