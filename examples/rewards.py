@@ -2,8 +2,9 @@
 
 It is called as `digits(response, problem)`: the model's response as text (without the token that
 ended it) and the problem, the JSON object of its line in `task.data`. It returns a number; 1 or
-more counts as solved for pass@1. It runs in the rollout processes, on every response, so keep it
-fast and never run the response: it is model-written text.
+more counts as solved for pass@1. It runs in the rollout processes, on every response, several at
+once on threads (keep it thread-safe), with no time limit of its own; never run the response in
+this process: it is model-written text (a custom env's `ctx.sandbox()` is where code runs).
 """
 
 from __future__ import annotations

@@ -388,3 +388,26 @@ def test_a_resume_knows_when_your_tasks_files_changed(tmp_path):
     (tmp_path / "r.py").write_text("def score(response, problem):\n    return 1.0\n")
     assert _changed(saved, sampling_fields(cfg)) == ["task.data_sha256", "task.reward_sha256"]
 
+
+def test_a_reward_function_judges_an_engine_steps_responses_on_several_threads(tmp_path, tokenizer, tiny):
+    """A reward that waits (a judge over the network, a sandbox) is called on a pool, as a multi-turn
+    env's steps are; the exact reward, which only computes, is not."""
+    from parity.engine import Engine, SamplingParams
+    from parity.rl.rollout_worker import run_episodes
+
+    (tmp_path / "slow.py").write_text(textwrap.dedent('''
+        import threading, time
+        THREADS = set()
+        def judge(response, problem):
+            THREADS.add(threading.get_ident())
+            time.sleep(0.05)
+            return 0.0
+    '''))
+    data = write_jsonl(tmp_path / "d.jsonl", additions(30))
+    env = DatasetEnv(tokenizer, data, reward=f"{tmp_path}/slow.py:judge", heldout_size=5)
+    assert env.threaded and not DatasetEnv(tokenizer, data, heldout_size=5).threaded
+    problems = env.problems(0, 8)
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 8  # all finish in one step
+    run_episodes(Engine(tiny, max_num_seqs=8), env, problems, params)
+    assert len(env.reward_fn.__globals__["THREADS"]) > 1
+

@@ -67,6 +67,9 @@ class Env(ABC):
     name: str = "env"
     multi_turn: bool = False
     """True when `step` may return observations (the engine then keeps the request's cache)."""
+    threaded: bool = False
+    """Judge the turns an engine step finishes on several threads (multi-turn envs always are):
+    for a `step` that waits (a sandbox, a judge over the network), not one that computes."""
 
     tokenizer = None
     """The text tasks' tokenizer (the engine decodes with it to find stop strings)."""

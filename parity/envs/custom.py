@@ -188,6 +188,7 @@ class CheckedEnv(Env):
     def __init__(self, env, spec: str, vocab_size: int, tokenizer=None):
         self.env, self.spec, self.vocab_size = env, spec, vocab_size
         self.multi_turn = bool(getattr(env, "multi_turn", False))
+        self.threaded = bool(getattr(env, "threaded", False))
         self.tokenizer = getattr(env, "tokenizer", None) or tokenizer  # (the engine's, for stop strings)
         name = getattr(env, "name", None)
         self.name = str(name) if name and name != Env.name else spec.rpartition(":")[2]

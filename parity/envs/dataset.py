@@ -22,6 +22,7 @@ problems follow from (seed, b) alone and a resumed run samples the batches it wo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import re
@@ -33,6 +34,8 @@ from .base import Env, Episode, Turn
 from .chat import prompt_ids, turn_text
 from .custom import call_user, finite_number, load_object, one_line
 from .math import HELDOUT_SEED, _stable_seed
+
+log = logging.getLogger(__name__)
 
 MAX_DATA_BYTES = 512 << 20
 """The largest JSONL file read (the problems are held in memory by every rollout process)."""
@@ -163,6 +166,7 @@ class DatasetEnv(Env):
             raise ConfigError("task 'dataset' needs a tokenizer (model.checkpoint with a tokenizer.json)")
         self.tokenizer, self.seed, self.reward_spec = tokenizer, seed, reward
         needs_answer = reward == "exact"
+        self.threaded = not needs_answer  # your function may wait on something (a judge, a sandbox)
         if needs_answer:
             self.reward_fn = exact
         else:
@@ -194,6 +198,9 @@ class DatasetEnv(Env):
                 raise ConfigError(f"task.heldout_size ({heldout_size}) leaves none of task.data's "
                                   f"{len(first)} distinct prompts to train on (lower it, or give "
                                   "task.heldout_data)")
+            if heldout_size > len(first) // 4:
+                log.warning("task.heldout_size = %d holds out %.0f%% of task.data's %d distinct prompts",
+                            heldout_size, 100 * heldout_size / len(first), len(first))
             ranked = sorted(first, key=lambda k: _stable_seed("dataset-heldout", HELDOUT_SEED, k))
             held_rows = [first[k] for k in ranked[:heldout_size]]
         held = {_key(r) for r in held_rows}

@@ -112,7 +112,7 @@ def run_episodes(engine: Engine, env: Env, problems: list, params: list[Sampling
         prompt = env.prompt_ids(problem)
         rid = engine.add_request(prompt, p, multi_turn=env.multi_turn)
         active[rid] = (i, episode, len(prompt))
-    pool = ThreadPoolExecutor(tool_threads) if env.multi_turn and tool_threads > 1 else None
+    pool = ThreadPoolExecutor(tool_threads) if (env.multi_turn or env.threaded) and tool_threads > 1 else None
     try:
         while active:
             if not engine.has_unfinished():
