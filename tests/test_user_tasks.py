@@ -387,6 +387,13 @@ def test_a_resume_knows_when_your_tasks_files_changed(tmp_path):
     write_jsonl(tmp_path / "d.jsonl", additions(11))
     (tmp_path / "r.py").write_text("def score(response, problem):\n    return 1.0\n")
     assert _changed(saved, sampling_fields(cfg)) == ["task.data_sha256", "task.reward_sha256"]
+    # a checkpoint of a version before these fields: nothing changed while they hold their defaults
+    old = sampling_fields(config_from_dict({}))
+    for key in ("data", "heldout_data", "reward", "env", "options", "max_prompt_tokens"):
+        del old["task"][key]
+    assert _changed(old, sampling_fields(config_from_dict({}))) == []
+    assert _changed(old, sampling_fields(config_from_dict({"task": {"name": "custom", "env": "m:E"}}))) == \
+        ["task.env", "task.name"]
 
 
 def test_a_reward_function_judges_an_engine_steps_responses_on_several_threads(tmp_path, tokenizer, tiny):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import TaskSection
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ParityError
 from ..fields import is_file_spec
@@ -100,9 +101,19 @@ def _digest(path: str) -> str | None:
 
 
 def _changed(saved: dict, now: dict) -> list[str]:
-    return [f"{section}.{k}" for section in sorted(set(saved) | set(now))
-            for k in sorted(set(saved.get(section, {})) | set(now.get(section, {})))
-            if saved.get(section, {}).get(k) != now.get(section, {}).get(k)]
+    """The fields that differ; one a checkpoint of an earlier version did not record counts as
+    unchanged while it holds its default (or is a file hash: there was no file then)."""
+    defaults = {"task": {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                         for f in dataclasses.fields(TaskSection)}}
+    out = []
+    for section in sorted(set(saved) | set(now)):
+        was, now_ = saved.get(section, {}), now.get(section, {})
+        for k in sorted(set(was) | set(now_)):
+            if k not in was and (k.endswith("_sha256") or now_.get(k) == defaults.get(section, {}).get(k, k)):
+                continue
+            if was.get(k) != now_.get(k):
+                out.append(f"{section}.{k}")
+    return out
 
 
 def _trainer_state(step: int, learner: Learner, separate: bool, ready: list | None,
