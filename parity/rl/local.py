@@ -32,6 +32,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,6 +133,8 @@ def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, vers
                 raise
             todo.remove(b)
     except ParityError as exc:  # a problem that a restart would only repeat
+        if os.environ.get("PARITY_DEBUG", "0") not in ("", "0"):  # (your task's code: where it raised)
+            traceback.print_exc()
         traj_q.put(("error", str(exc)))
     except Exception as exc:  # unexpected: one line (its exit status tells the controller)
         orphaned()  # (removes the spool if the controller is gone)
