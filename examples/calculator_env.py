@@ -82,8 +82,8 @@ class CalculatorEnv(Env):
             tok = self.tokenizer
             observation = tok.encode("<result>") + tok.encode_plain(shown) + tok.encode("</result>")
             return Turn(observation, done=False)
-        at = text.lower().rfind("answer:")
-        found = re.findall(r"-?\d+", text[at + len("answer:"):]) if at >= 0 else []
+        marks = list(re.finditer("answer:", text, re.IGNORECASE))  # the last one
+        found = re.findall(r"-?\d+", text[marks[-1].end():]) if marks else []
         episode.answered = bool(found)
         episode.passed = bool(found) and int(found[-1]) == episode.problem["answer"]
         episode.reward = float(episode.passed)

@@ -15,8 +15,8 @@ import re
 def digits(response: str, problem: dict) -> float:
     """1 for the exact answer, else the share of the answer's digits right in place (partial
     credit: a denser signal than right/wrong while the policy is weak)."""
-    at = response.lower().rfind("answer:")
-    found = re.findall(r"-?\d+", response[at + len("answer:"):] if at >= 0 else response)
+    marks = list(re.finditer("answer:", response, re.IGNORECASE))  # the last one
+    found = re.findall(r"-?\d+", response[marks[-1].end():] if marks else response)
     if not found:
         return 0.0
     said, want = found[-1], str(problem["answer"])

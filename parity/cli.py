@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = _command(sub, "eval", "evaluate", "held-out pass@1 (greedy) and mean@k of a checkpoint on a task")
     e.add_argument("--model", help=f"checkpoint directory (or {', '.join(BASE_CHECKPOINTS)}: the cached base "
                    "policies; default: --config's run's newest checkpoint, else base)")
-    e.add_argument("--task", help="tool, math, dataset or custom (default: --config's task, else tool)")
+    e.add_argument("--task", choices=list(TASK_NAMES), help="the task (default: --config's, else tool)")
     e.add_argument("--config", help="a training config (a run's config.toml) whose [task] table to use")
     e.add_argument("--level", type=int, default=0, help="difficulty (default: the task's)")
     e.add_argument("--math-task", help="math: add, sub, mul, expr or countdown")

@@ -173,6 +173,10 @@ def check_options(options: dict, key: str) -> None:
     elif not isinstance(options, (str, int, float, bool)):
         raise ConfigError(f"{key} must be a string, number, boolean, list or table, got "
                           f"{type(options).__name__}")
+    elif isinstance(options, float) and not math.isfinite(options):  # (NaN != NaN: read as changed)
+        raise ConfigError(f"{key} must be finite, got {options!r}")
+    elif isinstance(options, int) and not -2**63 <= options < 2**63:  # what TOML can read back
+        raise ConfigError(f"{key} must fit in 64 bits, got {options}")
 
 
 def is_file_spec(where: str) -> bool:

@@ -106,10 +106,14 @@ def test_dataset_heldout_file_keeps_its_prompts_out_of_training(tmp_path, tokeni
     ("answer: 12", "1,2", 0), ("answer: 1,2", "1,2", 1),  # '1,2' is not a number: compared as text
     ("I think\nParis.", "paris", 1), ("answer: Paris!", "Paris", 1), ('answer: "Paris"', "Paris", 1),
     ("answer:  New   York ", "new york", 1), ("answer: Boston", "new york", 0), ("", 3, 0),
-    ("answer:", "x", 0),
+    ("answer:", "x", 0), ("İİ answer: 123", 123, 1),  # İ lowers to two characters: found in the text itself
 ])
 def test_exact_reward_compares_numbers_exactly_and_text_as_text(response, answer, score):
     assert exact(response, {"answer": answer}) == score
+    if response.startswith("İ"):
+        from parity.envs.math import extract_answer
+
+        assert extract_answer(response) == "123"  # the math and tool tasks' verifier too
 
 
 def test_a_row_added_to_the_file_moves_at_most_one_prompt_of_the_heldout_set(tmp_path, tokenizer):
@@ -126,6 +130,9 @@ def test_prompts_over_max_prompt_tokens_are_left_out(tmp_path, tokenizer):
     env = DatasetEnv(tokenizer, write_jsonl(tmp_path / "d.jsonl", rows), heldout_size=5, max_prompt_tokens=20)
     assert env.too_long == 1 and "1 over task.max_prompt_tokens left out" in env.describe()
     assert len(env._train) + len(env.heldout()) == 30
+    held = write_jsonl(tmp_path / "h.jsonl", rows[-1:])  # every held-out prompt too long: said at start-up
+    with pytest.raises(ConfigError, match="h.jsonl: no prompt fits task.max_prompt_tokens = 20: nothing to"):
+        DatasetEnv(tokenizer, str(tmp_path / "d.jsonl"), heldout_data=held, max_prompt_tokens=20)
 
 
 def test_a_reward_function_scores_and_its_failures_are_one_line(tmp_path, tokenizer):
@@ -221,7 +228,11 @@ def test_task_config_fields_belong_to_their_task_and_paths_are_made_absolute(tmp
                             ({"name": "custom", "env": "a:1x"}, "task.env must be 'module:name'"),
                             ({"name": "custom", "env": "a:b", "options": {"x": None}},
                              "task.options.x must be a string, number"),
-                            ({"name": "dataset", "data": "d", "reward": ":f"}, "task.reward must be")]:
+                            ({"name": "dataset", "data": "d", "reward": ":f"}, "task.reward must be"),
+                            ({"name": "custom", "env": "a:b", "options": {"x": [float("nan")]}},
+                             r"task.options.x\[0\] must be finite"),
+                            ({"name": "custom", "env": "a:b", "options": {"x": 2**64}},
+                             "must fit in 64 bits")]:
         with pytest.raises(ConfigError, match=message):
             TaskSection(**kwargs)
     cfg = config_from_dict({"task": {"name": "custom", "env": "e.py:Toy",
@@ -293,6 +304,10 @@ class FloatIds(Base):
     def prompt_ids(self, problem):
         return [1.0, 2.0]
 
+class NoHeldout(Base):
+    def heldout(self, n=None):
+        return []
+
 class BadInit(Base):
     def __init__(self, ctx, level=1):
         {}["level"]
@@ -316,6 +331,8 @@ def test_custom_envs_of_unusual_but_valid_shapes_and_their_mistakes(tmp_path):
         assert build("StringStops").stop_strings
     with pytest.raises(ParityError, match=r"prompt_ids holds 1.0 \(float\); token ids are integers"):
         build("FloatIds")
+    with pytest.raises(ConfigError, match=r"heldout\(1\) returned no problem: nothing to evaluate on"):
+        build("NoHeldout")
     with pytest.raises(ConfigError, match=r"BadInit' raised KeyError: 'level'") as err:
         build("BadInit", level=2)
     assert "called as" not in str(err.value)  # its own TypeError or KeyError is not a signature hint

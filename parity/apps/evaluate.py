@@ -45,15 +45,15 @@ def main(args) -> int:
     task = dataclasses.asdict(run.task) if run else {}
     if args.task and args.task != task.get("name"):
         task = {"name": args.task}
+    if args.model:  # another checkpoint than the run's: its own tokenizer, not the one the run kept
+        task.pop("tokenizer", None)
     task = {"name": "tool", **task, **({"level": args.level} if args.level else {}),
             **({"math_task": args.math_task} if args.math_task else {})}
     where = args.model or ("base" if run is None else _newest(run, Path(args.config)))
     data = {"task": task, "model": {"checkpoint": where, "kernels": args.kernels}, "eval_prompts": 1}
     for item in args.set or []:
         set_dotted(data, *parse_override(item))
-    # the whole held-out set by default (--set task.heldout_size=300 goes with it)
-    n = args.n if args.n is not None else data["task"].get("heldout_size", 200)
-    data["eval_prompts"] = n
+    data["eval_prompts"] = args.n if args.n is not None else data["task"].get("heldout_size", 200)
     cfg = resolve_base(config_from_dict(data))
     if not args.model and args.config:
         print(f"parity: evaluating {cfg.model.checkpoint}", file=sys.stderr if args.json else sys.stdout)
@@ -61,7 +61,8 @@ def main(args) -> int:
     env = build_env(cfg, model.config.vocab_size)
     print(f"parity: {env.describe()}", file=sys.stderr if args.json else sys.stdout, flush=True)
     t0 = time.perf_counter()
-    r = evaluate(model, env, n, k=args.k, temperature=args.temperature, max_tokens=args.max_tokens,
+    # args.n None: the whole held-out set (a heldout_data file's too)
+    r = evaluate(model, env, args.n, k=args.k, temperature=args.temperature, max_tokens=args.max_tokens,
                  seed=args.seed)
     if args.json:
         print(json.dumps(r))

@@ -42,7 +42,6 @@ from ..config import (
     config_from_dict,
     read_toml,
     set_dotted,
-    to_toml,
     with_overrides,
 )
 from ..dtypes import DTYPE_NAMES
@@ -249,7 +248,7 @@ def _restart(cfg: TrainConfig) -> dict:
     run_dir = Path(cfg.run_dir)
     earlier = checkpoint.found(run_dir)
     written = run_dir / "config.toml"
-    same = written.exists() and written.read_text() == to_toml(cfg)
+    same = _wrote(written, cfg)
     if earlier and same and not (run_dir / "report.md").exists() \
             and int(earlier[-1].name.split("-")[1]) < cfg.steps:
         try:
@@ -289,9 +288,17 @@ def _finished(cfg: TrainConfig) -> bool:
     name = cfg.model.checkpoint
     if name in RECIPES:
         cfg = with_overrides(cfg, {"model.checkpoint": str(base_dir(RECIPES[name]))})
-    written = run_dir / "config.toml"
     return (run_dir / "report.md").exists() and len(read_metrics(run_dir)) == cfg.steps \
-        and written.exists() and written.read_text() == to_toml(cfg)
+        and _wrote(run_dir / "config.toml", cfg)
+
+
+def _wrote(written: Path, cfg: TrainConfig) -> bool:
+    """Whether the config.toml at `written` is `cfg`, read as a config (its text changes when a
+    newer parity adds a field: a run written before would have looked like another run's)."""
+    try:
+        return written.exists() and config_from_dict(read_toml(written)) == cfg
+    except ParityError:
+        return False
 
 
 def _train(cfg: TrainConfig, name: str, progress: bool) -> None:

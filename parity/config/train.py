@@ -241,12 +241,12 @@ class TaskSection:
     """dataset: a JSONL file of problems, one JSON object per line with a 'prompt' string (or
     'messages', a chat) and the fields the reward reads ('answer' for 'exact')."""
     heldout_data: str | None = None
-    """dataset: a JSONL file of held-out problems (default: task.heldout_size problems of
-    task.data, drawn by a fixed seed and kept out of training)."""
+    """dataset: a JSONL file of held-out problems (default: the task.heldout_size distinct prompts
+    of task.data a fixed hash ranks first, kept out of training)."""
     reward: str = "exact"
     """dataset: 'exact' (the response's answer equals the problem's 'answer') or a function
     'module:name' / 'path/to/file.py:name', called as name(response_text, problem_dict) -> a
-    number (a reward >= 1 counts as solved for pass@1)."""
+    number (a reward >= 1 counts as solved for pass@1), on several threads at once."""
     max_prompt_tokens: int = 0
     """dataset: problems whose prompt is longer (in tokens) are left out at start-up (0: none are;
     a prompt too long for the model then stops the run)."""

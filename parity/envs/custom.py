@@ -192,6 +192,8 @@ class CheckedEnv(Env):
         self.tokenizer = getattr(env, "tokenizer", None) or tokenizer  # (the engine's, for stop strings)
         name = getattr(env, "name", None)
         self.name = str(name) if name and name != Env.name else spec.rpartition(":")[2]
+        if not self.heldout(1):
+            raise ConfigError(f"task.env {spec!r}: heldout(1) returned no problem: nothing to evaluate on")
         first = [self.prompt_ids(p) for p in self.problems(0, 2)]
         again = [self.prompt_ids(p) for p in self.problems(0, 2)]
         if first != again:

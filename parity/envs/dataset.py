@@ -8,24 +8,26 @@
 Each line is a JSON object with a `prompt` string (one user turn, rendered by the checkpoint's
 chat template, or parity's own format when it has none) or `messages` (a list of
 `{"role": ..., "content": ...}`, for a system prompt or few-shot turns; it needs a chat
-template), and any other fields the reward reads. `reward = "exact"` compares the text after
-the response's last `answer:` (else its last line) with the problem's `answer` field: as numbers
-when the answer is a number, else as text, ignoring case and surrounding spaces. A reward of 1
-or more counts as solved for pass@1.
+template), and any other fields the reward reads. `reward = "exact"` compares the first line
+after the response's last `answer:` (else its last non-empty line) with the problem's `answer`
+field (`exact` below). A reward of 1 or more counts as solved for pass@1.
 
 The held-out set is `task.heldout_data` when given (training problems with one of its prompts are
-left out), else `task.heldout_size` problems drawn from `task.data` by a fixed seed, the same for
-every run. Training batches walk the rest in a fresh seeded order each epoch, so batch b's
-problems follow from (seed, b) alone and a resumed run samples the batches it would have.
+left out), else the `task.heldout_size` distinct prompts of `task.data` that a fixed hash ranks
+first, the same for every run (a row added to the file moves at most one prompt in or out).
+Training batches walk the rest in a fresh seeded order each epoch, so batch b's problems follow
+from (seed, b) alone and a resumed run samples the batches it would have.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import random
 import re
+import threading
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from ..errors import ConfigError, ParityError
 from .base import Env, Episode, Turn
 from .chat import prompt_ids, turn_text
 from .custom import call_user, finite_number, load_object, one_line
-from .math import HELDOUT_SEED, _stable_seed
+from .math import HELDOUT_SEED, _stable_seed, answer_at
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +143,9 @@ def exact(response: str, problem: dict) -> float:
     JSON number, or a string that is one: `42`, `-3.5`, `1,234`, `1e3`) is compared exactly with
     the first number on that line (`answer: 12 or 13` is 12); any other with the whole line,
     ignoring case, runs of spaces and surrounding quotes and punctuation."""
-    at = response.lower().rfind("answer:")
+    at = answer_at(response)
     if at >= 0:
-        line = (response[at + len("answer:"):].strip().splitlines() or [""])[0]
+        line = (response[at:].strip().splitlines() or [""])[0]
     else:
         line = next((x for x in reversed(response.splitlines()) if x.strip()), "")
     answer = problem["answer"]
@@ -210,28 +212,33 @@ class DatasetEnv(Env):
         if not self._train:
             raise ConfigError(f"task.data {data}: every problem's prompt is in the held-out set; none "
                               "is left to train on")
+        if not self._heldout:
+            raise ConfigError(f"task.heldout_data {heldout_data}: no prompt fits task.max_prompt_tokens = "
+                              f"{max_prompt_tokens}: nothing to evaluate on")
         self.name = f"dataset-{Path(data).stem}"
         self._orders: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
 
     def _epoch(self, epoch: int) -> list[int]:
         """The training problems' order in `epoch` (the last few kept: a batch spans at most two)."""
-        order = self._orders.get(epoch)
-        if order is None:
-            rnd = random.Random(_stable_seed("dataset", self.seed, epoch))
-            order = self._orders[epoch] = rnd.sample(range(len(self._train)), len(self._train))
-            while len(self._orders) > 4:
-                del self._orders[next(iter(self._orders))]
-        return order
+        with self._lock:  # (problems() from several threads)
+            order = self._orders.get(epoch)
+            if order is None:
+                rnd = random.Random(_stable_seed("dataset", self.seed, epoch))
+                order = self._orders[epoch] = rnd.sample(range(len(self._train)), len(self._train))
+                while len(self._orders) > 4:
+                    del self._orders[next(iter(self._orders))]
+            return order
 
     def problems(self, batch_index: int, n: int) -> list[dict]:
         out = []
         for i in range(batch_index * n, batch_index * n + n):
             epoch, position = divmod(i, len(self._train))
-            out.append(dict(self._train[self._epoch(epoch)[position]]))
-        return out
+            out.append(copy.deepcopy(self._train[self._epoch(epoch)[position]]))
+        return out  # (copies: a reward that edits its problem leaves the next epoch's as it was)
 
     def heldout(self, n: int | None = None) -> list[dict]:
-        return [dict(r) for r in self._heldout[:n]]
+        return copy.deepcopy(self._heldout[:n])
 
     def prompt_ids(self, problem: dict) -> list[int]:
         if "prompt" in problem:

@@ -161,11 +161,21 @@ def worked_answer(problem: Problem, fmt: str) -> str:
 MATH_FORMATS = ("direct", "columns")
 
 
+_ANSWER = re.compile("answer:", re.IGNORECASE)
+
+
+def answer_at(response: str) -> int:
+    """Where the text after the response's last `answer:` (in any case) starts, or -1. (Found in
+    the response itself: an index into `response.lower()` is off after a character that lowers
+    to two, such as İ.)"""
+    ends = [m.end() for m in _ANSWER.finditer(response)]
+    return ends[-1] if ends else -1
+
+
 def extract_answer(response: str) -> str:
     """The text after the last `answer:`, else the last line."""
-    low = response.lower()
-    i = low.rfind("answer:")
-    text = response[i + len("answer:"):] if i >= 0 else (response.strip().splitlines() or [""])[-1]
+    i = answer_at(response)
+    text = response[i:] if i >= 0 else (response.strip().splitlines() or [""])[-1]
     return text.strip()
 
 

@@ -58,18 +58,15 @@ def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
         return TargetTokensTask(vocab_size, t.targets, t.prompt_len, cfg.seed)
     from ..model.tokenizer import HFTokenizer
 
-    if t.name == "custom":
-        from ..envs.custom import TaskContext, build_custom_env
-
-        path = tokenizer_path(cfg)
-        if path is not None and not path.is_file():
-            raise ParityError(f"task.tokenizer {path}: no such file")
-        ctx = TaskContext(HFTokenizer(path) if path is not None else None, vocab_size, cfg.seed,
-                          t.heldout_size, t.require_isolation, sandbox)
-        return build_custom_env(t.env, t.options, ctx)
     path = tokenizer_path(cfg)
     if path is not None and not path.is_file():
         raise ParityError(f"task.tokenizer {path}: no such file")
+    if t.name == "custom":
+        from ..envs.custom import TaskContext, build_custom_env
+
+        ctx = TaskContext(HFTokenizer(path) if path is not None else None, vocab_size, cfg.seed,
+                          t.heldout_size, t.require_isolation, sandbox)
+        return build_custom_env(t.env, t.options, ctx)
     if path is None:
         raise ParityError(f"task {t.name!r} needs a tokenizer.json in the checkpoint directory "
                           f"({cfg.model.checkpoint}); use model.checkpoint = \"base\" or a parity sft output")
