@@ -51,6 +51,7 @@ class Toy(Env):
             return Turn([1, 2], False, 0.0)
         reward = sum(t == self.target for t in turn_ids) / max(1, len(turn_ids))
         episode.reward, episode.passed = reward, reward >= 0.5
+        episode.info["metrics"] = {"length": len(turn_ids)}  # its own figure, averaged per batch
         return Turn(None, True, float("nan") if self.mode == "nan" else reward)
 '''
 
@@ -133,6 +134,33 @@ def test_prompts_over_max_prompt_tokens_are_left_out(tmp_path, tokenizer):
     held = write_jsonl(tmp_path / "h.jsonl", rows[-1:])  # every held-out prompt too long: said at start-up
     with pytest.raises(ConfigError, match="h.jsonl: no prompt fits task.max_prompt_tokens = 20: nothing to"):
         DatasetEnv(tokenizer, str(tmp_path / "d.jsonl"), heldout_data=held, max_prompt_tokens=20)
+
+
+def test_rewards_in_a_list_are_summed_with_their_weights_and_logged_by_part(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "d.jsonl", additions(20))
+    (tmp_path / "parts.py").write_text("def formatted(response, problem):\n"
+                                       "    return response.startswith('answer:')\n")
+    env = DatasetEnv(tokenizer, data, reward=["exact", f"{tmp_path}/parts.py:formatted", "exact"],
+                     reward_weights=[1.0, 0.25, 0.5], heldout_size=5)
+    problem = env.problems(0, 1)[0]
+    episode = env.start(problem)
+    assert env.step(episode, tokenizer.encode(f"answer: {problem['answer']}")).reward == 1.75
+    assert episode.passed and episode.info["metrics"] == {"reward/exact": 1.0, "reward/formatted": 1.0,
+                                                         "reward/exact_2": 1.0}
+    from parity.metrics.summary import env_metrics
+    from parity.rl.rollout_worker import rollout_stats
+
+    other = env.start(problem)
+    env.step(other, tokenizer.encode("no idea"))
+    assert rollout_stats([episode, other])["rollout/reward/formatted"] == 0.5
+    assert env_metrics([episode, other], "eval/")["eval/reward/exact"] == 0.5
+    assert "1 x" not in env.describe() and "0.25 x" in env.describe()
+    for kwargs, message in [({"reward": []}, "task.reward must not be an empty list"),
+                            ({"reward": ["exact"], "reward_weights": [1, 2]},
+                             "one weight per task.reward entry"),
+                            ({"reward": "exact", "reward_weights": [float("inf")]}, "must be finite")]:
+        with pytest.raises(ConfigError, match=message):
+            TaskSection(name="dataset", data=data, **kwargs)
 
 
 def test_a_reward_function_scores_and_its_failures_are_one_line(tmp_path, tokenizer):
@@ -304,6 +332,11 @@ class FloatIds(Base):
     def prompt_ids(self, problem):
         return [1.0, 2.0]
 
+class BadMetrics(Base):
+    def step(self, episode, turn_ids):
+        episode.info["metrics"] = {"confidence": "high"}
+        return Turn(None, True, 0.0)
+
 class NoHeldout(Base):
     def heldout(self, n=None):
         return []
@@ -331,6 +364,8 @@ def test_custom_envs_of_unusual_but_valid_shapes_and_their_mistakes(tmp_path):
         assert build("StringStops").stop_strings
     with pytest.raises(ParityError, match=r"prompt_ids holds 1.0 \(float\); token ids are integers"):
         build("FloatIds")
+    with pytest.raises(ParityError, match=r"info\['metrics'\] must map names to finite numbers, got"):
+        build("BadMetrics").step(Episode([1]), [3])
     with pytest.raises(ConfigError, match=r"heldout\(1\) returned no problem: nothing to evaluate on"):
         build("NoHeldout")
     with pytest.raises(ConfigError, match=r"BadInit' raised KeyError: 'level'") as err:
@@ -373,7 +408,8 @@ def test_a_custom_env_trains_in_rollout_workers_and_evaluates_from_the_runs_conf
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
-    assert all(0 <= r["reward/mean"] <= 1 for r in records)
+    assert all(0 <= r["reward/mean"] <= 1 and r["rollout/length"] >= 1 for r in records)
+    assert "eval/length" in records[0]
     config = load_config(tmp_path / "run" / "config.toml")
     assert config.task.env == f"{tmp_path}/toy_env.py:Toy" and config.task.options == {"target": 3}
     proc = run("eval", "--config", str(tmp_path / "run" / "config.toml"), "-k", "0", "--json")
@@ -433,5 +469,5 @@ def test_a_reward_function_judges_an_engine_steps_responses_on_several_threads(t
     problems = env.problems(0, 8)
     params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 8  # all finish in one step
     run_episodes(Engine(tiny, max_num_seqs=8), env, problems, params)
-    assert len(env.reward_fn.__globals__["THREADS"]) > 1
+    assert len(env.rewards[0][2].__globals__["THREADS"]) > 1
 

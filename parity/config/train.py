@@ -10,6 +10,7 @@ many versions back it keeps weights — are set from `rollout.temperature`, `mod
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,10 +244,13 @@ class TaskSection:
     heldout_data: str | None = None
     """dataset: a JSONL file of held-out problems (default: the task.heldout_size distinct prompts
     of task.data a fixed hash ranks first, kept out of training)."""
-    reward: str = "exact"
+    reward: str | list[str] = "exact"
     """dataset: 'exact' (the response's answer equals the problem's 'answer') or a function
     'module:name' / 'path/to/file.py:name', called as name(response_text, problem_dict) -> a
-    number (a reward >= 1 counts as solved for pass@1), on several threads at once."""
+    number (a reward >= 1 counts as solved for pass@1), on several threads at once; or a list of
+    these, summed with task.reward_weights (each part is logged as rollout/reward/<name>)."""
+    reward_weights: list[float] = field(default_factory=list)
+    """dataset: one weight per task.reward entry (default: 1 each)."""
     max_prompt_tokens: int = 0
     """dataset: problems whose prompt is longer (in tokens) are left out at start-up (0: none are;
     a prompt too long for the model then stops the run)."""
@@ -284,8 +288,16 @@ class TaskSection:
             if getattr(self, key) and self.name != task:
                 raise ConfigError(f"task.{key} is for task.name = {task!r} (this run's task is "
                                   f"{self.name!r})")
-        if self.reward != "exact" and self.name != "dataset":
+        if (self.reward != "exact" or self.reward_weights) and self.name != "dataset":
             raise ConfigError(f"task.reward is for task.name = 'dataset' (this run's task is {self.name!r})")
+        rewards = self.reward if isinstance(self.reward, list) else [self.reward]
+        if not rewards:
+            raise ConfigError("task.reward must not be an empty list")
+        if self.reward_weights and len(self.reward_weights) != len(rewards):
+            raise ConfigError(f"task.reward_weights must give one weight per task.reward entry "
+                              f"({len(rewards)}), got {len(self.reward_weights)}")
+        if not all(math.isfinite(w) for w in self.reward_weights):
+            raise ConfigError(f"task.reward_weights must be finite, got {self.reward_weights}")
         if self.name == "dataset" and not self.data:
             raise ConfigError("task 'dataset' needs task.data, a JSONL file of problems")
         if self.name == "custom" and not self.env:
@@ -295,8 +307,8 @@ class TaskSection:
                 setattr(self, key, str(Path(getattr(self, key)).expanduser().absolute()))
         if self.env:
             self.env = check_spec(self.env, "task.env")
-        if self.reward != "exact":
-            self.reward = check_spec(self.reward, "task.reward")
+        checked = [r if r == "exact" else check_spec(r, "task.reward") for r in rewards]
+        self.reward = checked if isinstance(self.reward, list) else checked[0]
         check_options(self.options, "task.options")
 
 

@@ -16,7 +16,8 @@ tool that fails becomes a tool error or zero reward, and the episode goes on or 
 Your own task subclasses `Env` and is named in the config (`task.name = "custom"`, `task.env`;
 `parity/envs/custom.py`). Problems must follow from (seed, batch index) alone and the held-out set
 must be the same for every run; a multi-turn env's `step` may be called from several threads at
-once (one per episode); set `episode.passed` for pass@1.
+once (one per episode); set `episode.passed` for pass@1, and per-episode figures of your own in
+`episode.info["metrics"]` (averaged per batch as rollout/<name>, per evaluation as eval/<name>).
 """
 
 from __future__ import annotations

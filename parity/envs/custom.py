@@ -274,6 +274,14 @@ class CheckedEnv(Env):
             return Turn(self._ids(observation, "step's observation"), False, reward)
         if not getattr(episode, "_passed_set", True):  # the env never set it: solved = a reward of 1+
             episode.passed = reward >= 1.0
+        metrics = episode.info.get("metrics")
+        if metrics is not None:  # its own per-episode figures, averaged as rollout/<name>, eval/<name>
+            values = {k: finite_number(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+            if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in values) \
+                    or None in values.values():
+                raise self._fail(f"episode.info['metrics'] must map names to finite numbers, got "
+                                 f"{metrics!r:.80}")
+            episode.info["metrics"] = values
         return Turn(None, True, reward)
 
     def describe(self) -> str:

@@ -162,20 +162,26 @@ def exact(response: str, problem: dict) -> float:
 class DatasetEnv(Env):
     """Single-turn problems from a JSONL file, scored by `exact` or a function of yours."""
 
-    def __init__(self, tokenizer, data: str, reward: str = "exact", seed: int = 0,
-                 heldout_size: int = 200, heldout_data: str | None = None, max_prompt_tokens: int = 0):
+    def __init__(self, tokenizer, data: str, reward: str | list[str] = "exact", seed: int = 0,
+                 heldout_size: int = 200, heldout_data: str | None = None, max_prompt_tokens: int = 0,
+                 reward_weights: list[float] | None = None):
         if tokenizer is None:
             raise ConfigError("task 'dataset' needs a tokenizer (model.checkpoint with a tokenizer.json)")
-        self.tokenizer, self.seed, self.reward_spec = tokenizer, seed, reward
-        needs_answer = reward == "exact"
-        self.threaded = not needs_answer  # your function may wait on something (a judge, a sandbox)
-        if needs_answer:
-            self.reward_fn = exact
-        else:
-            self.reward_fn = load_object(reward, "task.reward")
-            if not callable(self.reward_fn):
-                raise ConfigError(f"task.reward {reward!r} is a {type(self.reward_fn).__name__}, "
-                                  "not a function")
+        self.tokenizer, self.seed = tokenizer, seed
+        specs = reward if isinstance(reward, list) else [reward]
+        self.rewards: list[tuple[str, str, object, float]] = []  # (name, spec, function, weight)
+        for spec, weight in zip(specs, reward_weights or [1.0] * len(specs), strict=True):
+            fn = exact if spec == "exact" else load_object(spec, "task.reward")
+            if not callable(fn):
+                raise ConfigError(f"task.reward {spec!r} is a {type(fn).__name__}, not a function")
+            name = spec.rpartition(":")[2].rpartition(".")[2]
+            taken = {n for n, *_ in self.rewards}
+            name = next(f"{name}_{i}" for i in range(2, len(specs) + 2) if f"{name}_{i}" not in taken) \
+                if name in taken else name
+            self.rewards.append((name, spec, fn, float(weight)))
+        self.reward_spec = " + ".join(spec if w == 1 else f"{w:g} x {spec}" for _, spec, _, w in self.rewards)
+        needs_answer = any(fn is exact for _, _, fn, _ in self.rewards)
+        self.threaded = any(fn is not exact for _, _, fn, _ in self.rewards)  # yours may wait (a judge)
         rows = read_problems(data, "task.data", needs_answer)
         held_rows = read_problems(heldout_data, "task.heldout_data", needs_answer) if heldout_data else None
         if any("messages" in r for r in rows + (held_rows or [])) and not tokenizer.chat_template:
@@ -249,14 +255,17 @@ class DatasetEnv(Env):
         episode.turns += 1
         text = turn_text(self.tokenizer, turn_ids)
         episode.answered = "answer:" in text.lower()
-        where = f"task.reward {self.reward_spec}"
-        value = call_user(self.reward_fn, (text, episode.problem), where,
-                          f" on a response to {_key(episode.problem)[:60]}")
-        reward = finite_number(value)
-        if reward is None:
-            raise ParityError(f"{where}: returned {repr(value)[:60]} for a response to "
-                              f"{_key(episode.problem)[:60]}; a reward is a finite number (or true/false)")
-        episode.reward = reward
+        parts = {}
+        for name, spec, fn, _ in self.rewards:
+            value = call_user(fn, (text, episode.problem), f"task.reward {spec}",
+                              f" on a response to {_key(episode.problem)[:60]}")
+            parts[name] = finite_number(value)
+            if parts[name] is None:
+                raise ParityError(f"task.reward {spec}: returned {repr(value)[:60]} for a response to "
+                                  f"{_key(episode.problem)[:60]}; a reward is a finite number or true/false")
+        if len(parts) > 1:  # each part logged as rollout/reward/<name> and eval/reward/<name>
+            episode.info["metrics"] = {f"reward/{name}": value for name, value in parts.items()}
+        episode.reward = sum(w * parts[name] for name, _, _, w in self.rewards)
         episode.passed = episode.reward >= 1.0
         return Turn(None, True, episode.reward)
 

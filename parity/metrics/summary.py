@@ -63,6 +63,16 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return m, 1.96 * math.sqrt(var / n)
 
 
+def env_metrics(episodes, prefix: str) -> dict[str, float]:
+    """The numbers environments report per episode (`episode.info["metrics"]`: a reward's parts, a
+    task's own measures), each averaged over the episodes that report it, as `prefix + name`."""
+    values: dict[str, list[float]] = {}
+    for episode in episodes:
+        for name, value in (episode.info.get("metrics") or {}).items():
+            values.setdefault(name, []).append(value)
+    return {prefix + name: sum(v) / len(v) for name, v in sorted(values.items())}
+
+
 def token_mean(metrics: Metrics, key: str) -> float:
     """The run's mean of a per-token figure recorded as each step's mean: weighted by the step's
     tokens (every step has as many episodes; a plain mean over steps gave a short step's tokens

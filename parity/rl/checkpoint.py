@@ -66,12 +66,13 @@ def sampling_fields(cfg) -> dict:
     r = cfg.rollout
     task = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "tokenizer"}
     for key in ("data", "heldout_data", "env", "reward"):  # your own task's files: their contents
-        path = task.get(key)
-        if path and key in ("env", "reward"):
-            where = path.rpartition(":")[0]
-            path = where if is_file_spec(where) else None
-        if path:
-            task[f"{key}_sha256"] = _digest(path)
+        value = task.get(key)
+        paths = [v for v in (value if isinstance(value, list) else [value]) if v]
+        if key in ("env", "reward"):
+            paths = [v.rpartition(":")[0] for v in paths if is_file_spec(v.rpartition(":")[0])]
+        if paths:
+            digests = [_digest(path) for path in paths]
+            task[f"{key}_sha256"] = digests if isinstance(value, list) else digests[0]
     return {"rollout": {k: getattr(r, k) for k in ("prompts_per_step", "group_size", "max_tokens",
                                                    "temperature", "lengths")},
             "task": task, "model": {"kernels": cfg.model.kernels}}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..engine import Engine, SamplingParams
 from ..envs.base import Env
 from ..errors import InputError
-from ..metrics.summary import mean_ci, wilson
+from ..metrics.summary import env_metrics, mean_ci, wilson
 from .rollout_worker import run_episodes
 
 
@@ -29,7 +29,8 @@ def evaluate(model, env: Env, n: int | None = None, k: int = 0, temperature: flo
            "eval/reward": sum(r.reward for r in greedy) / len(greedy),
            "eval/answered": sum(r.episode.answered for r in greedy) / len(greedy),
            "eval/tool_calls": sum(r.episode.tool_calls for r in greedy) / len(greedy),
-           "eval/tool_errors": sum(r.episode.tool_errors for r in greedy) / len(greedy)}
+           "eval/tool_errors": sum(r.episode.tool_errors for r in greedy) / len(greedy),
+           **env_metrics([r.episode for r in greedy], "eval/")}
     if k > 0:
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
                                  seed=(seed * 1_000_003 + i) % 2**62) for i in range(len(problems) * k)]

@@ -2,17 +2,17 @@
 
 Everything the rollout side does lives here, whatever process or actor hosts it:
 - **weights**: versions arrive through `receive` (pushed) or a `poll` function (pulled); between
-  batches the worker loads the one admission allows (drain), and with in-flight updates it
-  switches running sequences to the newest version between two engine steps;
+  batches the worker loads the one admission allows (drain), with in-flight updates it switches
+  running sequences to the newest version between two engine steps;
 - **admission control**: batch b is sampled only with weights of version >= b - max_policy_lag
   (exactly that version in deterministic mode), so no token is trained on more than
   max_policy_lag updates after the version that sampled it; the producer waits, nothing is dropped;
-- **episodes**: `run_episodes` keeps every episode of the batch in the engine at once, judges each
-  finished turn with the environment, runs tool calls of turns that ended in the same engine step
-  concurrently and feeds observations back (`loss_mask` 0, cache kept);
+- **episodes**: `run_episodes` keeps every episode of the batch in the engine at once, judges the
+  turns one engine step finishes with the environment (concurrently for multi-turn or threaded envs)
+  and feeds observations back (`loss_mask` 0, cache kept);
 - **trajectories**: the batch leaves as one `RolloutBatch`; in async runs, on the batches the learner
   will decompose, each token also carries the learner path's log-prob under the weights that sampled
-  it (`sampled_learner_logprobs`), so the learner keeps no copy of old weights for its kernel/lag split.
+  it (`sampled_learner_logprobs`): the learner keeps no old weights for its kernel/lag split.
 
 A batch's content depends only on (seed, batch index, the version that sampled it).
 """
@@ -32,6 +32,7 @@ from ..config import TrainConfig
 from ..engine import Engine, RequestOutput, SamplingParams
 from ..envs.base import Env, Episode, Turn
 from ..errors import InputError
+from ..metrics.summary import env_metrics
 from ..model import sequence_logprobs
 from .learner import micro_batches
 from .trajectory import RolloutBatch, Trajectory
@@ -75,13 +76,13 @@ def sampling_params(cfg: TrainConfig, batch_index: int, n: int) -> list[Sampling
 
 
 def rollout_stats(episodes: list[Episode]) -> dict[str, float]:
-    """Per-batch episode statistics (tool use, answers, pass rate)."""
+    """Per-batch episode statistics (tool use, answers, pass rate, the env's own metrics)."""
     n = len(episodes)
     return {"rollout/pass_rate": sum(e.passed for e in episodes) / n,
             "rollout/answered": sum(e.answered for e in episodes) / n,
             "rollout/tool_calls": sum(e.tool_calls for e in episodes) / n,
             "rollout/tool_errors": sum(e.tool_errors for e in episodes) / n,
-            "rollout/turns": sum(e.turns for e in episodes) / n}
+            "rollout/turns": sum(e.turns for e in episodes) / n} | env_metrics(episodes, "rollout/")
 
 
 # --------------------------------------------------------------------------- episodes on the engine
@@ -130,8 +131,7 @@ def run_episodes(engine: Engine, env: Env, problems: list, params: list[Sampling
                     return Turn(None, True, 0.0)
                 return env.step(episode, out.full_token_ids[start:])
 
-            turns = list(pool.map(judge, outs)) if pool is not None and len(outs) > 1 else \
-                [judge(o) for o in outs]
+            turns = list(pool.map(judge, outs)) if pool and len(outs) > 1 else [judge(o) for o in outs]
             for out, turn in zip(outs, turns):
                 i, episode, _ = active[out.request_id]
                 if not turn.done:
