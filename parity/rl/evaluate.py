@@ -24,13 +24,13 @@ def evaluate(model, env: Env, n: int | None = None, k: int = 0, temperature: flo
     greedy = run_episodes(engine, env, problems, [greedy_params] * len(problems))
     p1 = sum(float(r.episode.passed) for r in greedy) / len(greedy)
     lo, hi = wilson(p1, len(greedy))
-    out = {"eval/pass@1": p1, "eval/pass@1_lo95": lo, "eval/pass@1_hi95": hi,
+    out = {**env_metrics([r.episode for r in greedy], "eval/"),  # (the built-in figures win a name)
+           "eval/pass@1": p1, "eval/pass@1_lo95": lo, "eval/pass@1_hi95": hi,
            "eval/problems": float(len(problems)),
            "eval/reward": sum(r.reward for r in greedy) / len(greedy),
            "eval/answered": sum(r.episode.answered for r in greedy) / len(greedy),
            "eval/tool_calls": sum(r.episode.tool_calls for r in greedy) / len(greedy),
-           "eval/tool_errors": sum(r.episode.tool_errors for r in greedy) / len(greedy),
-           **env_metrics([r.episode for r in greedy], "eval/")}
+           "eval/tool_errors": sum(r.episode.tool_errors for r in greedy) / len(greedy)}
     if k > 0:
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
                                  seed=(seed * 1_000_003 + i) % 2**62) for i in range(len(problems) * k)]

@@ -78,11 +78,11 @@ def sampling_params(cfg: TrainConfig, batch_index: int, n: int) -> list[Sampling
 def rollout_stats(episodes: list[Episode]) -> dict[str, float]:
     """Per-batch episode statistics (tool use, answers, pass rate, the env's own metrics)."""
     n = len(episodes)
-    return {"rollout/pass_rate": sum(e.passed for e in episodes) / n,
+    return env_metrics(episodes, "rollout/") | {"rollout/pass_rate": sum(e.passed for e in episodes) / n,
             "rollout/answered": sum(e.answered for e in episodes) / n,
             "rollout/tool_calls": sum(e.tool_calls for e in episodes) / n,
             "rollout/tool_errors": sum(e.tool_errors for e in episodes) / n,
-            "rollout/turns": sum(e.turns for e in episodes) / n} | env_metrics(episodes, "rollout/")
+            "rollout/turns": sum(e.turns for e in episodes) / n}  # (the built-in figures win a name)
 
 
 # --------------------------------------------------------------------------- episodes on the engine
