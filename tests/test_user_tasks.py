@@ -153,6 +153,12 @@ def test_rewards_in_a_list_are_summed_with_their_weights_and_logged_by_part(tmp_
     other = env.start(problem)
     env.step(other, tokenizer.encode("no idea"))
     assert rollout_stats([episode, other])["rollout/reward/formatted"] == 0.5
+    wrong = env.start(problem)  # formatted, wrong: a reward of 0.25, and not solved
+    assert env.step(wrong, tokenizer.encode("answer: 99999")).reward == 0.25 and not wrong.passed
+    bonus = DatasetEnv(tokenizer, data, reward=["exact", f"{tmp_path}/parts.py:formatted"], heldout_size=5)
+    wrong = bonus.start(problem)  # weights 1 and 1: 1.0 from the format alone, still not solved
+    assert bonus.step(wrong, tokenizer.encode("answer: 99999")).reward == 1.0 and not wrong.passed
+    assert TaskSection(name="dataset", data=data, reward=["exact"]).reward == "exact"
     assert env_metrics([episode, other], "eval/")["eval/reward/exact"] == 0.5
     assert "1 x" not in env.describe() and "0.25 x" in env.describe()
     for kwargs, message in [({"reward": []}, "task.reward must not be an empty list"),
@@ -337,6 +343,11 @@ class BadMetrics(Base):
         episode.info["metrics"] = {"confidence": "high"}
         return Turn(None, True, 0.0)
 
+class FinalMetric(Base):
+    def step(self, episode, turn_ids):
+        episode.info["metrics"] = {"accuracy_final": 1.0}
+        return Turn(None, True, 0.0)
+
 class NoHeldout(Base):
     def heldout(self, n=None):
         return []
@@ -366,6 +377,8 @@ def test_custom_envs_of_unusual_but_valid_shapes_and_their_mistakes(tmp_path):
         build("FloatIds")
     with pytest.raises(ParityError, match=r"info\['metrics'\] must map names to finite numbers, got"):
         build("BadMetrics").step(Episode([1]), [3])
+    with pytest.raises(ParityError, match="name 'accuracy_final': names ending in _final are the run's last"):
+        build("FinalMetric").step(Episode([1]), [3])
     with pytest.raises(ConfigError, match=r"heldout\(1\) returned no problem: nothing to evaluate on"):
         build("NoHeldout")
     with pytest.raises(ConfigError, match=r"BadInit' raised KeyError: 'level'") as err:
@@ -470,4 +483,16 @@ def test_a_reward_function_judges_an_engine_steps_responses_on_several_threads(t
     params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 8  # all finish in one step
     run_episodes(Engine(tiny, max_num_seqs=8), env, problems, params)
     assert len(env.rewards[0][2].__globals__["THREADS"]) > 1
+
+
+def test_eval_config_of_a_hand_written_file_does_not_take_the_default_run_dirs_checkpoints(tmp_path,
+                                                                                          monkeypatch):
+    from parity.apps.evaluate import _newest
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "default" / "checkpoint-5").mkdir(parents=True)  # someone else's run
+    (tmp_path / "mine.toml").write_text('[task]\nname = "math"\n[model]\ncheckpoint = "base-math"\n')
+    run = load_config(tmp_path / "mine.toml")
+    assert _newest(run, tmp_path / "mine.toml", names_run_dir=False) == "base-math"
+    assert _newest(run, tmp_path / "mine.toml", names_run_dir=True).endswith("runs/default/checkpoint-5")
 

@@ -21,10 +21,10 @@ from .sft import resolve_base
 from .ui import table
 
 
-def _newest(run, config: Path) -> str:
-    """The newest checkpoint of the run whose config.toml `config` is (beside it, or in its
-    run_dir), else the checkpoint it started from."""
-    saved = checkpoint.found(config.parent) or checkpoint.found(Path(run.run_dir))
+def _newest(run, config: Path, names_run_dir: bool) -> str:
+    """The newest checkpoint of the run whose config.toml `config` is (beside it, or in the run_dir
+    it names: not the default one, which may hold anyone's run), else the checkpoint it started from."""
+    saved = checkpoint.found(config.parent) or (checkpoint.found(Path(run.run_dir)) if names_run_dir else [])
     if saved:
         return str(saved[-1])
     if not run.model.checkpoint:
@@ -49,7 +49,8 @@ def main(args) -> int:
         task.pop("tokenizer", None)
     task = {"name": "tool", **task, **({"level": args.level} if args.level else {}),
             **({"math_task": args.math_task} if args.math_task else {})}
-    where = args.model or ("base" if run is None else _newest(run, Path(args.config)))
+    where = args.model or ("base" if run is None else _newest(run, Path(args.config),
+                                                              "run_dir" in read_toml(args.config)))
     data = {"task": task, "model": {"checkpoint": where, "kernels": args.kernels}, "eval_prompts": 1}
     for item in args.set or []:
         set_dotted(data, *parse_override(item))
@@ -74,6 +75,9 @@ def main(args) -> int:
     rows += [["problems", f"{r['eval/problems']:.0f}"], ["answered", f"{r['eval/answered']:.1%}"],
              ["tool calls / episode", f"{r['eval/tool_calls']:.2f}"],
              ["tool errors / episode", f"{r['eval/tool_errors']:.2f}"]]
+    rows += [[k.removeprefix("eval/"), f"{v:.4g}"] for k, v in r.items()  # the task's own figures
+             if k.removeprefix("eval/") not in ("problems", "answered", "tool_calls", "tool_errors")
+             and not k.startswith(("eval/pass@1", "eval/mean@"))]
     print(table([f"{env.name} (held-out, 95% CI)", "value"], rows))
     print(f"({time.perf_counter() - t0:.1f} s)")
     return 0

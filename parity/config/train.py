@@ -248,7 +248,8 @@ class TaskSection:
     """dataset: 'exact' (the response's answer equals the problem's 'answer') or a function
     'module:name' / 'path/to/file.py:name', called as name(response_text, problem_dict) -> a
     number (a reward >= 1 counts as solved for pass@1), on several threads at once; or a list of
-    these, summed with task.reward_weights (each part is logged as rollout/reward/<name>)."""
+    these, summed with task.reward_weights (each part is logged as rollout/reward/<name>; the
+    first part alone decides pass@1, so a format bonus does not count a wrong answer solved)."""
     reward_weights: list[float] = field(default_factory=list)
     """dataset: one weight per task.reward entry (default: 1 each)."""
     max_prompt_tokens: int = 0
@@ -308,7 +309,7 @@ class TaskSection:
         if self.env:
             self.env = check_spec(self.env, "task.env")
         checked = [r if r == "exact" else check_spec(r, "task.reward") for r in rewards]
-        self.reward = checked if isinstance(self.reward, list) else checked[0]
+        self.reward = checked if len(checked) > 1 else checked[0]  # ["exact"] is "exact"
         check_options(self.options, "task.options")
 
 

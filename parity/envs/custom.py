@@ -267,6 +267,7 @@ class CheckedEnv(Env):
         reward = finite_number(turn.reward)
         if reward is None:
             raise self._fail(f"step returned reward {turn.reward!r:.60}; a reward is a finite number")
+        self._check_metrics(episode)
         if not turn.done:
             if not self.multi_turn:
                 raise self._fail("step returned done = False, but the environment's multi_turn is False")
@@ -274,15 +275,23 @@ class CheckedEnv(Env):
             return Turn(self._ids(observation, "step's observation"), False, reward)
         if not getattr(episode, "_passed_set", True):  # the env never set it: solved = a reward of 1+
             episode.passed = reward >= 1.0
-        metrics = episode.info.get("metrics")
-        if metrics is not None:  # its own per-episode figures, averaged as rollout/<name>, eval/<name>
-            values = {k: finite_number(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
-            if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in values) \
-                    or None in values.values():
-                raise self._fail(f"episode.info['metrics'] must map names to finite numbers, got "
-                                 f"{metrics!r:.80}")
-            episode.info["metrics"] = values
         return Turn(None, True, reward)
+
+    def _check_metrics(self, episode: Episode) -> None:
+        """The env's own per-episode figures (averaged as rollout/<name>, eval/<name>): names to
+        finite numbers; a name ending in _final is the evaluation at a run's end's (a resume drops it)."""
+        metrics = episode.info.get("metrics")
+        if metrics is None:
+            return
+        values = {k: finite_number(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+        if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in values) \
+                or None in values.values():
+            raise self._fail(f"episode.info['metrics'] must map names to finite numbers, got {metrics!r:.80}")
+        final = next((k for k in values if k.endswith("_final")), None)
+        if final:
+            raise self._fail(f"episode.info['metrics'] name {final!r}: names ending in _final are the "
+                             "run's last evaluation's")
+        episode.info["metrics"] = values
 
     def describe(self) -> str:
         own = getattr(type(self.env), "describe", Env.describe) is not Env.describe

@@ -174,7 +174,7 @@ class DatasetEnv(Env):
             fn = exact if spec == "exact" else load_object(spec, "task.reward")
             if not callable(fn):
                 raise ConfigError(f"task.reward {spec!r} is a {type(fn).__name__}, not a function")
-            name = spec.rpartition(":")[2].rpartition(".")[2]
+            name = spec.rpartition(":")[2].rpartition(".")[2].removesuffix("_final")  # (resume drops *_final)
             taken = {n for n, *_ in self.rewards}
             name = next(f"{name}_{i}" for i in range(2, len(specs) + 2) if f"{name}_{i}" not in taken) \
                 if name in taken else name
@@ -266,7 +266,7 @@ class DatasetEnv(Env):
         if len(parts) > 1:  # each part logged as rollout/reward/<name> and eval/reward/<name>
             episode.info["metrics"] = {f"reward/{name}": value for name, value in parts.items()}
         episode.reward = sum(w * parts[name] for name, _, _, w in self.rewards)
-        episode.passed = episode.reward >= 1.0
+        episode.passed = parts[self.rewards[0][0]] >= 1.0  # the first part decides (not a format bonus)
         return Turn(None, True, episode.reward)
 
     def describe(self) -> str:
