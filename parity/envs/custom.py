@@ -73,9 +73,9 @@ def _import(where: str, key: str):
             sys.path.append(str(path.parent))
         try:
             spec.loader.exec_module(module)
-        except BaseException as exc:
+        except BaseException as exc:  # (a sys.exit() in it too: it would end the run without a word)
             sys.modules.pop(name, None)
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            if isinstance(exc, KeyboardInterrupt):
                 raise
             raise ConfigError(f"{key}: importing {where} raised {one_line(exc)}") from exc
         return module
@@ -96,11 +96,11 @@ def call_user(fn, args: tuple, where: str, context: str = ""):
     failures and interrupts pass as they are; `PARITY_DEBUG=1` shows the traceback)."""
     try:
         return fn(*args)
-    except (ParityError, SandboxFailure, KeyboardInterrupt, SystemExit):
+    except (ParityError, SandboxFailure, KeyboardInterrupt):
         raise
     except OSError as exc:
         raise OSError(f"{where} raised {one_line(exc)}{context}") from exc
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # (a sys.exit() in a reward ended a worker without a word)
         raise ParityError(f"{where} raised {one_line(exc)}{context}") from exc
 
 
