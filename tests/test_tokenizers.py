@@ -121,6 +121,22 @@ def test_environments_prompt_in_the_models_own_format(bpe_dir):
     assert tok.decode(ids).endswith(f"<|im_start|>user\n{problem.prompt}<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_dataset_prompts_its_messages_in_the_models_own_format(bpe_dir, tmp_path):
+    """Your own dataset's `messages` (a system prompt, few-shot turns) and `prompt` rows render as
+    transformers renders them with the checkpoint's chat template, token for token."""
+    from parity.envs.dataset import DatasetEnv
+
+    rows = [{"messages": conversation, "answer": 4} for conversation in CONVERSATIONS] + \
+        [{"prompt": f"What is {a}*3?", "answer": a * 3} for a in range(8)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = DatasetEnv(HFTokenizer(bpe_dir / "tokenizer.json"), str(tmp_path / "d.jsonl"), heldout_size=2)
+    theirs = hf_tokenizer(bpe_dir, CHATML)
+    for row in env.heldout() + env.problems(0, 8):
+        conversation = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        assert env.prompt_ids(row) == ids_of(theirs.apply_chat_template(conversation, tokenize=True,
+                                                                           add_generation_prompt=True))
+
+
 def test_the_tool_task_with_a_tokenizer_that_spells_its_markers_out(bpe_dir):
     tok = HFTokenizer(bpe_dir / "tokenizer.json")
     env = ToolEnv(tok, ("mul",), 1, sandbox=None)
