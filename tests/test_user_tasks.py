@@ -423,6 +423,7 @@ def test_a_custom_env_trains_in_rollout_workers_and_evaluates_from_the_runs_conf
     assert [r["step"] for r in records] == [0, 1]
     assert all(0 <= r["reward/mean"] <= 1 and r["rollout/length"] >= 1 for r in records)
     assert "eval/length" in records[0]
+    assert (tmp_path / "run" / "task-files" / "toy_env.py").read_text() == TOY_ENV  # what it ran
     config = load_config(tmp_path / "run" / "config.toml")
     assert config.task.env == f"{tmp_path}/toy_env.py:Toy" and config.task.options == {"target": 3}
     proc = run("eval", "--config", str(tmp_path / "run" / "config.toml"), "-k", "0", "--json")

@@ -78,6 +78,20 @@ def sampling_fields(cfg) -> dict:
             "task": task, "model": {"kernels": cfg.model.kernels}}
 
 
+def keep_task_files(cfg, run_dir: Path) -> None:
+    """Copies of the Python files your task names (task.env, task.reward) in `run_dir/task-files`,
+    as they are when the run starts (or resumes): what the run's rewards came from, beside its
+    config (the data files are too large to copy; the checkpoints keep their hashes)."""
+    specs = [cfg.task.env] + (cfg.task.reward if isinstance(cfg.task.reward, list) else [cfg.task.reward])
+    files = {where for spec in specs if spec and is_file_spec(where := spec.rpartition(":")[0])}
+    for source in sorted(files):
+        try:
+            (run_dir / "task-files").mkdir(exist_ok=True)
+            shutil.copyfile(source, run_dir / "task-files" / Path(source).name)
+        except OSError as exc:
+            log.warning("could not keep a copy of %s in %s: %s", source, run_dir / "task-files", exc)
+
+
 _DIGESTS: dict[tuple, str] = {}
 
 
@@ -282,8 +296,9 @@ def clear(run_dir: Path) -> None:
     sweep(run_dir)
     for path in found(run_dir):
         shutil.rmtree(path)
-    if (run_dir / "tensorboard").is_dir():
-        shutil.rmtree(run_dir / "tensorboard")
+    for name in ("tensorboard", "task-files"):
+        if (run_dir / name).is_dir():
+            shutil.rmtree(run_dir / name)
     for name in ("metrics.jsonl", "report.md", "report.png"):
         (run_dir / name).unlink(missing_ok=True)
 

@@ -152,6 +152,7 @@ class Controller:
         for name in checkpoint.sweep(self.run_dir):
             log.info("removed %s (a save that was interrupted)", name)
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        checkpoint.keep_task_files(cfg, self.run_dir)
         sink = MetricsSink(self.run_dir, self.metrics)
         previous_handler = self._catch_ctrl_c()
         try:
