@@ -497,3 +497,28 @@ def test_eval_config_of_a_hand_written_file_does_not_take_the_default_run_dirs_c
     assert _newest(run, tmp_path / "mine.toml", names_run_dir=False) == "base-math"
     assert _newest(run, tmp_path / "mine.toml", names_run_dir=True).endswith("runs/default/checkpoint-5")
 
+
+def test_a_reward_that_takes_the_sandbox_runs_the_models_code_there(tmp_path, tokenizer):
+    """examples/code_rewards.py: the model's code and the problem's tests run in the sandbox; code
+    that prints a success or exits cleanly before the tests earns nothing."""
+    from pathlib import Path
+
+    from parity.envs.custom import TaskContext
+
+    spec = f"{Path(__file__).parents[1]}/examples/code_rewards.py:passes_tests"
+    rows = [{"prompt": f"Write f(x) returning x+{i}.", "tests": f"assert f(1) == {1 + i}"} for i in range(6)]
+    ctx = TaskContext(tokenizer, 106, 0, 2)
+    env = DatasetEnv(tokenizer, write_jsonl(tmp_path / "code.jsonl", rows), reward=spec, heldout_size=2,
+                     sandbox=ctx.sandbox)
+    problem = env.heldout()[0]
+    plus = int(problem["tests"].rsplit("==", 1)[1]) - 1
+
+    def score(text: str) -> float:
+        episode = env.start(problem)
+        return env.step(episode, tokenizer.encode(text)).reward
+
+    assert score(f"```python\ndef f(x):\n    return x + {plus}\n```") == 1.0
+    assert score(f"```python\ndef f(x):\n    return x + {plus + 1}\n```") == 0.0
+    assert score("```python\nimport os\nprint('ok')\nos._exit(0)\n```") == 0.0
+    assert score(f"def f(x): return x + {plus}") == 0.0  # no code block
+

@@ -247,7 +247,8 @@ class TaskSection:
     reward: str | list[str] = "exact"
     """dataset: 'exact' (the response's answer equals the problem's 'answer') or a function
     'module:name' / 'path/to/file.py:name', called as name(response_text, problem_dict) -> a
-    number (a reward >= 1 counts as solved for pass@1), on several threads at once; or a list of
+    number (a reward >= 1 counts as solved for pass@1), on several threads at once (with a
+    `sandbox=` parameter it is given the run's sandbox, for the model's code); or a list of
     these, summed with task.reward_weights (each part is logged as rollout/reward/<name>; the
     first part alone decides pass@1, so a format bonus does not count a wrong answer solved)."""
     reward_weights: list[float] = field(default_factory=list)

@@ -22,6 +22,8 @@ from (seed, b) alone and a resumed run samples the batches it would have.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import json
 import logging
 import math
@@ -122,6 +124,13 @@ def _check_row(row, where: str, needs_answer: bool) -> dict:
     return row
 
 
+def _takes(fn, parameter: str) -> bool:
+    try:
+        return parameter in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return False
+
+
 def _key(row: dict) -> str:
     return json.dumps(row.get("prompt", row.get("messages")), sort_keys=True, ensure_ascii=False)
 
@@ -164,12 +173,14 @@ class DatasetEnv(Env):
 
     def __init__(self, tokenizer, data: str, reward: str | list[str] = "exact", seed: int = 0,
                  heldout_size: int = 200, heldout_data: str | None = None, max_prompt_tokens: int = 0,
-                 reward_weights: list[float] | None = None):
+                 reward_weights: list[float] | None = None, sandbox=None):
         if tokenizer is None:
             raise ConfigError("task 'dataset' needs a tokenizer (model.checkpoint with a tokenizer.json)")
         self.tokenizer, self.seed = tokenizer, seed
         specs = reward if isinstance(reward, list) else [reward]
         self.rewards: list[tuple[str, str, object, float]] = []  # (name, spec, function, weight)
+        self.sandbox = sandbox  # a TaskContext's sandbox(): for reward functions that take `sandbox`
+        self._wants_sandbox: set[str] = set()
         for spec, weight in zip(specs, reward_weights or [1.0] * len(specs), strict=True):
             fn = exact if spec == "exact" else load_object(spec, "task.reward")
             if not callable(fn):
@@ -179,6 +190,8 @@ class DatasetEnv(Env):
             name = next(f"{name}_{i}" for i in range(2, len(specs) + 2) if f"{name}_{i}" not in taken) \
                 if name in taken else name
             self.rewards.append((name, spec, fn, float(weight)))
+            if fn is not exact and _takes(fn, "sandbox"):
+                self._wants_sandbox.add(name)
         self.reward_spec = " + ".join(spec if w == 1 else f"{w:g} x {spec}" for _, spec, _, w in self.rewards)
         needs_answer = any(fn is exact for _, _, fn, _ in self.rewards)
         self.threaded = any(fn is not exact for _, _, fn, _ in self.rewards)  # yours may wait (a judge)
@@ -257,6 +270,8 @@ class DatasetEnv(Env):
         episode.answered = "answer:" in text.lower()
         parts = {}
         for name, spec, fn, _ in self.rewards:
+            if name in self._wants_sandbox:  # fn(response, problem, sandbox=...): runs code it is given there
+                fn = functools.partial(fn, sandbox=self.sandbox())
             value = call_user(fn, (text, episode.problem), f"task.reward {spec}",
                               f" on a response to {_key(episode.problem)[:60]}")
             parts[name] = finite_number(value)

@@ -61,21 +61,22 @@ def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
     path = tokenizer_path(cfg)
     if path is not None and not path.is_file():
         raise ParityError(f"task.tokenizer {path}: no such file")
-    if t.name == "custom":
-        from ..envs.custom import TaskContext, build_custom_env
+    from ..envs.custom import TaskContext, build_custom_env
 
-        ctx = TaskContext(HFTokenizer(path) if path is not None else None, vocab_size, cfg.seed,
-                          t.heldout_size, t.require_isolation, sandbox)
+    tokenizer = HFTokenizer(path) if path is not None else None
+    ctx = TaskContext(tokenizer, vocab_size, cfg.seed, t.heldout_size, t.require_isolation, sandbox)
+    if t.require_isolation and t.name in ("custom", "dataset"):  # refused now, before anything is computed
+        ctx.sandbox()
+    if t.name == "custom":
         return build_custom_env(t.env, t.options, ctx)
-    if path is None:
+    if tokenizer is None:
         raise ParityError(f"task {t.name!r} needs a tokenizer.json in the checkpoint directory "
                           f"({cfg.model.checkpoint}); use model.checkpoint = \"base\" or a parity sft output")
-    tokenizer = HFTokenizer(path)
     if t.name == "dataset":
         from ..envs.dataset import DatasetEnv
 
         return DatasetEnv(tokenizer, t.data, t.reward, cfg.seed, t.heldout_size, t.heldout_data,
-                          t.max_prompt_tokens, t.reward_weights)
+                          t.max_prompt_tokens, t.reward_weights, ctx.sandbox)
     if t.name == "math":
         from ..envs.math import MathEnv
 
