@@ -12,6 +12,8 @@ import textwrap
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from parity.config import TaskSection, config_from_dict, load_config
 from parity.config.loading import to_toml
@@ -115,6 +117,19 @@ def test_exact_reward_compares_numbers_exactly_and_text_as_text(response, answer
         from parity.envs.math import extract_answer
 
         assert extract_answer(response) == "123"  # the math and tool tasks' verifier too
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.integers(-10**30, 10**30), st.integers(-10**30, 10**30).filter(lambda d: d != 0),
+       st.sampled_from(["{}", "{:,}", "{}.0", " {} ", "{} apples", "= {}", "{}e0"]),
+       st.text(alphabet="abc xyz:\n", max_size=12), st.booleans())
+def test_exact_takes_an_integer_in_any_of_its_spellings_and_no_other(n, delta, spelling, prefix, as_text):
+    """Any integer, written plainly, with thousands commas, as a decimal or in a sentence after
+    `answer:`, is that integer and no other (as a JSON number or a numeric string answer)."""
+    answer = str(n) if as_text else n
+    said = spelling.format(n)
+    assert exact(f"{prefix}\nanswer: {said}", {"answer": answer}) == 1.0
+    assert exact(f"{prefix}\nanswer: {spelling.format(n + delta)}", {"answer": answer}) == 0.0
 
 
 def test_a_row_added_to_the_file_moves_at_most_one_prompt_of_the_heldout_set(tmp_path, tokenizer):
