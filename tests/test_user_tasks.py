@@ -197,6 +197,8 @@ def test_a_reward_function_scores_and_its_failures_are_one_line(tmp_path, tokeni
         def text(response, problem):
             return "1"
         value = 3
+        def one_argument(response):
+            return 1.0
     '''))
     episode = lambda env: env.start(env.problems(0, 1)[0])  # noqa: E731
     env = DatasetEnv(tokenizer, data, reward=f"{tmp_path}/rewards.py:half", heldout_size=5)
@@ -232,6 +234,8 @@ def test_a_reward_function_scores_and_its_failures_are_one_line(tmp_path, tokeni
         env.step(episode(env), tokenizer.encode("x"))  # an OSError stays one: a transient fault
     with pytest.raises(ConfigError, match="is a int, not a function"):
         DatasetEnv(tokenizer, data, reward=f"{tmp_path}/rewards.py:value")
+    with pytest.raises(ConfigError, match=r"one_argument'.*it is called as name\(response, problem\)"):
+        DatasetEnv(tokenizer, data, reward=f"{tmp_path}/rewards.py:one_argument")
     with pytest.raises(ConfigError, match="has no 'missing'"):
         DatasetEnv(tokenizer, data, reward=f"{tmp_path}/rewards.py:missing")
 
@@ -438,7 +442,8 @@ def test_a_custom_env_trains_in_rollout_workers_and_evaluates_from_the_runs_conf
     assert [r["step"] for r in records] == [0, 1]
     assert all(0 <= r["reward/mean"] <= 1 and r["rollout/length"] >= 1 for r in records)
     assert "eval/length" in records[0]
-    assert (tmp_path / "run" / "task-files" / "toy_env.py").read_text() == TOY_ENV  # what it ran
+    kept = list((tmp_path / "run" / "task-files").iterdir())  # what it ran, named by its content
+    assert len(kept) == 1 and kept[0].name.startswith("toy_env-") and kept[0].read_text() == TOY_ENV
     config = load_config(tmp_path / "run" / "config.toml")
     assert config.task.env == f"{tmp_path}/toy_env.py:Toy" and config.task.options == {"target": 3}
     proc = run("eval", "--config", str(tmp_path / "run" / "config.toml"), "-k", "0", "--json")
@@ -514,26 +519,28 @@ def test_eval_config_of_a_hand_written_file_does_not_take_the_default_run_dirs_c
 
 
 def test_a_reward_that_takes_the_sandbox_runs_the_models_code_there(tmp_path, tokenizer):
-    """examples/code_rewards.py: the model's code and the problem's tests run in the sandbox; code
-    that prints a success or exits cleanly before the tests earns nothing."""
+    """examples/code_rewards.py: the model's code runs on the cases' arguments in the sandbox and
+    the results are judged here; two ways past an in-sandbox assert (an always-equal object, a
+    printed result and an early clean exit) earn nothing."""
     from pathlib import Path
 
-    from parity.envs.custom import TaskContext
-
     spec = f"{Path(__file__).parents[1]}/examples/code_rewards.py:passes_tests"
-    rows = [{"prompt": f"Write f(x) returning x+{i}.", "tests": f"assert f(1) == {1 + i}"} for i in range(6)]
-    ctx = TaskContext(tokenizer, 106, 0, 2)
-    env = DatasetEnv(tokenizer, write_jsonl(tmp_path / "code.jsonl", rows), reward=spec, heldout_size=2,
-                     sandbox=ctx.sandbox)
-    problem = env.heldout()[0]
-    plus = int(problem["tests"].rsplit("==", 1)[1]) - 1
+    rows = [{"prompt": f"Write f(x) returning x+{i}.", "entry": "f", "cases": [[[1], 1 + i], [[5], 5 + i]]}
+            for i in range(6)]
+    env = DatasetEnv(tokenizer, write_jsonl(tmp_path / "code.jsonl", rows), reward=spec, heldout_size=2)
+    problem = env.heldout()[0]  # (its own sandbox: none was given)
+    plus = problem["cases"][0][1] - 1
 
-    def score(text: str) -> float:
+    def score(code: str) -> float:
         episode = env.start(problem)
-        return env.step(episode, tokenizer.encode(text)).reward
+        return env.step(episode, tokenizer.encode(f"```python\n{code}\n```")).reward
 
-    assert score(f"```python\ndef f(x):\n    return x + {plus}\n```") == 1.0
-    assert score(f"```python\ndef f(x):\n    return x + {plus + 1}\n```") == 0.0
-    assert score("```python\nimport os\nprint('ok')\nos._exit(0)\n```") == 0.0
-    assert score(f"def f(x): return x + {plus}") == 0.0  # no code block
+    assert score(f"def f(x):\n    return x + {plus}") == 1.0
+    assert score(f"def f(x):\n    return x + {plus} if x == 1 else 0") == 0.5
+    always_equal = "class A:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return A()"
+    assert score(always_equal) == 0.0
+    assert score("import os\nprint('[%d, %d]' % (1, 5))\nos._exit(0)") == 0.0
+    assert score("print(1)") == 0.0  # no f
+    episode = env.start(problem)
+    assert env.step(episode, tokenizer.encode(f"def f(x): return x + {plus}")).reward == 0.0  # no code block
 

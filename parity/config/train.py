@@ -263,10 +263,10 @@ class TaskSection:
     options: dict = field(default_factory=dict)
     """custom: keyword arguments for task.env (a TOML table, [task.options])."""
     require_isolation: bool = False
-    """tool: refuse, at start-up, to run model-written code where the sandbox cannot isolate it
-    (namespaces, a private read-only root, no network). False: there it runs in the degraded
-    sandbox (a separate process with rlimits and an empty environment, under a uid of the host's
-    unless the run is root), which the start-up line says in capitals."""
+    """tool, and your own tasks' sandbox: refuse, at start-up, to run model-written code where the
+    sandbox cannot isolate it (namespaces, a private read-only root, no network). False: there it
+    runs in the degraded sandbox (a separate process with rlimits and an empty environment, under a
+    uid of the host's unless the run is root), which the start-up line says in capitals."""
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="task")

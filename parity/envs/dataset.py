@@ -124,6 +124,19 @@ def _check_row(row, where: str, needs_answer: bool) -> dict:
     return row
 
 
+def _check_call(fn, spec: str, sandbox: bool) -> None:
+    """A reward function must take (response, problem) and, when it asks for it, sandbox= too."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call says
+        return
+    try:
+        signature.bind("response", {}, **({"sandbox": None} if sandbox else {}))
+    except TypeError as exc:
+        raise ConfigError(f"task.reward {spec!r}: {one_line(exc)} (it is called as name(response, problem"
+                          f"{', sandbox=...' if sandbox else ''}))") from None
+
+
 def _takes(fn, parameter: str) -> bool:
     try:
         return parameter in inspect.signature(fn).parameters
@@ -192,6 +205,13 @@ class DatasetEnv(Env):
             self.rewards.append((name, spec, fn, float(weight)))
             if fn is not exact and _takes(fn, "sandbox"):
                 self._wants_sandbox.add(name)
+            _check_call(fn, spec, name in self._wants_sandbox)
+        if self._wants_sandbox:  # made now: task.require_isolation refuses before anything is computed
+            if self.sandbox is None:
+                from .custom import TaskContext
+
+                self.sandbox = TaskContext(tokenizer, 0, seed, heldout_size).sandbox
+            self.sandbox()
         self.reward_spec = " + ".join(spec if w == 1 else f"{w:g} x {spec}" for _, spec, _, w in self.rewards)
         needs_answer = any(fn is exact for _, _, fn, _ in self.rewards)
         self.threaded = any(fn is not exact for _, _, fn, _ in self.rewards)  # yours may wait (a judge)

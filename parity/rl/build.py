@@ -65,8 +65,8 @@ def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
 
     tokenizer = HFTokenizer(path) if path is not None else None
     ctx = TaskContext(tokenizer, vocab_size, cfg.seed, t.heldout_size, t.require_isolation, sandbox)
-    if t.require_isolation and t.name in ("custom", "dataset"):  # refused now, before anything is computed
-        ctx.sandbox()
+    if t.require_isolation and t.name == "custom":  # refused now, before anything is computed
+        ctx.sandbox()  # (a dataset's reward that takes the sandbox makes it at start-up itself)
     if t.name == "custom":
         return build_custom_env(t.env, t.options, ctx)
     if tokenizer is None:

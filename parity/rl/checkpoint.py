@@ -80,15 +80,17 @@ def sampling_fields(cfg) -> dict:
 
 def keep_task_files(cfg, run_dir: Path) -> None:
     """Copies of the Python files your task names (task.env, task.reward) in `run_dir/task-files`,
-    as they are when the run starts (or resumes): what the run's rewards came from, beside its
-    config (the data files are too large to copy; the checkpoints keep their hashes)."""
+    one per content (`name-<sha256 prefix>.py`: a resume after an edit adds the new one, two files
+    of one name both stay): what the run's rewards came from, beside its config (the data files
+    are too large to copy; the checkpoints keep their hashes)."""
     specs = [cfg.task.env] + (cfg.task.reward if isinstance(cfg.task.reward, list) else [cfg.task.reward])
     files = {where for spec in specs if spec and is_file_spec(where := spec.rpartition(":")[0])}
     for source in sorted(files):
         try:
             (run_dir / "task-files").mkdir(exist_ok=True)
-            shutil.copyfile(source, run_dir / "task-files" / Path(source).name)
-        except OSError as exc:
+            path = Path(source)
+            shutil.copyfile(source, run_dir / "task-files" / f"{path.stem}-{_digest(source)}{path.suffix}")
+        except (OSError, TypeError) as exc:
             log.warning("could not keep a copy of %s in %s: %s", source, run_dir / "task-files", exc)
 
 
