@@ -67,9 +67,7 @@ def sampling_fields(cfg) -> dict:
     task = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "tokenizer"}
     for key in ("data", "heldout_data", "env", "reward"):  # your own task's files: their contents
         value = task.get(key)
-        paths = [v for v in (value if isinstance(value, list) else [value]) if v]
-        if key in ("env", "reward"):
-            paths = [v.rpartition(":")[0] for v in paths if is_file_spec(v.rpartition(":")[0])]
+        paths = _code_files(value) if key in ("env", "reward") else [value] if value else []
         if paths:
             digests = [_digest(path) for path in paths]
             task[f"{key}_sha256"] = digests if isinstance(value, list) else digests[0]
@@ -78,14 +76,18 @@ def sampling_fields(cfg) -> dict:
             "task": task, "model": {"kernels": cfg.model.kernels}}
 
 
+def _code_files(specs) -> list[str]:
+    """The files among import specs ('file.py:name' or 'module:name'; one, a list, or None)."""
+    specs = specs if isinstance(specs, list) else [specs]
+    return [where for spec in specs if spec and is_file_spec(where := spec.rpartition(":")[0])]
+
+
 def keep_task_files(cfg, run_dir: Path) -> None:
     """Copies of the Python files your task names (task.env, task.reward) in `run_dir/task-files`,
     one per content (`name-<sha256 prefix>.py`: a resume after an edit adds the new one, two files
     of one name both stay): what the run's rewards came from, beside its config (the data files
     are too large to copy; the checkpoints keep their hashes)."""
-    specs = [cfg.task.env] + (cfg.task.reward if isinstance(cfg.task.reward, list) else [cfg.task.reward])
-    files = {where for spec in specs if spec and is_file_spec(where := spec.rpartition(":")[0])}
-    for source in sorted(files):
+    for source in sorted(set(_code_files(cfg.task.env) + _code_files(cfg.task.reward))):
         try:
             (run_dir / "task-files").mkdir(exist_ok=True)
             path = Path(source)
