@@ -1,5 +1,5 @@
 """The `parity` command: demo, study, sft, eval, train, check, compile, generate,
-bench kernels|rollout|learner|gemm|attention|sampler|memory|async.
+bench kernels|rollout|learner|learner-memory|gemm|attention|sampler|memory|async.
 
 This module is the parser and the dispatch; each command's body is `main(args)` in its module
 under `parity/apps/` (imported only when that command runs). Every user-facing failure (bad
@@ -214,6 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--length", type=int, default=128, help="tokens per sequence")
     _bench_options(n, reps=5)
     _gemm_tiles_option(n)
+    lm = _command(bsub, "learner-memory", "bench_learner_memory",
+                  "a learner step's memory and speed: LM head in chunks, activation checkpointing, both")
+    lm.add_argument("--preset", default="qwen3-0.6b")
+    lm.add_argument("--dtype", default="bfloat16")
+    lm.add_argument("--kernels", default="aligned", choices=BACKENDS)
+    lm.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    lm.add_argument("--length", type=int, default=2048, help="tokens per sequence (default 2048)")
+    lm.add_argument("--head-chunk", type=int, default=0,
+                    help="positions per LM-head chunk (default 0: the learner's auto, 2^26 / vocab)")
+    _bench_options(lm, reps=1)
     gm = _command(bsub, "gemm", "bench_gemm",
                   "aligned Triton GEMM tiles per weight shape vs cuBLAS (a GPU; the interpreter on CPU)")
     gm.add_argument("--preset", default="qwen3-0.6b")

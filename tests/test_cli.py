@@ -376,3 +376,16 @@ def test_bench_memory_json():
     assert all(r["learner_peak_gib"] > 0 and r["worker_peak_gib"] > 0 and r["version_mib"] > 0 for r in rows)
     assert all(1 <= r["versions_kept_max"] <= r["copies_if_kept_per_lag"] for r in rows)
     assert out["machine"]["cores"] >= 1 and "bf16" in out["machine"]
+
+
+def test_bench_learner_memory_json():
+    """Four settings, each in its own process: memory and speed beside the plain setting's."""
+    proc = run("bench", "learner-memory", "--json", "--preset", "tiny", "--dtype", "float32",
+               "--length", "48", "--head-chunk", "16")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["rows"]
+    assert [(r["setting"], r["head_chunk"], r["checkpointing"]) for r in rows] == [
+        ("plain", 0, False), ("head chunks", 16, False), ("checkpointing", 0, True), ("both", 16, True)]
+    assert all(r["tok_s"] > 0 and r["held_gib"] > 0 and r["step_gib"] >= 0 for r in rows)
+    bad = run("bench", "learner-memory", "--preset", "tiny", "--length", "100000")
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("parity: error: --length")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import resource
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from .. import hardware
 from ..errors import ParityError
-from .ui import status, table
+from .ui import fresh_process, status, table
 
 
 @dataclass
@@ -73,20 +71,9 @@ def bench_memory(preset: str = "small", dtype: str = "float32", lags: Sequence[i
     for lag in lags:
         if progress:
             progress(f"memory {preset} {dtype} lag {lag} ({lag + after} steps)")
-        cmd = [sys.executable, "-m", "parity.apps.bench_memory", preset, dtype, str(lag), str(after),
-               str(held), str(max_tokens)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            lines = [ln for ln in done.stderr.strip().splitlines() if "warn" not in ln.lower()]
-            errors = [ln for ln in lines if "error" in ln.lower()]
-            last = (errors or lines or ["no output"])[-1].strip()
-            if done.returncode < 0:
-                name = signal.Signals(-done.returncode).name
-                why = " (out of memory?)" if name == "SIGKILL" else ""
-                raise ParityError(f"bench memory: the lag-{lag} run was killed by {name}{why}; "
-                                  f"last line: {last}")
-            raise ParityError(f"bench memory: the lag-{lag} run failed: {last}")
-        rows.append(MemoryRow(**json.loads(done.stdout.strip().splitlines()[-1])))
+        argv = [preset, dtype, str(lag), str(after), str(held), str(max_tokens)]
+        rows.append(MemoryRow(**fresh_process("parity.apps.bench_memory", argv,
+                                               f"bench memory: the lag-{lag} run")))
     return rows
 
 

@@ -9,9 +9,13 @@ stderr as `parity: <message>`, so machine-readable stdout (`--json`) stays clean
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import signal
+import subprocess
 import sys
+
+from ..errors import ParityError
 
 
 @contextlib.contextmanager
@@ -91,6 +95,23 @@ def interleaved(fns: dict, reps: int, timed_inside: bool = False) -> dict[str, f
             inner = fn()
             times[k].append(inner if timed_inside else time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def fresh_process(module: str, argv: list[str], what: str) -> dict:
+    """Run `python -m module argv...` (a bench's one measurement, in a process of its own: its
+    peak memory is its own) and return the JSON object its last stdout line holds. A failure is
+    a ParityError naming `what`, how it ended (a kill: out of memory?) and its last error line."""
+    done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [ln for ln in done.stderr.strip().splitlines() if "warn" not in ln.lower()]
+        errors = [ln for ln in lines if "error" in ln.lower()]
+        last = (errors or lines or ["no output"])[-1].strip()
+        if done.returncode < 0:
+            name = signal.Signals(-done.returncode).name
+            why = " (out of memory?)" if name == "SIGKILL" else ""
+            raise ParityError(f"{what} was killed by {name}{why}; last line: {last}")
+        raise ParityError(f"{what} failed: {last}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def status(msg: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint as recomputed
 
 from ..dtypes import COMPUTE_DTYPES
 from ..errors import ConfigError, InputError
@@ -236,8 +237,12 @@ class Model(nn.Module):
             return TiedLookup.apply(ids, weight, self._tied)
         return F.embedding(ids, weight)
 
-    def forward(self, batch: ForwardBatch, cache: KVCache | None = None) -> torch.Tensor:
-        """Final-norm hidden states of the batch's new tokens: [T, hidden]."""
+    def forward(self, batch: ForwardBatch, cache: KVCache | None = None,
+                recompute: bool = False) -> torch.Tensor:
+        """Final-norm hidden states of the batch's new tokens: [T, hidden]. With `recompute` (a
+        grad-enabled forward without a cache), activation checkpointing: each layer's activations
+        are recomputed in the backward instead of kept (memory per token: one hidden row per
+        layer), the forward's values and the gradients unchanged bit for bit."""
         cfg, K = self.config, self.kernels
         device = self.model.embed_tokens.weight.device
         batch = batch.to(device)
@@ -264,8 +269,8 @@ class Model(nn.Module):
         if cache is not None:
             tables = batch.block_tables.to(K.index_dtype)
             where = cache.locate(batch.slots)
-        routing, router_logits = [], []
-        for i, layer in enumerate(self.model.layers):
+        def run_layer(i: int, x: torch.Tensor):
+            layer = self.model.layers[i]
             att, mlp = layer.self_attn, layer.mlp
             h = K.rms_norm(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
             projections = (att.q_proj, att.k_proj, att.v_proj)
@@ -302,13 +307,21 @@ class Model(nn.Module):
             h = K.rms_norm(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
             if isinstance(mlp, SparseMoE):  # the real tokens only: padding rows would take expert slots
                 out, experts, logits = mlp.run(K, h[:t])
+                out = torch.cat([out, out.new_zeros(rows - t, out.shape[1])]) if rows > t else out
+                return x + out, experts, logits
+            gate_up = K.linear(h, self._fused(i, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]))
+            return x + K.linear(K.silu_mul(gate_up), mlp.down_proj.weight), None, None
+
+        # recompute: each layer keeps only its input for the backward and runs again there (the
+        # same kernels on the same rows: the same bits, so the same gradients, bit for bit)
+        recompute = recompute and cache is None and torch.is_grad_enabled()
+        routing, router_logits = [], []
+        for i in range(len(self.model.layers)):
+            x, experts, logits = (recomputed(run_layer, i, x, use_reentrant=False, preserve_rng_state=False)
+                                  if recompute else run_layer(i, x))
+            if experts is not None:
                 routing.append(experts)
                 router_logits.append(logits)
-                x = x + (torch.cat([out, out.new_zeros(rows - t, out.shape[1])]) if rows > t else out)
-                continue
-            gate_up = K.linear(h, self._fused(i, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]))
-            act = K.silu_mul(gate_up)
-            x = x + K.linear(act, mlp.down_proj.weight)
         # which experts each token went to, per MoE layer: [T, layers, k] (None for dense models)
         self.last_routing = torch.stack(routing, 1).to(torch.int16) if routing else None
         self.last_router_logits = router_logits

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import InputError
+from ..ops.common import gemm_linear, gemm_linear_native
 from .batch import ForwardBatch
+from .tied import TiedGradient
 
 
 def _check_tensor(seq: torch.Tensor, where: str) -> torch.Tensor:
@@ -80,12 +82,18 @@ def _check_temperature(temperature: float) -> None:
 
 
 def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
-                      return_entropy: bool = False):
+                      return_entropy: bool = False, *, head_chunk: int = 0, recompute: bool = False):
     """Learner-side log-probs: entry t of result i is `log softmax(logits_t / T)[seq_i[t+1]]`.
 
     `sequences` is a list of token-id lists or 1-D tensors (length >= 2). Returns float32
     tensors of length len(seq) - 1, differentiable w.r.t. the model when grad is enabled. With
     `return_entropy`, also each position's entropy of softmax(logits / T) (no grad).
+
+    Memory (the values are the same bits either way on aligned kernels, whose rows do not depend
+    on how many rows a product has): `head_chunk` > 0 runs the LM head and log-softmax over that
+    many positions at a time, so no [tokens, vocab] tensor is ever whole (`ChunkedHead`: under grad
+    each chunk runs again in the backward); `recompute` keeps only each layer's input for the backward
+    (activation checkpointing: `Model.forward`).
     """
     _check_temperature(temperature)
     if isinstance(sequences, (torch.Tensor, str, bytes)) or not hasattr(sequences, "__iter__"):
@@ -94,20 +102,91 @@ def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
     if not seqs:
         return ([], []) if return_entropy else []
     batch = ForwardBatch.build(seqs, [0] * len(seqs), model.block_size)
-    hidden = model(batch)
+    hidden = model(batch, recompute=recompute)
     lens = [s.numel() for s in seqs]
     starts = torch.tensor([0] + lens[:-1]).cumsum(0)
     rows = torch.cat([torch.arange(n - 1) + st for n, st in zip(lens, starts.tolist())]).to(hidden.device)
     targets = torch.cat([s[1:] for s in seqs]).to(hidden.device)
-    logits = model.logits(hidden[rows])
-    lp = model.kernels.token_logprobs(logits, targets, temperature)
+    hidden = hidden[rows]
+    entropy: list[torch.Tensor] = []
+    if 0 < head_chunk < len(rows):
+        tied = model._tied if model._tied_autograd() else None
+        lp = ChunkedHead.apply(hidden, model.lm_head_weight, targets, model.kernels, temperature,
+                               head_chunk, entropy if return_entropy else None, tied)
+    else:
+        logits = model.logits(hidden)
+        lp = model.kernels.token_logprobs(logits, targets, temperature)
+        if return_entropy:
+            entropy.append(_entropy(model.kernels, logits, temperature))
     split = [n - 1 for n in lens]
     if not return_entropy:
         return list(lp.split(split))
+    return list(lp.split(split)), list(torch.cat(entropy).split(split))
+
+
+ENTROPY_ROWS = 256
+"""Entropies are computed this many positions at a time (a float32 [rows, vocab] block each)."""
+
+
+def _entropy(kernels, logits: torch.Tensor, temperature: float) -> torch.Tensor:
     with torch.no_grad():
-        logp = model.kernels.log_softmax(logits.detach(), temperature)
-        entropy = -(logp.exp() * logp).sum(-1)
-    return list(lp.split(split)), list(entropy.split(split))
+        out = []
+        for s in range(0, len(logits), ENTROPY_ROWS):
+            logp = kernels.log_softmax(logits[s:s + ENTROPY_ROWS].detach(), temperature)
+            out.append(-(logp.exp() * logp).sum(-1))
+        return torch.cat(out)
+
+
+class ChunkedHead(torch.autograd.Function):
+    """Token log-probs through the LM head `chunk` positions at a time: [N, H] -> [N] float32.
+
+    Forward: each chunk's logits by the kernel bundle's linear (the engine's bits: an aligned row
+    does not depend on the product's row count), its log-probs (and entropies, into `entropy`),
+    then the logits are dropped. Backward: each chunk's logits again, the log-probs' gradient
+    through them by the kernels' own backward, then plain GEMMs as `TiedHead`'s; the weight's
+    gradient is one [vocab, hidden] tensor each chunk's product is added into (in the weight's
+    dtype, as autograd sums a shared weight's gradients), with tied embeddings handed to the
+    lookup's backward (`tied.py`) instead of returned."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, kernels, temperature: float, chunk: int,
+                entropy: list | None, tied: TiedGradient | None) -> torch.Tensor:
+        out = []
+        for s in range(0, len(hidden), chunk):
+            logits = kernels.linear(hidden[s:s + chunk], weight)
+            out.append(kernels.token_logprobs(logits, targets[s:s + chunk], temperature))
+            if entropy is not None:
+                entropy.append(_entropy(kernels, logits, temperature))
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.kernels, ctx.temperature, ctx.chunk, ctx.tied = kernels, temperature, chunk, tied
+        return torch.cat(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hidden, weight, targets = ctx.saved_tensors
+        k, c, want_w = ctx.kernels, ctx.chunk, ctx.needs_input_grad[1] or ctx.tied is not None
+        grad_hidden, grad_weight = torch.empty_like(hidden), None
+        for s in range(0, len(hidden), c):
+            h = hidden[s:s + c]
+            with torch.enable_grad():
+                logits = k.linear(h, weight).detach().requires_grad_()
+                lp = k.token_logprobs(logits, targets[s:s + c], ctx.temperature)
+                (g,) = torch.autograd.grad(lp, logits, grad[s:s + c])
+            g = g.to(weight.dtype)
+            grad_hidden[s:s + c] = gemm_linear(g, weight.t())  # [C, V] @ [V, H]
+            if not want_w:
+                continue
+            if grad_weight is None:
+                grad_weight = gemm_linear(g.t(), h.t())  # [V, C] @ [C, H]
+            elif gemm_linear_native(g):
+                grad_weight.addmm_(g.t(), h)  # into the sum: no second [V, H] tensor
+            else:
+                grad_weight.add_(gemm_linear(g.t(), h.t()))
+        if ctx.tied is not None:
+            slot = ctx.tied
+            slot.dense = grad_weight if slot.dense is None else slot.dense.add_(grad_weight)
+            grad_weight = None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def scored_routing(model, sequences: Sequence) -> list[torch.Tensor] | None:

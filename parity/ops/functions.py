@@ -101,9 +101,10 @@ class AttentionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if len(ctx.saved_tensors) == 6:
-            return (*_flash_backward(grad, *ctx.saved_tensors), None, None)
-        q, k, v, q_pos = ctx.saved_tensors
+        saved = ctx.saved_tensors  # read once (a recomputed forward's tensors unpack only once)
+        if len(saved) == 6:
+            return (*_flash_backward(grad, *saved), None, None)
+        q, k, v, q_pos = saved
         with torch.enable_grad():
             acc = recompute_dtype(q)
             qf = q.detach().to(acc).requires_grad_()

@@ -151,7 +151,8 @@ class Learner:
         with torch.no_grad():
             for idx in micro_batches([len(x) for x in all_seqs], mb, self.config.micro_batch_tokens):
                 seqs = [all_seqs[j] for j in idx]
-                out += sequence_logprobs(model, seqs, self.config.temperature)
+                out += sequence_logprobs(model, seqs, self.config.temperature,
+                                         head_chunk=self.config.head_rows(model.config.vocab_size))
                 routes += scored_routing(model, seqs) or []
         lp = batch.pad(out)
         return (lp, pad_routing(batch, routes)) if routing else lp
@@ -273,7 +274,9 @@ class Learner:
         for idx in micro_batches([len(x) for x in batch.sequences], cfg.micro_batch_size,
                                  cfg.micro_batch_tokens):
             sub = batch.select(idx, validate=False)
-            lp, ent = sequence_logprobs(self.model, sub.sequences, cfg.temperature, return_entropy=True)
+            lp, ent = sequence_logprobs(self.model, sub.sequences, cfg.temperature, return_entropy=True,
+                                        head_chunk=cfg.head_rows(self.model.config.vocab_size),
+                                        recompute=cfg.activation_checkpointing)
             routes += scored_routing(self.model, sub.sequences) or []
             lp_pad = sub.pad(lp)
             loss, stats = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config)

@@ -375,12 +375,12 @@ class RolloutWorker:
         (`sequence_logprobs`, the learner's micro-batches and temperature) on the engine's weights,
         kept for the tokens those weights sampled (NaN elsewhere: prompt, tool output, tokens of
         an earlier version after an in-flight update)."""
-        lc, model = self.cfg.learner, self.engine.model
+        lc, model, out = self.cfg.learner, self.engine.model, []
         seqs = [t.token_ids for t in trajectories]
-        out: list[torch.Tensor] = []
         with torch.no_grad():
             for idx in micro_batches([len(x) for x in seqs], lc.micro_batch_size, lc.micro_batch_tokens):
-                out += sequence_logprobs(model, [seqs[j] for j in idx], lc.temperature)
+                out += sequence_logprobs(model, [seqs[j] for j in idx], lc.temperature,
+                                         head_chunk=lc.head_rows(model.config.vocab_size))
                 if self._beat is not None:
                     self._beat()
         nan = float("nan")

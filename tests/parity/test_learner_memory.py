@@ -1,0 +1,148 @@
+"""The learner's memory options keep the bits: the LM head in chunks, activation checkpointing.
+
+`head_chunk` runs the LM head and log-softmax over a few positions at a time (recomputed in the
+backward); on aligned kernels a row's logits do not depend on how many rows the product has, so
+the log-probs and entropies are the unchunked ones bit for bit, and the control shows the standard
+kernels' do change. Activation checkpointing runs each layer again in the backward on the same
+kernels and rows, so even the gradients are the same bits; the control shows the gradient
+comparison sees a change of rounding alone (the head's weight gradient summed chunk by chunk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import parity
+from parity import SamplingParams
+from parity.model import ModelConfig, sequence_logprobs
+from parity.rl import Learner, LearnerConfig, Trajectory, TrajectoryBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _model(preset: str, kernels: str, dtype: str = "float32", tied: bool = True) -> parity.Model:
+    cfg = ModelConfig.preset(preset)
+    if not tied:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    m = parity.Model(cfg, kernels=kernels, dtype=DTYPES[dtype], seed=0)
+    m.reset_parameters(0, 0.1)
+    return m.to(DTYPES[dtype])
+
+
+def _seqs(m: parity.Model, lengths=(37, 64, 5, 23)) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, m.config.vocab_size, (n,), generator=gen) for n in lengths]
+
+
+def _run(m: parity.Model, seqs, **options):
+    """Log-probs, entropies and every parameter's gradient of a weighted sum of the log-probs."""
+    m.zero_grad(set_to_none=True)
+    lp, ent = sequence_logprobs(m, seqs, 0.9, return_entropy=True, **options)
+    flat = torch.cat(lp)
+    (flat * torch.linspace(-1, 1, len(flat))).sum().backward()
+    grads = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+    return flat.detach(), torch.cat(ent), grads
+
+
+@pytest.mark.parametrize("kernels", ["aligned", "standard"])
+@pytest.mark.parametrize("preset,dtype,tied", [("tiny", "float32", True), ("small", "bfloat16", True),
+                                               ("tiny-moe", "float32", True),
+                                               ("tiny-qwen2", "float32", False)])
+def test_activation_checkpointing_gives_the_same_gradients_bit_for_bit(kernels, preset, dtype, tied):
+    m = _model(preset, kernels, dtype, tied)
+    seqs = _seqs(m)
+    lp, ent, grads = _run(m, seqs)
+    for head_chunk in (0, 16):
+        ref = (lp, ent, grads) if head_chunk == 0 else _run(m, seqs, head_chunk=head_chunk)
+        lp2, ent2, grads2 = _run(m, seqs, head_chunk=head_chunk, recompute=True)
+        assert torch.equal(lp2, ref[0]) and torch.equal(ent2, ref[1])
+        assert grads2.keys() == ref[2].keys() == dict(m.named_parameters()).keys()
+        for name, g in ref[2].items():
+            assert torch.equal(grads2[name], g), name
+    if m.config.is_moe:  # the routing the forward left behind is the whole forward's, once
+        assert m.last_routing.shape[1] == m.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("preset,dtype,tied", [("tiny", "float32", True), ("small", "float32", True),
+                                               ("small", "bfloat16", True), ("tiny-moe", "bfloat16", True),
+                                               ("tiny-llama", "float32", False)])
+def test_head_chunks_keep_the_aligned_log_probs_bit_for_bit(preset, dtype, tied):
+    m = _model(preset, "aligned", dtype, tied)
+    seqs = _seqs(m)
+    lp, ent, grads = _run(m, seqs)
+    with torch.no_grad():
+        plain = torch.cat(sequence_logprobs(m, seqs, 0.9))
+    assert torch.equal(plain, lp)
+    for head_chunk in (1, 7, 16, 1000):
+        lp2, ent2, grads2 = _run(m, seqs, head_chunk=head_chunk)
+        assert torch.equal(lp2, lp) and torch.equal(ent2, ent)
+        with torch.no_grad():
+            assert torch.equal(torch.cat(sequence_logprobs(m, seqs, 0.9, head_chunk=head_chunk)), lp)
+        if head_chunk == 1:  # (bf16 sums of a hundred one-row products: not a fair comparison)
+            continue
+        for name, g in grads.items():  # gradients: the head's weight gradient summed per chunk
+            tol = (1e-2 if dtype == "bfloat16" else 1e-4) * float(g.abs().max())
+            assert float((grads2[name].float() - g.float()).abs().max()) <= tol, name
+
+
+def test_control_head_chunks_change_the_standard_kernels_log_probs():
+    """Chunks change how many rows the standard LM-head product has, and with it the bits."""
+    m = _model("small", "standard")
+    seqs = _seqs(m)
+    with torch.no_grad():
+        whole = torch.cat(sequence_logprobs(m, seqs))
+        changed = [not torch.equal(torch.cat(sequence_logprobs(m, seqs, head_chunk=c)), whole)
+                   for c in (1, 3, 16, 50)]
+    assert any(changed)
+
+
+def test_control_the_gradient_comparison_sees_a_change_of_rounding():
+    """Head chunks sum the tied weight's gradient in another order: the same values to rounding,
+    not the same bits, which the comparison of the checkpointing test would catch."""
+    m = _model("small", "aligned")
+    seqs = _seqs(m)
+    _, _, grads = _run(m, seqs)
+    _, _, chunked = _run(m, seqs, head_chunk=16)
+    assert not all(torch.equal(chunked[k], g) for k, g in grads.items())
+
+
+def test_a_learner_step_with_both_options_trains_the_same_weights_and_keeps_the_engines_bits():
+    """One learner step with activation checkpointing and small head chunks against one without
+    checkpointing: the same metrics and updated weights bit for bit; kernel mismatch 0 against the
+    engine's recorded log-probs either way."""
+    results = {}
+    for recompute in (False, True):
+        m = _model("tiny", "aligned")
+        engine = parity.Engine(_model("tiny", "aligned"), max_num_seqs=6)
+        outs = engine.generate([[1 + i % 3, 2, 3] for i in range(8)],
+                               [SamplingParams(max_tokens=6 + i, seed=i) for i in range(8)])
+        batch = TrajectoryBatch([Trajectory.from_output(o, float(i % 2), i // 4) for i, o in enumerate(outs)])
+        learner = Learner(m, LearnerConfig(lr=1e-2, micro_batch_size=3, head_chunk_tokens=5,
+                                           activation_checkpointing=recompute))
+        metrics = learner.step(batch)
+        assert metrics["mismatch/kernel_max_abs"] == 0.0 and math.isfinite(metrics["train/loss"])
+        results[recompute] = metrics, [p.detach().clone() for p in m.parameters()]
+    (a, wa), (b, wb) = results[False], results[True]
+    assert {k: v for k, v in a.items() if not k.startswith("time/")} == \
+        {k: v for k, v in b.items() if not k.startswith("time/")}
+    assert all(torch.equal(x, y) for x, y in zip(wa, wb))
+
+
+def test_the_options_are_config_fields_checked_on_construction():
+    from parity.config import load_config
+    from parity.errors import ConfigError
+
+    cfg = load_config(None, ["learner.head_chunk_tokens=64", "learner.activation_checkpointing=true"])
+    assert cfg.learner.head_chunk_tokens == 64 and cfg.learner.activation_checkpointing is True
+    default = LearnerConfig()
+    assert default.head_chunk_tokens == 0 and not default.activation_checkpointing
+    assert default.head_rows(151936) == 441 and default.head_rows(512) == 131072  # auto: 2^26 logits
+    assert cfg.learner.head_rows(151936) == 64
+    with pytest.raises(ConfigError, match="head_chunk_tokens"):
+        LearnerConfig(head_chunk_tokens=-1)
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        load_config(None, ["learner.activation_checkpointing=3"])
