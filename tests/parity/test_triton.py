@@ -331,6 +331,23 @@ def test_learner_gradients_are_right(triton_impl):
         assert float((g - ref).norm()) <= 1e-4 * float(ref.norm()) + 1e-7, name
 
 
+def test_learner_memory_options_keep_the_bits(triton_impl):
+    """The LM head in chunks keeps the log-probs' bits; activation checkpointing the gradients'
+    too (its control, on the CPU backends: tests/parity/test_learner_memory.py)."""
+    seqs = [torch.arange(n) * 7 % 128 for n in (9, 21)]
+    model = _model("aligned", torch.float32)
+    runs = []
+    for options in ({}, {"head_chunk": 4}, {"head_chunk": 4, "recompute": True}):
+        model.zero_grad(set_to_none=True)
+        out = torch.cat(parity.sequence_logprobs(model, seqs, **options))
+        (out * torch.linspace(-1, 1, len(out))).sum().backward()
+        runs.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert torch.equal(runs[1][0], runs[0][0]) and torch.equal(runs[2][0], runs[0][0])
+    assert all(torch.equal(runs[2][1][n], g) for n, g in runs[1][1].items())
+    for name, g in runs[0][1].items():
+        assert float((runs[1][1][name] - g).norm()) <= 1e-5 * float(g.norm()) + 1e-7, name
+
+
 def test_control_standard_kernels_differ():
     """The same cases on the standard kernels find mismatches, so these checks can fail."""
     model = _model("standard", torch.float32)
