@@ -95,7 +95,7 @@ class LearnerConfig:
     activation_checkpointing: bool = False
     """Keep only each layer's input for the backward and run the layer again there: activation
     memory per token drops from some 20 rows of hidden size per layer to one, for another forward
-    of the layers (+35% step time measured on the Qwen3-0.6B shape). Gradients and log-probs are
+    of the layers (+45% step time measured on the Qwen3-0.6B shape). Gradients and log-probs are
     the same bits as without."""
     compute_dtype: str = "auto"
     """'auto' (the dtype of the model the learner is given, left as it is), 'float32', or
