@@ -164,12 +164,16 @@ def case_engine(model, prompts: Sequence[torch.Tensor], rng: random.Random, temp
 
 
 def case_autograd(model, seqs, refs, temperature=1.0) -> Pairs:
-    """The learner's forward with autograd recording (and a backward) vs inference."""
-    with torch.enable_grad():
-        out = sequence_logprobs(model, list(seqs), temperature)
-        torch.stack([o.sum() for o in out]).sum().backward()
-    model.zero_grad(set_to_none=True)
-    return [(r, o.detach()) for r, o in zip(refs, out)]
+    """The learner's forward with autograd recording (and a backward) vs inference: as it is, and
+    with its memory options (the LM head 7 positions at a time, activation checkpointing)."""
+    pairs = []
+    for options in ({}, {"head_chunk": 7, "recompute": True}):
+        with torch.enable_grad():
+            out = sequence_logprobs(model, list(seqs), temperature, **options)
+            torch.stack([o.sum() for o in out]).sum().backward()
+        model.zero_grad(set_to_none=True)
+        pairs += [(r, o.detach()) for r, o in zip(refs, out)]
+    return pairs
 
 
 def case_threads(model, seqs, refs, temperature=1.0) -> Pairs:
