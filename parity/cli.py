@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     lm = _command(bsub, "learner-memory", "bench_learner_memory",
                   "a learner step's memory and speed: LM head in chunks, activation checkpointing, both")
     lm.add_argument("--preset", default="qwen3-0.6b")
-    lm.add_argument("--dtype", default="bfloat16")
+    lm.add_argument("--dtype", default="bfloat16", choices=all_dtypes)
     lm.add_argument("--kernels", default="aligned", choices=BACKENDS)
     lm.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     lm.add_argument("--length", type=int, default=2048, help="tokens per sequence (default 2048)")

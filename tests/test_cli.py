@@ -381,7 +381,7 @@ def test_bench_memory_json():
 def test_bench_learner_memory_json():
     """Four settings, each in its own process: memory and speed beside the plain setting's."""
     proc = run("bench", "learner-memory", "--json", "--preset", "tiny", "--dtype", "float32",
-               "--length", "48", "--head-chunk", "16")
+               "--length", "48", "--head-chunk", "16")  # 47 positions: 3 chunks
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)["rows"]
     assert [(r["setting"], r["head_chunk"], r["checkpointing"]) for r in rows] == [

@@ -103,7 +103,7 @@ def bench_learner_memory(preset: str = "qwen3-0.6b", dtype: str = "bfloat16", ke
     for name, (chunked, recompute) in SETTINGS.items():
         if progress:
             progress(f"learner-memory {preset} {dtype} {name} ({reps + 1} steps)")
-        chunk = head_chunk if chunked else 0
+        chunk = head_chunk if chunked and head_chunk < batch * (length - 1) else 0  # (else: no chunks)
         argv = [json.dumps([preset, dtype, kernels, batch, length, chunk, recompute, device, reps])]
         got = fresh_process("parity.apps.bench_learner_memory", argv,
                             f"bench learner-memory: the '{name}' setting")
@@ -130,11 +130,12 @@ def main(args) -> int:
           f"median of {args.reps} step(s) after one untimed")
     print(f"machine: {hardware.line()}")
     print(table(["setting", "head chunk", "checkpointing", "step memory GiB", "vs plain", "tokens/s",
-                 "vs plain", "held before GiB"],
+                 "vs plain", "held before GiB", "peak GiB"],
                 [[r.setting, str(r.head_chunk or "-"), "yes" if r.checkpointing else "no",
                   f"{r.step_gib:.2f}",
                   f"x{r.step_gib / plain.step_gib:.2f}" if plain.step_gib > 0 else "-", f"{r.tok_s:,.0f}",
-                  f"x{r.tok_s / plain.tok_s:.2f}", f"{r.held_gib:.2f}"] for r in rows]))
+                  f"x{r.tok_s / plain.tok_s:.2f}", f"{r.held_gib:.2f}", f"{r.held_gib + r.step_gib:.2f}"]
+                 for r in rows]))
     return 0
 
 

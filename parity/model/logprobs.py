@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import InputError
-from ..ops.common import gemm_linear, gemm_linear_native
+from ..ops.common import compute_dtype, gemm_linear
 from .batch import ForwardBatch
 from .tied import TiedGradient
 
@@ -96,6 +96,10 @@ def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
     (activation checkpointing: `Model.forward`).
     """
     _check_temperature(temperature)
+    if isinstance(head_chunk, bool) or not isinstance(head_chunk, numbers.Integral) or head_chunk < 0:
+        raise InputError(f"head_chunk must be an integer >= 0 (0 = no chunks), got {head_chunk!r}")
+    if not isinstance(recompute, bool):
+        raise InputError(f"recompute must be True or False, got {recompute!r}")
     if isinstance(sequences, (torch.Tensor, str, bytes)) or not hasattr(sequences, "__iter__"):
         raise InputError(f"sequences must be a list of token-id sequences, got {type(sequences).__name__}")
     seqs = [check_sequence(model, s, f"sequence {i}") for i, s in enumerate(sequences)]
@@ -142,50 +146,55 @@ class ChunkedHead(torch.autograd.Function):
 
     Forward: each chunk's logits by the kernel bundle's linear (the engine's bits: an aligned row
     does not depend on the product's row count), its log-probs (and entropies, into `entropy`),
-    then the logits are dropped. Backward: each chunk's logits again, the log-probs' gradient
-    through them by the kernels' own backward, then plain GEMMs as `TiedHead`'s; the weight's
-    gradient is one [vocab, hidden] tensor each chunk's product is added into (in the weight's
-    dtype, as autograd sums a shared weight's gradients), with tied embeddings handed to the
-    lookup's backward (`tied.py`) instead of returned."""
+    then the logits are dropped; each position's log-sum-exp is kept (N floats). Backward, in
+    blocks of vocabulary rows as large as a chunk (N x block <= chunk x vocab): the block's logits
+    for every position, its softmax from the kept log-sum-exp, the log-probs' gradient through
+    it ((onehot - p) / T), then plain GEMMs as `TiedHead`'s: each row of the weight's gradient
+    is one product over all N positions (rounded once, no [vocab, hidden] accumulator), the hidden
+    gradient sums the blocks' products in float32. With tied embeddings the weight's gradient is
+    handed to the lookup's backward (`tied.py`), not returned."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, kernels, temperature: float, chunk: int,
                 entropy: list | None, tied: TiedGradient | None) -> torch.Tensor:
-        out = []
+        out, lse = [], []
         for s in range(0, len(hidden), chunk):
             logits = kernels.linear(hidden[s:s + chunk], weight)
-            out.append(kernels.token_logprobs(logits, targets[s:s + chunk], temperature))
+            lp = kernels.token_logprobs(logits, targets[s:s + chunk], temperature)
+            out.append(lp)  # log p = logit_t / T - lse
+            lse.append(logits.gather(1, targets[s:s + chunk, None])[:, 0].float() / temperature - lp)
             if entropy is not None:
                 entropy.append(_entropy(kernels, logits, temperature))
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.kernels, ctx.temperature, ctx.chunk, ctx.tied = kernels, temperature, chunk, tied
+        ctx.save_for_backward(hidden, weight, targets, torch.cat(lse))
+        ctx.temperature, ctx.block, ctx.tied = temperature, chunk * len(weight), tied
         return torch.cat(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        hidden, weight, targets = ctx.saved_tensors
-        k, c, want_w = ctx.kernels, ctx.chunk, ctx.needs_input_grad[1] or ctx.tied is not None
-        grad_hidden, grad_weight = torch.empty_like(hidden), None
-        for s in range(0, len(hidden), c):
-            h = hidden[s:s + c]
-            with torch.enable_grad():
-                logits = k.linear(h, weight).detach().requires_grad_()
-                lp = k.token_logprobs(logits, targets[s:s + c], ctx.temperature)
-                (g,) = torch.autograd.grad(lp, logits, grad[s:s + c])
+        hidden, weight, targets, lse = ctx.saved_tensors
+        n, t = len(hidden), ctx.temperature
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.tied is not None
+        grad_hidden = torch.zeros(n, hidden.shape[1], dtype=compute_dtype(hidden.dtype),
+                                  device=hidden.device) if want_h else None
+        grad_weight = torch.empty_like(weight) if want_w else None
+        scale = grad.float() / t  # d log p_i / d logit_iv = (1[v = target_i] - p_iv) / T
+        rows = max(1, ctx.block // max(n, 1))
+        for v0 in range(0, len(weight), rows):
+            w = weight[v0:v0 + rows]
+            p = gemm_linear(hidden, w).float().div_(t).sub_(lse[:, None]).exp_()  # [N, block]
+            g = p.mul_(scale[:, None]).neg_()
+            mine = (targets >= v0) & (targets < v0 + len(w))
+            g[mine.nonzero()[:, 0], targets[mine] - v0] += scale[mine]
             g = g.to(weight.dtype)
-            grad_hidden[s:s + c] = gemm_linear(g, weight.t())  # [C, V] @ [V, H]
-            if not want_w:
-                continue
-            if grad_weight is None:
-                grad_weight = gemm_linear(g.t(), h.t())  # [V, C] @ [C, H]
-            elif gemm_linear_native(g):
-                grad_weight.addmm_(g.t(), h)  # into the sum: no second [V, H] tensor
-            else:
-                grad_weight.add_(gemm_linear(g.t(), h.t()))
+            if want_h:
+                grad_hidden.add_(gemm_linear(g, w.t()))  # [N, block] @ [block, H]
+            if want_w:
+                grad_weight[v0:v0 + rows] = gemm_linear(g.t(), hidden.t())  # [block, N] @ [N, H]
         if ctx.tied is not None:
             slot = ctx.tied
             slot.dense = grad_weight if slot.dense is None else slot.dense.add_(grad_weight)
             grad_weight = None
+        grad_hidden = grad_hidden.to(hidden.dtype) if want_h else None
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
