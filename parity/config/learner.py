@@ -88,14 +88,15 @@ class LearnerConfig:
     head_chunk_tokens: int = 0
     """The LM head and log-softmax run over this many positions at a time, so no [tokens, vocab]
     logits tensor is ever whole (at a 152k vocabulary 0.6 GB per 2,048 tokens in bfloat16, and
-    again for its gradient); under grad each chunk runs again in the backward. 0 (auto): chunks of
-    2^26 / vocab_size positions (a 256 MiB float32 block: 441 at 152k, none to speak of at small
-    vocabularies). Aligned log-probs are the same bits whatever the chunk; the head's weight
-    gradient is summed chunk by chunk (other rounding, deterministic)."""
+    again for its gradient); under grad the backward runs the head again in blocks of vocabulary
+    rows. 0 (auto): chunks of 2^26 / vocab_size positions (a 256 MiB float32 block: 441 at 152k;
+    at small vocabularies more than any micro-batch has, i.e. no chunks); a number at least a
+    micro-batch's positions turns chunks off. Aligned log-probs are the same bits whatever the
+    chunk; gradients are as precise as without chunks, in another rounding (deterministic)."""
     activation_checkpointing: bool = False
     """Keep only each layer's input for the backward and run the layer again there: activation
     memory per token drops from some 20 rows of hidden size per layer to one, for another forward
-    of the layers (+45% step time measured on the Qwen3-0.6B shape). Gradients and log-probs are
+    of the layers (+47% step time measured on the Qwen3-0.6B shape). Gradients and log-probs are
     the same bits as without."""
     compute_dtype: str = "auto"
     """'auto' (the dtype of the model the learner is given, left as it is), 'float32', or
