@@ -92,8 +92,8 @@ def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
     Memory (the values are the same bits either way on aligned kernels, whose rows do not depend
     on how many rows a product has): `head_chunk` > 0 runs the LM head and log-softmax over that
     many positions at a time, so no [tokens, vocab] tensor is ever whole (`ChunkedHead`: under grad
-    each chunk runs again in the backward); `recompute` keeps only each layer's input for the backward
-    (activation checkpointing: `Model.forward`).
+    the backward runs the head again by blocks of vocabulary rows); `recompute` keeps only each
+    layer's input for the backward (activation checkpointing: `Model.forward`).
     """
     _check_temperature(temperature)
     if isinstance(head_chunk, bool) or not isinstance(head_chunk, numbers.Integral) or head_chunk < 0:

@@ -14,16 +14,10 @@ def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     float32 and is rounded to bfloat16. Products of bf16 values are exact in float32 and a bf16
     GEMM accumulates in float32 too, so this is the same computation by another GEMM (both
     backends use it; the gradients flow through the casts, so the backward GEMMs are float32 too)."""
-    if not gemm_linear_native(x):
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not bf16_gemm_native():
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
     return F.linear(x, weight, bias)
-
-
-def gemm_linear_native(x: torch.Tensor) -> bool:
-    """Whether `gemm_linear` runs x's product in x's own dtype (not bfloat16 on a CPU without a
-    bf16 GEMM path), so `addmm_` into a tensor of that dtype is the same kind of product."""
-    return not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not bf16_gemm_native())
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
