@@ -372,9 +372,9 @@ class RolloutWorker:
 
     def score(self, trajectories: list[Trajectory]) -> None:
         """Set each trajectory's `sampled_learner_logprobs`: the learner's own computation
-        (`sequence_logprobs`, the learner's micro-batches and temperature) on the engine's weights,
-        kept for the tokens those weights sampled (NaN elsewhere: prompt, tool output, tokens of
-        an earlier version after an in-flight update)."""
+        (`sequence_logprobs`, the learner's micro-batches, head chunks and temperature) on the
+        engine's weights, kept for the tokens those weights sampled (NaN elsewhere: prompt, tool
+        output, tokens of an earlier version after an in-flight update)."""
         lc, model, out = self.cfg.learner, self.engine.model, []
         seqs = [t.token_ids for t in trajectories]
         with torch.no_grad():
