@@ -93,12 +93,12 @@ def bench_learner_memory(preset: str = "qwen3-0.6b", dtype: str = "bfloat16", ke
     from ..config import LearnerConfig
     from ..model import ModelConfig
 
-    longest = ModelConfig.preset(preset).max_position_embeddings  # (an unknown preset: one line)
-    if not 2 <= length <= longest:
-        raise ParityError(f"--length must be in [2, {longest}] for {preset}, got {length}")
+    cfg = ModelConfig.preset(preset)  # (an unknown preset: one line)
+    if not 2 <= length <= cfg.max_position_embeddings:
+        raise ParityError(f"--length must be in [2, {cfg.max_position_embeddings}] for {preset}: {length}")
     if head_chunk < 0:
         raise ParityError("--head-chunk must be >= 0 (0: the learner's default for the vocabulary)")
-    head_chunk = LearnerConfig(head_chunk_tokens=head_chunk).head_rows(ModelConfig.preset(preset).vocab_size)
+    head_chunk = LearnerConfig(head_chunk_tokens=head_chunk).head_rows(cfg.vocab_size)
     rows = []
     for name, (chunked, recompute) in SETTINGS.items():
         if progress:
