@@ -5,7 +5,8 @@
 # pull a multi-GB CUDA build); TORCH_ARGS passes pip options with it, e.g. an --index-url.
 # Extra arguments go through ARGS, e.g. `make demo ARGS="--steps 20"`, `make test ARGS="-x tests/rl"`.
 # The tests run in JOBS pytest-xdist workers (2: the machine's cores; much of the suite waits on
-# subprocesses, Ray and sandboxes, so two workers cut its wall time by a fifth); JOBS=0 runs them in one.
+# subprocesses, Ray and sandboxes, so two workers cut its wall time by a fifth), each test file on one
+# worker in its order; JOBS=0 runs them all in one.
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -21,7 +22,7 @@ demo: install
 
 test: install-dev
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -n $(JOBS) $(ARGS)
+	$(PYTHON) -m pytest -n $(JOBS) --dist loadfile $(ARGS)
 
 install:
 	@$(HAVE) torch || { echo "installing $(TORCH) (CPU build)"; $(PIP) "$(TORCH)" $(TORCH_ARGS); }

@@ -26,7 +26,6 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..hardware import bf16_gemm_native
@@ -143,10 +142,11 @@ def _probe_quantum() -> int:
 
 
 GEMV_ROWS = 8
-"""Float32 products of at most this many rows go to the native matrix-vector kernel, one pass
-over the weights (where its order is the GEMM's, see `_gemv_order_holds`)."""
+"""Products of at most this many rows go to the native matrix-vector kernel, one pass over the
+weights (float32, and bf16 where it runs as float32: `_gemv_dtype`; where its order is the GEMM's,
+see `_gemv_order_holds`)."""
 
-_gemv_ok: dict[tuple[int, int, bool], bool] = {}
+_gemv_ok: dict[tuple[int, int, bool, torch.dtype], bool] = {}
 
 
 def gemm_kblock(k: int) -> int:
@@ -160,43 +160,51 @@ def _gemv_kblock(k: int) -> int:
     return gemm_strict.kblock() if strict() else gemm_kblock(k)
 
 
-def _gemv_order_holds(k: int) -> bool:
-    """Whether, for this K at this thread count, the native matrix-vector kernel (blocks of
-    `_gemv_kblock(k)`, bias first) gives bit for bit the rows of a 16-row float32 GEMM (the
-    library's, or the strict regime's), with and without bias, for 1 and 8 rows, at 12 outputs
-    (the fewest it takes: below 12, MKL orders the sums otherwise) and at 83 (a vector body and a
-    scalar tail). Probed once per K (< 1 ms); where it fails, that K keeps the padded GEMM."""
-    key = (k, torch.get_num_threads(), strict())
+def _gemv_order_holds(k: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether, for this K and dtype at this thread count, the native matrix-vector kernel (blocks
+    of `_gemv_kblock(k)`, bias first) gives bit for bit the rows of a 16-row GEMM (the library's,
+    or the strict regime's; bfloat16 where it runs as float32, compared after rounding), with and
+    without bias, for 1 and 8 rows, at 12 outputs (the fewest it takes: below 12, MKL orders the
+    sums otherwise) and at 83 (a vector body and a scalar tail). Probed once per K and dtype
+    (< 1 ms); where it fails, that K keeps the padded GEMM."""
+    key = (k, torch.get_num_threads(), strict(), dtype)
     ok = _gemv_ok.get(key)
     if ok is None:
         gen = torch.Generator().manual_seed(k)
-        x = torch.randn(16, k, generator=gen)
-        reference = functools.partial(gemm_strict.forward, chunked=False) if key[2] else F.linear
+        x = torch.randn(16, k, generator=gen).to(dtype)
+        reference = functools.partial(gemm_strict.forward, chunked=False) if key[2] else gemm_linear
         ok = True
         with torch.no_grad():
             for n in (FREE_ROWS, 83):
-                w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-                ok = ok and all(
-                    torch.equal(native.gemv(x[:m], w, bias, _gemv_kblock(k)), reference(x, w, bias)[:m])
-                    for bias in (None, b) for m in (1, 8))
+                w, b = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+                ok = ok and all(torch.equal(native.gemv(x[:m], w, bias, _gemv_kblock(k)).to(dtype),
+                                            reference(x, w, bias)[:m])
+                                for bias in (None, b) for m in (1, 8))
         _gemv_ok[key] = ok
     return ok
 
 
+def _gemv_dtype(dtype: torch.dtype) -> bool:
+    """Whether products of this dtype can take the matrix-vector kernel: float32, and bfloat16
+    where the CPU has no bf16 GEMM (its products run in float32 anyway, `gemm_linear`; the kernel
+    widens the bf16 weights as it reads them, half the bytes of a float32 copy and no copy made)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and not bf16_gemm_native())
+
+
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
-            and (bias is None or bias.dtype == torch.float32) and weight.is_contiguous()
+    return (x.dtype == weight.dtype and _gemv_dtype(x.dtype) and x.device.type == "cpu"
+            and (bias is None or bias.dtype == x.dtype) and weight.is_contiguous()
             and weight.shape[0] >= FREE_ROWS
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
-            and native.library() is not None and _gemv_order_holds(x.shape[1]))
+            and native.library() is not None and _gemv_order_holds(x.shape[1], x.dtype))
 
 
 def token_rows(m: int, dtype: torch.dtype) -> int:
-    """The row count a forward pads its token-wise work of `m` tokens to: none in float32 up to
-    `GEMV_ROWS` (the matrix-vector kernel serves them, and `linear` still pads any product it
+    """The row count a forward pads its token-wise work of `m` tokens to: none up to `GEMV_ROWS`
+    where the matrix-vector kernel serves the dtype (and `linear` still pads any product it
     cannot take), else `gemm_rows(m)`, so that each GEMM is padded once per forward."""
-    if dtype == torch.float32 and m <= GEMV_ROWS and native.library() is not None:
+    if _gemv_dtype(dtype) and m <= GEMV_ROWS and native.library() is not None:
         return m
     return gemm_rows(m)
 
@@ -222,7 +230,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     if 0 < rows <= GEMV_ROWS and _gemv_applies(x2, weight, bias):
-        y = native.gemv(x2, weight, bias, _gemv_kblock(x2.shape[1]))
+        y = native.gemv(x2, weight, bias, _gemv_kblock(x2.shape[1])).to(x2.dtype)
         return y.view(*lead, weight.shape[0])
     if x2.device.type == "cpu" and strict():
         return _strict_product(x2, weight, bias).view(*lead, weight.shape[0])
@@ -239,13 +247,14 @@ def describe() -> str:
     """The small-GEMM paths this process uses, in words (`parity check` prints it after its runs,
     so the matrix-vector probes of the model's K values have been made)."""
     threads, mode = torch.get_num_threads(), strict()
-    good = sorted(k for (k, t, s), ok in _gemv_ok.items() if (t, s) == (threads, mode) and ok)
-    bad = sorted(k for (k, t, s), ok in _gemv_ok.items() if (t, s) == (threads, mode) and not ok)
+    good = sorted({k for (k, t, s, _), ok in _gemv_ok.items() if (t, s) == (threads, mode) and ok})
+    bad = sorted({k for (k, t, s, _), ok in _gemv_ok.items() if (t, s) == (threads, mode) and not ok})
     seen = f"K {', '.join(map(str, good))} confirmed" if good else "no K probed yet"
     if bad:
         seen += f"; K {', '.join(map(str, bad))} padded instead"
     gemv = "" if native.library() is None else (
-        f"; float32 products of 1-{GEMV_ROWS} rows by the matrix-vector kernel in the GEMM's order ({seen})")
+        f"; {'float32' if bf16_gemm_native() else 'float32 and bf16'} products of 1-{GEMV_ROWS} rows by "
+        f"the matrix-vector kernel in the GEMM's order ({seen})")
     if mode:
         chunks = bf16_gemm_native() and _bf16_chunks_hold()
         bf16 = "bf16 in 128-row GEMMs (the last 64 where it fits)" if chunks else "bf16 in float32"

@@ -75,7 +75,8 @@ def _build() -> ctypes.CDLL:
         getattr(lib, name).argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
     for name in ("parity_rms_norm_backward_f32", "parity_rms_norm_backward_bf16"):
         getattr(lib, name).argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, f, ctypes.c_int]
-    lib.parity_gemv_f32.argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+    for name in ("parity_gemv_f32", "parity_gemv_bf16w"):
+        getattr(lib, name).argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
     return lib
 
 
@@ -256,16 +257,19 @@ def token_logprobs_backward(z: torch.Tensor, tokens: torch.Tensor, lse: torch.Te
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kc: int) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` for float32 x [m <= 8, K], weight [N, K]: per element, bias then
-    the K-blocks of `kc` positions left to right, each a fused multiply-add chain from zero
-    (the BLAS GEMM's order where `gemm._gemv_order_holds` says so). Returns [m, N]."""
+    """`x @ weight.T (+ bias)` in float32 for x [m <= 8, K], weight [N, K] (float32, or bfloat16
+    widened exactly as it is read: the float32 product of the bf16 values, with no float32 copy of
+    the weight): per element, bias then the K-blocks of `kc` positions left to right, each a fused
+    multiply-add chain from zero (the BLAS GEMM's order where `gemm._gemv_order_holds` says so).
+    Returns float32 [m, N]."""
     m, k = x.shape
-    assert m <= 8 and x.dtype == weight.dtype == torch.float32
-    x, weight = x.contiguous(), weight.contiguous()
+    assert m <= 8 and weight.dtype in (torch.float32, torch.bfloat16)
+    x, weight = x.float().contiguous(), weight.contiguous()
     bias = None if bias is None else bias.float().contiguous()
     out = torch.empty(m, weight.shape[0], dtype=torch.float32)
-    library().parity_gemv_f32(_ptr(x), _ptr(weight), None if bias is None else _ptr(bias), _ptr(out),
-                              m, k, weight.shape[0], kc, torch.get_num_threads())
+    kernel = library().parity_gemv_f32 if weight.dtype == torch.float32 else library().parity_gemv_bf16w
+    kernel(_ptr(x), _ptr(weight), None if bias is None else _ptr(bias), _ptr(out),
+           m, k, weight.shape[0], kc, torch.get_num_threads())
     return out
 
 

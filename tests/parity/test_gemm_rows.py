@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parity.ops import gemm, gemm_strict, native
+from parity import hardware
+from parity.ops import common, gemm, gemm_strict, native
 from tests.conftest import DEVICE
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU GEMM's property")
@@ -127,10 +128,57 @@ def test_the_strict_k_block_is_one_chain_and_the_kernel_serves_strict_decode(mon
     blocked = gemm_strict.forward(x, w, chunked=False)
     other = next(b for b in gemm_strict.KBLOCKS if b != kb)
     assert not torch.equal(native.gemv(x[:8], w, None, other), blocked[:8]), "another blocking matched"
+    assert gemm._gemv_order_holds(1024)  # probed before counting the product's own calls
     calls = []
     real = native.gemv
     monkeypatch.setattr(native, "gemv", lambda *a: calls.append(a) or real(*a))
     assert torch.equal(gemm.linear(x[:1], w), blocked[:1]) and len(calls) == 1
+
+
+@pytest.fixture
+def bf16_via_float32(monkeypatch):
+    """bf16 products as on a CPU without a bf16 GEMM (AVX2 only): in float32 (`gemm_linear`)."""
+    monkeypatch.setenv("PARITY_BF16_GEMM", "float32")
+    hardware.bf16_gemm_native.cache_clear()
+    yield
+    monkeypatch.delenv("PARITY_BF16_GEMM")
+    hardware.bf16_gemm_native.cache_clear()
+
+
+@needs_native
+@pytest.mark.parametrize("k", [64, 193, 1024])
+def test_bf16_weights_widened_in_the_kernel_give_the_padded_products_rows(regime, threads, k,
+                                                                          bf16_via_float32, monkeypatch):
+    """Where bf16 products run in float32, the matrix-vector kernel reads the bf16 weights and
+    widens them as it goes (no float32 copy of the weight, half the bytes): bit for bit the
+    float32 kernel on a float32 copy, and so every row of the padded bf16 product; decode-sized
+    bf16 products take it and are not padded. N = 1003 covers the 16-wide blocks, an 8-wide one
+    and scalar outputs; K = 193 a partial 8-column tile. Control: another K blocking orders the
+    sums otherwise."""
+    gen = torch.Generator().manual_seed(11)
+    x, w = torch.randn(16, k, generator=gen).bfloat16(), torch.randn(1003, k, generator=gen).bfloat16()
+    b = torch.randn(1003, generator=gen).bfloat16()
+    kb = gemm._gemv_kblock(k)
+    exact = _regime_gemm(regime)(x.float(), w.float(), b.float())  # the float32 product of bf16 values
+    for bias in (None, b):
+        for m in (1, 2, 3, 8):
+            float_bias = None if bias is None else bias.float()
+            assert torch.equal(native.gemv(x[:m], w, bias, kb),
+                               native.gemv(x[:m].float(), w.float(), float_bias, kb)), m
+    assert all(torch.equal(native.gemv(x[:m], w, b, kb), exact[:m]) for m in (1, 8))
+    assert gemm._gemv_order_holds(k, torch.bfloat16), "the float32 route's order held, the bf16 one not"
+    reference = partial(gemm_strict.forward, chunked=False) if regime == "strict" else common.gemm_linear
+    full = reference(x, w, b)
+    assert full.dtype == torch.bfloat16 and torch.equal(full, exact.bfloat16())
+    for m in range(1, gemm.GEMV_ROWS + 1):
+        assert torch.equal(gemm.linear(x[:m], w, b), full[:m]), m
+    calls = []
+    real = native.gemv
+    monkeypatch.setattr(native, "gemv", lambda *a: calls.append(a) or real(*a))
+    assert torch.equal(gemm.linear(x[:3], w, b), full[:3]) and len(calls) == 1
+    assert gemm.token_rows(3, torch.bfloat16) == 3
+    other = min(kb, k) // 2  # two or more blocks where the kernel makes one, or other ones
+    assert not torch.equal(real(x[:8], w, b, other), exact[:8]), "another blocking matched"
 
 
 @needs_native

@@ -415,23 +415,132 @@ static inline void load_tile(const float *w, int64_t k, int64_t n0, int64_t c0, 
 #endif
 
 /* Outputs j0..j0+cnt-1 (cnt <= 8) without wide vectors: the same per-element order, `cnt`
- * independent chains side by side so that the FMA latency is hidden. */
-static void gemv_columns(const float *x, const float *w, const float *bias, float *y, int64_t m,
-                         int64_t k, int64_t n, int64_t kc, int64_t j0, int cnt) {
-    for (int64_t r = 0; r < m; r++) {
-        const float *xr = x + r * k;
-        float total[8], acc[8];
-        for (int q = 0; q < cnt; q++) total[q] = bias ? bias[j0 + q] : 0.0f;
-        for (int64_t b0 = 0; b0 < k; b0 += kc) {
-            const int64_t b1 = b0 + kc < k ? b0 + kc : k;
-            for (int q = 0; q < cnt; q++) acc[q] = 0.0f;
-            for (int64_t c = b0; c < b1; c++) {
-                const float xv = xr[c];
-                for (int q = 0; q < cnt; q++) acc[q] = fmaf(w[(j0 + q) * k + c], xv, acc[q]);
+ * independent chains side by side so that the FMA latency is hidden. W_LOAD reads one weight
+ * as float32 (bf16 widened exactly). */
+#define GEMV_COLUMNS(name, wtype, W_LOAD)                                                          \
+static void name(const float *x, const wtype *w, const float *bias, float *y, int64_t m,          \
+                 int64_t k, int64_t n, int64_t kc, int64_t j0, int cnt) {                         \
+    for (int64_t r = 0; r < m; r++) {                                                            \
+        const float *xr = x + r * k;                                                             \
+        float total[8], acc[8];                                                                  \
+        for (int q = 0; q < cnt; q++) total[q] = bias ? bias[j0 + q] : 0.0f;                     \
+        for (int64_t b0 = 0; b0 < k; b0 += kc) {                                                 \
+            const int64_t b1 = b0 + kc < k ? b0 + kc : k;                                        \
+            for (int q = 0; q < cnt; q++) acc[q] = 0.0f;                                         \
+            for (int64_t c = b0; c < b1; c++) {                                                  \
+                const float xv = xr[c];                                                          \
+                for (int q = 0; q < cnt; q++) acc[q] = fmaf(W_LOAD(w[(j0 + q) * k + c]), xv, acc[q]); \
+            }                                                                                    \
+            for (int q = 0; q < cnt; q++) total[q] = (b0 == 0 && !bias) ? acc[q] : total[q] + acc[q]; \
+        }                                                                                        \
+        for (int q = 0; q < cnt; q++) y[r * n + j0 + q] = total[q];                              \
+    }                                                                                            \
+}
+GEMV_COLUMNS(gemv_columns, float, F32_ID)
+GEMV_COLUMNS(gemv_columns_bf16w, uint16_t, bf16_to_f32)
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* Row j's weights at columns c0..c0+cols-1 (cols <= 8, the rest zero) as 8 float32 lanes. */
+static inline __m256 load_row8(const void *w, int bf16, int64_t at, int cols) {
+    if (cols == 8) {
+        if (!bf16) return _mm256_loadu_ps((const float *)w + at);
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + at));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    float buf[8] = {0};
+    for (int i = 0; i < cols; i++)
+        buf[i] = bf16 ? bf16_to_f32(((const uint16_t *)w)[at + i]) : ((const float *)w)[at + i];
+    return _mm256_loadu_ps(buf);
+}
+
+/* Outputs n0..n0 + 8 * NB - 1 of all m rows with 8-wide vectors: t[i] holds column c0 + i of 8
+ * weight rows (an 8 x 8 transpose), so lane q is its output's own chain, in the scalar order.
+ * Inlined with constant m, bf16 and NB (blocks side by side: more chains in flight at m = 1), so
+ * the accumulators live in registers. */
+static inline __attribute__((always_inline)) void gemv_tile8(
+        const float *x, const void *w, const int bf16, const float *bias, float *y, const int64_t m,
+        int64_t k, int64_t n, int64_t kc, int64_t n0, const int NB) {
+    __m256 acc[2][8];
+    for (int64_t b0 = 0; b0 < k; b0 += kc) {
+        const int64_t b1 = b0 + kc < k ? b0 + kc : k;
+        for (int nb = 0; nb < NB; nb++)
+            for (int64_t i = 0; i < m; i++) acc[nb][i] = _mm256_setzero_ps();
+        for (int64_t c0 = b0; c0 < b1; c0 += 8) {
+            const int cols = b1 - c0 < 8 ? (int)(b1 - c0) : 8;
+            for (int nb = 0; nb < NB; nb++) {
+                __m256 r[8], u[4], v[8], t[8];
+                for (int j = 0; j < 8; j++) r[j] = load_row8(w, bf16, (n0 + 8 * nb + j) * k + c0, cols);
+                for (int g = 0; g < 2; g++) {  /* rows 4g..4g+3: v[4g + c] = columns c, c + 4 */
+                    const __m256 *q = r + 4 * g;
+                    u[0] = _mm256_unpacklo_ps(q[0], q[1]);
+                    u[1] = _mm256_unpackhi_ps(q[0], q[1]);
+                    u[2] = _mm256_unpacklo_ps(q[2], q[3]);
+                    u[3] = _mm256_unpackhi_ps(q[2], q[3]);
+                    v[4 * g + 0] = _mm256_shuffle_ps(u[0], u[2], 0x44);
+                    v[4 * g + 1] = _mm256_shuffle_ps(u[0], u[2], 0xEE);
+                    v[4 * g + 2] = _mm256_shuffle_ps(u[1], u[3], 0x44);
+                    v[4 * g + 3] = _mm256_shuffle_ps(u[1], u[3], 0xEE);
+                }
+                for (int c = 0; c < 4; c++) {
+                    t[c] = _mm256_permute2f128_ps(v[c], v[4 + c], 0x20);
+                    t[c + 4] = _mm256_permute2f128_ps(v[c], v[4 + c], 0x31);
+                }
+                for (int i = 0; i < cols; i++)
+                    for (int64_t row = 0; row < m; row++)
+                        acc[nb][row] = _mm256_fmadd_ps(t[i], _mm256_set1_ps(x[row * k + c0 + i]), acc[nb][row]);
             }
-            for (int q = 0; q < cnt; q++) total[q] = (b0 == 0 && !bias) ? acc[q] : total[q] + acc[q];
         }
-        for (int q = 0; q < cnt; q++) y[r * n + j0 + q] = total[q];
+        for (int nb = 0; nb < NB; nb++)
+            for (int64_t row = 0; row < m; row++) {  /* the running total lives in y */
+                float *yr = y + row * n + n0 + 8 * nb;
+                __m256 total;
+                if (b0 > 0) total = _mm256_add_ps(_mm256_loadu_ps(yr), acc[nb][row]);
+                else total = bias ? _mm256_add_ps(_mm256_loadu_ps(bias + n0 + 8 * nb), acc[nb][row])
+                                  : acc[nb][row];
+                _mm256_storeu_ps(yr, total);
+            }
+    }
+}
+
+#define GEMV_TILE_CASES(BF16, NB)                                                                  \
+    switch (m) {                                                                                   \
+        case 1: gemv_tile8(x, w, BF16, bias, y, 1, k, n, kc, n0, NB); break;                       \
+        case 2: gemv_tile8(x, w, BF16, bias, y, 2, k, n, kc, n0, NB); break;                       \
+        case 3: gemv_tile8(x, w, BF16, bias, y, 3, k, n, kc, n0, NB); break;                       \
+        case 4: gemv_tile8(x, w, BF16, bias, y, 4, k, n, kc, n0, NB); break;                       \
+        case 5: gemv_tile8(x, w, BF16, bias, y, 5, k, n, kc, n0, NB); break;                       \
+        case 6: gemv_tile8(x, w, BF16, bias, y, 6, k, n, kc, n0, NB); break;                       \
+        case 7: gemv_tile8(x, w, BF16, bias, y, 7, k, n, kc, n0, NB); break;                       \
+        default: gemv_tile8(x, w, BF16, bias, y, 8, k, n, kc, n0, NB); break;                      \
+    }
+
+/* `nb` (1 or 2) 8-output blocks from n0, specialised by weight type, block count and rows. */
+static void gemv_block8(const float *x, const void *w, int bf16, const float *bias, float *y,
+                        int64_t m, int64_t k, int64_t n, int64_t kc, int64_t n0, int nb) {
+    if (bf16 && nb == 2) { GEMV_TILE_CASES(1, 2) }
+    else if (bf16) { GEMV_TILE_CASES(1, 1) }
+    else if (nb == 2) { GEMV_TILE_CASES(0, 2) }
+    else { GEMV_TILE_CASES(0, 1) }
+}
+#endif
+
+/* One 16-output block (or the narrower last one) of either weight type, 8 outputs at a time. */
+static void gemv_block(const float *x, const void *w, int bf16, const float *bias, float *y,
+                       int64_t m, int64_t k, int64_t n, int64_t kc, int64_t n0, int64_t width) {
+    int64_t j = n0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (width == 16 && m <= 2) {  /* two blocks side by side: enough chains in flight */
+        gemv_block8(x, w, bf16, bias, y, m, k, n, kc, j, 2);
+        j += 16;
+    }
+    for (; j + 8 <= n0 + width; j += 8) gemv_block8(x, w, bf16, bias, y, m, k, n, kc, j, 1);
+#endif
+    for (; j < n0 + width; j += 8) {
+        const int cnt = n0 + width - j < 8 ? (int)(n0 + width - j) : 8;
+        if (bf16) gemv_columns_bf16w(x, (const uint16_t *)w, bias, y, m, k, n, kc, j, cnt);
+        else gemv_columns(x, (const float *)w, bias, y, m, k, n, kc, j, cnt);
     }
 }
 
@@ -467,8 +576,20 @@ void parity_gemv_f32(const float *x, const float *w, const float *bias, float *y
             continue;
         }
 #endif
-        int64_t j = n0;
-        for (; j + 8 <= n0 + width; j += 8) gemv_columns(x, w, bias, y, m, k, n, kc, j, 8);
-        for (; j < n0 + width; j++) gemv_columns(x, w, bias, y, m, k, n, kc, j, 1);
+        gemv_block(x, w, 0, bias, y, m, k, n, kc, n0, width);
+    }
+}
+
+/* The same products with bfloat16 weights widened as they are read (exactly): the bits of
+ * parity_gemv_f32 on the float32 copy of w, without making that copy (CPUs without a bf16 GEMM,
+ * where a bf16 product runs as float32: `ops.common.gemm_linear`). */
+void parity_gemv_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m,
+                       int64_t k, int64_t n, int64_t kc, int threads) {
+    if (m > 8) return;
+    const int64_t nvec = n / 16;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t blk = 0; blk < nvec + 1; blk++) {
+        const int64_t n0 = blk * 16, width = blk < nvec ? 16 : n - nvec * 16;
+        if (width > 0) gemv_block(x, w, 1, bias, y, m, k, n, kc, n0, width);
     }
 }
