@@ -163,10 +163,12 @@ def _gemv_kblock(k: int) -> int:
 def _gemv_order_holds(k: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether, for this K and dtype at this thread count, the native matrix-vector kernel (blocks
     of `_gemv_kblock(k)`, bias first) gives bit for bit the rows of a 16-row GEMM (the library's,
-    or the strict regime's; bfloat16 where it runs as float32, compared after rounding), with and
-    without bias, for 1 and 8 rows, at 12 outputs (the fewest it takes: below 12, MKL orders the
-    sums otherwise) and at 83 (a vector body and a scalar tail). Probed once per K and dtype
-    (< 1 ms); where it fails, that K keeps the padded GEMM."""
+    or the strict regime's), with and without bias, for 1 and 8 rows, at 12 outputs (the fewest it
+    takes: below 12, MKL orders the sums otherwise) and at 83 (a vector body and a scalar tail).
+    bfloat16 (which takes the kernel only where its products run in float32) is compared before
+    rounding, with the float32 GEMM of its widened values: after rounding, a sum in another order
+    would pass ~9,999 times in 10,000. Probed once per K and dtype (< 1 ms); where it fails, that K
+    keeps the padded GEMM."""
     key = (k, torch.get_num_threads(), strict(), dtype)
     ok = _gemv_ok.get(key)
     if ok is None:
@@ -177,9 +179,10 @@ def _gemv_order_holds(k: int, dtype: torch.dtype = torch.float32) -> bool:
         with torch.no_grad():
             for n in (FREE_ROWS, 83):
                 w, b = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
-                ok = ok and all(torch.equal(native.gemv(x[:m], w, bias, _gemv_kblock(k)).to(dtype),
-                                            reference(x, w, bias)[:m])
-                                for bias in (None, b) for m in (1, 8))
+                for bias in (None, b):
+                    full = reference(x.float(), w.float(), None if bias is None else bias.float())
+                    ok = ok and all(torch.equal(native.gemv(x[:m], w, bias, _gemv_kblock(k)), full[:m])
+                                    for m in (1, 8))
         _gemv_ok[key] = ok
     return ok
 
@@ -247,11 +250,13 @@ def describe() -> str:
     """The small-GEMM paths this process uses, in words (`parity check` prints it after its runs,
     so the matrix-vector probes of the model's K values have been made)."""
     threads, mode = torch.get_num_threads(), strict()
-    good = sorted({k for (k, t, s, _), ok in _gemv_ok.items() if (t, s) == (threads, mode) and ok})
-    bad = sorted({k for (k, t, s, _), ok in _gemv_ok.items() if (t, s) == (threads, mode) and not ok})
-    seen = f"K {', '.join(map(str, good))} confirmed" if good else "no K probed yet"
+    probed = [(k, d, ok) for (k, t, s, d), ok in _gemv_ok.items() if (t, s) == (threads, mode)]
+    bad = sorted((k, "" if d == torch.float32 else f" {str(d).removeprefix('torch.')}")
+                 for k, d, ok in probed if not ok)
+    good = sorted({k for k, _, ok in probed if ok} - {k for k, _ in bad})
+    seen = f"K {', '.join(map(str, good))} confirmed" if good else "no K confirmed"
     if bad:
-        seen += f"; K {', '.join(map(str, bad))} padded instead"
+        seen += f"; K {', '.join(f'{k}{d}' for k, d in bad)} padded instead"
     gemv = "" if native.library() is None else (
         f"; {'float32' if bf16_gemm_native() else 'float32 and bf16'} products of 1-{GEMV_ROWS} rows by "
         f"the matrix-vector kernel in the GEMM's order ({seen})")

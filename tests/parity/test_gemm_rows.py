@@ -154,7 +154,7 @@ def test_bf16_weights_widened_in_the_kernel_give_the_padded_products_rows(regime
     float32 kernel on a float32 copy, and so every row of the padded bf16 product; decode-sized
     bf16 products take it and are not padded. N = 1003 covers the 16-wide blocks, an 8-wide one
     and scalar outputs; K = 193 a partial 8-column tile. Control: another K blocking orders the
-    sums otherwise."""
+    sums otherwise, and the bf16 probe (compared before rounding) refuses it."""
     gen = torch.Generator().manual_seed(11)
     x, w = torch.randn(16, k, generator=gen).bfloat16(), torch.randn(1003, k, generator=gen).bfloat16()
     b = torch.randn(1003, generator=gen).bfloat16()
@@ -179,6 +179,11 @@ def test_bf16_weights_widened_in_the_kernel_give_the_padded_products_rows(regime
     assert gemm.token_rows(3, torch.bfloat16) == 3
     other = min(kb, k) // 2  # two or more blocks where the kernel makes one, or other ones
     assert not torch.equal(real(x[:8], w, b, other), exact[:8]), "another blocking matched"
+    monkeypatch.setattr(gemm, "_gemv_ok", {})  # and the bf16 probe finds that order out
+    monkeypatch.setattr(gemm, "_gemv_kblock", lambda k: other)
+    assert not gemm._gemv_order_holds(k, torch.bfloat16), "the bf16 probe passed another order"
+    assert gemm._gemv_order_holds(k, torch.float32) is False
+    assert torch.equal(real(x[:2, :0], w[:, :0], b, 8), b.float().expand(2, -1))  # K = 0: the bias
 
 
 @needs_native

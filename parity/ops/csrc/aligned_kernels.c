@@ -513,7 +513,8 @@ static inline __attribute__((always_inline)) void gemv_tile8(
         case 5: gemv_tile8(x, w, BF16, bias, y, 5, k, n, kc, n0, NB); break;                       \
         case 6: gemv_tile8(x, w, BF16, bias, y, 6, k, n, kc, n0, NB); break;                       \
         case 7: gemv_tile8(x, w, BF16, bias, y, 7, k, n, kc, n0, NB); break;                       \
-        default: gemv_tile8(x, w, BF16, bias, y, 8, k, n, kc, n0, NB); break;                      \
+        case 8: gemv_tile8(x, w, BF16, bias, y, 8, k, n, kc, n0, NB); break;                       \
+        default: break;  /* the entry points take 1-8 rows */                                      \
     }
 
 /* `nb` (1 or 2) 8-output blocks from n0, specialised by weight type, block count and rows. */
@@ -544,9 +545,19 @@ static void gemv_block(const float *x, const void *w, int bf16, const float *bia
     }
 }
 
+/* Whether there is nothing to multiply: rows outside 1-8 (nothing written; the caller gives 1-8)
+ * or K = 0, where each output is its bias (or 0). */
+static int gemv_degenerate(const float *bias, float *y, int64_t m, int64_t k, int64_t n) {
+    if (m < 1 || m > 8) return 1;
+    if (k > 0) return 0;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < n; j++) y[r * n + j] = bias ? bias[j] : 0.0f;
+    return 1;
+}
+
 void parity_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t m,
                      int64_t k, int64_t n, int64_t kc, int threads) {
-    if (m > 8) return;  /* the caller gives 1-8 rows */
+    if (gemv_degenerate(bias, y, m, k, n)) return;
     const int64_t nvec = n / 16;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t blk = 0; blk < nvec + 1; blk++) {
@@ -585,7 +596,7 @@ void parity_gemv_f32(const float *x, const float *w, const float *bias, float *y
  * where a bf16 product runs as float32: `ops.common.gemm_linear`). */
 void parity_gemv_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m,
                        int64_t k, int64_t n, int64_t kc, int threads) {
-    if (m > 8) return;
+    if (gemv_degenerate(bias, y, m, k, n)) return;
     const int64_t nvec = n / 16;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t blk = 0; blk < nvec + 1; blk++) {
