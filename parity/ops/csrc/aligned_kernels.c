@@ -527,9 +527,41 @@ static void gemv_block8(const float *x, const void *w, int bf16, const float *bi
 }
 #endif
 
+#if defined(__AVX512F__)
+/* Outputs n0..n0+15 of float32 weights with 16-wide vectors (t[i] = column c0 + i of 16 rows). */
+static void gemv_block16(const float *x, const float *w, const float *bias, float *y, int64_t m,
+                         int64_t k, int64_t n, int64_t kc, int64_t n0) {
+    __m512 acc[8], t[16];
+    for (int64_t b0 = 0; b0 < k; b0 += kc) {
+        const int64_t b1 = b0 + kc < k ? b0 + kc : k;
+        for (int64_t r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t c0 = b0; c0 < b1; c0 += 16) {
+            const int cols = b1 - c0 < 16 ? (int)(b1 - c0) : 16;
+            load_tile(w, k, n0, c0, cols, t);
+            for (int i = 0; i < cols; i++)
+                for (int64_t r = 0; r < m; r++)
+                    acc[r] = _mm512_fmadd_ps(t[i], _mm512_set1_ps(x[r * k + c0 + i]), acc[r]);
+        }
+        for (int64_t r = 0; r < m; r++) {  /* the running total lives in y */
+            float *yr = y + r * n + n0;
+            __m512 total;
+            if (b0 > 0) total = _mm512_add_ps(_mm512_loadu_ps(yr), acc[r]);
+            else total = bias ? _mm512_add_ps(_mm512_loadu_ps(bias + n0), acc[r]) : acc[r];
+            _mm512_storeu_ps(yr, total);
+        }
+    }
+}
+#endif
+
 /* One 16-output block (or the narrower last one) of either weight type, 8 outputs at a time. */
 static void gemv_block(const float *x, const void *w, int bf16, const float *bias, float *y,
                        int64_t m, int64_t k, int64_t n, int64_t kc, int64_t n0, int64_t width) {
+#if defined(__AVX512F__)
+    if (!bf16 && width == 16) {
+        gemv_block16(x, (const float *)w, bias, y, m, k, n, kc, n0);
+        return;
+    }
+#endif
     int64_t j = n0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (width == 16 && m <= 2) {  /* two blocks side by side: enough chains in flight */
@@ -555,40 +587,20 @@ static int gemv_degenerate(const float *bias, float *y, int64_t m, int64_t k, in
     return 1;
 }
 
-void parity_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t m,
+static void gemv_run(const float *x, const void *w, int bf16, const float *bias, float *y, int64_t m,
                      int64_t k, int64_t n, int64_t kc, int threads) {
     if (gemv_degenerate(bias, y, m, k, n)) return;
     const int64_t nvec = n / 16;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t blk = 0; blk < nvec + 1; blk++) {
         const int64_t n0 = blk * 16, width = blk < nvec ? 16 : n - nvec * 16;
-        if (width == 0) continue;
-#if defined(__AVX512F__)
-        if (width == 16) {
-            __m512 acc[8], t[16];
-            for (int64_t b0 = 0; b0 < k; b0 += kc) {
-                const int64_t b1 = b0 + kc < k ? b0 + kc : k;
-                for (int64_t r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
-                for (int64_t c0 = b0; c0 < b1; c0 += 16) {
-                    const int cols = b1 - c0 < 16 ? (int)(b1 - c0) : 16;
-                    load_tile(w, k, n0, c0, cols, t);
-                    for (int i = 0; i < cols; i++)
-                        for (int64_t r = 0; r < m; r++)
-                            acc[r] = _mm512_fmadd_ps(t[i], _mm512_set1_ps(x[r * k + c0 + i]), acc[r]);
-                }
-                for (int64_t r = 0; r < m; r++) {  /* the running total lives in y */
-                    float *yr = y + r * n + n0;
-                    __m512 total;
-                    if (b0 > 0) total = _mm512_add_ps(_mm512_loadu_ps(yr), acc[r]);
-                    else total = bias ? _mm512_add_ps(_mm512_loadu_ps(bias + n0), acc[r]) : acc[r];
-                    _mm512_storeu_ps(yr, total);
-                }
-            }
-            continue;
-        }
-#endif
-        gemv_block(x, w, 0, bias, y, m, k, n, kc, n0, width);
+        if (width > 0) gemv_block(x, w, bf16, bias, y, m, k, n, kc, n0, width);
     }
+}
+
+void parity_gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t m,
+                     int64_t k, int64_t n, int64_t kc, int threads) {
+    gemv_run(x, w, 0, bias, y, m, k, n, kc, threads);
 }
 
 /* The same products with bfloat16 weights widened as they are read (exactly): the bits of
@@ -596,11 +608,5 @@ void parity_gemv_f32(const float *x, const float *w, const float *bias, float *y
  * where a bf16 product runs as float32: `ops.common.gemm_linear`). */
 void parity_gemv_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m,
                        int64_t k, int64_t n, int64_t kc, int threads) {
-    if (gemv_degenerate(bias, y, m, k, n)) return;
-    const int64_t nvec = n / 16;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t blk = 0; blk < nvec + 1; blk++) {
-        const int64_t n0 = blk * 16, width = blk < nvec ? 16 : n - nvec * 16;
-        if (width > 0) gemv_block(x, w, 1, bias, y, m, k, n, kc, n0, width);
-    }
+    gemv_run(x, w, 1, bias, y, m, k, n, kc, threads);
 }
