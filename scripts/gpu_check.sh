@@ -7,9 +7,10 @@
 #                                                    sizes: checks the script itself, not a GPU)
 # 0. parity compile for this GPU's architecture (bf16, the Qwen3-0.6B shape and `small`): every
 #    binary's registers, spills, shared memory and tensor-core use, one binary per batch size; it
-#    also fills Triton's cache, so the timed steps below do not pay for first compiles; then, in the
-#    background while steps 1-3 run, bench gemm's candidate tiles (warm_gemm: its rc is recorded
-#    when bench gemm begins, 198 if still compiling then)
+#    also fills Triton's cache, so the timed steps below do not pay for first compiles; meanwhile,
+#    in the background, the bitwise suite's tiny models in both dtypes (step 1 needs them next),
+#    then bench gemm's candidate tiles (warm_gemm: its rc is recorded when bench gemm begins, 198
+#    if still compiling then)
 # 1. the bitwise suite on CUDA (PARITY_TEST_DEVICE=cuda), in three steps so that no test can cost
 #    the others: bitwise_core first (>= 1,000 generated cases on the aligned Triton kernels and the
 #    standard controls, required to fail), bitwise later (the rest of tests/parity but the
@@ -59,8 +60,12 @@ else
     BIG=qwen3-0.6b; SMALL=small; BATCHES=1,64,256; PREFILL=128; NSEQ=256; LEN=256; REPS=5; STEPS=12; GEMM_ROWS=64,256,8192; ATT_BATCHES=1,8,64; ATT_CONTEXTS=1024,4096; TILED_BATCHES=64,256
     GEMM_TILES=--candidates=64x128x64x4x3,64x64x64x4x4,64x32x64x4x4,64x16x64x4x6,64x256x64x4x3,128x128x64x8x3,128x256x64x8x3
     TMA_TILES=--candidates=128x128x64x8x4+tma,128x256x64x8x3+tma; WARM_TINY=tiny,tiny-moe,tiny-qwen2; CORE_LIMIT=90
-    # the rest of tests/parity: not the core step's tests, the GPU-only TMA file, the compile-only tests
-    TESTS="$(ls tests/parity/test_*.py | grep -v -e test_triton_cuda -e test_triton_compile)"
+    # the rest of tests/parity: not the core step's tests, the GPU-only TMA file (a step of its own),
+    # nor the files that test the CPU (CI runs them): the compile-only tests, the interpreter's
+    # (skipped on a GPU), the CPU GEMM's rows (skipped, but its import builds the C kernels) and
+    # the learner-memory tests (their models are built on the CPU)
+    TESTS="$(ls tests/parity/test_*.py | grep -v -e test_triton_cuda -e test_triton_compile -e test_triton.py \
+             -e test_gemm_rows -e test_learner_memory)"
     CORE="tests/parity/test_bitwise.py::test_a_thousand_generated_cases tests/parity/test_bitwise.py::test_control_standard_float32_differs tests/parity/test_bitwise.py::test_control_standard_bfloat16_differs tests/parity/test_bitwise.py::test_control_standard_engine_differs tests/parity/test_bitwise.py::test_control_same_suite_on_aligned_passes"
 fi
 STEPS_FILE="$OUT_DIR/steps.tsv"
@@ -151,28 +156,44 @@ EOF
 "$PY" -c "import torch, triton; print(torch.__version__, triton.__version__,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')" \
     >> "$OUT_DIR/gpu.txt" 2>&1
+# what the steps import beyond torch and triton (the box's own site-packages: nothing is installed)
+"$PY" -c "import importlib.util, sys; print(sys.version.split()[0], *(f'{m} ' + getattr(importlib.import_module(m),
+      '__version__', '?') if importlib.util.find_spec(m) else f'{m} MISSING' for m in
+      ('numpy', 'pytest', 'hypothesis', 'safetensors', 'tokenizers', 'jinja2', 'matplotlib')))" >> "$OUT_DIR/gpu.txt" 2>&1
 cat "$OUT_DIR/gpu.txt"
 
 ARCH=$("$PY" -c "import torch; c = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
 print(f'sm_{c[0]}{c[1]}')" 2>/dev/null || echo sm_90)
-step compile 55 "$PY" -m parity.cli compile --arch "$ARCH" --presets $BIG,$SMALL --dtype bfloat16 \
-    --batch 64 --json
-# bench gemm's candidate tiles compiled meanwhile (compile-only, on spare CPU cores), into Triton's
-# cache: its step then times tiles instead of waiting for about twenty compiles
-# (niced: the timed steps keep their cores), then the bitwise suite's tiny models in both dtypes
+# compiled in the background (compile-only, on spare CPU cores, into Triton's cache): the bitwise
+# suite's tiny models in both dtypes while step 0 runs (bitwise_core needs them next), then bench
+# gemm's candidate tiles (niced: the timed steps keep their cores), so that bench gemm times tiles
+# instead of waiting for about twenty compiles. Each compile's timeout pid goes to warm.pid: a
+# kill of the block alone would leave the compile running (timeout is a process group of its own).
 WARM_T0=$SECONDS
-{ timeout -k 5 300 nice -n 10 "$PY" -m parity.cli compile --arch "$ARCH" --presets $BIG --dtype bfloat16 \
-    --json --gemm-candidates ${GEMM_TILES#--candidates=},${TMA_TILES#--candidates=}
-  if [ -n "$WARM_TINY" ]; then timeout -k 5 120 nice -n 10 "$PY" -m parity.cli compile --arch "$ARCH" \
-    --presets $WARM_TINY --dtype float32,bfloat16 --json; fi; } > "$OUT_DIR/warm_gemm.log" 2> "$OUT_DIR/warm_gemm.err" &
+warm() {  # warm NICE LIMIT ARGS...: one background compile, its timeout's pid in warm.pid
+    local n=$1 limit=$2
+    shift 2
+    timeout -k 5 "$limit" nice -n "$n" "$PY" -m parity.cli compile --arch "$ARCH" --json "$@" &
+    echo $! > "$OUT_DIR/warm.pid"
+    wait $!
+}
+{ if [ -n "$WARM_TINY" ]; then warm 0 120 --presets $WARM_TINY --dtype float32,bfloat16; fi
+  warm 10 300 --presets $BIG --dtype bfloat16 --gemm-candidates ${GEMM_TILES#--candidates=},${TMA_TILES#--candidates=}
+} > "$OUT_DIR/warm_gemm.log" 2> "$OUT_DIR/warm_gemm.err" &
 WARM=$!
-finish() {  # on every exit, a signal's too: the background compile stopped, the results copied out
+stop_warm() {  # the background block, then the compile it is waiting on
     kill "$WARM" 2>/dev/null
+    [ -s "$OUT_DIR/warm.pid" ] && kill "$(cat "$OUT_DIR/warm.pid")" 2>/dev/null
+}
+finish() {  # on every exit, a signal's too: the background compile stopped, the results copied out
+    stop_warm
     summarize  # the steps' rc and seconds, on stdout
     deliver
 }
 trap finish EXIT
 trap 'exit 143' TERM; trap 'exit 130' INT  # (bash runs these once the current step has ended)
+step compile 55 "$PY" -m parity.cli compile --arch "$ARCH" --presets $BIG,$SMALL --dtype bfloat16 \
+    --batch 64 --json
 pytest_step() {  # pytest_step NAME LIMIT TESTS...: the tests on $DEVICE, one line each, junit XML
     local name=$1 limit=$2
     shift 2
@@ -223,5 +244,5 @@ sys.exit(0 if any(t != [64, 128, 64, 4, 3] for e in doc['gemm_tiles'] for _, t i
         --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json --gemm-tiles "$OUT_DIR/bench_gemm.log"
 fi
 
-if [ "$warm_rc" = 198 ]; then kill "$WARM" 2>/dev/null; wait "$WARM" 2>/dev/null; fi
+if [ "$warm_rc" = 198 ]; then stop_warm; wait "$WARM" 2>/dev/null; fi
 # finish (the EXIT trap) writes the summary once more and copies the results out

@@ -217,9 +217,9 @@ def test_bench_learner_json_reports_the_gemm_fraction():
 
 
 def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, capsys):
-    """A time limit's SIGTERM (as `timeout` sends it) mid-run: bench kernels, learner and rollout
-    and check print what they measured so far and say they were stopped, instead of dying with
-    nothing."""
+    """A time limit's SIGTERM (as `timeout` sends it) mid-run: bench kernels, learner, rollout,
+    attention and sampler and check print what they measured so far and say they were stopped,
+    instead of dying with nothing."""
     import os
     import signal
 
@@ -261,6 +261,17 @@ def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, ca
         assert [r["system"] for r in out["rows"]] == ["parity-aligned", "parity-standard"][:2 * rounds]
         assert list(out["ratios"]) == ["float32/aligned_over_standard"][:rounds]
         monkeypatch.undo()
+    from parity.apps import bench_attention, bench_sampler  # the shapes / batches finished
+
+    monkeypatch.setattr(bench_attention, "interleaved", after(2, bench_attention.interleaved))
+    assert main(["bench", "attention", "--json", "--preset", "tiny", "--batches", "1,2", "--contexts", "16",
+                 "--reps", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["batch"] for r in out["rows"]] == [1] and out["stopped"] == ["interrupted: 1 of 2 shapes done"]
+    monkeypatch.setattr(bench_sampler, "interleaved", after(1, bench_sampler.interleaved))
+    assert main(["bench", "sampler", "--vocab", "1000", "--batches", "1,2", "--reps", "1"]) == 0
+    text = capsys.readouterr().out  # (stopped before its first row: the table's header alone)
+    assert "interrupted: 0 of 2 batches done: the batches not listed were not measured" in text
     from parity import invariance  # parity check: the comparisons made so far, and not a pass
 
     monkeypatch.setattr(invariance, "compare", after(3, invariance.compare))

@@ -13,6 +13,7 @@ CPU the Triton kernels run through Triton's interpreter: a check at small shapes
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -23,7 +24,7 @@ from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import ModelConfig
 from ..ops import standard
-from .ui import interleaved, status, table
+from .ui import collect, interleaved, status, table, term_as_interrupt
 
 PATHS = ("walk", "split", "auto", "standard")
 """The timed paths, in the order each round calls them."""
@@ -47,7 +48,8 @@ def _call(outs: dict, path: str, call, device: torch.device) -> None:
 
 
 def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: int, device: torch.device,
-                    progress=None) -> list[AttentionRow]:
+                    progress=None) -> Iterator[AttentionRow]:
+    """One row per batch and context, yielded as measured (an interrupt keeps the rows so far)."""
     from ..ops import triton_attention as ta
 
     cfg = ModelConfig.preset(preset)
@@ -55,7 +57,6 @@ def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: in
     # caches drawn on the device: the grid's (batch 64 x 4K keys and the rest) are 766M
     # normals, 6-12 s for one CPU thread and a blink for a GPU
     gen = torch.Generator(device).manual_seed(0)
-    rows = []
 
     def randn(*shape):
         return torch.randn(shape, generator=gen, device=device).to(dtype)
@@ -78,8 +79,7 @@ def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: in
             sec = interleaved({p: partial(_call, outs, p, c, device) for p, c in calls.items()}, reps)
             chosen = ta._schedule(batch, hkv, hq // hkv, ta._attention_tiles(d, dtype)[0], pages, d, q.device)
             ms = {p: 1e3 * t for p, t in sec.items()}
-            rows.append(AttentionRow(batch, context, ms, chosen, torch.equal(outs["walk"], outs["split"])))
-    return rows
+            yield AttentionRow(batch, context, ms, chosen, torch.equal(outs["walk"], outs["split"]))
 
 
 def main(args) -> int:
@@ -92,13 +92,16 @@ def main(args) -> int:
         raise ParityError(f"--contexts {max(args.contexts)} exceeds preset {args.preset}'s "
                           f"max_position_embeddings ({cfg.max_position_embeddings})")
     device = hardware.check_device(args.device, "--device")
-    rows = bench_attention(args.preset, dtype, args.batches, args.contexts, args.reps, device,
-                           progress=lambda m: status(f"bench {m}"))
+    stopped: list[str] = []
+    with term_as_interrupt():  # a time limit's SIGTERM: report the shapes done so far
+        rows = collect(bench_attention(args.preset, dtype, args.batches, args.contexts, args.reps, device,
+                                       progress=lambda m: status(f"bench {m}")),
+                       stopped, "shapes", len(args.batches) * len(args.contexts))
     status("")
     ok = all(r.same_bits for r in rows)
     if args.json:
         print(json.dumps({"machine": hardware.describe(), "device": str(device), "preset": args.preset,
-                          "rows": [asdict(r) for r in rows]}, indent=2))
+                          "rows": [asdict(r) for r in rows], "stopped": stopped}, indent=2))
         return 0 if ok else 1
     where = "Triton" if device.type == "cuda" else "Triton's interpreter: a check, not a speed"
     print(f"parity bench attention: one layer's decode attention, {args.preset} heads, {args.dtype}, "
@@ -109,4 +112,6 @@ def main(args) -> int:
                 [[str(r.batch), str(r.context), *[f"{r.ms[p]:.3f}" for p in PATHS], r.auto,
                   f"{r.ms['walk'] / r.ms['split']:.2f}x", f"{r.ms['standard'] / r.ms['auto']:.2f}",
                   "yes" if r.same_bits else "NO"] for r in rows]))
+    for why in stopped:
+        print(f"{why}: the shapes not listed were not measured")
     return 0 if ok else 1

@@ -15,6 +15,7 @@ the host, as the engine's step does.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -28,7 +29,7 @@ from ..engine.sequence import SamplingParams, Sequence
 from ..errors import ParityError
 from ..model import ModelConfig
 from ..ops import get_kernels
-from .ui import interleaved, status, table
+from .ui import collect, interleaved, status, table, term_as_interrupt
 
 
 @dataclass
@@ -59,8 +60,8 @@ def _sample(picked: list, sampler: Sampler, seqs: list[Sequence], logits: torch.
 
 
 def bench_sampler(vocab: int, batches: Seq[int], dtype: torch.dtype, reps: int, device: torch.device,
-                  progress=None) -> list[SamplerRow]:
-    rows = []
+                  progress=None) -> Iterator[SamplerRow]:
+    """One row per batch, yielded as measured (an interrupt keeps the rows so far)."""
     model = _Model(device)
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
@@ -77,8 +78,7 @@ def bench_sampler(vocab: int, batches: Seq[int], dtype: torch.dtype, reps: int, 
         sec = interleaved({p: partial(_sample, picked[p], smp, seqs[p], logits, device)
                            for p, smp in samplers.items()}, reps)
         same = picked["fused"] == picked["counter"] if "fused" in samplers else None
-        rows.append(SamplerRow(batch, vocab, {p: 1e3 * t for p, t in sec.items()}, same))
-    return rows
+        yield SamplerRow(batch, vocab, {p: 1e3 * t for p, t in sec.items()}, same)
 
 
 def main(args) -> int:
@@ -90,12 +90,15 @@ def main(args) -> int:
     if min(args.batches) < 1:
         raise ParityError(f"--batches must be at least 1, got {min(args.batches)}")
     device = hardware.check_device(args.device, "--device")
-    rows = bench_sampler(vocab, args.batches, dtype, args.reps, device,
-                         progress=lambda m: status(f"bench {m}"))
+    stopped: list[str] = []
+    with term_as_interrupt():  # a time limit's SIGTERM: report the batches done so far
+        rows = collect(bench_sampler(vocab, args.batches, dtype, args.reps, device,
+                                     progress=lambda m: status(f"bench {m}")),
+                       stopped, "batches", len(args.batches))
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(), "device": str(device),
-                          "rows": [asdict(r) for r in rows]}, indent=2))
+                          "rows": [asdict(r) for r in rows], "stopped": stopped}, indent=2))
         return 0 if all(r.same_tokens is not False for r in rows) else 1
     paths = _paths(device)
     print(f"parity bench sampler: one step's Gumbel-max sampling, vocabulary {vocab:,}, {args.dtype} "
@@ -107,4 +110,6 @@ def main(args) -> int:
                   f"{r.ms['counter'] / r.ms['fused']:.1f}x" if "fused" in paths
                   else f"{r.ms['generator'] / r.ms['counter']:.2f}x",
                   {True: "yes", False: "NO", None: "-"}[r.same_tokens]] for r in rows]))
+    for why in stopped:
+        print(f"{why}: the batches not listed were not measured")
     return 0 if all(r.same_tokens is not False for r in rows) else 1

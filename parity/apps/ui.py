@@ -50,7 +50,7 @@ def collect(rows, stopped: list[str] | None, what: str = "rows", total: int | No
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A fixed-width table: the first column left-aligned, the others right-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
     lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
     return "\n".join(lines + [fmt.format(*r) for r in rows])

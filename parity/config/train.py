@@ -110,9 +110,9 @@ class RolloutSection:
     """Sequences in flight in the engine."""
     kv_cache_memory: float | str = 0.25
     """The engine's KV cache budget: a fraction of the memory available when a worker starts
-    (0 < x <= 1) or a number of bytes (> 1), or a size with its unit ("4GiB", "512MiB", "2GB").
-    The cache never holds more than max_num_seqs full sequences; the capacity is logged at
-    start-up."""
+    on the model's device (a GPU's free memory, or the host's; 0 < x <= 1) or a number of bytes
+    (> 1), or a size with its unit ("4GiB", "512MiB", "2GB"). The cache never holds more than
+    max_num_seqs full sequences; the capacity is logged at start-up."""
     cuda_graphs: bool = True
     """On a GPU, replay each decode step (every sequence one new token) from a CUDA graph captured
     once per batch-size bucket instead of launching its kernels one by one (dense models; MoE

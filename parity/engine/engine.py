@@ -59,10 +59,11 @@ class Engine:
                  kv_cache_tokens: int | None = None, tokenizer=None, seed: int = 0,
                  kv_cache_memory: float | int | str = DEFAULT_KV_CACHE_MEMORY, graphs: str = "auto"):
         """`kv_cache_tokens` fixes the cache size; otherwise it holds what `kv_cache_memory` (a
-        fraction of available memory, or bytes) allows, and never more than `max_num_seqs`
-        sequences of min(max_position_embeddings, 2048) tokens can use. `graphs`: decode steps
-        replayed as CUDA graphs on a GPU ('auto', dense models), never ('off'), or their static
-        padded step run eagerly ('emulate': tests on a CPU); see `graphs.py`."""
+        fraction of the memory available on the model's device, or bytes) allows, and never more
+        than `max_num_seqs` sequences of min(max_position_embeddings, 2048) tokens can use.
+        `graphs`: decode steps replayed as CUDA graphs on a GPU ('auto', dense models), never
+        ('off'), or their static padded step run eagerly ('emulate': tests on a CPU); see
+        `graphs.py`."""
         sizes = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                  "kv_cache_tokens": 1 if kv_cache_tokens is None else kv_cache_tokens}
         for name, value in sizes.items():
@@ -81,7 +82,7 @@ class Engine:
         bs = model.block_size
         per_token = KVCache.bytes_per_token(model.config, model.dtype)
         if kv_cache_tokens is None:
-            budget = memory_budget(kv_cache_memory)
+            budget = memory_budget(kv_cache_memory, model.device)
             wanted = max_num_seqs * min(model.config.max_position_embeddings, 2048)
             kv_cache_tokens = min(wanted, budget // per_token // bs * bs)
             if kv_cache_tokens < bs:

@@ -1,21 +1,27 @@
-"""Memory budgets: how much the KV cache may take, as a fraction of the memory available now or
-a size in bytes ('4GiB', '512MiB', 0.25), read the same way from configs, the CLI and the API."""
+"""Memory budgets: how much the KV cache may take, as a fraction of the memory available now on
+the cache's device (a GPU's free memory, or the host's) or a size in bytes ('4GiB', '512MiB',
+0.25), read the same way from configs, the CLI and the API."""
 
 from __future__ import annotations
 
 import os
 import re
 
+import torch
+
 from ..errors import InputError
 
 DEFAULT_KV_CACHE_MEMORY = 0.25
-"""The KV cache's default budget: this fraction of the memory available when the engine starts
-(the rest is the learner's, the weights' and the other processes')."""
+"""The KV cache's default budget: this fraction of the memory available on the model's device
+when the engine starts (the rest is the learner's, the weights' and the other processes')."""
 
 
-def available_memory() -> int:
-    """Bytes of memory available to a new allocation now (MemAvailable; physical memory when
+def available_memory(device: torch.device | str | None = None) -> int:
+    """Bytes of memory available to a new allocation now on `device`: a GPU's free memory
+    (`torch.cuda.mem_get_info`), else the host's (MemAvailable; physical memory when
     /proc/meminfo is not there)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
     try:
         for line in open("/proc/meminfo"):
             if line.startswith("MemAvailable:"):
@@ -50,7 +56,8 @@ def memory_size(value: float | int | str, what: str = "kv_cache_memory") -> floa
     return number
 
 
-def memory_budget(value: float | int | str) -> int:
-    """A memory budget in bytes: a fraction of available memory (0 < value <= 1) or bytes (> 1)."""
+def memory_budget(value: float | int | str, device: torch.device | str | None = None) -> int:
+    """A memory budget in bytes: a fraction of the memory available on `device` (0 < value <= 1;
+    the host's when None) or bytes (> 1)."""
     value = memory_size(value)
-    return int(value * available_memory()) if value <= 1 else int(value)
+    return int(value * available_memory(device)) if value <= 1 else int(value)

@@ -368,7 +368,7 @@ def test_the_kv_cache_is_sized_from_a_memory_budget(monkeypatch):
     assert eng.runner.cache.k.numel() * 4 * 2 == (100 + 2) * bs * per_token  # + the pad and scratch blocks
     assert "tokens" in eng.describe_cache() and "MiB" in eng.describe_cache()
     # a fraction of what is available: 1% of a pretend 1 GiB
-    monkeypatch.setattr(engine_mod, "available_memory", lambda: 2**30)
+    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: 2**30)
     eng = parity.Engine(model, max_num_seqs=64, kv_cache_memory=0.01)
     assert eng.cache_info["tokens"] == int(0.01 * 2**30) // per_token // bs * bs
     # plenty of memory: capped at max_num_seqs sequences of the longest context
@@ -378,7 +378,7 @@ def test_the_kv_cache_is_sized_from_a_memory_budget(monkeypatch):
         // model.config.max_position_embeddings
     # defaults on a machine too small for max_num_seqs full sequences (the old default sizing
     # allocated all of them up front, and a 0.6B model was OOM-killed): the cache takes 25%
-    monkeypatch.setattr(engine_mod, "available_memory", lambda: 64 * 2**20)
+    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: 64 * 2**20)
     eng = parity.Engine(model, max_num_seqs=256)
     assert eng.cache_info["bytes"] <= 16 * 2**20 < 256 * model.config.max_position_embeddings * per_token
     out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, seed=0))[0]
@@ -394,6 +394,20 @@ def test_the_kv_cache_is_sized_from_a_memory_budget(monkeypatch):
     from parity.config import load_config
 
     assert load_config(None, ['rollout.kv_cache_memory="4GiB"']).rollout.kv_cache_memory == "4GiB"
+
+
+def test_a_fraction_of_memory_is_the_devices_own(monkeypatch):
+    """On a GPU a fraction is of the GPU's free memory (`torch.cuda.mem_get_info`), not the host's:
+    0.25 of a 128 GiB host's was a 32 GiB cache asked of the GPU whatever it had free."""
+    from parity.engine import memory
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: asked.append(dev) or (3 * 2**30, 80 * 2**30))
+    assert memory.available_memory("cuda:0") == 3 * 2**30 and asked == [torch.device("cuda:0")]
+    assert memory.memory_budget(0.25, torch.device("cuda")) == 3 * 2**28
+    assert memory.memory_budget("1MiB", "cuda") == 2**20  # a size is a size
+    assert memory.available_memory("cpu") > 0 and memory.memory_budget(0.5) > 0  # the host's
+    assert len(asked) == 2
 
 
 def test_memory_budgets_read_as_written():
