@@ -170,6 +170,7 @@ print(f'sm_{c[0]}{c[1]}')" 2>/dev/null || echo sm_90)
 # instead of waiting for about twenty compiles. Each compile's timeout pid goes to warm.pid: a
 # kill of the block alone would leave the compile running (timeout is a process group of its own).
 WARM_T0=$SECONDS
+: > "$OUT_DIR/warm.pid"  # (not a pid left from an earlier run in this folder)
 warm() {  # warm NICE LIMIT ARGS...: one background compile, its timeout's pid in warm.pid
     local n=$1 limit=$2
     shift 2
@@ -244,5 +245,5 @@ sys.exit(0 if any(t != [64, 128, 64, 4, 3] for e in doc['gemm_tiles'] for _, t i
         --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json --gemm-tiles "$OUT_DIR/bench_gemm.log"
 fi
 
-if [ "$warm_rc" = 198 ]; then stop_warm; wait "$WARM" 2>/dev/null; fi
+if [ "$warm_rc" = 198 ]; then stop_warm; wait "$WARM" 2>/dev/null || true; fi  # (its 143 is not the run's)
 # finish (the EXIT trap) writes the summary once more and copies the results out
