@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "policies; default: --config's run's newest checkpoint, else base)")
     e.add_argument("--task", choices=list(TASK_NAMES), help="the task (default: --config's, else tool)")
     e.add_argument("--config", help="a training config (a run's config.toml) whose [task] table to use")
-    e.add_argument("--level", type=int, default=0, help="difficulty (default: the task's)")
+    e.add_argument("--level", type=int, help="difficulty (default: the task's)")
     e.add_argument("--math-task", help="math: add, sub, mul, expr or countdown")
     e.add_argument("--n", type=int, help="held-out problems (default: the task's whole held-out set)")
     e.add_argument("-k", "--k", type=int, default=4, help="samples per problem for mean@k (0 = skip)")

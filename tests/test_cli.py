@@ -261,8 +261,19 @@ def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, ca
         assert [r["system"] for r in out["rows"]] == ["parity-aligned", "parity-standard"][:2 * rounds]
         assert list(out["ratios"]) == ["float32/aligned_over_standard"][:rounds]
         monkeypatch.undo()
-    from parity.apps import bench_attention, bench_sampler  # the shapes / batches finished
+    import sys
+    import types
 
+    import parity.ops
+    from parity.apps import bench_attention, bench_sampler  # the shapes / batches finished
+    from parity.ops import standard
+
+    # the Triton attention as the standard one: what is tested is the interrupt, and Triton's
+    # interpreter cannot be turned on in a process that imported triton before
+    fake = types.SimpleNamespace(paged_attention=lambda *args: standard.paged_attention(*args[:5]),
+                                 _schedule=lambda *args: "walk", _attention_tiles=lambda d, dtype: (16,))
+    monkeypatch.setitem(sys.modules, "parity.ops.triton_attention", fake)
+    monkeypatch.setattr(parity.ops, "triton_attention", fake, raising=False)
     monkeypatch.setattr(bench_attention, "interleaved", after(2, bench_attention.interleaved))
     assert main(["bench", "attention", "--json", "--preset", "tiny", "--batches", "1,2", "--contexts", "16",
                  "--reps", "1"]) == 0

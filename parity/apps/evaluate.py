@@ -47,8 +47,10 @@ def main(args) -> int:
         task = {"name": args.task}
     if args.model:  # another checkpoint than the run's: its own tokenizer, not the one the run kept
         task.pop("tokenizer", None)
-    task = {"name": "tool", **task, **({"level": args.level} if args.level else {}),
+    task = {"name": "tool", **task, **({"level": args.level} if args.level is not None else {}),
             **({"math_task": args.math_task} if args.math_task else {})}
+    if args.math_task and task["name"] != "math":  # (its default value would pass the task's check)
+        raise ConfigError(f"--math-task is for --task math (this task is {task['name']!r})")
     where = args.model or ("base" if run is None else _newest(run, Path(args.config),
                                                               "run_dir" in read_toml(args.config)))
     data = {"task": task, "model": {"checkpoint": where, "kernels": args.kernels}, "eval_prompts": 1}

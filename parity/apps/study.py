@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -83,6 +84,9 @@ class StudyRun:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"study runs: name must be a non-empty string, got {self.name!r}")
+        if not re.fullmatch(r"[\w+-][\w.+-]*", self.name):  # it names a folder inside --out
+            raise ConfigError(f"study runs: name {self.name!r} must be letters, digits and . _ + - "
+                              "(not starting with '.'): it names the run's folder inside --out")
         check_backend(self.kernels, f"study run {self.name!r}: kernels")
         if self.staleness not in ("natural", "fixed"):
             raise ConfigError(f"study run {self.name!r}: staleness must be 'natural' or 'fixed', "

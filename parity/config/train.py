@@ -290,6 +290,15 @@ class TaskSection:
             if getattr(self, key) and self.name != task:
                 raise ConfigError(f"task.{key} is for task.name = {task!r} (this run's task is "
                                   f"{self.name!r})")
+        owned = {"targets": ("target_tokens",), "prompt_len": ("target_tokens",), "kinds": ("tool",),
+                 "max_tool_calls": ("tool",), "math_task": ("math",), "level": ("tool", "math")}
+        defaults = TaskSection.__dataclass_fields__
+        for key, tasks in owned.items():  # set for another task: it would be ignored without a word
+            default = defaults[key].default_factory() if callable(defaults[key].default_factory) \
+                else defaults[key].default
+            if getattr(self, key) != default and self.name not in tasks:
+                raise ConfigError(f"task.{key} is for task.name = {' or '.join(map(repr, tasks))} (this "
+                                  f"run's task is {self.name!r})")
         if (self.reward != "exact" or self.reward_weights) and self.name != "dataset":
             raise ConfigError(f"task.reward is for task.name = 'dataset' (this run's task is {self.name!r})")
         rewards = self.reward if isinstance(self.reward, list) else [self.reward]

@@ -337,6 +337,7 @@ class Learner:
         published the old weights as the new version's)."""
         try:
             self.optimizer.step()
+            self._check_finite_weights()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
@@ -349,6 +350,18 @@ class Learner:
         except BaseException as exc:
             self.torn = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}"
             raise
+
+    def _check_finite_weights(self) -> None:
+        """ParityError if the optimizer step left a weight non-finite (finite loss and gradients
+        with a learning rate that overflows the update): raised inside the update, so the learner
+        is torn and neither publishes nor checkpoints the diverged weights."""
+        finite = torch.stack([torch.isfinite(m).all() for m in self.master]).all()  # one sync
+        if not bool(finite):
+            names = [n for n, _ in self.model.named_parameters()]
+            bad = next(n for n, m in zip(names, self.master) if not bool(torch.isfinite(m).all()))
+            lr = self.scheduler.get_last_lr()[0]
+            raise ParityError(f"the update diverged: {bad} is non-finite after the optimizer step; lower "
+                              f"learner.lr (now {lr:g}) or learner.max_grad_norm")
 
     def _advance_version(self) -> None:
         snapshot = self._snapshot()  # first: a failure here changes no count

@@ -217,6 +217,26 @@ def test_nonfinite_step_is_skipped_and_batch_saved(tmp_path, caplog):
         assert torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
 
 
+def test_an_update_that_overflows_the_weights_is_refused_not_published(tmp_path):
+    """Finite loss and gradients with a learning rate that overflows the update (lr=1e300): the
+    run saved the inf weights as a checkpoint and said to resume from it. The learner now stops
+    at that step naming the weight and the setting, and is torn: it neither publishes nor
+    checkpoints the diverged weights. The control: the same batch at lr=1e-3 steps."""
+    from parity.rl import checkpoint
+
+    batch = rollout(parity.Engine(model(seed=4), max_num_seqs=8), seed=4)
+    control = Learner(model(seed=4), LearnerConfig(lr=1e-3, decompose_every=0))
+    assert control.step(batch)["train/grad_norm"] > 0 and control.version == 1
+    learner = Learner(model(seed=4), LearnerConfig(lr=1e300, decompose_every=0))
+    with pytest.raises(parity.ParityError, match=r"the update diverged: model\.\S+ is non-finite after the "
+                                                 r"optimizer step; lower learner.lr \(now 1e\+300\)"):
+        learner.step(batch)
+    assert learner.torn is not None and learner.version == 0
+    for refused in (learner.publish, lambda: checkpoint.save(tmp_path, 1, learner.model, learner)):
+        with pytest.raises(parity.ParityError, match="failed part-way"):
+            refused()
+
+
 @given(st.lists(st.integers(1, 50), max_size=30), st.integers(1, 8), st.integers(0, 120))
 @settings(max_examples=200, deadline=None)
 def test_micro_batches_cover_the_batch_in_order_within_both_caps(lengths, max_seqs, max_tokens):
