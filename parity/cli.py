@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from .config import BASE_CHECKPOINTS, TASK_NAMES
 from .dtypes import DTYPE_NAMES
@@ -271,23 +272,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _usage_error(message: str) -> NoReturn:
+    """A bad option's value, found after parsing: one line (argparse's own errors print the
+    top-level usage block before it, which names none of the subcommand's options)."""
+    print(f"parity: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+_MAX_BATCH = 1_000_000
+"""The most sequences a command's batch options take."""
+_MAX_COUNT = 2**31 - 1
+"""The most any other whole-number option takes (but seeds)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in _POSITIVE:
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+            _usage_error(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("k", "eval_problems"):
         if getattr(args, name, 0) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0 (0 = skip)")
+            _usage_error(f"--{name.replace('_', '-')} must be >= 0 (0 = skip)")
     if getattr(args, "k", 0) > 64:  # (as the trainer's eval_samples)
-        parser.error("--k must be at most 64 samples per problem")
+        _usage_error("--k must be at most 64 samples per problem")
     if getattr(args, "vocab", None) is not None and args.vocab < 2:
-        parser.error("--vocab must be at least 2")
+        _usage_error("--vocab must be at least 2")
     if getattr(args, "seed", None) is not None and not 0 <= args.seed < 2**63:
-        parser.error("--seed must be in 0..2**63-1")
+        _usage_error("--seed must be in 0..2**63-1")
+    for name, value in vars(args).items():  # a size of 1e11 hung for minutes, or died out of memory
+        values = value if isinstance(value, list) else [value]
+        limit = _MAX_BATCH if name in ("batch", "batches", "num_seqs", "max_num_seqs") else _MAX_COUNT
+        if name not in ("seed", "seeds") and any(type(v) is int and v > limit for v in values):
+            _usage_error(f"--{name.replace('_', '-')} must be at most {limit:,}")
     if args.command == "check" and args.max_len < 2:
-        parser.error("--max-len must be at least 2")
+        _usage_error("--max-len must be at least 2")
     from .apps.ui import setup_logging
 
     setup_logging()
@@ -308,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ParityError, ValueError, OverflowError, MemoryError, OSError, RuntimeError) as exc:
         if os.environ.get("PARITY_DEBUG", "0") not in ("", "0"):
             raise
-        text = str(exc).strip()
+        text = _out_of_memory(exc) or str(exc).strip()
         print(f"parity: error: {text.splitlines()[0] if text else type(exc).__name__}"
               f"{'' if isinstance(exc, ParityError) else ' (PARITY_DEBUG=1 shows the traceback)'}",
               file=sys.stderr)
@@ -320,6 +339,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not False:  # (None: a handler not set from Python; the default stands in)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _out_of_memory(exc: BaseException) -> str | None:
+    """An allocator's failure said as what it is (PyTorch's CPU message opens with "[enforce fail
+    at alloc_cpu.cpp:127] err == 0"), with the size asked for; None for any other error."""
+    import re
+
+    text = str(exc)
+    if not (isinstance(exc, MemoryError) or "can't allocate memory" in text
+            or "out of memory" in text.lower()):
+        return None
+    cpu = re.search(r"allocate (\d+) bytes", text)
+    cuda = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", text)
+    asked = f"{int(cpu.group(1)) / 2**30:,.1f} GiB" if cpu else cuda.group(1) if cuda else None
+    return (f"out of memory{f' ({asked} asked for at once)' if asked else ''}: the sizes given need more "
+            "memory than is free here; lower them (batch sizes, rows, lengths, vocabulary)")
 
 
 class Terminated(KeyboardInterrupt):

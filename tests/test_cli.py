@@ -102,6 +102,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
     (tmp_path / "typed.jsonl").write_text('{"prompt": 5}\n')
     (tmp_path / "bools.jsonl").write_text('{"prompt_ids": [true]}\n')
     (tmp_path / "extra.jsonl").write_text('{"prompt": "hi", "max_tokens": 2}\n')
+    (tmp_path / "escape.toml").write_text('[[runs]]\nname = "../escape"\n')
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "notes.txt").write_text("mine")
     toy = ["--set", 'model.preset="tiny"', "--set", f'run_dir="{tmp_path / "run"}"']
@@ -148,6 +149,14 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["train", "--resume", str(tmp_path), "--set", "model.preset=small"], "model.preset is fixed"),
         (["sft", "--out", str(tmp_path / "keep"), "--steps", "1"], "with other files in it"),
         (["sft", "--out", str(tmp_path / "not-utf8.toml"), "--steps", "1"], "is not a directory"),
+        # a CLI audit of 2026-12-05 (seventh session): sizes of 1e11 that hung for minutes, a level
+        # of 0 read as "not given", options for another task ignored, a run name leaving --out
+        (["bench", "learner", "--batch", "99999999999"], "--batch must be at most 1,000,000"),
+        (["bench", "sampler", "--reps", "99999999999"], "--reps must be at most 2,147,483,647"),
+        (["eval", "--n", "2", "--level", "0"], "tool task level must be 1..3, got 0"),
+        (["eval", "--task", "tool", "--math-task", "add"], "--math-task is for --task math"),
+        (["train", *toy, "--set", 'task.math_task="mul"'], "task.math_task is for task.name = 'math'"),
+        (["study", str(tmp_path / "escape.toml"), "--out", str(tmp_path / "study")], "'../escape' must be"),
     ]
     for argv, message in cases:
         try:
@@ -173,6 +182,18 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
     from parity.config import load_config
 
     assert load_config(None, ["eval_prompts=256"]).eval_prompts == 256  # target_tokens makes its own
+
+
+def test_an_allocator_failure_is_said_as_out_of_memory_with_its_size():
+    from parity.cli import _out_of_memory
+
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                       "allocate memory: you tried to allocate 4096000016384 bytes. Error code 12")
+    assert _out_of_memory(cpu).startswith("out of memory (3,814.7 GiB asked for at once): the sizes given")
+    cuda = RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79")
+    assert _out_of_memory(cuda).startswith("out of memory (20.00 GiB asked for at once)")
+    assert _out_of_memory(MemoryError()).startswith("out of memory: the sizes given")
+    assert _out_of_memory(RuntimeError("shape mismatch")) is None and _out_of_memory(ValueError("x")) is None
 
 
 @pytest.mark.parametrize("signal_name, code", [("SIGINT", 130), ("SIGTERM", 143)])
