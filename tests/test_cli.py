@@ -240,7 +240,8 @@ def test_bench_learner_json_reports_the_gemm_fraction():
 def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, capsys):
     """A time limit's SIGTERM (as `timeout` sends it) mid-run: bench kernels, learner, rollout,
     attention and sampler and check print what they measured so far and say they were stopped,
-    instead of dying with nothing."""
+    instead of dying with nothing; the benchmarks exit 130, so a script tells partial rows from a
+    whole run (check: 1, not a pass)."""
     import os
     import signal
 
@@ -260,13 +261,13 @@ def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, ca
     before = signal.getsignal(signal.SIGTERM)
     monkeypatch.setattr(bench_kernels, "interleaved", after(3, bench_kernels.interleaved))
     assert main(["bench", "kernels", "--json", "--presets", "tiny", "--dtypes", "float32", "--batches", "1,8",
-                 "--reps", "1", "--decode-steps", "2", "--prefill-len", "16"]) == 0
+                 "--reps", "1", "--decode-steps", "2", "--prefill-len", "16"]) == 130
     out = json.loads(capsys.readouterr().out)
     assert [(r["phase"], r["batch"]) for r in out["rows"]] == [("prefill", 1), ("decode", 1)]
     assert out["stopped"] == ["interrupted: 2 rows done"]
     monkeypatch.setattr(hardware, "gemm_rate", after(2, hardware.gemm_rate))
     assert main(["bench", "learner", "--presets", "tiny", "--dtypes", "float32,bfloat16", "--batch", "2",
-                 "--length", "16", "--reps", "1"]) == 0
+                 "--length", "16", "--reps", "1"]) == 130
     text = capsys.readouterr().out
     assert "interrupted: 1 rows done: the rows not listed were not measured" in text
     assert "tiny    float32" in text and "bfloat16" not in text.split("---")[-1]
@@ -276,7 +277,7 @@ def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, ca
         monkeypatch.setattr(bench_rollout, "_run_engine", after(n, bench_rollout._run_engine))
         assert main(["bench", "rollout", "--json", "--preset", "tiny", "--dtypes", "float32,bfloat16",
                      "--num-seqs", "4", "--max-num-seqs", "4", "--mean-len", "4", "--max-len", "8",
-                     "--reps", "3"]) == 0
+                     "--reps", "3"]) == 130
         out = json.loads(capsys.readouterr().out)
         assert out["stopped"] == [f"interrupted: float32 after {rounds} of 3 timed rounds"]
         assert [r["system"] for r in out["rows"]] == ["parity-aligned", "parity-standard"][:2 * rounds]
@@ -297,11 +298,11 @@ def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, ca
     monkeypatch.setattr(parity.ops, "triton_attention", fake, raising=False)
     monkeypatch.setattr(bench_attention, "interleaved", after(2, bench_attention.interleaved))
     assert main(["bench", "attention", "--json", "--preset", "tiny", "--batches", "1,2", "--contexts", "16",
-                 "--reps", "1"]) == 0
+                 "--reps", "1"]) == 130
     out = json.loads(capsys.readouterr().out)
     assert [r["batch"] for r in out["rows"]] == [1] and out["stopped"] == ["interrupted: 1 of 2 shapes done"]
     monkeypatch.setattr(bench_sampler, "interleaved", after(1, bench_sampler.interleaved))
-    assert main(["bench", "sampler", "--vocab", "1000", "--batches", "1,2", "--reps", "1"]) == 0
+    assert main(["bench", "sampler", "--vocab", "1000", "--batches", "1,2", "--reps", "1"]) == 130
     text = capsys.readouterr().out  # (stopped before its first row: the table's header alone)
     assert "interrupted: 0 of 2 batches done: the batches not listed were not measured" in text
     from parity import invariance  # parity check: the comparisons made so far, and not a pass

@@ -24,7 +24,7 @@ from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import ModelConfig
 from ..ops import standard
-from .ui import collect, interleaved, status, table, term_as_interrupt
+from .ui import collect, exit_status, interleaved, status, table, term_as_interrupt
 
 PATHS = ("walk", "split", "auto", "standard")
 """The timed paths, in the order each round calls them."""
@@ -102,7 +102,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"machine": hardware.describe(), "device": str(device), "preset": args.preset,
                           "rows": [asdict(r) for r in rows], "stopped": stopped}, indent=2))
-        return 0 if ok else 1
+        return exit_status(stopped, ok)
     where = "Triton" if device.type == "cuda" else "Triton's interpreter: a check, not a speed"
     print(f"parity bench attention: one layer's decode attention, {args.preset} heads, {args.dtype}, "
           f"medians of {args.reps} interleaved repetitions ({device}; aligned kernels in {where})")
@@ -114,4 +114,4 @@ def main(args) -> int:
                   "yes" if r.same_bits else "NO"] for r in rows]))
     for why in stopped:
         print(f"{why}: the shapes not listed were not measured")
-    return 0 if ok else 1
+    return exit_status(stopped, ok)

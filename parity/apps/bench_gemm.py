@@ -38,7 +38,7 @@ from .. import hardware
 from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import ModelConfig
-from .ui import collect, status, table, term_as_interrupt
+from .ui import collect, exit_status, status, table, term_as_interrupt
 
 CANDIDATES = {
     "bfloat16": ["64x128x64x4x3", "64x64x64x4x4", "64x32x64x4x4", "64x16x64x4x6", "64x256x64x4x3",
@@ -367,7 +367,7 @@ def main(args) -> int:
                           "best": {s: asdict(r) for s, r in chosen.items()},
                           "ladders": {s: asdict(r) for s, r in by_rows.items()},
                           "gemm_tiles": table_entries(by_rows), "stopped": stopped}, indent=2))
-        return 0 if all(r.correct and (r.rows_invariant or r.error) for r in rows) else 1
+        return exit_status(stopped, all(r.correct and (r.rows_invariant or r.error) for r in rows))
     print(f"parity bench gemm: {args.preset} weight shapes, {args.dtype}, aligned/standard per row count "
           f"(medians of {args.reps} interleaved repetitions; {device})")
     print(f"machine: {hardware.line()}")
@@ -388,4 +388,4 @@ def main(args) -> int:
           "device's probe confirms the bits):")
     for lad in by_rows.values():
         print(f"    {lad.entry()}  # {lad.shape}, class {lad.bits}, geomean {lad.geomean:.3f}")
-    return 0 if all(r.correct and (r.rows_invariant or r.error) for r in rows) else 1
+    return exit_status(stopped, all(r.correct and (r.rows_invariant or r.error) for r in rows))

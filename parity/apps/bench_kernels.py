@@ -26,7 +26,7 @@ from ..engine.memory import available_memory
 from ..errors import ParityError
 from ..model import DEFAULT_BLOCK_SIZE, ForwardBatch, KVCache, Model, ModelConfig
 from ..ops import BACKENDS, describe_aligned
-from .ui import RateRow, collect, gemm_line, interleaved, status, table, term_as_interrupt
+from .ui import RateRow, collect, exit_status, gemm_line, interleaved, status, table, term_as_interrupt
 
 
 @dataclass
@@ -197,7 +197,7 @@ def main(args) -> int:
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "aligned_kernels": describe_aligned(args.device),
                           "rows": [r.as_dict() for r in rows], "stopped": stopped}, indent=2))
-        return 0
+        return exit_status(stopped)
     print(f"parity bench kernels: medians of {args.reps} interleaved repetitions, "
           f"{torch.get_num_threads()} threads; prefill {args.prefill_len} tokens/seq, "
           f"decode {args.decode_steps} steps")
@@ -211,4 +211,4 @@ def main(args) -> int:
     print(gemm_line(rows))
     for why in stopped:
         print(f"{why}: the rows not listed were not measured")
-    return 0
+    return exit_status(stopped)

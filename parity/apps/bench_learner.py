@@ -24,7 +24,7 @@ from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import Model, ModelConfig, sequence_logprobs
 from ..ops import BACKENDS, describe_aligned
-from .ui import RateRow, collect, gemm_line, status, table, term_as_interrupt
+from .ui import RateRow, collect, exit_status, gemm_line, status, table, term_as_interrupt
 
 
 @dataclass
@@ -109,7 +109,7 @@ def main(args) -> int:
                           "rows": [{**asdict(r), "ratio": r.ratio, "aligned_gflops": r.aligned_gflops,
                                     "gemm_fraction": r.gemm_fraction} for r in rows],
                           "stopped": stopped}, indent=2))
-        return 0
+        return exit_status(stopped)
     print(f"parity bench learner: forward+backward of {args.batch} x {args.length} tokens, medians of "
           f"{args.reps} interleaved repetitions, {torch.get_num_threads()} threads")
     print(f"machine: {hardware.line()}")
@@ -121,4 +121,4 @@ def main(args) -> int:
     print(gemm_line(rows))
     for why in stopped:
         print(f"{why}: the rows not listed were not measured")
-    return 0
+    return exit_status(stopped)

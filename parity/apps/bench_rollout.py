@@ -26,7 +26,7 @@ from ..errors import ParityError
 from ..model import Model, ModelConfig
 from ..ops import BACKENDS, describe_aligned
 from ..rl.rollout_worker import geometric_lengths
-from .ui import gemm_line, status, table, term_as_interrupt
+from .ui import exit_status, gemm_line, status, table, term_as_interrupt
 
 
 @dataclass
@@ -209,7 +209,7 @@ def main(args) -> int:
                           "threads": torch.get_num_threads(), "aligned_kernels": describe_aligned(device),
                           "rows": [{**asdict(r), "gemm_fraction": r.gemm_fraction} for r in rows],
                           "ratios": ratios, "stopped": stopped}, indent=2))
-        return 0
+        return exit_status(stopped)
     print(f"parity bench rollout: {args.preset}, {args.num_seqs} requests, geometric response lengths "
           f"(mean {args.mean_len}, max {args.max_len}), max_num_seqs {args.max_num_seqs}, "
           f"medians of {args.reps} rounds")
@@ -229,4 +229,4 @@ def main(args) -> int:
         print(f"{k}: {v:.3f}")
     for why in stopped:
         print(why)
-    return 0
+    return exit_status(stopped)

@@ -29,7 +29,7 @@ from ..engine.sequence import SamplingParams, Sequence
 from ..errors import ParityError
 from ..model import ModelConfig
 from ..ops import get_kernels
-from .ui import collect, interleaved, status, table, term_as_interrupt
+from .ui import collect, exit_status, interleaved, status, table, term_as_interrupt
 
 
 @dataclass
@@ -99,7 +99,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"machine": hardware.describe(), "device": str(device),
                           "rows": [asdict(r) for r in rows], "stopped": stopped}, indent=2))
-        return 0 if all(r.same_tokens is not False for r in rows) else 1
+        return exit_status(stopped, all(r.same_tokens is not False for r in rows))
     paths = _paths(device)
     print(f"parity bench sampler: one step's Gumbel-max sampling, vocabulary {vocab:,}, {args.dtype} "
           f"logits, medians of {args.reps} interleaved repetitions ({device})")
@@ -112,4 +112,4 @@ def main(args) -> int:
                   {True: "yes", False: "NO", None: "-"}[r.same_tokens]] for r in rows]))
     for why in stopped:
         print(f"{why}: the batches not listed were not measured")
-    return 0 if all(r.same_tokens is not False for r in rows) else 1
+    return exit_status(stopped, all(r.same_tokens is not False for r in rows))

@@ -48,6 +48,12 @@ def collect(rows, stopped: list[str] | None, what: str = "rows", total: int | No
     return out
 
 
+def exit_status(stopped: list[str], ok: bool = True) -> int:
+    """A benchmark's exit status: 1 if what it measured failed a check, else 130 if it was
+    interrupted (Ctrl-C, or a time limit's SIGTERM: the rows printed are partial), else 0."""
+    return 1 if not ok else 130 if stopped else 0
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A fixed-width table: the first column left-aligned, the others right-aligned."""
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
