@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "check", "check", "prove the aligned kernels give bitwise-identical log-probs here")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="checkpoint directory (config.json + model.safetensors)")
+    src.add_argument("--model", help="checkpoint directory (config.json + model.safetensors), or base / "
+                     "base-math (parity sft's cached base policies)")
     src.add_argument("--preset", default="tiny",
                      help=f"random model preset when no --model ({'|'.join(PRESET_NAMES)}; default tiny)")
     p.add_argument("--dtype", type=_csv(str), default=all_dtypes,

@@ -30,6 +30,10 @@ def main(args) -> int:
     if not args.dtype:
         raise ParityError("no dtype given: expected float32 and/or bfloat16")
     dtypes = {name: dtype_from_name(name, "--dtype") for name in args.dtype}
+    from .sft import RECIPES, get_base_policy, names_recipe
+
+    if names_recipe(args.model):  # a cached base policy of `parity sft` by name, as eval and generate take it
+        args.model = str(get_base_policy(RECIPES[args.model]))
     results, label = [], args.model or f"preset {args.preset}"
     device = hardware.check_device(args.device, "--device")
     if args.gemm_tiles:  # ladders from `bench gemm`: the rows checked across M with them in force
