@@ -157,6 +157,9 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["eval", "--task", "tool", "--math-task", "add"], "--math-task is for --task math"),
         (["train", *toy, "--set", 'task.math_task="mul"'], "task.math_task is for task.name = 'math'"),
         (["study", str(tmp_path / "escape.toml"), "--out", str(tmp_path / "study")], "'../escape' must be"),
+        (["sft", "--out", "/proc/no/such", "--steps", "1"], "/proc/no/such cannot be written: No such file"),
+        (["study", "--out", str(tmp_path / "not-utf8.toml"), "--report-only"], "is not a directory"),
+        (["bench", "memory", "--lags", "20000000"], "--lags plus --after must be at most 10,000,000"),
     ]
     for argv, message in cases:
         try:

@@ -81,6 +81,11 @@ def main(args) -> int:
     """`parity bench memory`."""
     if any(lag < 1 for lag in args.lags):
         raise ParityError("--lags must all be >= 1")
+    if args.after < 1 or args.max_held_versions < 0:
+        raise ParityError("--after must be >= 1 and --max-held-versions >= 0")
+    if max(args.lags) + args.after > 10_000_000:  # (each run trains lag + after steps)
+        raise ParityError(f"--lags plus --after must be at most 10,000,000 steps, got "
+                          f"{max(args.lags) + args.after:,}")
     rows = bench_memory(args.preset, args.dtype, args.lags, args.after, args.max_held_versions,
                         args.max_tokens, progress=lambda m: status(f"bench {m}"))
     status("")

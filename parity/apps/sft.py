@@ -184,6 +184,15 @@ def check_out(out_dir: Path) -> None:
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "sft.json").exists():
         raise ParityError(f"{out_dir} is a directory with other files in it (not a base policy "
                           f"parity sft wrote), which a new base policy would replace: choose another --out")
+    try:  # the folder it is built in beside it (checked before training: it named that folder)
+        out_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
+        writable = os.access(out_dir.absolute().parent, os.W_OK)
+    except OSError as exc:
+        writable, why = False, exc.strerror or exc
+    else:
+        why = "not writable"
+    if not writable:
+        raise ParityError(f"{out_dir} cannot be written: {why}; choose another --out")
 
 
 def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
@@ -195,8 +204,13 @@ def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
     _remove_stale_builds(out_dir)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / BUILDER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    try:
+        tmp.mkdir(parents=True)
+        (tmp / BUILDER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    except OSError as exc:  # (named the temporary folder, which the user never asked for)
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = exc.strerror or exc
+        raise ParityError(f"{out_dir} cannot be written: {why}; choose another --out") from None
     try:
         record = _train_into(tmp, out_dir, cfg, progress, eval_problems)
     except BaseException:  # (Ctrl-C, SIGTERM, an error: no half-built directory is left behind;

@@ -321,7 +321,12 @@ def run_study(study: StudyConfig, progress: bool = True, train: bool = True) -> 
     With `train=False` nothing is trained: the report covers the finished runs only (a row's
     figures are over its finished seeds; rows with none are left out)."""
     out = Path(study.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ParityError(f"{out} exists and is not a directory: choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ParityError(f"{out} cannot be written: {exc.strerror or exc}; choose another --out") from None
     if study.quick and train:
         quick_base = Path(study.train.get("model.checkpoint", out / "quick-base"))
         if not is_built(quick_base):
