@@ -160,6 +160,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["sft", "--out", "/proc/no/such", "--steps", "1"], "/proc/no/such cannot be written: No such file"),
         (["study", "--out", str(tmp_path / "not-utf8.toml"), "--report-only"], "is not a directory"),
         (["bench", "memory", "--lags", "20000000"], "--lags plus --after must be at most 10,000,000"),
+        (["train", *toy, "--set", "task.prompt_len=600"], "task.prompt_len (600) leaves no room to generate"),
     ]
     for argv, message in cases:
         try:

@@ -19,7 +19,7 @@ from ..dtypes import DTYPE_NAMES
 from ..engine.memory import memory_size
 from ..errors import ConfigError, InputError
 from ..fields import check_fields, check_options, check_spec
-from ..model.config import PRESET_NAMES
+from ..model.config import PRESET_NAMES, ModelConfig
 from ..model.logprobs import MIN_TEMPERATURE
 from ..ops import check_backend
 from .learner import LearnerConfig
@@ -379,6 +379,12 @@ class TrainConfig:
         if self.task.name not in ("target_tokens", "custom") and not self.model.checkpoint:
             raise ConfigError(f"task {self.task.name!r} needs model.checkpoint with a tokenizer.json "
                               "(\"base\" = the base policy of parity sft)")
+        if self.task.name == "target_tokens" and not self.model.checkpoint:  # (the rollout worker's
+            # error named neither the key nor the preset)
+            positions = ModelConfig.preset(self.model.preset).max_position_embeddings
+            if self.task.prompt_len >= positions:
+                raise ConfigError(f"task.prompt_len ({self.task.prompt_len}) leaves no room to generate: "
+                                  f"model.preset {self.model.preset!r} holds {positions} positions")
         if self.deterministic and self.rollout.weight_update == "inflight":
             raise ConfigError("deterministic = true needs rollout.weight_update = 'drain' "
                               "(in-flight updates land at wall-clock-dependent tokens)")
