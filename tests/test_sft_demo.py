@@ -222,7 +222,10 @@ def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path
 
     with pytest.raises(KeyboardInterrupt):
         train_sft(out, SFTConfig(steps=5, batch_size=2), progress=stop, eval_problems=0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.tmp1", "base.tmp2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.partial", "base.tmp1", "base.tmp2"]
+    import shutil
+
+    shutil.rmtree(tmp_path / "base.partial")  # (kept steps: see test_a_stopped_base_build_resumes...)
     for name in ("base.tmp1", "base.tmp2"):
         (tmp_path / name / ".builder").unlink(missing_ok=True)
         (tmp_path / name).rmdir()
@@ -243,6 +246,62 @@ def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path
         err = capsys.readouterr().err
         assert err.startswith(f"parity: error: {out / 'sft.json'}")
         assert err.endswith("rebuild it with --force\n")
+
+
+def test_a_stopped_base_build_resumes_to_the_same_bits(tmp_path):
+    """Ctrl-C in `parity sft` threw every step away. The steps trained are kept in OUT.partial
+    (a signal during a step is held until it ends) and the next build of the same recipe resumes
+    there: its weights equal an uninterrupted build's bit for bit; a build of another recipe
+    starts over (the control: it does not give the kept build's weights)."""
+    import os
+    import signal
+
+    import torch
+    from safetensors.torch import load_file
+
+    cfg = SFTConfig(steps=6, batch_size=2)
+    train_sft(tmp_path / "whole", cfg, eval_problems=0)
+
+    def stop_at(n, how):
+        def progress(step, loss, elapsed):
+            if step == n:
+                how()
+        return progress
+
+    out = tmp_path / "base"
+    with pytest.raises(KeyboardInterrupt):  # a SIGINT in step 2's progress: held to the step's end
+        train_sft(out, cfg, progress=stop_at(1, lambda: os.kill(os.getpid(), signal.SIGINT)), eval_problems=0)
+    assert (tmp_path / "base.partial" / "state.pt").exists() and not out.exists()
+    assert torch.load(tmp_path / "base.partial" / "state.pt", weights_only=True)["step"] == 2
+
+    def interrupt():
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):  # resumed at 2, stopped again at 4
+        train_sft(out, cfg, progress=stop_at(3, interrupt), eval_problems=0)
+    assert torch.load(tmp_path / "base.partial" / "state.pt", weights_only=True)["step"] == 4
+    record = train_sft(out, cfg, eval_problems=0)
+    assert not (tmp_path / "base.partial").exists()
+    whole, resumed = load_file(tmp_path / "whole" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert record["final_loss"] == json.loads((tmp_path / "whole" / "sft.json").read_text())["final_loss"]
+    # the control: kept steps whose demonstrations' random state is lost resume to other bits
+    import random
+
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(tmp_path / "lost", cfg, progress=stop_at(1, interrupt), eval_problems=0)
+    state = torch.load(tmp_path / "lost.partial" / "state.pt", weights_only=True)
+    torch.save({**state, "rnd": random.Random(cfg.seed).getstate()}, tmp_path / "lost.partial" / "state.pt")
+    train_sft(tmp_path / "lost", cfg, eval_problems=0)
+    lost = load_file(tmp_path / "lost" / "model.safetensors")
+    assert not all(torch.equal(whole[k], lost[k]) for k in whole)
+    # steps kept by another recipe's build are not resumed: the build starts over
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(tmp_path / "other", cfg, progress=stop_at(1, interrupt), eval_problems=0)
+    doubled = SFTConfig(steps=6, batch_size=2, lr=cfg.lr * 2)
+    train_sft(tmp_path / "other", doubled, eval_problems=0)
+    train_sft(tmp_path / "fresh", doubled, eval_problems=0)
+    other, fresh = (load_file(tmp_path / name / "model.safetensors") for name in ("other", "fresh"))
+    assert all(torch.equal(other[k], fresh[k]) for k in fresh) and not (tmp_path / "other.partial").exists()
 
 
 def test_a_run_resumes_after_its_starting_checkpoint_went(base, tmp_path):

@@ -26,6 +26,7 @@ turns that into the directory (building it first) before the library sees the co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -34,7 +35,6 @@ import os
 import random
 import shutil
 import socket
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +46,7 @@ from ..envs.math import MathTask, Problem, worked_answer
 from ..envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
 from ..errors import ConfigError, ParityError
 from ..metrics.summary import pass_at_1_text
+from . import sft_partial
 from .ui import Progress, table
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ def _remove_stale_builds(out_dir: Path) -> None:
 
 def _train_into(tmp: Path, out_dir: Path, cfg: SFTConfig, progress, eval_problems: int) -> dict:
     """Build the base policy in `tmp` (`train_sft` moves it to `out_dir`)."""
-    from ..model import Model, ModelConfig, sequence_logprobs
+    from ..model import Model, ModelConfig
     from ..model.tokenizer import HFTokenizer, build_char_tokenizer
 
     build_char_tokenizer().save(str(tmp / "tokenizer.json"))
@@ -265,30 +266,9 @@ def _train_into(tmp: Path, out_dir: Path, cfg: SFTConfig, progress, eval_problem
     math_task = MathTask(cfg.math_task, cfg.math_level, seed=cfg.seed)
     tool_heldout = {p.prompt for p in ToolEnv(tokenizer, tuple(sorted(cfg.tool_use)), cfg.tool_level,
                                               seed=cfg.seed, sandbox=False).heldout()}
-    t0 = time.perf_counter()
-    losses: list[float] = []
-    for step in range(cfg.steps):
-        demos = [encode_demo(tokenizer, *demonstration(rnd, cfg, math_task, tool_heldout,
-                                                       step * cfg.batch_size + j))
-                 for j in range(cfg.batch_size)]
-        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-        if step >= cfg.warmup_steps:
-            frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-            lr = cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        lps = sequence_logprobs(model, [ids for ids, _ in demos])
-        mask = torch.cat([torch.tensor(m[1:], dtype=torch.float32) for _, m in demos])
-        loss = -(torch.cat(lps) * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        model.invalidate_fused()
-        losses.append(loss.item())
-        if progress:
-            progress(step, losses[-1], time.perf_counter() - t0)
-    train_s = time.perf_counter() - t0
+    recipe = {"version": RECIPE_VERSION, "config": dataclasses.asdict(cfg)}  # (what a kept build must match)
+    step_fn = functools.partial(_sft_step, model, opt, tokenizer, rnd, cfg, math_task, tool_heldout)
+    losses, train_s = sft_partial.train_steps(out_dir, recipe, model, opt, rnd, cfg.steps, progress, step_fn)
     model.save_pretrained(tmp)
     record = {"recipe": RECIPE_VERSION, "config": dataclasses.asdict(cfg), "train_s": train_s,
               "final_loss": sum(losses[-20:]) / len(losses[-20:])}
@@ -303,6 +283,30 @@ def _train_into(tmp: Path, out_dir: Path, cfg: SFTConfig, progress, eval_problem
         record["heldout"] = {env.name: evaluate(model, env, eval_problems) for env in (tool_env, math_env)}
     (tmp / "sft.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def _sft_step(model, opt, tokenizer, rnd, cfg: SFTConfig, math_task, tool_heldout, step: int,
+              losses: list[float]) -> None:
+    """One optimizer step on a batch of demonstrations; its loss appended to `losses`."""
+    from ..model import sequence_logprobs
+
+    demos = [encode_demo(tokenizer, *demonstration(rnd, cfg, math_task, tool_heldout,
+                                                   step * cfg.batch_size + j)) for j in range(cfg.batch_size)]
+    lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+    if step >= cfg.warmup_steps:
+        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        lr = cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    for group in opt.param_groups:
+        group["lr"] = lr
+    lps = sequence_logprobs(model, [ids for ids, _ in demos])
+    mask = torch.cat([torch.tensor(m[1:], dtype=torch.float32) for _, m in demos])
+    loss = -(torch.cat(lps) * mask).sum() / mask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    model.invalidate_fused()
+    losses.append(loss.item())
 
 
 def read_record(out: Path) -> dict:
