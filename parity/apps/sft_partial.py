@@ -126,9 +126,14 @@ def train_steps(out_dir: Path, recipe: dict, model, opt, rnd, steps: int, progre
                 state = {"step": len(losses), "model": model.state_dict(), "optimizer": opt.state_dict(),
                          "rnd": rnd.getstate(), "torch_rng": torch.get_rng_state(), "losses": losses,
                          "train_s": time.perf_counter() - t0}
-                path = save(out_dir, recipe, state)
-                log.warning("stopped at step %d of %d: the steps trained are kept in %s; the same "
-                            "command resumes from there", len(losses), steps, path)
+                try:
+                    path = save(out_dir, recipe, state)
+                except OSError as exc:  # (a full disk: the interrupt is still what is reported)
+                    log.warning("stopped at step %d of %d; the steps trained could not be kept: %s",
+                                len(losses), steps, exc.strerror or exc)
+                else:
+                    log.warning("stopped at step %d of %d: the steps trained are kept in %s; the same "
+                                "command resumes from there", len(losses), steps, path)
             raise
     discard(out_dir)
     return losses, time.perf_counter() - t0
