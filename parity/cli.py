@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from .config import BASE_CHECKPOINTS, TASK_NAMES
 from .dtypes import DTYPE_NAMES
-from .errors import Interrupted, ParityError
+from .errors import Interrupted, ParityError, Terminated
 from .model.config import PRESET_NAMES
 from .ops import BACKENDS
 
@@ -356,12 +356,6 @@ def _out_of_memory(exc: BaseException) -> str | None:
     asked = f"{int(cpu.group(1)) / 2**30:,.1f} GiB" if cpu else cuda.group(1) if cuda else None
     return (f"out of memory{f' ({asked} asked for at once)' if asked else ''}: the sizes given need more "
             "memory than is free here; lower them (batch sizes, rows, lengths, vocabulary)")
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the command has no handler of its own (training installs one that
-    saves a checkpoint): the command unwinds as on Ctrl-C, so its clean-ups run (a half-built
-    base policy's directory is removed), instead of dying where it stood."""
 
 
 def _raise_on_sigterm():

@@ -27,6 +27,12 @@ class Interrupted(Exception):
         self.signal_name = signal_name
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command has no handler of its own (training installs one that
+    saves a checkpoint): the command unwinds as on Ctrl-C, so its clean-ups run (a half-built
+    base policy's directory is removed), instead of dying where it stood."""
+
+
 class SandboxFailure(OSError):
     """The sandbox could not be set up, before any of the model's code ran: the tool call cannot
     be judged, so its episode must not be scored. The rollout fails (a local worker is restarted

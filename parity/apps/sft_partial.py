@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import Terminated
+
 log = logging.getLogger(__name__)
 
 SUFFIX = ".partial"
@@ -65,7 +67,7 @@ def discard(out_dir: Path) -> None:
 class HeldSignals:
     """While in force (main thread only), the first SIGINT or SIGTERM is held: `pending` names it
     and `raise_pending()`, called between steps, raises it then (KeyboardInterrupt, or the CLI's
-    Terminated for SIGTERM). A second SIGINT raises at once, with `forced` set."""
+    `Terminated` for SIGTERM). A second SIGINT raises at once, with `forced` set."""
 
     def __init__(self) -> None:
         self.pending: str | None = None
@@ -81,7 +83,6 @@ class HeldSignals:
 
     def raise_pending(self) -> None:
         if self.pending == "SIGTERM":
-            from ..cli import Terminated
             raise Terminated()
         if self.pending:
             raise KeyboardInterrupt
