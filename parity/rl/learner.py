@@ -355,7 +355,9 @@ class Learner:
         """ParityError if the optimizer step left a weight non-finite (finite loss and gradients
         with a learning rate that overflows the update): raised inside the update, so the learner
         is torn and neither publishes nor checkpoints the diverged weights."""
-        finite = torch.stack([torch.isfinite(m).all() for m in self.master]).all()  # one sync
+        # min and max carry a NaN or inf through: one read of each weight, no weight-sized
+        # temporary (isfinite's mask: 155 MB for the 0.6B embedding), one sync
+        finite = torch.stack([torch.stack(torch.aminmax(m)) for m in self.master]).isfinite().all()
         if not bool(finite):
             names = [n for n, _ in self.model.named_parameters()]
             bad = next(n for n, m in zip(names, self.master) if not bool(torch.isfinite(m).all()))
