@@ -66,8 +66,8 @@ def discard(out_dir: Path) -> None:
 
 class HeldSignals:
     """While in force (main thread only), the first SIGINT or SIGTERM is held: `pending` names it
-    and `raise_pending()`, called between steps, raises it then (KeyboardInterrupt, or the CLI's
-    `Terminated` for SIGTERM). A second SIGINT raises at once, with `forced` set."""
+    and `raise_pending()`, called between steps, raises it then (KeyboardInterrupt, or
+    `errors.Terminated` for SIGTERM). A second SIGINT raises at once, with `forced` set."""
 
     def __init__(self) -> None:
         self.pending: str | None = None
