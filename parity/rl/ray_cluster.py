@@ -96,9 +96,10 @@ def actor_gpus(cfg, workers: int, cluster_gpus: float) -> float:
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """A one-line error now when nothing answers at a Ray head's `host:port` (or `ray://host:port`):
-    `ray.init` itself retries a wrong address for many minutes. 'auto' and 'local' are Ray's own
-    lookups and are left to it."""
+    """A one-line error now when nothing answers at a Ray head's `host:port` (or `ray://host:port`),
+    or something that is not a Ray head does: `ray.init` itself retries a wrong address for many
+    minutes, printing its GCS client's warnings. 'auto' and 'local' are Ray's own lookups and are
+    left to it, as is a cluster with TLS (RAY_USE_TLS), whose handshake this check does not speak."""
     m = re.fullmatch(r"(?:ray://)?\[?([^\]\s]+?)\]?:(\d+)", address.strip())
     if not m:
         if address.strip() in ("auto", "local"):
@@ -106,7 +107,32 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ConfigError(f"ray.address must be host:port, ray://host:port, 'auto' or 'local', "
                           f"got {address!r}")
     try:
-        socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout_s).close()
+        conn = socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout_s)
     except (OSError, ValueError, OverflowError) as exc:
         raise ParityError(f"cannot reach the Ray head at {address}: "
                           f"{getattr(exc, 'strerror', None) or exc or type(exc).__name__}") from None
+    with conn:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("0", "false", "") and not _speaks_grpc(conn):
+            raise ParityError(f"{address} answers but is not a Ray head (no gRPC reply there); "
+                              f"give the head's GCS port (6379 by default) or its ray:// client port")
+
+
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+"""What an HTTP/2 client sends first: the connection preface, then an empty SETTINGS frame."""
+
+
+def _speaks_grpc(conn: socket.socket) -> bool:
+    """Whether the peer answers an HTTP/2 connection preface with a SETTINGS frame, as every gRPC
+    server does (Ray's GCS and its client server are gRPC). A web server, an SSH daemon or a port
+    that accepts and stays silent does not, and `ray.init` would retry it for minutes."""
+    try:
+        conn.sendall(_HTTP2_PREFACE)
+        header = b""
+        while len(header) < 9:
+            chunk = conn.recv(9 - len(header))
+            if not chunk:
+                return False
+            header += chunk
+    except OSError:  # a reset, or no answer within the connection's timeout
+        return False
+    return header[3] == 4 and header[4] & 1 == 0  # a SETTINGS frame that is not an ACK

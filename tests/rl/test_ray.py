@@ -9,10 +9,13 @@ checkpoint intact, which resumes on Ray.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +29,7 @@ from parity.metrics.sinks import read_metrics
 from parity.metrics.summary import deterministic_view
 from parity.rl import checkpoint
 from parity.rl.controller import Controller
-from parity.rl.ray_cluster import start_local_head
+from parity.rl.ray_cluster import check_reachable, start_local_head
 
 BASE = ["model.preset=\"tiny\"", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_tokens=8",
         "learner.lr=0.003", "learner.micro_batch_size=4", "task.targets=[7, 8]", "ray.cpus_per_worker=0.5"]
@@ -213,6 +216,48 @@ def test_ray_missing_is_a_one_line_error(tmp_path, monkeypatch, capsys):
                  "--set", f"run_dir=\"{tmp_path}\""]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs Ray" in err[0]
+
+
+
+def _fake_server(reply: bytes | None):
+    """A TCP port that accepts and answers `reply` (None: stays silent) to whatever it is sent."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                conn.recv(64)
+                if reply is not None:
+                    conn.sendall(reply)
+                    conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_an_address_that_answers_but_is_not_a_ray_head_is_a_one_line_error(ray_cluster, tmp_path, capsys):
+    """A web server (or any non-gRPC port) at ray.address used to send `ray.init` into minutes of
+    retries and GCS-client warnings. The real head of this module is the control: it passes."""
+    check_reachable(ray_cluster)  # a real GCS answers the HTTP/2 preface with SETTINGS
+    settings = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+    servers = [_fake_server(b"HTTP/1.1 400 Bad Request\r\n\r\n"), _fake_server(b""),
+               _fake_server(None), _fake_server(settings)]
+    try:
+        for _listener, address in servers[:3]:
+            start = time.monotonic()
+            with pytest.raises(ParityError, match=f"{address} answers but is not a Ray head"):
+                check_reachable(address, timeout_s=1.0)
+            assert time.monotonic() - start < 5
+        check_reachable(servers[3][1])  # anything gRPC-shaped is left to ray.init
+        web = servers[0][1]
+        assert main(["train", *_sets(tmp_path, "rollout.backend=\"ray\"", f"ray.address=\"{web}\"")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is not a Ray head" in err[0], err
+        assert not (tmp_path / "metrics.jsonl").exists()
+    finally:
+        for listener, _ in servers:
+            listener.close()
 
 
 def _train(*args, **kwargs) -> subprocess.Popen:
