@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..errors import InputError
-from ..model.logprobs import as_token_tensor
+from ..model.logprobs import as_token_tensor, check_model
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 
@@ -27,6 +27,9 @@ class Decoder:
     def __init__(self, model, max_tokens: int = 8192, graphs: str = "auto"):
         """`graphs`: decode steps as CUDA graphs on a GPU ('auto'), never ('off'), or their
         static padded step run eagerly ('emulate', for tests on a CPU); see `graphs.py`."""
+        check_model(model, "Decoder")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InputError(f"Decoder max_tokens must be a positive integer, got {max_tokens!r}")
         self.model = model
         num_blocks = -(-max_tokens // model.block_size)
         self.runner = ModelRunner(model, num_blocks, graphs)
@@ -45,6 +48,9 @@ class Decoder:
         Returns, per sequence id, the logits [n_new, V] of every new token if `all_logits`,
         else the logits [V] of its last new token.
         """
+        if not isinstance(new_tokens, Mapping):  # (a list of lists was a TypeError inside)
+            raise InputError(f"Decoder.extend takes a mapping of sequence id -> new tokens, "
+                             f"got {type(new_tokens).__name__}")
         ids = list(new_tokens)
         if not ids:
             return {}

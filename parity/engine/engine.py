@@ -22,9 +22,8 @@ from collections.abc import Sequence as Seq
 import torch
 
 from ..errors import InputError
-from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
-from ..model.logprobs import token_list
+from ..model.logprobs import check_model, token_list
 from .block_manager import BlockManager
 from .memory import DEFAULT_KV_CACHE_MEMORY, memory_budget
 from .model_runner import ModelRunner
@@ -41,7 +40,7 @@ def _decode_failed(seq: Sequence, err: Exception) -> str:
     return f"request {seq.request_id}: tokenizer.decode failed on its tokens: {type(err).__name__}: {err}"
 
 
-def _sampling_params(params, tokenizer) -> SamplingParams:
+def _sampling_params(params, tokenizer, vocab_size: int) -> SamplingParams:
     if params is None:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
@@ -51,6 +50,10 @@ def _sampling_params(params, tokenizer) -> SamplingParams:
     if params.stop_strings and tokenizer is None:  # (they were silently never matched)
         raise InputError("SamplingParams.stop_strings need an engine with a tokenizer (Engine(..., "
                          "tokenizer=...)); stop_token_ids work without one")
+    outside = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
+    if outside:  # (accepted, and never matched)
+        raise InputError(f"SamplingParams.stop_token_ids: {outside[0]} is outside the vocabulary "
+                         f"(0..{vocab_size - 1})")
     return params
 
 
@@ -72,8 +75,7 @@ class Engine:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
             # (a None one failed the first step, and the engine never stepped its requests again)
             raise InputError(f"Engine seed must be an integer in 0..2**63-1, got {seed!r}")
-        if not isinstance(getattr(model, "config", None), ModelConfig) or not hasattr(model, "block_size"):
-            raise InputError(f"Engine needs a parity.Model, got {type(model).__name__}")
+        check_model(model, "Engine")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):  # (failed at the end)
             raise InputError(f"Engine tokenizer must be a tokenizer (with decode()), "
                              f"got {type(tokenizer).__name__}")
@@ -127,7 +129,9 @@ class Engine:
     def add_request(self, prompt: Seq[int], params: SamplingParams | None = None,
                     multi_turn: bool = False) -> int:
         """Queue a request; returns its id. Raises `InputError` for a bad prompt."""
-        params = _sampling_params(params, self.tokenizer)
+        if not isinstance(multi_turn, bool):  # ('no' was true: the request paused, holding its cache)
+            raise InputError(f"multi_turn must be True or False, got {multi_turn!r}")
+        params = _sampling_params(params, self.tokenizer, self.model.config.vocab_size)
         ids = self._check_tokens(prompt, "prompt")
         limit = self.model.config.max_position_embeddings
         if not ids:
@@ -154,7 +158,7 @@ class Engine:
         if seq is None or seq.status is not Status.PAUSED:
             raise InputError(f"request {request_id}: not a paused multi-turn request")
         if params is not None:  # (checked before the request changes: a retry appended twice)
-            params = _sampling_params(params, self.tokenizer)
+            params = _sampling_params(params, self.tokenizer, self.model.config.vocab_size)
         ids = self._check_tokens(env_tokens, f"request {request_id} environment tokens")
         if len(seq) + len(ids) >= self.model.config.max_position_embeddings:
             raise InputError(f"request {request_id}: {len(seq)} tokens so far and {len(ids)} environment "
@@ -206,8 +210,9 @@ class Engine:
             if tuple(value.shape) != tuple(params[name].shape):
                 raise InputError(f"update_weights: tensor {name} has shape {tuple(value.shape)}, "
                                  f"the model's is {tuple(params[name].shape)}")
-            if not torch.isfinite(value).all():
-                raise InputError(f"update_weights: tensor {name} contains NaN or inf")
+            if not torch.isfinite(value.to(params[name].dtype)).all():  # (1e39 is inf in float32)
+                raise InputError(f"update_weights: tensor {name} contains NaN or inf in the model's "
+                                 f"{params[name].dtype}")
         if self._pending is not None:  # one waits already: nothing of it may be lost
             pending, _ = self._pending
             state = {**pending, **state}
@@ -342,9 +347,18 @@ class Engine:
         if prompts is None or isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
             raise InputError(f"generate: prompts must be a list of token-id lists, "
                              f"got {type(prompts).__name__}")
+        if getattr(prompts, "ndim", 2) < 2:  # (a 1-D tensor ran one prompt per token)
+            raise InputError(f"generate: prompts must be a list of token-id lists, got a {prompts.ndim}-D "
+                             f"{type(prompts).__name__} (wrap one prompt in a list)")
         prompts = list(prompts)  # (a generator was a TypeError: no len())
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        elif isinstance(params, (dict, str, bytes)) or not hasattr(params, "__iter__"):
+            raise InputError(f"generate: params must be a SamplingParams or a list of them, "
+                             f"got {type(params).__name__}")
+        params = list(params)
+        if before_step is not None and not callable(before_step):
+            raise InputError(f"generate: before_step must be callable, got {type(before_step).__name__}")
         if len(params) != len(prompts):
             raise InputError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         results: list[RequestOutput | None] = [None] * len(prompts)

@@ -13,9 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import InputError
 from ..model import ForwardBatch, KVCache
 from .block_manager import BlockManager
 from .graphs import DecodeGraphs, mode_for
+from .memory import available_memory
 from .sequence import Sequence as Request
 
 
@@ -24,6 +26,12 @@ class ModelRunner:
         """`graphs`: 'auto' (decode steps as CUDA graphs on a GPU, for dense models), 'off', or
         'emulate' (the graphs' static padded step run eagerly: tests on a CPU)."""
         self.model = model
+        size = num_blocks * model.block_size * KVCache.bytes_per_token(model.config, model.dtype)
+        free = available_memory(model.device)
+        if size > free:  # (was the allocator's own error, or the out-of-memory killer)
+            tokens = num_blocks * model.block_size
+            raise InputError(f"a KV cache of {tokens:,} tokens takes {size / 2**30:,.1f} GiB; "
+                             f"{free / 2**30:,.1f} GiB are available on {model.device}")
         self.cache = KVCache(model.config, num_blocks, model.block_size, model.dtype, model.device)
         mode = mode_for(model, graphs)
         self.graphs = DecodeGraphs(model, self.cache, mode) if mode else None

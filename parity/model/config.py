@@ -170,8 +170,9 @@ class ModelConfig:
                               + ("" if self.model_type == "llama" else f" for {self.model_type}")
                               + " (parity honours 'llama3' scaling on llama models)")
         for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if not isinstance(rs.get(key), (int, float)) or isinstance(rs.get(key), bool) or rs[key] <= 0:
-                raise ConfigError(f"ModelConfig.rope_scaling.{key} must be a positive number, "
+            value = rs.get(key)  # (NaN and inf passed `<= 0` and gave NaN log-probs)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ConfigError(f"ModelConfig.rope_scaling.{key} must be a positive finite number, "
                                   f"got {rs.get(key)!r}")
         if not rs["high_freq_factor"] > rs["low_freq_factor"]:
             raise ConfigError("ModelConfig.rope_scaling.high_freq_factor must exceed low_freq_factor")

@@ -110,9 +110,13 @@ class Model(nn.Module):
         self._backend = check_backend(kernels)
         self.block_size = block_size
         self._fused_cache: dict = {}
-        self.model = Backbone(config)
-        if not config.tie_word_embeddings:
-            self.lm_head = _Weight(config.vocab_size, config.hidden_size)
+        try:
+            self.model = Backbone(config)
+            if not config.tie_word_embeddings:
+                self.lm_head = _Weight(config.vocab_size, config.hidden_size)
+        except (RuntimeError, MemoryError) as exc:  # sizes no memory holds (was the allocator's error)
+            raise ConfigError(f"the model this config describes cannot be built here "
+                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         # RoPE tables in float32 (plain attributes, so `.to(dtype)` leaves them alone)
         self.rope_cos, self.rope_sin = rope_tables(config)
         self.last_routing: torch.Tensor | None = None

@@ -56,10 +56,9 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
                               f"config.json implies {want}")
     try:
         model = Model(config, kernels=kernels, dtype=dtype, seed=None,
-                      block_size=block_size or DEFAULT_BLOCK_SIZE)
-    except (RuntimeError, MemoryError) as exc:  # sizes no memory holds (e.g. a wrong intermediate_size)
-        raise CheckpointError(f"{path}: the model config.json describes cannot be built here "
-                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+                      block_size=DEFAULT_BLOCK_SIZE if block_size is None else block_size)
+    except ConfigError as exc:  # e.g. sizes no memory holds (a wrong intermediate_size)
+        raise CheckpointError(f"{path}: {exc}") from None
     expected, dtype = model.state_dict(), model.dtype  # (a dtype given by name resolved)
     weights_file = path / "model.safetensors"
     for name in [n for n in tensors if n.endswith(".rotary_emb.inv_freq")]:
@@ -81,7 +80,8 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
         if tuple(got.shape) != tuple(want.shape):
             raise CheckpointError(f"{weights_file}: tensor {name} has shape {tuple(got.shape)}, "
                                   f"config.json implies {tuple(want.shape)}")
-        if not torch.isfinite(got.float()).all():
-            raise CheckpointError(f"{weights_file}: tensor {name} contains NaN or inf")
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
+        tensors[name] = got = got.to(dtype)  # checked as loaded: 3.4e38 in float32 is inf in bfloat16
+        if not torch.isfinite(got).all():
+            raise CheckpointError(f"{weights_file}: tensor {name} contains NaN or inf as {dtype}")
+    model.load_state_dict(tensors)
     return model.to(check_device(device))

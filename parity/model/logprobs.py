@@ -15,6 +15,7 @@ import torch
 from ..errors import InputError
 from ..ops.common import compute_dtype, gemm_linear
 from .batch import ForwardBatch
+from .config import ModelConfig
 from .tied import TiedGradient
 
 
@@ -56,6 +57,11 @@ def as_token_tensor(seq, where: str) -> torch.Tensor:
     return t
 
 
+def check_model(model, who: str) -> None:
+    """A one-line error when `model` is not a parity Model (was an AttributeError deep inside)."""
+    if not isinstance(getattr(model, "config", None), ModelConfig) or not hasattr(model, "block_size"):
+        raise InputError(f"{who} needs a parity.Model, got {type(model).__name__}")
+
 def check_sequence(model, seq, where: str) -> torch.Tensor:
     """One sequence to score, checked: integer ids in the vocabulary, 2 to max_position_embeddings
     of them."""
@@ -95,6 +101,7 @@ def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
     the backward runs the head again by blocks of vocabulary rows); `recompute` keeps only each
     layer's input for the backward (activation checkpointing: `Model.forward`).
     """
+    check_model(model, "sequence_logprobs")
     _check_temperature(temperature)
     if isinstance(head_chunk, bool) or not isinstance(head_chunk, numbers.Integral) or head_chunk < 0:
         raise InputError(f"head_chunk must be an integer >= 0 (0 = no chunks), got {head_chunk!r}")

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .common import compute_dtype, gather_blocks, rope
+from .common import check_logprob_args, compute_dtype, gather_blocks, rope
 from .gemm import MIN_GEMM_ROWS
 
 ROW_BLOCK = 1024
@@ -280,6 +280,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
     The sampled logit is picked before it is scaled (an exact per-element product, so the same
     bits as scaling the whole row first) and the row is never copied to float32."""
+    check_logprob_args(logits, tokens, temperature)
     if _use_native(logits) and logits.dim() == 2:
         return _NativeTokenLogprobs.apply(logits, tokens, _inv_temperature(temperature))
     picked, _ = _scaled(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), temperature)
@@ -288,6 +289,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Full `log_softmax(logits / T)` rows in float32, same bits as `token_logprobs`. [N, V]"""
+    check_logprob_args(logits, None, temperature)
     z, _ = _scaled(logits, temperature)
     return z - _row_lse(logits, temperature).unsqueeze(-1)
 

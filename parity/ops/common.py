@@ -3,6 +3,8 @@ whose order could differ (so sharing them cannot leak one backend's numerics int
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +21,27 @@ def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
     return F.linear(x, weight, bias)
 
+
+def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """x [..., K], weight [N, K], bias [N] or None, as `F.linear` takes them, else a one-line
+    ValueError (the native matrix-vector kernel reads through raw pointers: a weight of another
+    width gave garbage, a bias too short read past it, an x too wide crashed the process)."""
+    bias_fits = bias is None or bias.shape == weight.shape[:1]
+    if weight.dim() != 2 or x.shape[-1:] != weight.shape[1:] or not bias_fits:
+        with_bias = "" if bias is None else f" with bias {tuple(bias.shape)}"
+        raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)}{with_bias} do not fit "
+                         f"(weight is [out, in])")
+
+def check_logprob_args(logits: torch.Tensor, tokens: torch.Tensor | None, temperature: float) -> None:
+    """The arguments of a backend's `token_logprobs` / `log_softmax`: a positive finite temperature
+    (0 was a ZeroDivisionError) and one target per row of logits [..., V] (logits [2, V] with one
+    target broadcast it to both rows, silently). Shapes and a number only: no device sync."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+            or not 0 < temperature < float("inf"):
+        raise ValueError(f"log-probs need a positive finite temperature, got {temperature!r}")
+    if tokens is not None and (logits.dim() < 1 or tuple(tokens.shape) != tuple(logits.shape[:-1])):
+        raise ValueError(f"log-probs need one target per row of logits: logits {tuple(logits.shape)}, "
+                         f"targets {tuple(tokens.shape)}")
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for float32/bfloat16/float16 inputs; float64 stays float64 (gradient checks)."""

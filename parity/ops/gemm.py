@@ -30,7 +30,7 @@ import torch
 from ..errors import ConfigError
 from ..hardware import bf16_gemm_native
 from . import gemm_strict, native
-from .common import gemm_linear
+from .common import check_linear_args, gemm_linear
 from .gemm_strict import STRICT_ROWS
 
 MIN_GEMM_ROWS = 16
@@ -229,6 +229,7 @@ def gemm_rows(m: int) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` with every row computed by the same GEMM path. [..., K] -> [..., N]"""
+    check_linear_args(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]

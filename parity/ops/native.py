@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .common import check_linear_args
+
 _SRC = Path(__file__).with_name("csrc") / "aligned_kernels.c"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
           "-fopenmp", "-shared",
@@ -117,6 +119,13 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def _need(ok: bool, what: str) -> None:
+    """A shape the C code relies on (it reads through raw pointers: a wrong one reads out of bounds,
+    returns garbage or crashes the process), checked here as a one-line ValueError."""
+    if not ok:
+        raise ValueError(what)
+
+
 def paged_attention(q, k_blocks, v_blocks, tables, q_pos, with_lse: bool = False):
     """Causal GQA attention reading keys/values in place through block tables.
 
@@ -131,6 +140,13 @@ def paged_attention(q, k_blocks, v_blocks, tables, q_pos, with_lse: bool = False
     tables = tables.to(torch.int64).contiguous()
     pos = q_pos.to(torch.int64).contiguous()
     b, m, hq, d = q.shape
+    nb, hkv, bs = k_blocks.shape[0], k_blocks.shape[1], k_blocks.shape[-1]
+    _need(k_blocks.shape == (nb, hkv, d, bs) and v_blocks.shape == (nb, hkv, bs, d) and hq % hkv == 0,
+          f"attention: q {tuple(q.shape)} does not fit key blocks {tuple(k_blocks.shape)} and value "
+          f"blocks {tuple(v_blocks.shape)}")
+    _need(tables.dim() == 2 and tables.shape[0] == b and pos.shape == (b, m),
+          f"attention: {b} sequences of {m} queries, got tables {tuple(tables.shape)} and positions "
+          f"{tuple(pos.shape)}")
     out = torch.zeros_like(q)  # padding rows (q_pos < 0) stay zero
     lse = torch.empty(b, m, hq, dtype=torch.float32) if with_lse else None
     getattr(library(), f"parity_attention_{_SUFFIX[kv_dtype]}")(
@@ -171,6 +187,8 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of `rms_norm(x, weight, eps)` for the output gradient `grad` (same shape as x):
     (grad_x in x's dtype and shape, grad_weight float32 [n]). One pass per row."""
+    _need(weight.numel() == x.shape[-1] and grad.shape == x.shape,
+          f"rms_norm backward: x {tuple(x.shape)}, weight {tuple(weight.shape)}, grad {tuple(grad.shape)}")
     x, outer, inner, so, si = _row_layout(x)
     n = x.shape[-1]
     threads = torch.get_num_threads()
@@ -187,6 +205,8 @@ def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) ->
     """Gradient of `silu_mul(gate, up)` where gate and up are the two halves of one [rows, 2 * cols]
     tensor: returns the gradient of that whole tensor, [rows, 2 * cols] in its dtype."""
     rows, cols = gate.shape
+    _need(up.shape == gate.shape and grad.shape == gate.shape,
+          f"swiglu backward: gate {tuple(gate.shape)}, up {tuple(up.shape)}, grad {tuple(grad.shape)}")
     grad = grad.to(gate.dtype).contiguous()
     out = torch.empty(rows, 2 * cols, dtype=gate.dtype)
     getattr(library(), f"parity_swiglu_backward_{_SUFFIX[gate.dtype]}")(
@@ -216,6 +236,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     With `rope` = (cos, sin), float32 [T, n] for x [T, heads, n], the result is also rotated."""
     n = x.shape[-1]
+    _need(weight.numel() == n, f"rms_norm: weight has {weight.numel()} entries for rows of {n}")
     if rope is not None and x.dim() != 3:
         raise ValueError("rms_norm with rope needs x of shape [T, heads, n]")
     x, outer, inner, so, si = _row_layout(x)  # [T, heads, n] may be q/k heads inside a fused QKV
@@ -224,7 +245,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     cos_p = sin_p = None
     if rope is not None:
         cos, sin = (t.float().contiguous() for t in rope)
-        assert cos.shape == (x.shape[0], n) and n <= 512
+        _need(cos.shape == sin.shape == (x.shape[0], n) and n <= 512,
+              f"rms_norm with rope: cos/sin {tuple(cos.shape)} for x {tuple(x.shape)} (at most 512 wide)")
         cos_p, sin_p = _ptr(cos), _ptr(sin)
     getattr(library(), f"parity_rms_norm_{_SUFFIX[x.dtype]}")(
         _ptr(x), _ptr(w), _ptr(out), outer, inner, n, so, si, eps, cos_p, sin_p,
@@ -249,6 +271,13 @@ def token_logprobs_backward(z: torch.Tensor, tokens: torch.Tensor, lse: torch.Te
     z = z.contiguous()
     tokens = tokens.to(torch.int64).contiguous()
     grad = grad.float().contiguous()
+    _need(z.dim() == 2 and tokens.shape == grad.shape == lse.shape == z.shape[:1],
+          f"token log-prob backward: z {tuple(z.shape)}, tokens {tuple(tokens.shape)}, "
+          f"lse {tuple(lse.shape)}")
+    if tokens.numel():
+        lo, hi = tokens.aminmax()
+        _need(int(lo) >= 0 and int(hi) < z.shape[1], f"token log-prob backward: token ids "
+              f"{int(lo)}..{int(hi)} outside the vocabulary of {z.shape[1]}")
     out = torch.empty(z.shape, dtype=z.dtype)
     getattr(library(), f"parity_token_lp_backward_{_SUFFIX[z.dtype]}")(
         _ptr(z), _ptr(tokens), _ptr(lse.contiguous()), _ptr(grad), _ptr(out), z.shape[0], z.shape[1],
@@ -264,6 +293,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kc: i
     Returns float32 [m, N]."""
     m, k = x.shape
     assert m <= 8 and weight.dtype in (torch.float32, torch.bfloat16)
+    check_linear_args(x, weight, bias)
     x, weight = x.float().contiguous(), weight.contiguous()
     bias = None if bias is None else bias.float().contiguous()
     out = torch.empty(m, weight.shape[0], dtype=torch.float32)
@@ -279,6 +309,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             and gate.stride(0) == up.stride(0) and up.dtype == gate.dtype):
         gate, up = gate.reshape(-1, gate.shape[-1]).contiguous(), up.reshape(-1, up.shape[-1]).contiguous()
     rows, cols = gate.shape
+    _need(up.shape == gate.shape, f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     out = torch.empty(rows, cols, dtype=gate.dtype)
     getattr(library(), f"parity_silu_mul_{_SUFFIX[gate.dtype]}")(
         _ptr(gate), _ptr(up), _ptr(out), rows, cols, gate.stride(0), torch.get_num_threads())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import compute_dtype, gather_blocks, gemm_linear, rope
+from .common import check_logprob_args, compute_dtype, gather_blocks, gemm_linear, rope
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,11 +69,13 @@ def paged_attention(q, k_cache, v_cache, tables, q_pos) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    check_logprob_args(logits, tokens, temperature)
     lp = torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1)
     return lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    check_logprob_args(logits, None, temperature)
     return torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1)
 
 

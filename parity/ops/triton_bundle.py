@@ -17,7 +17,7 @@ from . import triton_attention as ta
 from . import triton_gemm as tg
 from . import triton_kernels as tk
 from . import triton_norm_rope as norm_rope
-from .common import compute_dtype, rope
+from .common import check_logprob_args, compute_dtype, rope
 from .functions import AttentionFn, RMSNormFn, SiluMulFn, rms_norm_backward
 
 
@@ -159,12 +159,14 @@ def _row_lse(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """`log_softmax(logits / T)[token]` in float32. logits [N, V], tokens [N] -> [N]. The sampled
     logit is picked, then scaled (an exact product: the same bits as scaling the row first)."""
+    check_logprob_args(logits, tokens, temperature)
     picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(compute_dtype(logits.dtype))
     return picked * _inv_temperature(temperature) - _row_lse(logits, temperature)
 
 
 def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Full `log_softmax(logits / T)` rows in float32, same bits as `token_logprobs`. [N, V]"""
+    check_logprob_args(logits, None, temperature)
     z = logits.to(compute_dtype(logits.dtype)) * _inv_temperature(temperature)
     return z - _row_lse(logits, temperature).unsqueeze(-1)
 

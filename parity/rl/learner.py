@@ -22,7 +22,7 @@ import torch
 
 from ..config.learner import LearnerConfig
 from ..dtypes import dtype_from_name, dtype_name
-from ..errors import ConfigError, ParityError
+from ..errors import ConfigError, InputError, ParityError
 from ..metrics.diagnostics import (
     bucketed_stats,
     importance_weight_stats,
@@ -57,6 +57,10 @@ class Learner:
         if config is not None and not isinstance(config, LearnerConfig):
             raise ConfigError(f"Learner config must be a LearnerConfig, got {type(config).__name__}")
         self.config = cfg = config or LearnerConfig()
+        if not isinstance(model, torch.nn.Module) or not any(p.requires_grad for p in model.parameters()):
+            none = " with none" if isinstance(model, torch.nn.Module) else ""
+            raise ConfigError(f"Learner needs a model with trainable parameters, got "
+                              f"{type(model).__name__}{none}")
         if cfg.dump_dir:  # checked now, not at the first non-finite step
             try:
                 Path(cfg.dump_dir).mkdir(parents=True, exist_ok=True)
@@ -252,6 +256,12 @@ class Learner:
     def step(self, batch: TrajectoryBatch) -> dict[str, float]:
         """One optimizer step on `batch`; returns its metrics. A NaN/inf loss or gradient skips
         the update (weights untouched), saves the batch to `dump_dir`, and says so."""
+        if not isinstance(batch, TrajectoryBatch):  # (a list of Trajectory was an AttributeError)
+            raise InputError(f"Learner.step takes a TrajectoryBatch, got {type(batch).__name__}")
+        ahead = int(batch.versions.max()) if batch.versions.numel() else -1
+        if ahead > self.version:  # (reported as a negative lag, and got round the lag bound)
+            raise InputError(f"a sampled token's policy version is {ahead}, ahead of the learner's "
+                             f"{self.version}")
         cfg, t0 = self.config, time.perf_counter()
         self.last_kernel_delta = None  # set by this step's decomposition, if it runs
         adv_std = cfg.loss == "ppo_clip" and cfg.loss_config.ppo_std_adv
@@ -261,7 +271,8 @@ class Learner:
         for i, seq in enumerate(batch.sequences):  # all of them, before a first backward (an error in
             check_sequence(self.model, seq, f"response {i}")  # a later micro-batch left gradients)
         try:
-            return self._step(batch, adv, bsz, t0)
+            with torch.enable_grad():  # (under a caller's no_grad: an error deep in autograd)
+                return self._step(batch, adv, bsz, t0)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # (nothing half-accumulated reaches a later step)
             self.model.zero_grad(set_to_none=True)

@@ -15,13 +15,22 @@ weights sampled such a token, so the decomposition leaves it out of the kernel f
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..envs.custom import finite_number
 from ..errors import InputError
+
+
+def _finite_log_prob(value) -> bool:
+    try:
+        return math.isfinite(value) and value <= 0.0
+    except TypeError:  # (a string was a TypeError naming no response)
+        return False
 
 
 @dataclass
@@ -65,9 +74,12 @@ class Trajectory:
                 if r is not None:
                     routing[p + t] = r
         cache = None if out.cache_versions is None else [-1] * p + list(out.cache_versions)
+        value = finite_number(reward)
+        if value is None:  # (None was a bare TypeError, '1' was taken as 1.0)
+            raise InputError(f"request {out.request_id}: reward {reward!r} is not a finite number")
         return Trajectory(out.full_token_ids, [0] * p + list(out.loss_mask),
                           [0.0] * p + list(out.sampled_logprobs), [-1] * p + list(out.policy_versions),
-                          float(reward), group_id, dict(metadata), routing, cache_versions=cache,
+                          value, group_id, dict(metadata), routing, cache_versions=cache,
                           excluded=f"engine error: {out.error}" if out.finish_reason == "error" else None)
 
     def validate(self, index: int) -> None:
@@ -84,9 +96,12 @@ class Trajectory:
         if self.loss_mask[0]:
             raise InputError(f"{where}: loss_mask[0] must be 0 (the first token has no log-prob)")
         if sum(self.loss_mask) == 0:
+            if self.excluded:  # (the engine refused it, e.g. a prompt too long for the model)
+                raise InputError(f"{where}: {self.excluded}, before it sampled a token; leave it out "
+                                 f"of the batch")
             raise InputError(f"{where}: loss_mask selects no token")
         for t, (m, lp) in enumerate(zip(self.loss_mask, self.rollout_logprobs)):
-            if m and not (math.isfinite(lp) and lp <= 0.0):
+            if m and not _finite_log_prob(lp):
                 raise InputError(f"{where}: rollout_logprobs[{t}] = {lp!r} is not a finite log-prob")
             if m and self.policy_versions[t] < 0:
                 raise InputError(f"{where}: policy_versions[{t}] is missing for a sampled token")
@@ -94,8 +109,11 @@ class Trajectory:
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise InputError(f"{where}: {name} has {len(values)} entries, token_ids has {n}")
-        if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
+        if finite_number(self.reward) is None:  # (NumPy scalars, as envs return them, are numbers)
             raise InputError(f"{where}: reward {self.reward!r} is not a finite number")
+        if isinstance(self.group_id, bool) or not isinstance(self.group_id, numbers.Integral):
+            # (a string was int()'s error; 1.7 and 1.2 were both group 1: baselines silently merged)
+            raise InputError(f"{where}: group_id must be an integer, got {self.group_id!r}")
         r = self.rollout_routing
         if r is not None and (not isinstance(r, torch.Tensor) or r.dim() != 3 or r.shape[0] != n):
             raise InputError(f"{where}: rollout_routing must be a [{n}, layers, k] tensor")
@@ -112,6 +130,10 @@ class TrajectoryBatch:
     """
 
     def __init__(self, trajectories: Sequence[Trajectory], validate: bool = True):
+        if isinstance(trajectories, Trajectory) or not isinstance(trajectories, Sequence) \
+                or not all(isinstance(t, Trajectory) for t in trajectories):
+            raise InputError(f"TrajectoryBatch takes a list of Trajectory, got {type(trajectories).__name__}"
+                             + ("" if not isinstance(trajectories, Sequence) else " holding other things"))
         if not trajectories:
             raise InputError("empty trajectory batch")
         if validate:

@@ -1,0 +1,158 @@
+"""Bad input through the public Python API (not the CLI): each case is refused in one line naming
+the problem, where it used to run silently wrong, fail deep inside with another library's error,
+or crash the process. From an audit of about 260 mistaken calls (2026-12-05, eighth session); the
+kernel cases include the matrix-vector kernel that read past its weight and killed the process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import parity
+from parity import InputError, SamplingParams
+from parity.errors import CheckpointError, ConfigError
+from parity.rl.learner import Learner
+from parity.rl.trajectory import Trajectory, TrajectoryBatch
+
+
+def _traj(**kw) -> Trajectory:
+    fields = dict(token_ids=[1, 2, 3], loss_mask=[0, 0, 1], rollout_logprobs=[0.0, 0.0, -1.0],
+                  policy_versions=[-1, -1, 0], reward=1.0, group_id=0)
+    return Trajectory(**{**fields, **kw})
+
+
+def _engine(model):
+    return parity.Engine(model, kv_cache_tokens=256, max_num_seqs=4)
+
+
+def test_a_one_dimensional_prompt_tensor_is_not_one_prompt_per_token(tiny):
+    """generate(torch.tensor([5, 6, 7])) ran three one-token prompts; now it says to wrap it."""
+    engine = _engine(tiny)
+    with pytest.raises(InputError, match="got a 1-D Tensor .wrap one prompt in a list"):
+        engine.generate(torch.tensor([5, 6, 7]), SamplingParams(max_tokens=2))
+    with pytest.raises(InputError, match="params must be a SamplingParams or a list of them, got dict"):
+        engine.generate([[5, 6]], {"temperature": 1.0})
+    with pytest.raises(InputError, match="before_step must be callable"):
+        engine.generate([[5, 6]], SamplingParams(max_tokens=2), before_step=5)
+    with pytest.raises(InputError, match="stop_token_ids: 999 is outside the vocabulary"):
+        engine.add_request([5, 6], SamplingParams(max_tokens=2, stop_token_ids=[999]))
+    with pytest.raises(InputError, match="multi_turn must be True or False"):
+        engine.add_request([5, 6], SamplingParams(max_tokens=2), multi_turn="no")
+    # the control: the same call with the prompt wrapped, a generator of params, runs
+    outs = engine.generate(torch.tensor([[5, 6, 7]]), (SamplingParams(max_tokens=2) for _ in range(1)))
+    assert len(outs) == 1 and outs[0].prompt_token_ids == [5, 6, 7] and len(outs[0].token_ids) == 2
+
+
+def test_trajectory_fields_are_checked_by_what_they_mean():
+    merged = TrajectoryBatch([_traj(group_id=1), _traj(group_id=2)])  # the control: two groups
+    assert merged.group_ids.tolist() == [1, 2]
+    assert TrajectoryBatch([_traj(reward=np.float32(0.5), group_id=np.int64(3))]).rewards.tolist() == [0.5]
+    cases = [(dict(group_id=1.7), "group_id must be an integer, got 1.7"),  # (was group 1, merged)
+             (dict(group_id="q17"), "group_id must be an integer"),
+             (dict(reward=None), "reward None is not a finite number"),
+             (dict(rollout_logprobs=[0.0, 0.0, "a"]), r"rollout_logprobs\[2\] = 'a' is not a finite"),
+             (dict(loss_mask=[0, 0, 0], excluded="engine error: prompt too long"),
+              "engine error: prompt too long, before it sampled a token; leave it out")]
+    for kw, message in cases:
+        with pytest.raises(InputError, match=message):
+            TrajectoryBatch([_traj(**kw)])
+    with pytest.raises(InputError, match="takes a list of Trajectory, got Trajectory"):
+        TrajectoryBatch(_traj())
+
+
+def test_a_reward_that_is_not_a_number_is_named_at_from_output(tiny):
+    out = _engine(tiny).generate([[5, 6]], SamplingParams(max_tokens=2))[0]
+    assert Trajectory.from_output(out, np.float64(0.25), 0).reward == 0.25
+    for bad in (None, "1", float("nan")):  # ('1' was taken as 1.0; None a bare TypeError)
+        with pytest.raises(InputError, match="is not a finite number"):
+            Trajectory.from_output(out, bad, 0)
+
+
+def test_the_learner_steps_under_no_grad_and_refuses_what_it_cannot_train():
+    model = parity.Model(parity.ModelConfig.preset("tiny"), seed=3)
+    learner = Learner(model)
+    batch = TrajectoryBatch([_traj(), _traj(reward=0.0)])
+    with torch.no_grad():  # (an autograd error naming no cause)
+        metrics = learner.step(batch)
+    assert learner.version == 1 and metrics["train/loss"] == metrics["train/loss"]
+    with pytest.raises(InputError, match="policy version is 5, ahead of the learner's 1"):
+        learner.step(TrajectoryBatch([_traj(policy_versions=[-1, -1, 5])]))
+    with pytest.raises(InputError, match="takes a TrajectoryBatch, got list"):
+        learner.step([_traj()])
+    frozen = parity.Model(parity.ModelConfig.preset("tiny"), seed=3).requires_grad_(False)
+    with pytest.raises(ConfigError, match="trainable parameters, got Model with none"):
+        Learner(frozen)
+    with pytest.raises(ConfigError, match="trainable parameters, got NoneType"):
+        Learner(None)
+
+
+@pytest.mark.parametrize("backend, call, message", [
+    ("aligned", lambda K: K.linear(torch.randn(1, 64), torch.randn(64, 128)), r"x \(1, 64\) and weight \(64"),
+    ("aligned", lambda K: K.linear(torch.randn(1, 64), torch.randn(128, 64), torch.randn(3)), r"bias \(3,\)"),
+    ("aligned", lambda K: K.linear(torch.randn(1, 4_000_000), torch.randn(16, 64)), "not fit"),  # (crashed)
+    ("aligned", lambda K: K.rms_norm(torch.randn(2, 4_000_000), torch.ones(8), 1e-6), "weight has 8 entries"),
+    *[(b, lambda K: K.token_logprobs(torch.randn(2, 16), torch.tensor([3]), 1.0), "one target per row")
+      for b in ("aligned", "standard")],  # (silently broadcast to both rows)
+    *[(b, lambda K: K.token_logprobs(torch.randn(2, 16), torch.tensor([3, 4]), 0.0), "positive finite temp")
+      for b in ("aligned", "standard")],  # (a ZeroDivisionError)
+])
+def test_kernels_refuse_shapes_that_do_not_fit(backend, call, message):
+    """The native kernels read through raw pointers: shapes are checked before they run (the
+    standard backend's PyTorch ops check their own, but not the log-prob arguments)."""
+    K = parity.get_kernels(backend)
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        call(K)
+
+
+def test_kernels_control_fitting_shapes_run():
+    K = parity.get_kernels("aligned")
+    x, w, b = torch.randn(3, 64), torch.randn(128, 64), torch.randn(128)
+    with torch.no_grad():
+        assert torch.allclose(K.linear(x, w, b), x @ w.T + b, atol=1e-4)
+        assert K.token_logprobs(torch.randn(2, 16), torch.tensor([3, 4]), 1.0).shape == (2,)
+
+
+def test_decoder_engine_and_model_sizes_are_checked(tiny):
+    from parity import Decoder
+    for bad in (-100, 0, 1.5, "x", None):
+        with pytest.raises(InputError, match="max_tokens must be a positive integer"):
+            Decoder(tiny, max_tokens=bad)
+    with pytest.raises(InputError, match="Decoder needs a parity.Model, got NoneType"):
+        Decoder(None)
+    dec = Decoder(tiny, max_tokens=64)
+    with pytest.raises(InputError, match="a mapping of sequence id -> new tokens, got list"):
+        dec.extend([[1, 2]])
+    assert dec.extend({0: [1, 2]})[0].shape == (tiny.config.vocab_size,)  # the control
+    with pytest.raises(InputError, match=r"a KV cache of [\d,]+ tokens takes [\d,.]+ GiB; [\d,.]+ GiB are"):
+        parity.Engine(tiny, kv_cache_tokens=10**12)
+    with pytest.raises(InputError, match="sequence_logprobs needs a parity.Model, got NoneType"):
+        parity.sequence_logprobs(None, [[1, 2]])
+    with pytest.raises(ConfigError, match="cannot be built here"):
+        parity.Model(parity.ModelConfig.preset("tiny", vocab_size=10**12))
+
+
+def test_values_that_overflow_the_models_dtype_are_not_finite(tiny, tmp_path):
+    """1e39 is finite in float64 and inf in float32 (3.4e38 likewise from float32 to bfloat16):
+    checked after the cast, where they were accepted and sampled NaN log-probs."""
+    engine = _engine(parity.Model(parity.ModelConfig.preset("tiny"), seed=1))  # (its weights change)
+    name, weight = "model.norm.weight", tiny.state_dict()["model.norm.weight"]
+    with pytest.raises(InputError, match="norm.weight contains NaN or inf in the model's torch.float32"):
+        engine.update_weights({name: torch.full(weight.shape, 1e39, dtype=torch.float64)}, 1)
+    engine.update_weights({name: weight.double()}, 1)  # the control: a float64 copy that fits
+    big = parity.Model(parity.ModelConfig.preset("tiny"), seed=0)
+    with torch.no_grad():
+        big.model.norm.weight.fill_(3.4e38)
+    parity.model.save_pretrained(big, tmp_path / "ckpt")
+    assert parity.load_model(tmp_path / "ckpt").model.norm.weight[0] == torch.tensor(3.4e38)
+    with pytest.raises(CheckpointError, match="contains NaN or inf as torch.bfloat16"):
+        parity.load_model(tmp_path / "ckpt", dtype=torch.bfloat16)
+    with pytest.raises(CheckpointError, match="block_size must be a positive multiple of 16, got 0"):
+        parity.load_model(tmp_path / "ckpt", block_size=0)
+
+
+def test_rope_scaling_must_be_finite():
+    base = parity.ModelConfig.preset("tiny-llama").rope_scaling
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="rope_scaling.factor must be a positive finite number"):
+            parity.ModelConfig.preset("tiny-llama", rope_scaling={**base, "factor": bad})
