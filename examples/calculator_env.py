@@ -27,19 +27,28 @@ OPEN, CLOSE = "<python>", "</python>"
 class CalculatorEnv(Env):
     multi_turn = True  # step may answer a turn with an observation
 
-    def __init__(self, ctx, digits: int = 2, terms: int = 3, max_calls: int = 2, heldout_seed: int = 12345):
+    def __init__(self, ctx, digits: int | list[int] = 2, terms: int = 3, max_calls: int = 2,
+                 heldout_seed: int = 12345):
         if ctx.tokenizer is None:
             raise ValueError("CalculatorEnv needs a checkpoint with a tokenizer.json")
+        span = [digits] if isinstance(digits, int) else list(digits)
+        if not (1 <= len(span) <= 2 and all(isinstance(d, int) and 1 <= d <= 18 for d in span)
+                and span == sorted(span)):
+            raise ValueError(f"digits must be 1..18 or [fewest, most], got {digits!r}")
         self.ctx, self.tokenizer, self.seed = ctx, ctx.tokenizer, ctx.seed
-        self.digits, self.terms, self.max_calls = digits, terms, max_calls
-        self.name = f"calculator-sums-{terms}x{digits}"
+        self.digits = span[0] if len(span) == 1 else tuple(span)  # an int, or (fewest, most)
+        self.terms, self.max_calls = terms, max_calls
+        self.name = f"calculator-sums-{terms}x{'-'.join(map(str, span))}"
         self.close_id = ctx.tokenizer.token_id(CLOSE)  # a special token in parity's tokenizer, else None
         rnd = random.Random(heldout_seed)  # the same held-out set whatever the run's seed
         self._heldout = [self._problem(rnd) for _ in range(ctx.heldout_size)]
         self._held = {p["prompt"] for p in self._heldout}
 
     def _problem(self, rnd: random.Random) -> dict:
-        numbers = [rnd.randint(10 ** (self.digits - 1), 10**self.digits - 1) for _ in range(self.terms)]
+        numbers = []
+        for _ in range(self.terms):  # digits: a number of them, or [fewest, most] drawn per term
+            digits = self.digits if isinstance(self.digits, int) else rnd.randint(*self.digits)
+            numbers.append(rnd.randint(10 ** (digits - 1), 10**digits - 1))
         return {"prompt": f"What is {'+'.join(map(str, numbers))}?", "answer": sum(numbers)}
 
     # what ends a model turn besides EOS: the end of a tool call

@@ -544,3 +544,34 @@ def test_a_reward_that_takes_the_sandbox_runs_the_models_code_there(tmp_path, to
     episode = env.start(problem)
     assert env.step(episode, tokenizer.encode(f"def f(x): return x + {plus}")).reward == 0.0  # no code block
 
+
+
+def test_the_calculator_example_runs_its_tool_in_the_sandbox_and_scores_the_answer(tokenizer):
+    """examples/calculator_env.py as examples/calculator.toml builds it: problems from (seed, batch)
+    alone, the held-out set kept out of them, a tool call answered with what the sandbox printed,
+    the final `answer: N` scored, a bad `digits` refused in one line."""
+    from pathlib import Path
+
+    from parity.config.loading import read_toml
+
+    root = Path(__file__).parents[1]
+    options = read_toml(root / "examples" / "calculator.toml")["task"]["options"]
+    spec = f"{root}/examples/calculator_env.py:CalculatorEnv"
+    env = build_custom_env(spec, options, TaskContext(tokenizer, 512, 0, 20))
+    assert env.name == "calculator-sums-5x2-3"
+    held = {p["prompt"] for p in env.heldout()}
+    batch = env.problems(3, 16)
+    assert batch == env.problems(3, 16) and not held & {p["prompt"] for p in batch}
+    sizes = {len(t) for p in batch for t in p["prompt"][len("What is "):-1].split("+")}
+    assert sizes == {2, 3}  # five terms of 2 or 3 digits each
+    problem = env.heldout()[0]
+    episode = env.start(problem)
+    expr = problem["prompt"][len("What is "):-1]
+    turn = env.step(episode, tokenizer.encode(f'<python>print("answer:", {expr})</python>'))
+    shown = tokenizer.decode(turn.observation)
+    assert not turn.done and shown == f"<result>answer: {problem['answer']}\n</result>"
+    assert env.step(episode, tokenizer.encode(f"answer: {problem['answer']}")).reward == 1.0
+    wrong = env.start(problem)
+    assert env.step(wrong, tokenizer.encode(f"answer: {problem['answer'] + 1}")).reward == 0.0
+    with pytest.raises(ConfigError, match=r"digits must be 1..18 or \[fewest, most\], got \[3, 2\]"):
+        build_custom_env(spec, {**options, "digits": [3, 2]}, TaskContext(tokenizer, 512, 0, 4))
