@@ -2,7 +2,7 @@
 
     python docs/make_results.py --study DIR [--demo DIR] [--bench-rollout FILE.json]
         [--bench-async FILE.json] [--study-command "..."] [--study-time "..."] [--demo-time "..."]
-        [--out DIR (default: docs/)]
+        --out DIR (docs/ to replace the published page)
 
 Every number in the page is read from the runs' files (the study's results.json, the demo's
 metrics.jsonl, `parity bench rollout --json` output); the prose around them is this script's,
@@ -342,7 +342,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--study", type=Path, required=True)
     ap.add_argument("--demo", type=Path, help="a `parity demo` run directory (section left out without)")
-    ap.add_argument("--out", type=Path, default=HERE, help="where results.md and the plots go")
+    ap.add_argument("--out", type=Path, required=True,  # (a default of docs/ replaced the published page)
+                    help="where results.md and the plots go (docs/ replaces the published page)")
     ap.add_argument("--bench-rollout", type=Path, help="`parity bench rollout --json` output")
     ap.add_argument("--bench-async", type=Path, help="`parity bench async --json` output")
     ap.add_argument("--study-command", default="parity study configs/study.toml")

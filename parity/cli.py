@@ -20,6 +20,7 @@ from typing import NoReturn
 from .config import BASE_CHECKPOINTS, TASK_NAMES
 from .dtypes import DTYPE_NAMES
 from .errors import Interrupted, ParityError, Terminated
+from .invariance import CASES
 from .model.config import PRESET_NAMES
 from .ops import BACKENDS
 
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kernels", default="aligned", choices=BACKENDS)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a task or model config key (task.level=7, task.heldout_size=300)")
+                   help="override a task or model config key (task.level=2, task.heldout_size=300)")
     e.add_argument("--json", action="store_true")
 
     t = _command(sub, "train", "train", "RL training run (synchronous or asynchronous)")
@@ -142,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=4, help="random rounds per case (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-len", type=int, default=96, help="longest random sequence")
-    p.add_argument("--cases", type=_csv(str), default=None, help="subset of cases to run")
+    p.add_argument("--cases", type=_csv(str), default=None,
+                   help=f"subset of cases to run, comma-separated (of {', '.join(CASES)})")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     _gemm_tiles_option(p)
@@ -270,7 +272,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local and/or ray (default local)")
     a.add_argument("--workers", type=_csv(int), default=[1], help="rollout worker counts (default 1)")
     a.add_argument("--json", action="store_true")
+    _name_defaults(parser)
     return parser
+
+
+def _name_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option without help text of its own says its default in `--help` (the benches'
+    presets were found only by running them, and some are heavy on a small machine)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _name_defaults(child)
+        elif action.help is None and action.option_strings and action.default is not None \
+                and action.default is not False:
+            value = action.default
+            shown = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+            action.help = f"default {shown}".replace("%", "%%")
 
 
 def _usage_error(message: str) -> NoReturn:

@@ -160,4 +160,4 @@ def bf16_warning(dtype_name: str, what: str = "model.dtype", info: dict | None =
         return None
     feats = " ".join(info["features"]) or "no AVX2"
     return (f"this CPU has no bf16 instructions ({feats}): bfloat16 forward+backward measured "
-            f"{cost:.1f}x slower than float32 here; {what} = 'float32' is faster on this machine")
+            f"{cost:.1f}x slower than float32 here; float32 ({what}) is faster on this machine")

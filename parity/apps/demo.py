@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import LearnerConfig, ModelSection, RolloutSection, TaskSection, TrainConfig, with_overrides
-from ..errors import ConfigError
+from ..errors import ConfigError, ParityError
 from ..metrics.report import write_report
 from ..metrics.summary import demo_rows, step_line
+from ..rl import checkpoint
 from ..rl.checkpoint import DEMO_MARK
 from ..rl.controller import Controller
 from .sft import get_base_policy
@@ -88,6 +89,11 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
         key = item.split("=", 1)[0].strip()
         if key in OWN_OPTIONS:
             raise ConfigError(f"--set {key}: the demo sets it with {OWN_OPTIONS[key]}")
+    earlier = Path(opts.run_dir)
+    found = checkpoint.found(earlier) if not (earlier / DEMO_MARK).exists() and not opts.overwrite else []
+    if found:  # (before the base policy's build, in the demo's own words)
+        raise ParityError(f"{earlier} holds {found[-1].name} of another command's run: replace it with "
+                          f"--overwrite, or choose another --run-dir")
     t0 = time.perf_counter()
     base = opts.base or get_base_policy()
     log.info("base policy %s (%.0f s)", base, time.perf_counter() - t0)

@@ -18,7 +18,7 @@ from ..engine import Engine, SamplingParams
 from ..envs import chat
 from ..errors import ParityError
 from ..model import Model, ModelConfig, load_model
-from ..model.tokenizer import load_tokenizer
+from ..model.tokenizer import ByteTokenizer, load_tokenizer
 from ..ops.common import gemm_linear
 from .sft import RECIPES, get_base_policy, names_recipe
 
@@ -113,6 +113,12 @@ def main(args) -> int:
         model = Model(ModelConfig.preset(args.preset), kernels=args.kernels, dtype=dtype, seed=args.seed,
                       device=args.device)
     tokenizer = load_tokenizer(args.model, model.config.vocab_size)
+    if not args.model:  # (its noise read as the library's output)
+        print(f"parity: model: random {args.preset!r} weights (seed {args.seed}; no --model), so the text is "
+              f"noise: --model base samples the cached base policy", file=sys.stderr, flush=True)
+    elif isinstance(tokenizer, ByteTokenizer) and (args.prompt or args.prompts_file):
+        print(f"parity: {args.model} has no tokenizer.json: text is read and written as UTF-8 bytes",
+              file=sys.stderr, flush=True)
     prompts = _read_prompts(args, tokenizer)
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=args.top_k,
                              top_p=args.top_p, seed=(args.seed + i) % (1 << 63), stop_strings=args.stop or [])

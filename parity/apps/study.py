@@ -31,7 +31,7 @@ import logging
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -214,9 +214,14 @@ def load_study(
         train=train,
         **({"runs": runs} if runs is not None else {}),
     )
-    if not quick:
-        for run in cfg.runs:  # every run's config must build before the first one starts
-            run_config(cfg, run, cfg.seeds[0])
+    # every run's config must build before the first starts (--quick: before its base, on the preset)
+    check = replace(cfg, train={k: v for k, v in train.items() if k != "model.checkpoint"}) if quick else cfg
+    for run in cfg.runs:
+        try:
+            run_config(check, run, cfg.seeds[0])
+        except ConfigError as exc:
+            raise ConfigError(f"study run {run.name}: {exc} (a study sets training keys in its file's "
+                              f"[train] table, dotted: \"task.data\" = \"problems.jsonl\")") from None
     return cfg
 
 

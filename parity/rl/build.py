@@ -71,7 +71,8 @@ def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
         return build_custom_env(t.env, t.options, ctx)
     if tokenizer is None:
         raise ParityError(f"task {t.name!r} needs a tokenizer.json in the checkpoint directory "
-                          f"({cfg.model.checkpoint}); use model.checkpoint = \"base\" or a parity sft output")
+                          f"({cfg.model.checkpoint}); use model.checkpoint = \"base\" (`parity eval --model "
+                          f"base`) or a parity sft output")
     if t.name == "dataset":
         from ..envs.dataset import DatasetEnv
 
