@@ -76,7 +76,7 @@ def test_the_learner_steps_under_no_grad_and_refuses_what_it_cannot_train():
     with torch.no_grad():  # (an autograd error naming no cause)
         metrics = learner.step(batch)
     assert learner.version == 1 and metrics["train/loss"] == metrics["train/loss"]
-    with pytest.raises(InputError, match="policy version is 5, ahead of the learner's 1"):
+    with pytest.raises(InputError, match="policy version 5 in the batch is ahead of the learner's 1"):
         learner.step(TrajectoryBatch([_traj(policy_versions=[-1, -1, 5])]))
     with pytest.raises(InputError, match="takes a TrajectoryBatch, got list"):
         learner.step([_traj()])
@@ -130,6 +130,8 @@ def test_decoder_engine_and_model_sizes_are_checked(tiny):
         parity.sequence_logprobs(None, [[1, 2]])
     with pytest.raises(ConfigError, match="cannot be built here"):
         parity.Model(parity.ModelConfig.preset("tiny", vocab_size=10**12))
+    with pytest.raises(ValueError, match="got 2 sequences, 1 start positions"):  # (an IndexError inside)
+        parity.ForwardBatch.build([[1, 2], [3]], [0], tiny.block_size)
 
 
 def test_values_that_overflow_the_models_dtype_are_not_finite(tiny, tmp_path):

@@ -1,5 +1,6 @@
 """docs/reliability.md is checked against the tests: every test it names exists, and every test
-of the reliability files (sandbox hardening, training faults, fuzzing) is named in it."""
+of the reliability files (sandbox hardening, training faults, fuzzing, mistaken API calls) is
+named in it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "reliability.md"
-RELIABILITY_FILES = ["tests/test_sandbox_hardening.py", "tests/rl/test_faults.py", "tests/test_fuzz.py"]
+RELIABILITY_FILES = ["tests/test_sandbox_hardening.py", "tests/rl/test_faults.py", "tests/test_fuzz.py",
+                     "tests/test_api_input.py"]
 
 
 def _test_names(path: str) -> set[str]:

@@ -138,7 +138,7 @@ def test_cli_demo_runs_end_to_end(base, tmp_path, capsys, monkeypatch):
              "rollout.prompts_per_step=2", "--set", "rollout.group_size=2", "--set", "rollout.max_tokens=8"]
     assert main(["demo", "--run-dir", str(other), *small]) == 2
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity: error:")]
-    assert len(err) == 1 and "holds checkpoint-5 of an earlier run" in err[0] and "--overwrite" in err[0]
+    assert len(err) == 1 and "holds checkpoint-5 of another command's run" in err[0] and "--run-dir" in err[0]
     assert (other / "checkpoint-5").is_dir()
     for run_dir, extra in ((run, []), (other, ["--overwrite"])):
         assert main(["demo", "--run-dir", str(run_dir), *small, *extra]) == 0, capsys.readouterr().err

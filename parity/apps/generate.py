@@ -113,18 +113,18 @@ def main(args) -> int:
         model = Model(ModelConfig.preset(args.preset), kernels=args.kernels, dtype=dtype, seed=args.seed,
                       device=args.device)
     tokenizer = load_tokenizer(args.model, model.config.vocab_size)
-    if not args.model:  # (its noise read as the library's output)
-        print(f"parity: model: random {args.preset!r} weights (seed {args.seed}; no --model), so the text is "
-              f"noise: --model base samples the cached base policy", file=sys.stderr, flush=True)
-    elif isinstance(tokenizer, ByteTokenizer) and (args.prompt or args.prompts_file):
-        print(f"parity: {args.model} has no tokenizer.json: text is read and written as UTF-8 bytes",
-              file=sys.stderr, flush=True)
     prompts = _read_prompts(args, tokenizer)
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=args.top_k,
                              top_p=args.top_p, seed=(args.seed + i) % (1 << 63), stop_strings=args.stop or [])
               for i in range(len(prompts))]
     engine = Engine(model, max_num_seqs=args.max_num_seqs, tokenizer=tokenizer,
                     kv_cache_memory=args.kv_cache_memory)
+    if not args.model:  # (its noise read as the library's output; said once the input is known good)
+        print(f"parity: model: random {args.preset!r} weights (seed {args.seed}; no --model), so the text is "
+              f"noise: --model base samples the cached base policy", file=sys.stderr, flush=True)
+    elif isinstance(tokenizer, ByteTokenizer) and (args.prompt or args.prompts_file):
+        print(f"parity: {args.model} has no tokenizer.json: text is read and written as UTF-8 bytes",
+              file=sys.stderr, flush=True)
     print(f"parity: {engine.describe_cache()}", file=sys.stderr, flush=True)
     outs = engine.generate(prompts, params)
     if args.json:

@@ -214,14 +214,14 @@ def load_study(
         train=train,
         **({"runs": runs} if runs is not None else {}),
     )
-    # every run's config must build before the first starts (--quick: before its base, on the preset)
-    check = replace(cfg, train={k: v for k, v in train.items() if k != "model.checkpoint"}) if quick else cfg
+    # every run's config must build before the first starts (--quick: before its base, as if built)
+    check = replace(cfg, train={**train, "model.checkpoint": "base"}) if quick else cfg
     for run in cfg.runs:
         try:
             run_config(check, run, cfg.seeds[0])
         except ConfigError as exc:
             raise ConfigError(f"study run {run.name}: {exc} (a study sets training keys in its file's "
-                              f"[train] table, dotted: \"task.data\" = \"problems.jsonl\")") from None
+                              f"[train] table, dotted, e.g. \"task.data\" = \"x.jsonl\")") from None
     return cfg
 
 

@@ -51,6 +51,11 @@ class ForwardBatch:
         Without `block_tables` every start must be 0 (dense). With them, sequence b's cache
         blocks are `block_tables[b]` (enough for its full context after this forward).
         """
+        n = len(new_tokens)  # (mismatched lengths were IndexErrors inside)
+        if not n or len(start_positions) != n or (block_tables is not None and len(block_tables) != n):
+            tables = "" if block_tables is None else f", {len(block_tables)} block tables"
+            raise ValueError(f"a forward batch needs one start position (and block table) per sequence, "
+                             f"got {n} sequences, {len(start_positions)} start positions{tables}")
         if all(isinstance(t, torch.Tensor) for t in new_tokens):
             seqs = [t.reshape(-1).long() for t in new_tokens]
             lens = [int(t.numel()) for t in seqs]

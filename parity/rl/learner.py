@@ -58,17 +58,15 @@ class Learner:
             raise ConfigError(f"Learner config must be a LearnerConfig, got {type(config).__name__}")
         self.config = cfg = config or LearnerConfig()
         if not isinstance(model, torch.nn.Module) or not any(p.requires_grad for p in model.parameters()):
-            none = " with none" if isinstance(model, torch.nn.Module) else ""
-            raise ConfigError(f"Learner needs a model with trainable parameters, got "
-                              f"{type(model).__name__}{none}")
+            raise ConfigError(f"Learner needs a model with trainable parameters, got {type(model).__name__}"
+                              + (" with none" if isinstance(model, torch.nn.Module) else ""))
         if cfg.dump_dir:  # checked now, not at the first non-finite step
             try:
                 Path(cfg.dump_dir).mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise ConfigError(f"learner.dump_dir {cfg.dump_dir}: {exc.strerror or exc}") from None
         auto = cfg.compute_dtype == "auto"
-        # the dtype the forward runs in ('auto': the given model's); unless it is float32, float32
-        # master weights take the optimizer step
+        # the forward's dtype ('auto': the model's); unless float32, float32 master weights take the step
         what = "LearnerConfig.compute_dtype" + (" ('auto': the model's dtype)" if auto else "")
         self.compute_dtype = dtype_from_name(dtype_name(model.dtype) if auto else cfg.compute_dtype, what)
         self.model = model.to(self.compute_dtype)
@@ -258,10 +256,8 @@ class Learner:
         the update (weights untouched), saves the batch to `dump_dir`, and says so."""
         if not isinstance(batch, TrajectoryBatch):  # (a list of Trajectory was an AttributeError)
             raise InputError(f"Learner.step takes a TrajectoryBatch, got {type(batch).__name__}")
-        ahead = int(batch.versions.max()) if batch.versions.numel() else -1
-        if ahead > self.version:  # (reported as a negative lag, and got round the lag bound)
-            raise InputError(f"a sampled token's policy version is {ahead}, ahead of the learner's "
-                             f"{self.version}")
+        if batch.versions.numel() and (ahead := int(batch.versions.max())) > self.version:  # (a lag < 0)
+            raise InputError(f"policy version {ahead} in the batch is ahead of the learner's {self.version}")
         cfg, t0 = self.config, time.perf_counter()
         self.last_kernel_delta = None  # set by this step's decomposition, if it runs
         adv_std = cfg.loss == "ppo_clip" and cfg.loss_config.ppo_std_adv
