@@ -62,6 +62,7 @@ def check_model(model, who: str) -> None:
     if not isinstance(getattr(model, "config", None), ModelConfig) or not hasattr(model, "block_size"):
         raise InputError(f"{who} needs a parity.Model, got {type(model).__name__}")
 
+
 def check_sequence(model, seq, where: str) -> torch.Tensor:
     """One sequence to score, checked: integer ids in the vocabulary, 2 to max_position_embeddings
     of them."""

@@ -32,6 +32,7 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)}{with_bias} do not fit "
                          f"(weight is [out, in])")
 
+
 def check_logprob_args(logits: torch.Tensor, tokens: torch.Tensor | None, temperature: float) -> None:
     """The arguments of a backend's `token_logprobs` / `log_softmax`: a positive finite temperature
     (0 was a ZeroDivisionError) and one target per row of logits [..., V] (logits [2, V] with one
@@ -42,6 +43,7 @@ def check_logprob_args(logits: torch.Tensor, tokens: torch.Tensor | None, temper
     if tokens is not None and (logits.dim() < 1 or tuple(tokens.shape) != tuple(logits.shape[:-1])):
         raise ValueError(f"log-probs need one target per row of logits: logits {tuple(logits.shape)}, "
                          f"targets {tuple(tokens.shape)}")
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for float32/bfloat16/float16 inputs; float64 stays float64 (gradient checks)."""
