@@ -44,6 +44,20 @@ def test_a_one_dimensional_prompt_tensor_is_not_one_prompt_per_token(tiny):
     assert len(outs) == 1 and outs[0].prompt_token_ids == [5, 6, 7] and len(outs[0].token_ids) == 2
 
 
+def test_one_seed_shared_by_repeated_prompts_is_named(tiny, caplog):
+    """A GRPO-style group drawn with one seeded SamplingParams is one sample repeated (no variance,
+    nothing to learn): generate says so; a seed per request draws different samples, unwarned."""
+    engine, group = _engine(tiny), [[5, 6, 7]] * 4
+    with caplog.at_level("WARNING", logger="parity.engine.engine"):
+        same = engine.generate(group, SamplingParams(max_tokens=8, seed=3))
+    assert len({tuple(o.token_ids) for o in same}) == 1
+    assert "one SamplingParams with seed=3 for repeated prompts" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="parity.engine.engine"):
+        own = engine.generate(group, [SamplingParams(max_tokens=8, seed=i) for i in range(4)])
+    assert len({tuple(o.token_ids) for o in own}) > 1 and "repeated prompts" not in caplog.text
+
+
 def test_trajectory_fields_are_checked_by_what_they_mean():
     merged = TrajectoryBatch([_traj(group_id=1), _traj(group_id=2)])  # the control: two groups
     assert merged.group_ids.tolist() == [1, 2]

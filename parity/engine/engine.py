@@ -57,6 +57,14 @@ def _sampling_params(params, tokenizer, vocab_size: int) -> SamplingParams:
     return params
 
 
+def _repeats(prompts: list) -> bool:
+    """Whether a prompt occurs twice (prompts that cannot be compared count as different)."""
+    try:
+        keys = {tuple(p.tolist() if isinstance(p, torch.Tensor) else p) for p in prompts}
+    except TypeError:  # (a bad prompt: generate reports it as that request's error)
+        return False
+    return len(keys) < len(prompts)
+
 class Engine:
     def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_tokens: int | None = None, tokenizer=None, seed: int = 0,
@@ -352,6 +360,10 @@ class Engine:
                              f"{type(prompts).__name__} (wrap one prompt in a list)")
         prompts = list(prompts)  # (a generator was a TypeError: no len())
         if params is None or isinstance(params, SamplingParams):
+            if params is not None and params.seed is not None and params.temperature > 0 \
+                    and _repeats(prompts):  # (a GRPO group drawn so has no variance: nothing to learn)
+                log.warning("generate: one SamplingParams with seed=%d for repeated prompts: their samples "
+                            "are identical (give each request its own seed)", params.seed)
             params = [params or SamplingParams()] * len(prompts)
         elif isinstance(params, (dict, str, bytes)) or not hasattr(params, "__iter__"):
             raise InputError(f"generate: params must be a SamplingParams or a list of them, "
