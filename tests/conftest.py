@@ -18,6 +18,25 @@ DEVICE = os.environ.get("PARITY_TEST_DEVICE", "cpu")
 """Where the shared models live (and so where the bitwise suite runs)."""
 
 
+def _share_the_cores() -> None:
+    """Give each pytest-xdist worker its share of the cores, for itself and the processes it starts.
+
+    Every worker's torch otherwise takes all the cores, so two workers on 2 cores ran 4 OpenMP
+    threads that spin at each barrier waiting for a thread descheduled by the other worker: small
+    kernels ran ~10x slower (the thousand generated cases: 6 s alone, 58 s in the suite), and the
+    suite took 652 s instead of 442 s on 2 cores. An OMP_NUM_THREADS set by the user wins.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the runs, sandboxes and Ray processes tests start
+    torch.set_num_threads(threads)
+
+
+_share_the_cores()
+
+
 @functools.lru_cache(maxsize=32)
 def cached_model(preset: str, kernels: str, dtype_name: str, seed: int, std: float):
     cfg = parity.ModelConfig.preset(preset)
