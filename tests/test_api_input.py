@@ -172,3 +172,34 @@ def test_rope_scaling_must_be_finite():
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="rope_scaling.factor must be a positive finite number"):
             parity.ModelConfig.preset("tiny-llama", rope_scaling={**base, "factor": bad})
+
+
+def test_model_forward_checks_its_tokens_and_positions_on_the_cpu(tiny):
+    """`Model.forward` called directly (the engine and `sequence_logprobs` check first): ids outside
+    the vocabulary and positions past max_position_embeddings were torch's IndexError from inside
+    the embedding or the RoPE table."""
+    def forward(tokens):
+        with torch.no_grad():
+            return tiny(parity.ForwardBatch.build([torch.tensor(tokens)], [0], tiny.block_size))
+    with pytest.raises(InputError, match=r"Model.forward: token id 200 is outside the vocabulary \(vocab"):
+        forward([5, 200, 3])
+    with pytest.raises(InputError, match=r"positions 0..599 are outside 0..511 \(max_position_embeddings"):
+        forward([1] * 600)
+    assert forward([5, 127, 3]).shape == (3, tiny.config.hidden_size)  # the control
+    assert forward([1] * 512).shape == (512, tiny.config.hidden_size)
+
+
+def test_a_config_changed_after_construction_is_checked_when_the_model_is_built():
+    """`ModelConfig` checks its fields on construction; one set afterwards was built as given (a
+    negative vocabulary was the allocator's error, heads that do not divide a shape error deep in
+    the build)."""
+    for field, bad, message in (("vocab_size", -3, "vocab_size must be a positive integer"),
+                                ("num_attention_heads", 5, "num_key_value_heads=2 does not divide"),
+                                ("rms_norm_eps", float("nan"), "rms_norm_eps must be a positive finite")):
+        cfg = parity.ModelConfig.preset("tiny")
+        setattr(cfg, field, bad)
+        with pytest.raises(ConfigError, match=message):
+            parity.Model(cfg)
+    cfg = parity.ModelConfig.preset("tiny")
+    cfg.num_hidden_layers = 3  # the control: a valid change builds
+    assert len(parity.Model(cfg).model.layers) == 3

@@ -106,6 +106,7 @@ class Model(nn.Module):
             raise ConfigError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)} (or float64 for "
                               f"references), got {dtype!r}")
         device = check_device(device)
+        config.__post_init__()  # again: fields set after construction are checked before the build
         self.config = config
         self._backend = check_backend(kernels)
         self.block_size = block_size
@@ -185,6 +186,13 @@ class Model(nn.Module):
             raise InputError(f"{where}: token id {bad} is outside the vocabulary "
                              f"(vocab_size={self.config.vocab_size})")
 
+    def _check_batch(self, batch: ForwardBatch) -> None:
+        self.check_tokens(batch.input_ids, "Model.forward")
+        most, pos = self.config.max_position_embeddings, batch.positions
+        if pos.numel() and not 0 <= int(pos.min()) <= int(pos.max()) < most:
+            raise InputError(f"Model.forward: positions {int(pos.min())}..{int(pos.max())} are outside "
+                             f"0..{most - 1} (max_position_embeddings={most})")
+
     def _fused(self, layer: int, kind: str, parts: list[torch.Tensor]) -> torch.Tensor:
         """Concatenated projection weight (QKV or gate/up): one GEMM instead of several.
 
@@ -250,6 +258,8 @@ class Model(nn.Module):
         cfg, K = self.config, self.kernels
         device = self.model.embed_tokens.weight.device
         batch = batch.to(device)
+        if device.type == "cpu":  # (torch's IndexError; on a GPU this check would sync every forward,
+            self._check_batch(batch)  # and the engine and sequence_logprobs check their input first)
         if self.rope_cos.device != device:  # plain attributes: `.to(device)` does not move them
             self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
         if cache is None and batch.k_index is None:
