@@ -87,6 +87,11 @@ class Backbone(nn.Module):
 class Model(nn.Module):
     """Causal LM of any supported family. `kernels` is 'aligned' or 'standard'; weights live in `dtype`."""
 
+    check_inputs: bool = True
+    """`forward` checks its token ids and positions on the CPU (on a GPU that would sync every forward;
+    the engine and `sequence_logprobs` check their input first). `parity compile`, which counts the
+    host syncs a GPU forward would make, turns it off on its CPU-tensor models."""
+
     def __init__(self, config: ModelConfig, kernels: str = "aligned",
                  dtype: torch.dtype = torch.float32, seed: int | None = 0,
                  block_size: int = DEFAULT_BLOCK_SIZE, device: torch.device | str | None = None):
@@ -258,8 +263,8 @@ class Model(nn.Module):
         cfg, K = self.config, self.kernels
         device = self.model.embed_tokens.weight.device
         batch = batch.to(device)
-        if device.type == "cpu":  # (torch's IndexError; on a GPU this check would sync every forward,
-            self._check_batch(batch)  # and the engine and sequence_logprobs check their input first)
+        if self.check_inputs and device.type == "cpu":  # (torch's IndexError)
+            self._check_batch(batch)
         if self.rope_cos.device != device:  # plain attributes: `.to(device)` does not move them
             self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
         if cache is None and batch.k_index is None:
