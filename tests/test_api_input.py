@@ -92,6 +92,14 @@ def test_the_learner_steps_under_no_grad_and_refuses_what_it_cannot_train():
     assert learner.version == 1 and metrics["train/loss"] == metrics["train/loss"]
     with pytest.raises(InputError, match="policy version 5 in the batch is ahead of the learner's 1"):
         learner.step(TrajectoryBatch([_traj(policy_versions=[-1, -1, 5])]))
+    lagged = Learner(parity.Model(parity.ModelConfig.preset("tiny"), seed=3), parity.rl.LearnerConfig(
+        max_policy_lag=1))  # (a batch past the bound trained silently, its decomposition dropped)
+    for _ in range(2):
+        lagged.step(TrajectoryBatch([_traj(policy_versions=[-1, -1, lagged.version])] * 2))
+    with pytest.raises(InputError, match="policy version 0 in the batch is 2 behind the learner's 2, beyond "
+                                         "max_policy_lag=1"):
+        lagged.step(TrajectoryBatch([_traj(policy_versions=[-1, -1, 0])]))
+    assert lagged.step(TrajectoryBatch([_traj(policy_versions=[-1, -1, 1])]))["lag/max"] == 1  # the control
     with pytest.raises(InputError, match="takes a TrajectoryBatch, got list"):
         learner.step([_traj()])
     frozen = parity.Model(parity.ModelConfig.preset("tiny"), seed=3).requires_grad_(False)

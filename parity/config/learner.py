@@ -65,7 +65,8 @@ class LearnerConfig:
     """Optimisation and diagnostics settings; validated on construction."""
 
     loss: str = "reinforce_zero"
-    """Objective: reinforce_zero, tis, icepop, mis, seq_gate, ppo_clip or on_policy."""
+    """Objective: reinforce_zero, tis, icepop, mis, seq_gate, ppo_clip or on_policy (no importance
+    weight: with max_policy_lag > 0, the uncorrected baseline, biased by the lag)."""
     lr: float = 1e-4
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0

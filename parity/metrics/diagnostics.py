@@ -27,7 +27,7 @@ def mismatch_stats(learner_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: tor
         f"{prefix}/max_abs": float(delta.abs().max()),
         f"{prefix}/mean_abs": float(delta.abs().mean()),
         f"{prefix}/k1": float((rlp - lp).mean()),
-        f"{prefix}/k3": float((log_w.exp() - 1 - log_w).mean()),
+        f"{prefix}/k3": float((torch.expm1(log_w) - log_w).mean()),  # (exp(d) - 1 - d lost d ~ 1e-8)
         f"{prefix}/frac_differ": float((delta != 0).double().mean()),
     }
 

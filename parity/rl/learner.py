@@ -32,6 +32,7 @@ from ..metrics.diagnostics import (
 )
 from ..model import scored_routing, sequence_logprobs
 from ..model.logprobs import check_sequence
+from .grad_norm import clip_gradients
 from .losses import get_loss, group_advantages, load_balancing_loss
 from .trajectory import TrajectoryBatch, pad_routing
 
@@ -227,7 +228,7 @@ class Learner:
             stats["mismatch/kernel_max_abs"] = float(kernel[covered].abs().max())
             stats["mismatch/kernel_mean_abs"] = float(kernel[covered].abs().mean())
             d = kernel[covered].double()  # rollout-to-learner KL (k3) at the version that sampled
-            stats["mismatch/kernel_k3"] = float((d.exp() - 1 - d).mean())
+            stats["mismatch/kernel_k3"] = float((torch.expm1(d) - d).mean())
             stats["mismatch/weight_lag_max_abs"] = float(lag_part[covered].abs().max())
             stats["mismatch/weight_lag_mean_abs"] = float(lag_part[covered].abs().mean())
             stats["mismatch/decomposed_frac"] = float(covered.sum() / batch.mask.sum())
@@ -256,8 +257,7 @@ class Learner:
         the update (weights untouched), saves the batch to `dump_dir`, and says so."""
         if not isinstance(batch, TrajectoryBatch):  # (a list of Trajectory was an AttributeError)
             raise InputError(f"Learner.step takes a TrajectoryBatch, got {type(batch).__name__}")
-        if batch.versions.numel() and (ahead := int(batch.versions.max())) > self.version:  # (a lag < 0)
-            raise InputError(f"policy version {ahead} in the batch is ahead of the learner's {self.version}")
+        batch.check_versions(self.version, self.config.max_policy_lag)
         cfg, t0 = self.config, time.perf_counter()
         self.last_kernel_delta = None  # set by this step's decomposition, if it runs
         adv_std = cfg.loss == "ppo_clip" and cfg.loss_config.ppo_std_adv
@@ -319,7 +319,7 @@ class Learner:
             return metrics
         if cfg.decompose_every and self.steps % cfg.decompose_every == 0:
             metrics.update(self.decompose(batch, learner_lp, learner_routing))  # pre-update weights
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.master, cfg.max_grad_norm)
+        grad_norm = clip_gradients(self.master, cfg.max_grad_norm)
         metrics["train/grad_norm"] = float(grad_norm)  # before clipping
         # diagnostics are about the weights that computed this step's loss (before the update),
         # and computed before it: whatever fails here leaves the learner as it was

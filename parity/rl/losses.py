@@ -27,7 +27,8 @@ from ..errors import ConfigError
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False,
                      eps: float = 1e-6, included: torch.Tensor | None = None) -> torch.Tensor:
-    """A_i = R_i − mean(R over i's group) (optionally divided by the group's std + eps); exactly 0
+    """A_i = R_i − mean(R over i's group) (optionally divided by the group's population std + eps,
+    not the sample std some GRPO code divides by: 1e-6 of reward gap reads as ±0.33); exactly 0
     for a group whose rewards are all equal (in float32 the mean of n equal rewards such as 0.1
     may round off them, and the std division would blow that up to a signal). Responses not
     `included` (a bool [B]) get 0 and are left out of their group's mean and std."""
@@ -68,7 +69,8 @@ def _response_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _objective(per_token: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
     """−(1/N) Σ_i A_i (1/|y_i|) Σ_t per_token_it — shared by every loss so that identical
-    per-token values give bit-identical gradients."""
+    per-token values give bit-identical gradients. N is the whole batch, as the formula has it:
+    responses with A = 0 or left out (engine errors) count, so they shrink the step."""
     return -(_response_mean(per_token, mask) * adv).mean()
 
 
@@ -89,7 +91,8 @@ def _ratio(count: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
 
 
 def reinforce_zero(lp, rollout_lp, mask, adv, cfg: LossConfig):
-    """L = −(1/N) Σ_i (1/|y_i|) Σ_t w_it A_i, w unclipped: gradient w·A·∇log π. No gates."""
+    """L = −(1/N) Σ_i (1/|y_i|) Σ_t w_it A_i, w unclipped: gradient w·A·∇log π. No gates. A
+    live token whose log w passes ~88 makes the loss inf, and the learner skips that step."""
     log_w, live = _log_weights(lp, rollout_lp, mask, adv)
     return _objective(_weights(log_w, live), mask, adv), {}
 
@@ -151,7 +154,9 @@ def seq_gate(lp, rollout_lp, mask, adv, cfg: LossConfig):
 
 def ppo_clip(lp, rollout_lp, mask, adv, cfg: LossConfig):
     """GRPO-style PPO clip on the ratio to the rollout policy:
-    L = −(1/N) Σ_i (1/|y_i|) Σ_t min(w_it A_i, clip(w_it, 1 − ε, 1 + ε) A_i)."""
+    L = −(1/N) Σ_i (1/|y_i|) Σ_t min(w_it A_i, clip(w_it, 1 − ε, 1 + ε) A_i). `loss/frac_clipped`
+    is the share of tokens whose w lies outside [1 − ε, 1 + ε], whether or not the min takes the
+    clipped term there; with A < 0 the min is unbounded above (no dual clip)."""
     log_w, live = _log_weights(lp, rollout_lp, mask, adv)
     a = adv.unsqueeze(1)
     with torch.no_grad():

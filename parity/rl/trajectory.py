@@ -178,6 +178,19 @@ class TrajectoryBatch:
     def sequences(self) -> list[list[int]]:
         return [t.token_ids for t in self.trajectories]
 
+    def check_versions(self, learner_version: int, max_lag: int) -> None:
+        """Refuse sampled tokens of a version ahead of the learner's (a negative lag) or more than
+        `max_lag` behind it (they were trained without the decomposition, past the promised bound)."""
+        sampled = self.versions[self.mask > 0]
+        if not sampled.numel():
+            return
+        if (newest := int(sampled.max())) > learner_version:
+            raise InputError(f"policy version {newest} in the batch is ahead of the learner's "
+                             f"{learner_version}")
+        if learner_version - (oldest := int(sampled.min())) > max_lag:
+            raise InputError(f"policy version {oldest} in the batch is {learner_version - oldest} behind the "
+                             f"learner's {learner_version}, beyond max_policy_lag={max_lag}")
+
     def select(self, index: Sequence[int], validate: bool = True) -> TrajectoryBatch:
         return TrajectoryBatch([self.trajectories[i] for i in index], validate=validate)
 

@@ -150,13 +150,14 @@ def test_bf16_micro_batch_gradients_are_summed_in_float32(monkeypatch):
     in_bf16 = [sum((x.bfloat16() for x in g[1:]), g[0].bfloat16()).float() for g in zip(*parts)]
     assert not all(torch.equal(a, b) for a, b in zip(expected, in_bf16))  # the control differs
     seen = {}
-    clip = torch.nn.utils.clip_grad_norm_
+    import parity.rl.learner as learner_module
+    clip = learner_module.clip_gradients
 
     def capture(params, max_norm):
         seen["grads"] = [q.grad.clone() for q in params]
         return clip(params, max_norm)
 
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", capture)
+    monkeypatch.setattr(learner_module, "clip_gradients", capture)
     Learner(model(dtype=torch.bfloat16, seed=7), config).step(batch)
     assert all(g.dtype == torch.float32 for g in seen["grads"])
     assert all(torch.equal(a, b) for a, b in zip(seen["grads"], expected))
@@ -235,6 +236,43 @@ def test_an_update_that_overflows_the_weights_is_refused_not_published(tmp_path)
     for refused in (learner.publish, lambda: checkpoint.save(tmp_path, 1, learner.model, learner)):
         with pytest.raises(parity.ParityError, match="failed part-way"):
             refused()
+
+
+def test_finite_gradients_whose_norm_overflows_float32_are_clipped_not_zeroed(monkeypatch):
+    """A live token the rollout gave log-prob -60 (log w ~ 60, unclipped under REINFORCE Zero):
+    loss and gradients finite, their float32 sum of squares not. `clip_grad_norm_` returned inf
+    and zeroed every gradient, and AdamW moved the weights on momentum alone with nothing
+    reported. The norm is now measured in float64 and the gradients clipped to max_norm. The
+    control: torch's clip on the same gradients gives inf and zeros."""
+    m = model(seed=0)
+    learner = Learner(m, LearnerConfig(lr=1e-3, decompose_every=0))
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6, 7]]
+    lps = [x.detach() for x in parity.sequence_logprobs(m, seqs)]
+
+    def batch(shift):
+        rollout = [[0, 0, *lp[1:-1].tolist(), float(lp[-1]) - shift] for lp in lps]
+        v = learner.version
+        return TrajectoryBatch([Trajectory(s, [0, 0, 1, 1, 1], r, [-1, -1, v, v, v], float(i), 0)
+                                for i, (s, r) in enumerate(zip(seqs, rollout))])
+    learner.step(batch(0.0))  # (gives AdamW a momentum)
+    grads = {}
+    real_clip = torch.nn.utils.clip_grads_with_norm_
+
+    def keep(params, max_norm, norm, *a, **k):  # the gradients as clipping got them
+        grads["before"] = [p.grad.clone() for p in params if p.grad is not None]
+        real_clip(params, max_norm, norm, *a, **k)
+        grads["after"] = [p.grad.double() for p in params if p.grad is not None]
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", keep)
+    metrics = learner.step(batch(60.0))
+    assert "train/skipped_nonfinite" not in metrics and math.isfinite(metrics["train/loss"])
+    assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 1e20
+    clipped = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads["after"]]))
+    assert 0.99 * learner.config.max_grad_norm < float(clipped) <= 1.01 * learner.config.max_grad_norm
+    control = [torch.nn.Parameter(g.clone()) for g in grads["before"]]
+    for p, g in zip(control, grads["before"]):
+        p.grad = g.clone()
+    assert torch.nn.utils.clip_grad_norm_(control, learner.config.max_grad_norm) == math.inf
+    assert all(not p.grad.any() for p in control)
 
 
 @given(st.lists(st.integers(1, 50), max_size=30), st.integers(1, 8), st.integers(0, 120))

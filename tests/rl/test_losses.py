@@ -1,4 +1,5 @@
-"""Each objective against a hand computation (value and gradient) on a tiny batch."""
+"""Each objective against a hand computation (value and gradient) on a tiny batch, and the KL
+estimate the step reports beside them."""
 
 from __future__ import annotations
 
@@ -189,3 +190,17 @@ def test_unknown_loss_and_bad_config():
         LossConfig(mis_level="seq")
     with pytest.raises(ConfigError, match="mis_cap must be > 0"):
         LossConfig(mis_cap=0.0)
+
+
+def test_k3_sees_one_ulp_gaps():
+    """k3 = mean(w - 1 - log w) read exactly 0 for float32 log-probs one ulp apart near 0 (exp(d) - 1
+    cancels d ~ 1e-8 in float64), so a zero k3 did not mean equal log-probs; now expm1(d) - d. The
+    control: identical log-probs still give exactly 0."""
+    from parity.metrics.diagnostics import mismatch_stats
+    lp = torch.full((1, 1000), -1e-7)
+    near = torch.nextafter(lp, torch.zeros(()))  # one float32 ulp towards 0
+    mask = torch.ones(1, 1000)
+    k3 = mismatch_stats(near, lp, mask)["mismatch/k3"]
+    d = float(near[0, 0].double() - lp[0, 0].double())
+    assert k3 > 0 and math.isclose(k3, d * d / 2, rel_tol=1e-6)
+    assert mismatch_stats(lp, lp.clone(), mask)["mismatch/k3"] == 0.0
