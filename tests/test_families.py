@@ -297,6 +297,41 @@ def test_a_qwen3_with_attention_bias_or_a_llama_with_mlp_bias_is_refused(tmp_pat
             parity.load_model(tmp_path / family)
 
 
+def test_what_a_review_found_read_otherwise_is_refused_or_kept(tmp_path):
+    """(2026-12-05, ninth session) A qwen3_moe with sliding windows on loaded as full attention
+    (transformers 5 slides every layer of this family, 4 from max_window_layers on: 2.47 nats off on
+    40 tokens); a partial_rotary_factor was kept and the rotary run in full; a pytorch_model.bin
+    checkpoint was 'model.safetensors not found'; a tied file whose config leaves
+    tie_word_embeddings out said only 'missing lm_head'; attention_dropout 0.1 was saved back as
+    0.0. The controls: the same checkpoints without the edits load."""
+    def edited(family, name, tied=False, **edit):
+        hf_model(family, tied=tied).save_pretrained(tmp_path / name)
+        path = tmp_path / name / "config.json"
+        cfg = {**json.loads(path.read_text()), **edit}
+        path.write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+        return tmp_path / name
+    parity.load_model(edited("qwen3_moe", "moe", use_sliding_window=False, sliding_window=4))  # control
+    for i, more in enumerate(({}, {"max_window_layers": 48}, {"layer_types": ["full_attention"] * 3})):
+        with pytest.raises(CheckpointError, match="sliding-window attention .* transformers 5 slides every"):
+            parity.load_model(edited("qwen3_moe", f"moe{i}", use_sliding_window=True, sliding_window=4,
+                                     **more))
+    parity.load_model(edited("llama", "rotary", partial_rotary_factor=1.0))  # control
+    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.5 is not supported"):
+        parity.load_model(edited("llama", "partial", partial_rotary_factor=0.5))
+    hf = hf_model("qwen2")
+    hf.config.save_pretrained(tmp_path / "bin")
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="weights file not found .pytorch_model.bin is there: "
+                                              "parity reads safetensors only"):
+        parity.load_model(tmp_path / "bin")
+    with pytest.raises(CheckpointError, match="missing tensor lm_head.weight; config.json has no "
+                                              "tie_word_embeddings, read as false"):
+        parity.load_model(edited("qwen2", "untied", tied=True, tie_word_embeddings=None))
+    parity.load_model(edited("qwen2", "tied", tied=True))  # control
+    parity.load_model(edited("qwen3", "dropout", attention_dropout=0.1)).save_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["attention_dropout"] == 0.1
+
+
 # ---------------------------------------------------------------------------- MoE
 def _moe(kernels: str, seed: int = 0):
     model = parity.Model(parity.ModelConfig.preset("tiny-moe"), kernels=kernels, seed=seed)

@@ -78,7 +78,11 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         if not f.exists():
-            raise CheckpointError(f"{f}: weights file not found")
+            pickled = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+                       if (path / n).exists()]
+            raise CheckpointError(f"{f}: weights file not found" + (
+                f" ({pickled[0]} is there: parity reads safetensors only; resave with transformers' "
+                "save_pretrained, which writes them)" if pickled else ""))
         try:
             shard = load_file(str(f))
         except (SafetensorError, OSError, ValueError) as exc:

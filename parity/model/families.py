@@ -161,6 +161,13 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                           "load a dequantized (float32/bfloat16/float16) checkpoint")
     if data.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers: the same function)
         raise ConfigError(f"{where}: hidden_act {data['hidden_act']!r} is not supported (only 'silu')")
+    if data.get("partial_rotary_factor") not in (None, 1, 1.0):  # (was kept in `extra`, rotated in full)
+        raise ConfigError(f"{where}: partial_rotary_factor {data['partial_rotary_factor']!r} is not "
+                          "supported (parity rotates every head dimension)")
+    sliding = data.get("use_sliding_window") and data.get("sliding_window") is not None
+    if model_type == "qwen3_moe" and sliding:
+        raise ConfigError(f"{where}: sliding-window attention (use_sliding_window=true) is not supported; "
+                          "transformers 5 slides every qwen3_moe layer, 4 from max_window_layers on")
     layer_types = data.get("layer_types")
     if layer_types is None:  # transformers derives them (and then follows layer_types alone)
         if _sliding_layers(data, str(where)):
@@ -203,7 +210,7 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         raise ConfigError(f"{where}: {exc}") from None
 
 
-_WRITTEN = {"model_type", "architectures", "hidden_act", "attention_bias", "attention_dropout", "rope_theta",
+_WRITTEN = {"model_type", "architectures", "hidden_act", "attention_bias", "rope_theta",
             "rope_scaling", "rope_parameters", "use_sliding_window", "sliding_window", "layer_types",
             "mlp_bias", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
             "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
@@ -219,8 +226,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
         "tie_word_embeddings", "bos_token_id", "eos_token_id")})
-    out.update(model_type=cfg.model_type, architectures=[arch], hidden_act="silu", attention_dropout=0.0,
+    out.update(model_type=cfg.model_type, architectures=[arch], hidden_act="silu",
                rope_scaling=cfg.rope_scaling)
+    out.setdefault("attention_dropout", 0.0)  # (a checkpoint's own value is kept; parity trains without)
     if cfg.model_type != "qwen2":
         out["attention_bias"] = False
     if cfg.model_type in ("qwen3", "qwen3_moe", "qwen2"):

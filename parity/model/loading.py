@@ -70,8 +70,10 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
                                   "but config.json says tie_word_embeddings=true")
     missing = sorted(set(expected) - set(tensors))
     if missing:
+        untied = missing == ["lm_head.weight"] and "tie_word_embeddings" not in raw
         raise CheckpointError(f"{weights_file}: missing tensor {missing[0]}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                              + ("; config.json has no tie_word_embeddings, read as false" if untied else ""))
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise CheckpointError(f"{weights_file}: unexpected tensor {unexpected[0]} for this config")
