@@ -11,9 +11,9 @@ can run several turns, with environment tokens appended between them (`continue_
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -25,6 +25,7 @@ from ..errors import InputError
 from ..model.kv_cache import KVCache
 from ..model.logprobs import check_model, token_list
 from .block_manager import BlockManager
+from .calls import decode_failed, one_thread, repeats, sampling_params
 from .memory import DEFAULT_KV_CACHE_MEMORY, memory_budget
 from .model_runner import ModelRunner
 from .sampler import Sampler
@@ -35,35 +36,6 @@ log = logging.getLogger(__name__)
 
 WEIGHT_MODES = ("inflight", "drain")
 
-def _decode_failed(seq: Sequence, err: Exception) -> str:
-    """The one-line error of a request whose text the engine's tokenizer could not decode."""
-    return f"request {seq.request_id}: tokenizer.decode failed on its tokens: {type(err).__name__}: {err}"
-
-
-def _sampling_params(params, tokenizer, vocab_size: int) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
-    params = copy.deepcopy(params)  # the request's own: the caller may change or reuse theirs
-    params.validate()  # (fields changed since construction were sampled with unchecked)
-    if params.stop_strings and tokenizer is None:  # (they were silently never matched)
-        raise InputError("SamplingParams.stop_strings need an engine with a tokenizer (Engine(..., "
-                         "tokenizer=...)); stop_token_ids work without one")
-    outside = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
-    if outside:  # (accepted, and never matched)
-        raise InputError(f"SamplingParams.stop_token_ids: {outside[0]} is outside the vocabulary "
-                         f"(0..{vocab_size - 1})")
-    return params
-
-
-def _repeats(prompts: list) -> bool:
-    """Whether a prompt occurs twice (prompts that cannot be compared count as different)."""
-    try:
-        keys = {tuple(p.tolist() if isinstance(p, torch.Tensor) else p) for p in prompts}
-    except TypeError:  # (a bad prompt: generate reports it as that request's error)
-        return False
-    return len(keys) < len(prompts)
 
 class Engine:
     def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
@@ -118,6 +90,7 @@ class Engine:
         self.step_times: deque[float] = deque(maxlen=100_000)  # (a long-lived engine's grew for good)
         self._unchecked: list[Sequence] = []  # sampled, stop check not yet run (an interrupt came)
         self._finished: list[RequestOutput] = []  # finished, not yet returned by step()
+        self._lock, self._in_before_step = threading.RLock(), False  # `calls.one_thread`
 
     def describe_cache(self) -> str:
         """The cache's capacity in one line (what the commands print at start-up)."""
@@ -134,12 +107,13 @@ class Engine:
             raise InputError(f"{what}: token id {bad[0]} is outside the vocabulary (vocab_size={vocab})")
         return ids
 
+    @one_thread()
     def add_request(self, prompt: Seq[int], params: SamplingParams | None = None,
                     multi_turn: bool = False) -> int:
         """Queue a request; returns its id. Raises `InputError` for a bad prompt."""
         if not isinstance(multi_turn, bool):  # ('no' was true: the request paused, holding its cache)
             raise InputError(f"multi_turn must be True or False, got {multi_turn!r}")
-        params = _sampling_params(params, self.tokenizer, self.model.config.vocab_size)
+        params = sampling_params(params, self.tokenizer, self.model.config.vocab_size)
         ids = self._check_tokens(prompt, "prompt")
         limit = self.model.config.max_position_embeddings
         if not ids:
@@ -158,6 +132,7 @@ class Engine:
         self.scheduler.add(seq)
         return rid
 
+    @one_thread()
     def continue_request(self, request_id: int, env_tokens: Seq[int],
                          params: SamplingParams | None = None) -> None:
         """Append environment tokens (loss_mask 0) to a paused multi-turn request and let it
@@ -166,7 +141,7 @@ class Engine:
         if seq is None or seq.status is not Status.PAUSED:
             raise InputError(f"request {request_id}: not a paused multi-turn request")
         if params is not None:  # (checked before the request changes: a retry appended twice)
-            params = _sampling_params(params, self.tokenizer, self.model.config.vocab_size)
+            params = sampling_params(params, self.tokenizer, self.model.config.vocab_size)
         ids = self._check_tokens(env_tokens, f"request {request_id} environment tokens")
         if len(seq) + len(ids) >= self.model.config.max_position_embeddings:
             raise InputError(f"request {request_id}: {len(seq)} tokens so far and {len(ids)} environment "
@@ -182,6 +157,7 @@ class Engine:
         seq.finish_reason = None
         self.scheduler.resume(seq)
 
+    @one_thread()
     def release(self, request_id: int) -> RequestOutput:
         """Finish a (paused) request for good and free its cache."""
         if request_id not in self.seqs:
@@ -191,15 +167,18 @@ class Engine:
         return self._output(seq)
 
     # ------------------------------------------------------------------ weights
+    @one_thread(in_before_step=True)
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int,
-                       mode: str = "inflight") -> None:
+                       mode: str = "inflight", copy: bool = True) -> None:
         """Load new weights tagged `version`. `inflight`: running sequences continue on them from
         their next token, KV cache kept (the tokens sampled over keys and values of older weights
         say so in `cache_versions`). `drain`: no new turn starts until the turns under way
         (running, or preempted mid-turn) finish on the old weights; then the new weights are
         loaded and every other cache (paused or continued turns) is recomputed under them. An
         update while another waits is merged into it (a partial state keeps the earlier one's
-        other tensors)."""
+        other tensors). A drain that waits keeps a copy of `state` (`copy=False`: the caller's
+        tensors, which must then stay unchanged until they load; a learner stepping them in place
+        had its later weights loaded under this version)."""
         if mode not in WEIGHT_MODES:
             raise InputError(f"unknown weight update mode {mode!r}: expected one of {WEIGHT_MODES}")
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:  # (tagged tokens)
@@ -221,10 +200,13 @@ class Engine:
             if not torch.isfinite(value.to(params[name].dtype)).all():  # (1e39 is inf in float32)
                 raise InputError(f"update_weights: tensor {name} contains NaN or inf in the model's "
                                  f"{params[name].dtype}")
+        waits = mode == "drain" and self.scheduler.started()
+        if waits and copy:
+            state = {k: v.detach().clone() for k, v in state.items()}
         if self._pending is not None:  # one waits already: nothing of it may be lost
             pending, _ = self._pending
             state = {**pending, **state}
-        if mode == "inflight" or not self.scheduler.started():
+        if not waits:
             self._load(state, version, drained=mode == "drain")
         else:
             self._pending = (state, version)
@@ -265,6 +247,7 @@ class Engine:
             return "length"
         return None
 
+    @one_thread()
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward and sample; return requests that finished or paused."""
         if self._unchecked or self._finished:  # a step an interrupt cut short: its checks first
@@ -316,7 +299,7 @@ class Engine:
             try:
                 reason, error = self._stop_reason(seq, seq.token_ids[-1]), None
             except Exception as err:  # noqa: BLE001 - the tokenizer failed on this text: this request
-                reason, error = "error", _decode_failed(seq, err)  # fails, the batch's others go on
+                reason, error = "error", decode_failed(seq, err)  # fails, the batch's others go on
             if reason is not None:
                 seq.finish_reason = reason
                 out = self._output(seq)
@@ -338,9 +321,10 @@ class Engine:
             try:  # (its tokens and log-probs stand; the text is missing and the output says why)
                 out.text = self.tokenizer.decode(out.token_ids)
             except Exception as err:  # noqa: BLE001 - any failure of a user's tokenizer
-                out.error = _decode_failed(seq, err)
+                out.error = decode_failed(seq, err)
         return out
 
+    @one_thread()
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  before_step=None) -> list[RequestOutput]:
         """Run prompts to completion. A bad prompt gets an output with `error` set while the
@@ -361,7 +345,7 @@ class Engine:
         prompts = list(prompts)  # (a generator was a TypeError: no len())
         if params is None or isinstance(params, SamplingParams):
             if params is not None and params.seed is not None and params.temperature > 0 \
-                    and _repeats(prompts):  # (a GRPO group drawn so has no variance: nothing to learn)
+                    and repeats(prompts):  # (a GRPO group drawn so has no variance: nothing to learn)
                 log.warning("generate: one SamplingParams with seed=%d for repeated prompts: their samples "
                             "are identical (give each request its own seed)", params.seed)
             params = [params or SamplingParams()] * len(prompts)
@@ -385,7 +369,11 @@ class Engine:
                     results[i] = RequestOutput(-1, prompt_ids, [], [], [], [], [], "error", error=str(exc))
             while any(r is None for r in results) and self.has_unfinished():
                 if before_step is not None:
-                    before_step(self)
+                    self._in_before_step = True
+                    try:
+                        before_step(self)
+                    finally:
+                        self._in_before_step = False
                 for out in self.step():
                     if out.request_id in index:
                         results[index[out.request_id]] = out

@@ -37,16 +37,29 @@ def _triton_sample():
     return _TRITON_SAMPLE[0]
 
 
+_UNSEEDED = 0x5EED0F0E4C1E7A11  # (a tag: unseeded requests' noise apart from any caller's seed)
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finaliser on a Python int (as `draws.mix`, unsigned)."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 def _keep_mask(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Boolean mask of the tokens top-k / top-p keep, from a row of log-probs [V]."""
+    """Boolean mask of the tokens top-k / top-p keep, from a row of log-probs [V]: top-k first,
+    then top-p over the k kept tokens' renormalised mass (as transformers and vLLM compose them)."""
     order = torch.argsort(logp, descending=True, stable=True)
     keep_sorted = torch.ones_like(order, dtype=torch.bool)
     if top_k > 0:
         keep_sorted[top_k:] = False
     if top_p < 1.0:
-        probs = logp[order].double().exp()
-        before = probs.cumsum(0) - probs  # mass of strictly more likely tokens
-        keep_sorted &= before < top_p
+        probs = logp[order].double().exp() * keep_sorted
+        before = probs.cumsum(0) - probs  # mass of strictly more likely kept tokens
+        keep_sorted &= before < top_p * probs.sum()
     keep = torch.zeros_like(keep_sorted)
     keep[order] = keep_sorted
     return keep
@@ -61,11 +74,12 @@ class Sampler:
         self.draws = draws
 
     def _seed(self, seq: Sequence) -> int:
-        """The request's seed; unseeded: still deterministic per (engine seed, request), within
-        the 64 bits a generator takes (engine seeds past ~1.8e13 overflowed it)."""
+        """The request's seed; unseeded: still deterministic per (engine seed, request), a 64-bit
+        hash of both, so no small seed a caller picks draws its noise (`seed * 1_000_003 + id`
+        gave request r of engine seed 0 the noise of `SamplingParams(seed=r)`)."""
         if seq.draw_seed is not None:
             return seq.draw_seed
-        return (self.seed * 1_000_003 + seq.request_id) % (1 << 64)
+        return _mix64(_mix64(self.seed ^ _UNSEEDED) + seq.request_id)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.generator is None:

@@ -33,7 +33,8 @@ class SamplingParams:
     top_k: int = 0
     """Keep only the k most likely tokens (0 = off)."""
     top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
+    """Keep the smallest set of tokens whose probability reaches top_p (1.0 = off); with top_k,
+    of the k tokens' renormalised probabilities (top-k first, as transformers and vLLM do)."""
     seed: int | None = None
     """Per-request seed: the same request, seed and weights give the same tokens in any batch."""
     stop_token_ids: list[int] = field(default_factory=list)

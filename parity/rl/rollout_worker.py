@@ -300,7 +300,7 @@ class RolloutWorker:
             state = self.held.pop(version)
             if self._planned() and self.loaded is not None and self.needed(self.version):
                 self.held[self.version] = self.loaded  # a later batch needs these weights again
-            self.engine.update_weights(state, version, mode=mode)
+            self.engine.update_weights(state, version, mode=mode, copy=False)  # (its own, unchanged)
             self.loaded = state if self._planned() else None  # kept only where a batch may need it again
             self._load_s += time.perf_counter() - t0
         for v in [v for v in self.held if not self.needed(v)]:
