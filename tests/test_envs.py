@@ -43,6 +43,10 @@ def test_expressions_and_countdown():
     assert score(p, "answer: 2*3*4") == 0.0
     assert score(p, "answer: 5+5") == 0.0  # numbers not in the pool
     assert score(p, "answer: 2+2+3+3") == 0.0  # a number used twice
+    neg = Problem("countdown", "make -3 from 4 3 1:", None, (4, 3, 1), -3)  # (4% of levels 1-3)
+    for unary in ("-3", "--3*1", "-(3)", "4-(-3)-4"):
+        assert score(neg, f"answer: {unary}") == 0.0, unary  # (a unary minus named the target)
+    assert score(neg, "answer: 1-4") == 1.0 and score(neg, "answer: (1-4)*3") == 0.0  # binary: the control
 
 
 def test_unparseable_answers_score_zero():

@@ -76,8 +76,9 @@ def _reachable_target(numbers: tuple[int, ...], rnd: random.Random) -> int:
 _EXPR = re.compile(r"^[0-9+\-*() ]{1,200}$")
 
 
-def _safe_eval(text: str) -> int | None:
-    """Integer value of an arithmetic expression (digits, + - * and parentheses only)."""
+def _safe_eval(text: str, unary: bool = True) -> int | None:
+    """Integer value of an arithmetic expression (digits, + - * and parentheses only; a unary minus
+    only with `unary`)."""
     if not _EXPR.match(text):
         return None
     tokens = re.findall(r"\d+|[+\-*()]", text)
@@ -115,7 +116,7 @@ def _safe_eval(text: str) -> int | None:
                 raise ValueError("unbalanced")
             pos += 1
             return value
-        if tok == "-":
+        if tok == "-" and unary:
             return -parse_atom()
         if tok.isdigit():
             return int(tok)
@@ -189,7 +190,8 @@ def score(problem: Problem, response: str) -> float:
             if x not in pool:
                 return 0.0
             pool.remove(x)
-        return float(bool(used) and _safe_eval(text) == problem.target)
+        # binary operators only: a unary minus made "make -3 from 4 3 1" answerable by "-3"
+        return float(bool(used) and _safe_eval(text, unary=False) == problem.target)
     found = re.findall(r"-?\d+", text)
     return float(bool(found) and int(found[-1]) == problem.answer)
 
