@@ -575,3 +575,26 @@ def test_the_calculator_example_runs_its_tool_in_the_sandbox_and_scores_the_answ
     assert env.step(wrong, tokenizer.encode(f"answer: {problem['answer'] + 1}")).reward == 0.0
     with pytest.raises(ConfigError, match=r"digits must be 1..18 or \[fewest, most\], got \[3, 2\]"):
         build_custom_env(spec, {**options, "digits": [3, 2]}, TaskContext(tokenizer, 512, 0, 4))
+
+
+def test_the_additions_example_holds_out_sums_the_base_never_trained_on(tokenizer):
+    """examples/additions.toml from `base-math` held out 100 rows of additions.jsonl, 71 of them
+    among that base's fine-tuning examples (its accuracy there was partly recall). Its held-out file
+    now lists sums of the math task's held-out set, which `parity sft` leaves out of every base's
+    training; the training rows with those prompts are left out of the example's training."""
+    from pathlib import Path
+
+    from parity.apps.sft import RECIPES
+    from parity.config.loading import read_toml
+    from parity.envs.math import MathTask
+
+    root = Path(__file__).parents[1]
+    task = read_toml(root / "examples" / "additions.toml")["task"]
+    recipe = RECIPES["base-math"]
+    never_trained = {p.prompt for p in MathTask(recipe.math_task, recipe.math_level).heldout()}
+    env = DatasetEnv(tokenizer, str(root / task["data"]), heldout_data=str(root / task["heldout_data"]))
+    held = [row["prompt"] for row in env.heldout()]
+    assert len(held) == 100 and set(held) <= never_trained
+    assert not set(held) & {row["prompt"] for row in env.problems(0, 600)}
+    rows = [json.loads(line)["prompt"] for line in open(root / task["data"])]
+    assert len(set(rows) & never_trained) < len(rows) // 20  # the control: the data itself is mostly seen
