@@ -186,7 +186,38 @@ def test_evaluate_reports_pass_at_1_and_mean_at_k(tokenizer):
     env = MathEnv(tokenizer, "add", 1, heldout_size=8)
     out = evaluate(_tiny(), env, k=2, max_tokens=6)
     assert out["eval/problems"] == 8 and 0.0 <= out["eval/pass@1"] <= 1.0
-    assert "eval/mean@2" in out and out["eval/mean@2_ci95"] >= 0.0
+    assert 0.0 <= out["eval/mean@2_lo95"] <= out["eval/mean@2"] <= out["eval/mean@2_hi95"] <= 1.0
+    assert out["eval/mean@2_hi95"] > out["eval/mean@2_lo95"]  # (± 0 at 0% before)
+
+
+def test_the_mean_at_k_interval_covers_rare_successes_and_the_extremes():
+    """Per-problem fractions of k = 8 samples on 100 problems whose success rates follow a Beta
+    law, 2,000 simulated evaluations each: with rare, skewed successes (Beta(0.05, 2), mean 2.4%)
+    the normal approximation covered the true mean 88% of the time (the control, measured here
+    alike), the effective-size Wilson interval 92%; >= 93% elsewhere; and width at 0% and 100%,
+    where the normal one gave ± 0."""
+    import math
+
+    import torch
+
+    from parity.metrics.summary import mean_at_k_interval
+
+    def normal(fr):
+        m = sum(fr) / len(fr)
+        half = 1.96 * math.sqrt(sum((f - m) ** 2 for f in fr) / (len(fr) - 1) / len(fr))
+        return m - half, m + half
+    torch.manual_seed(0)
+    for a, b, least in ((0.05, 2.0, 0.91), (0.2, 5.0, 0.93), (1.0, 1.0, 0.93), (5.0, 0.2, 0.93)):
+        rates = torch.distributions.Beta(torch.tensor(a), torch.tensor(b)).sample((2000, 100))
+        fractions = (torch.rand(2000, 100, 8) < rates.unsqueeze(2)).float().mean(2).tolist()
+        true = a / (a + b)
+        ours = sum(lo <= true <= hi for _, lo, hi in (mean_at_k_interval(f, 8) for f in fractions)) / 2000
+        assert ours >= least, (a, b, ours)
+        if a == 0.05:
+            assert sum(lo <= true <= hi for lo, hi in map(normal, fractions)) / 2000 < 0.9  # the control
+    for extreme in (0.0, 1.0):
+        mean, lo, hi = mean_at_k_interval([extreme] * 100, 8)
+        assert mean == extreme and 0.0 <= lo < hi <= 1.0 and hi - lo > 0.02
 
 
 def test_tool_rollout_with_the_real_sandbox_runs_code_out_of_process(tokenizer):

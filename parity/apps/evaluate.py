@@ -73,7 +73,8 @@ def main(args) -> int:
     rows = [["pass@1 (greedy)", pass_at_1_text(r)]]
     if args.k:
         rows.append([f"mean@{args.k} (T={args.temperature})",
-                     f"{r[f'eval/mean@{args.k}']:.1%} ± {r[f'eval/mean@{args.k}_ci95']:.1%}"])
+                     f"{r[f'eval/mean@{args.k}']:.1%} (95% CI {r[f'eval/mean@{args.k}_lo95']:.1%}-"
+                     f"{r[f'eval/mean@{args.k}_hi95']:.1%})"])
     rows += [["problems", f"{r['eval/problems']:.0f}"], ["answered", f"{r['eval/answered']:.1%}"],
              ["tool calls / episode", f"{r['eval/tool_calls']:.2f}"],
              ["tool errors / episode", f"{r['eval/tool_errors']:.2f}"]]

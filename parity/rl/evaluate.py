@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..engine import Engine, SamplingParams
 from ..envs.base import Env
 from ..errors import InputError
-from ..metrics.summary import env_metrics, mean_ci, wilson
+from ..metrics.summary import env_metrics, mean_at_k_interval, wilson
 from .rollout_worker import run_episodes
 
 
@@ -37,6 +37,6 @@ def evaluate(model, env: Env, n: int | None = None, k: int = 0, temperature: flo
         sampled = run_episodes(engine, env, [p for p in problems for _ in range(k)], params)
         per_problem = [sum(r.episode.passed for r in sampled[j * k:(j + 1) * k]) / k
                        for j in range(len(problems))]
-        mk, mk_ci = mean_ci(per_problem)
-        out.update({f"eval/mean@{k}": mk, f"eval/mean@{k}_ci95": mk_ci})
+        mk, mk_lo, mk_hi = mean_at_k_interval(per_problem, k)
+        out.update({f"eval/mean@{k}": mk, f"eval/mean@{k}_lo95": mk_lo, f"eval/mean@{k}_hi95": mk_hi})
     return out

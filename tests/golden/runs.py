@@ -20,7 +20,11 @@ autograd's sum since the lookup's rows are summed from zero first) and AdamW bec
 changed nothing: with the previous optimizer the recording matched bit for bit. Regenerated on
 2026-12-03 when the toy task's held-out set moved off training batch 1 (only `eval/...` changed),
 and for the tool run when tool output became plain characters (the random model's code echoes
-special-token text in its tracebacks, which were those tokens before).
+special-token text in its tracebacks, which were those tokens before). Regenerated on 2026-12-05
+(ninth session, an AVX2-only EPYC: the fingerprint moved there) when mean@k's interval became
+`eval/mean@k_lo95` / `_hi95` and k3 moved to expm1: against the previous recording the float32
+run changed nowhere else beyond 7e-15 (k3's last bits), the tool run nowhere, the bfloat16 run
+within 0.8% (the other machine's bf16 rounding).
 
 `tests/test_golden.py` re-runs them and compares bit for bit where the fingerprint matches,
 within a stated tolerance where it does not (native kernels and MKL follow the CPU's
