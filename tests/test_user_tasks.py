@@ -598,3 +598,35 @@ def test_the_additions_example_holds_out_sums_the_base_never_trained_on(tokenize
     assert not set(held) & {row["prompt"] for row in env.problems(0, 600)}
     rows = [json.loads(line)["prompt"] for line in open(root / task["data"])]
     assert len(set(rows) & never_trained) < len(rows) // 20  # the control: the data itself is mostly seen
+
+
+def test_a_held_out_set_larger_than_what_training_left_out_is_refused(tmp_path):
+    """The tool and math tasks hold out the first task.heldout_size problems of a fixed stream, so
+    a larger set than a checkpoint's training left out scored problems it trained on: a base
+    policy's fine-tuning leaves out 200; a run its own heldout_size, after what its start left out.
+    The controls: the same size or smaller, another task, a base that never trained the task."""
+    from parity.apps.heldout import check_unseen
+
+    base = tmp_path / "base-math"
+    base.mkdir()
+    (base / "sft.json").write_text(json.dumps({"config": {"tool_fraction": 0.0, "math_task": "add",
+                                                          "math_level": 1, "tool_use": {"mul": 1.0},
+                                                          "tool_level": 1}}))
+    run = tmp_path / "run"
+    (run / "checkpoint-5").mkdir(parents=True)
+    (run / "config.toml").write_text(f'[task]\nname = "math"\nheldout_size = 100\n\n'
+                                     f'[model]\ncheckpoint = "{base}"\n')
+
+    def check(where, **task):
+        check_unseen(config_from_dict({"model": {"checkpoint": str(where)}, "eval_prompts": 1,
+                                       "task": {"name": "math", **task}}))
+    with pytest.raises(ConfigError, match=r"task.heldout_size 300 exceeds the 200 held-out problems the base "
+                                          r"policy's fine-tuning .* problems 200..299 were training"):
+        check(base, heldout_size=300)
+    with pytest.raises(ConfigError, match=r"exceeds the 100 held-out problems the run in .* \(use at most 1"):
+        check(run / "checkpoint-5", heldout_size=150)
+    check(base, heldout_size=200)  # the controls
+    check(run / "checkpoint-5", heldout_size=100)
+    check(base, heldout_size=300, math_task="mul")
+    check_unseen(config_from_dict({"model": {"checkpoint": str(base)}, "eval_prompts": 1,
+                                   "task": {"name": "tool", "heldout_size": 300, "kinds": ["mul"]}}))

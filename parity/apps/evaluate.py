@@ -17,6 +17,7 @@ from ..model import load_model
 from ..rl import checkpoint
 from ..rl.build import build_env
 from ..rl.evaluate import evaluate
+from .heldout import check_unseen
 from .sft import resolve_base
 from .ui import table
 
@@ -58,6 +59,7 @@ def main(args) -> int:
         set_dotted(data, *parse_override(item))
     data["eval_prompts"] = args.n if args.n is not None else data["task"].get("heldout_size", 200)
     cfg = resolve_base(config_from_dict(data))
+    check_unseen(cfg)
     if not args.model and args.config:
         print(f"parity: evaluating {cfg.model.checkpoint}", file=sys.stderr if args.json else sys.stdout)
     model = load_model(cfg.model.checkpoint, kernels=cfg.model.kernels)

@@ -14,6 +14,7 @@ from ..metrics.report import write_report
 from ..metrics.summary import run_rows, step_line
 from ..ops.common import gemm_linear
 from ..rl.controller import Controller, Interrupted
+from .heldout import check_unseen
 from .sft import resolve_base
 from .ui import Progress, table
 
@@ -34,6 +35,7 @@ def main(args) -> int:
         controller = Controller(resolve_base(cfg), resume=True)
     else:
         cfg = resolve_base(load_config(args.config, args.set or []))
+        check_unseen(cfg)
         controller = Controller(cfg, overwrite=args.overwrite)
     warning = None if cfg.model.device.startswith("cuda") else \
         hardware.bf16_warning(cfg.model.dtype, linear=gemm_linear)  # (a CPU's figure, not a GPU's)

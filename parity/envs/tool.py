@@ -79,7 +79,9 @@ class ToolEnv(Env):
         if max_tool_calls < 1:
             raise ConfigError("tool task max_tool_calls must be >= 1")
         self.tokenizer = tokenizer
-        self.kinds, self.level, self.seed = tuple(kinds), level, seed
+        # sorted: the held-out set (and its name) must not hang on the order kinds are listed in
+        # (["sum", "mul"] shared none of the 200 problems the base policies' fine-tuning left out)
+        self.kinds, self.level, self.seed = tuple(sorted(kinds)), level, seed
         self.max_tool_calls, self.result_chars = max_tool_calls, result_chars
         self.name = f"tool-{'+'.join(self.kinds)}-{level}"
         self._sandbox = sandbox
