@@ -481,6 +481,10 @@ def test_a_resume_knows_when_your_tasks_files_changed(tmp_path):
     assert _changed(old, sampling_fields(config_from_dict({}))) == []
     assert _changed(old, sampling_fields(config_from_dict({"task": {"name": "custom", "env": "m:E"}}))) == \
         ["task.env", "task.name"]
+    # the run's seed draws the prompts and sampling seeds (a resume with another one trained on the
+    # batches the old seed sampled ahead, silently: a run of neither seed)
+    seed0, seed1 = (sampling_fields(config_from_dict({"seed": s})) for s in (0, 1))
+    assert _changed(seed0, seed1) == ["run.seed"] and _changed(seed0, seed0) == []
 
 
 def test_a_reward_function_judges_an_engine_steps_responses_on_several_threads(tmp_path, tokenizer, tiny):

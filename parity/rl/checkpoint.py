@@ -73,7 +73,7 @@ def sampling_fields(cfg) -> dict:
             task[f"{key}_sha256"] = digests if isinstance(value, list) else digests[0]
     return {"rollout": {k: getattr(r, k) for k in ("prompts_per_step", "group_size", "max_tokens",
                                                    "temperature", "lengths")},
-            "task": task, "model": {"kernels": cfg.model.kernels}}
+            "task": task, "model": {"kernels": cfg.model.kernels}, "run": {"seed": cfg.seed}}  # (prompts)
 
 
 def _code_files(specs) -> list[str]:

@@ -324,7 +324,11 @@ class Controller:
     @staticmethod
     def _steady(step: int, elapsed: float, eval_s: float, first: dict | None) -> dict[str, float]:
         """Training steps/hour after the first step (start-up: processes, the first batch) with
-        the in-loop evaluations' time taken out: the training-step throughput to compare runs by."""
+        the in-loop evaluations' time taken out: the training-step throughput to compare runs by.
+        At a lag above 0 the workers go on sampling (up to the bound) while the learner evaluates,
+        so those batches cost this figure nothing: it favours asynchrony by that much (a review put
+        the study's bias at <= 2%; `bench async` evaluates nothing). A resumed run's first span
+        includes its own start-up."""
         if first is None or step == first["step"]:
             return {}
         span = elapsed - first["time/wall_s"] - (eval_s - first.get("time/eval_s", 0.0))

@@ -345,7 +345,6 @@ class Learner:
         try:
             self.optimizer.step()
             self._check_finite_weights()
-            self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
             if self.compute_dtype != torch.float32:
@@ -376,6 +375,7 @@ class Learner:
         snapshot = self._snapshot()  # first: a failure here changes no count
         self.version += 1
         self.steps += 1
+        self.scheduler.step()  # (a skipped step too: it ran one step late for the rest of the run)
         self.history[self.version] = snapshot
         for v in [v for v in self.history if v < self.version - self.config.max_policy_lag]:
             del self.history[v]

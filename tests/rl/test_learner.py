@@ -210,6 +210,7 @@ def test_nonfinite_step_is_skipped_and_batch_saved(tmp_path, caplog):
     metrics = learner.step(batch)
     assert metrics["train/skipped_nonfinite"] == 1.0
     assert learner.version == 1  # the unchanged weights are published again, so rollouts go on
+    assert learner.scheduler.last_epoch == 1  # the schedule too (it ran one step late from here on)
     assert all(torch.equal(learner.history[1][k].nan_to_num(), before[k].nan_to_num()) for k in before)
     assert "update skipped, batch saved" in caplog.text
     saved = torch.load(learner.last_dump)
