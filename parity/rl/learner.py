@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Container
 from pathlib import Path
 
@@ -73,19 +74,16 @@ class Learner:
         self.model = model.to(self.compute_dtype)
         self.loss_fn = get_loss(cfg.loss)
         params = list(self.model.parameters())
-        if self.compute_dtype == torch.float32:
-            self.master = params
-        else:
-            self.master = [p.detach().float().clone().requires_grad_() for p in params]
+        self.master = params if self.compute_dtype == torch.float32 else \
+            [p.detach().float().clone().requires_grad_() for p in params]
         # fused: one pass per tensor with no full-size temporaries (the foreach form allocates a
         # copy of every moment for sqrt/division: a whole model's worth at the step's peak)
         fused = all(p.device.type in ("cpu", "cuda") for p in self.master)
         self.optimizer = torch.optim.AdamW(self.master, lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay, fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.version = 0
+        self.version, self.steps = 0, 0
         self.history: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
-        self.steps = 0
         self._scratch = None
         self.last_kernel_delta: torch.Tensor | None = None
         self.torn: str | None = None
@@ -375,7 +373,9 @@ class Learner:
         snapshot = self._snapshot()  # first: a failure here changes no count
         self.version += 1
         self.steps += 1
-        self.scheduler.step()  # (a skipped step too: it ran one step late for the rest of the run)
+        with warnings.catch_warnings():  # (a skipped first step: torch's order warning, meant here)
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()  # (a skipped step too: it ran one step late for the rest of the run)
         self.history[self.version] = snapshot
         for v in [v for v in self.history if v < self.version - self.config.max_policy_lag]:
             del self.history[v]
