@@ -40,6 +40,15 @@ def mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def mix_int(z: int) -> int:
+    """`mix` on one Python int, unsigned (no tensor: the sampler's per-request seeds, every step)."""
+    mask = (1 << 64) - 1
+    z &= mask
+    z = ((z ^ (z >> 30)) * (_M1 & mask)) & mask
+    z = ((z ^ (z >> 27)) * (_M2 & mask)) & mask
+    return z ^ (z >> 31)
+
+
 def request_key(seed: int) -> int:
     """A request's key (int64) from its seed, any Python int."""
     return _signed(seed % (1 << 64))

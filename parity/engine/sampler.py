@@ -38,15 +38,6 @@ def _triton_sample():
 
 
 _UNSEEDED = 0x5EED0F0E4C1E7A11  # (a tag: unseeded requests' noise apart from any caller's seed)
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(z: int) -> int:
-    """SplitMix64's finaliser on a Python int (as `draws.mix`, unsigned)."""
-    z &= _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
 
 
 def _keep_mask(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -79,7 +70,7 @@ class Sampler:
         gave request r of engine seed 0 the noise of `SamplingParams(seed=r)`)."""
         if seq.draw_seed is not None:
             return seq.draw_seed
-        return _mix64(_mix64(self.seed ^ _UNSEEDED) + seq.request_id)
+        return counter.mix_int(counter.mix_int(self.seed ^ _UNSEEDED) + seq.request_id)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.generator is None:

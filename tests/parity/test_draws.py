@@ -134,3 +134,10 @@ def test_the_sampler_with_the_fused_draw_gives_the_same_tokens(monkeypatch):
             runs[fused] = [sampler.sample(seqs, logits) for _ in range(3)], [s.draws for s in seqs]
         assert runs[True] == runs[False]
         assert runs[True][1] == draws_made
+
+
+def test_the_python_int_mix_is_the_tensor_mix():
+    """`draws.mix_int` (the sampler's unseeded-request seeds) is `draws.mix` bit for bit."""
+    for seed in SEEDS:
+        key = draws.request_key(seed)
+        assert draws.mix_int(seed) == int(draws.mix(torch.tensor([key]))[0]) % (1 << 64), seed
