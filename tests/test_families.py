@@ -5,6 +5,7 @@ identical on both sides with aligned kernels, and flips with standard kernels.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -98,6 +99,42 @@ def test_parity_saves_what_transformers_loads(tmp_path, preset):
                                                      parity.sequence_logprobs(model, SEQS)))
 
 
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("family, scaling", [
+    ("qwen3", YARN),  # Qwen3's documented long-context setting, at a small context
+    ("qwen3", dict(YARN, attention_factor=1.3, beta_fast=16.0, beta_slow=2.0, truncate=False)),
+    ("qwen3", dict(YARN, mscale=0.9, mscale_all_dim=0.7)),
+    ("qwen3", {"rope_type": "yarn", "factor": 4.0}),  # context: max_position_embeddings, as transformers
+    ("qwen2", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),  # Qwen2.5 spelling
+    ("qwen3_moe", YARN),
+    ("qwen2", {"rope_type": "linear", "factor": 3.0}),
+    ("qwen3", LLAMA3),
+])
+def test_rope_scalings_load_and_agree_with_transformers_both_ways(tmp_path, family, scaling):
+    """YaRN (all its knobs), linear and llama3 scaling on any family agree with transformers within
+    1e-4, loading its checkpoint and saving one it loads. The control: the same weights with the
+    scaling dropped are far off, so the comparison sees the scaling (YaRN was refused before)."""
+    hf = hf_model(family, rope_scaling=dict(scaling))
+    hf.save_pretrained(tmp_path / "hf")
+    ours = parity.load_model(tmp_path / "hf", dtype=torch.float32)
+    assert ours.config.rope_scaling["rope_type"] == scaling.get("rope_type", scaling.get("type"))
+    long = torch.arange(1, 120, 3)  # past the original contexts, where the scalings differ most
+    with torch.no_grad():
+        lp = parity.sequence_logprobs(ours, [long])[0]
+        ref = hf_logprobs(hf, long)
+        assert torch.allclose(lp, ref, atol=1e-4), (lp - ref).abs().max()
+        plain = dataclasses.replace(ours.config, rope_scaling=None)
+        unscaled = parity.Model(plain, dtype=torch.float32)
+        unscaled.load_state_dict(ours.state_dict())
+        assert (parity.sequence_logprobs(unscaled, [long])[0] - ref).abs().max() > 1e-2  # control
+        ours.save_pretrained(tmp_path / "ours")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+        back.eval()
+        assert torch.allclose(hf_logprobs(back, long), ref, atol=1e-5)
+
+
 def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):
     hf = hf_model("qwen2")
     hf.to(torch.bfloat16).save_pretrained(tmp_path)
@@ -114,7 +151,13 @@ def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):
     (dict(use_sliding_window=True, sliding_window=8, layer_types=None, max_window_layers=1), "use_sliding"),
     (dict(layer_types=["sliding_attention", "full_attention", "full_attention"]), "layer_types"),
     (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "'dynamic' is not supported: it rescales"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "'longrope' is not supported: it rescales"),
+    (dict(rope_scaling={"rope_type": "su"}), "'su' is not supported .parity honours 'linear', 'llama3'"),
+    (dict(rope_scaling={"rope_type": "yarn"}), "rope_scaling.factor must be a positive finite number"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.0}), "attention_factor"),
+    (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}, rope_theta=1e6),
+     "partial_rotary_factor 0.5 is not supported"),
     (dict(vocab_size=None), "vocab_size"),
     (dict(rope_theta="1e6"), "rope_theta must be a number"),
     (dict(layer_types=5), "layer_types must be a list"),

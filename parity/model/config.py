@@ -7,7 +7,9 @@ One decoder definition serves four families, which differ in a few switches:
 | qwen3      | yes      | no         | SwiGLU              | default               |
 | qwen3_moe  | yes      | no         | top-k mixture of SwiGLU experts | default   |
 | qwen2      | no       | yes        | SwiGLU              | default               |
-| llama      | no       | no         | SwiGLU              | default or llama3     |
+| llama      | no       | no         | SwiGLU              | llama3 (Llama 3.1+)   |
+
+Any family may scale RoPE (`linear`, `llama3` or `yarn`: `rope.py`), as transformers allows.
 
 Reading a Hugging Face `config.json` (and refusing what parity does not honour) is
 `families.config_from_hf`; writing one is `families.config_to_hf`.
@@ -22,6 +24,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..fields import check_fields
+from .rope import check_rope_scaling
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama")
 """Decoder families parity builds."""
@@ -40,7 +43,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
                      moe_intermediate_size=32, norm_topk_prob=True),
     "small-moe": dict(_SMALL, model_type="qwen3_moe", num_experts=16, num_experts_per_tok=2,
                       moe_intermediate_size=192, norm_topk_prob=True),
-    "tiny-qwen2": dict(_TINY, model_type="qwen2"),
+    "tiny-qwen2": dict(_TINY, model_type="qwen2", rope_scaling={  # Qwen2.5's long-context YaRN
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
     "tiny-llama": dict(_TINY, model_type="llama", rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}),
@@ -89,8 +93,10 @@ class ModelConfig:
     attention_bias: bool = False
     """q/k/v projections have biases (always for qwen2; unsupported elsewhere)."""
     rope_scaling: dict[str, Any] | None = None
-    """RoPE frequency scaling: None, or {"rope_type": "llama3", "factor", "low_freq_factor",
-    "high_freq_factor", "original_max_position_embeddings"} (llama)."""
+    """RoPE frequency scaling, HF names: None, or {"rope_type": "linear" | "llama3" | "yarn", "factor",
+    ...} with the fields `rope.py` lists (llama3: low/high_freq_factor and
+    original_max_position_embeddings; yarn: original_max_position_embeddings, optional
+    attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate)."""
     num_experts: int = 0
     """qwen3_moe: experts per MoE layer."""
     num_experts_per_tok: int = 0
@@ -157,25 +163,8 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.attention_bias=true is not supported for {self.model_type}")
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2's q/k/v projections always carry biases
-        self._check_rope_scaling()
+        self.rope_scaling = check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         self._check_moe()
-
-    def _check_rope_scaling(self) -> None:
-        rs = self.rope_scaling
-        if rs is None:
-            return
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind != "llama3" or self.model_type != "llama":
-            raise ConfigError(f"ModelConfig.rope_scaling of type {kind!r} is not supported"
-                              + ("" if self.model_type == "llama" else f" for {self.model_type}")
-                              + " (parity honours 'llama3' scaling on llama models)")
-        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            value = rs.get(key)  # (NaN and inf passed `<= 0` and gave NaN log-probs)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-                raise ConfigError(f"ModelConfig.rope_scaling.{key} must be a positive finite number, "
-                                  f"got {rs.get(key)!r}")
-        if not rs["high_freq_factor"] > rs["low_freq_factor"]:
-            raise ConfigError("ModelConfig.rope_scaling.high_freq_factor must exceed low_freq_factor")
 
     def _check_moe(self) -> None:
         if self.model_type != "qwen3_moe":

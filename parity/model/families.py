@@ -124,6 +124,9 @@ def _rope(data: dict, where: str) -> tuple[float, dict | None]:
         theta = top
     theta = 10000.0 if theta is None else theta
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        if scaling.get("partial_rotary_factor") not in (None, 1, 1.0):  # (5.x keeps it here too)
+            raise ConfigError(f"{where}: partial_rotary_factor {scaling['partial_rotary_factor']!r} is not "
+                              "supported (parity rotates every head dimension)")
         scaling = None
     context = _number(data.get("original_max_position_embeddings"), "original_max_position_embeddings", where)
     if scaling is not None and context is not None:  # (5.x: the top-level one wins; 4.x reads the inner)
