@@ -147,6 +147,11 @@ class Engine:
             raise InputError(f"request {request_id}: {len(seq)} tokens so far and {len(ids)} environment "
                              f"tokens exceed the context, leaving no room for a next turn "
                              f"(max_position_embeddings = {self.model.config.max_position_embeddings})")
+        if len(seq) + len(ids) + 1 > self.blocks.capacity_tokens:
+            raise InputError(f"request {request_id}: {len(seq)} tokens so far and {len(ids)} environment "
+                             f"tokens do not fit the KV cache with a token to generate "
+                             f"({self.blocks.capacity_tokens} tokens; raise kv_cache_memory or "
+                             "kv_cache_tokens)")
         seq.append_environment(ids)
         if params is not None:
             if params.seed is not None and params.seed != seq.params.seed:
@@ -243,8 +248,8 @@ class Engine:
                 return "stop"
         if seq.turn_tokens >= p.max_tokens:
             return "length"
-        if len(seq) >= self.model.config.max_position_embeddings:
-            return "length"
+        if len(seq) >= self.model.config.max_position_embeddings or len(seq) > self.blocks.capacity_tokens:
+            return "length"  # (the context, or the whole cache: its last token could never be fed)
         return None
 
     @one_thread()
@@ -257,7 +262,8 @@ class Engine:
         t0 = time.perf_counter()
         try:
             batch = self.scheduler.schedule()
-        except CacheFull as full:  # this request can never fit: fail it, keep the others
+        except CacheFull as full:  # (a safety net: add/continue_request and the stop check keep every
+            # sequence within the cache) this request can never fit: fail it, keep the others
             seq = full.seq
             self.scheduler.release(seq)
             self.seqs.pop(seq.request_id, None)

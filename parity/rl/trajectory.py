@@ -54,9 +54,10 @@ class Trajectory:
     sampling token t attended (-1 where not sampled); below policy_versions[t] after an in-flight
     update that kept the cache. None: every token's cache was its own version's."""
     excluded: str | None = None
-    """Why the objective leaves this response out (`from_output`: the engine failed it, e.g. its
-    KV cache ran out), or None. It stays in the batch, for the diagnostics, with advantage 0; its
-    group's baseline is the mean of the others (a sizing failure must not push the policy)."""
+    """Why the objective leaves this response out (`from_output`: the engine failed it, e.g. the
+    tokenizer could not decode it), or None. It stays in the batch, for the diagnostics, with
+    advantage 0; its group's baseline is the mean of the others (a failure outside the policy must
+    not push it). A response that filled the KV cache is not failed: it ends with "length"."""
 
     @staticmethod
     def from_output(out, reward: float, group_id: int, **metadata) -> Trajectory:

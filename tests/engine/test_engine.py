@@ -306,16 +306,32 @@ def test_a_tokenizer_failing_on_one_request_fails_it_alone_without_hanging(stop_
         assert o.error is None and o.token_ids == ref.token_ids and o.text is not None
 
 
-def test_a_request_that_outgrows_the_cache_fails_alone_without_hanging():
+def test_a_request_that_outgrows_the_cache_ends_at_its_length_keeping_its_tokens():
+    """The whole cache is the request's context, as max_position_embeddings is: at 64 + 1 tokens it
+    ends with "length" and keeps every token and log-prob it sampled (it ended with "error", the
+    sample lost to RL), the same tokens as an engine with room to spare; the other request is
+    untouched. A multi-turn request pauses there, and a next turn that cannot fit is refused in
+    one line (it failed at its next step)."""
     model = cached_model("tiny", "aligned", "float32", 0, 0.02)
+    params = [SamplingParams(max_tokens=200, ignore_eos=True, seed=3), SamplingParams(max_tokens=5, seed=4)]
     eng = parity.Engine(model, max_num_seqs=2, kv_cache_tokens=64)
-    outs = eng.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=200, ignore_eos=True),
-                                               SamplingParams(max_tokens=5)])
+    outs = eng.generate([[1, 2, 3], [4, 5]], params)
     assert outs[1].error is None and len(outs[1].token_ids) == 5
-    assert outs[0].finish_reason == "error" and "KV cache too small" in outs[0].error
+    assert outs[0].error is None and outs[0].finish_reason == "length"
+    assert len(outs[0].prompt_token_ids) + len(outs[0].token_ids) == 64 + 1
+    roomy = parity.Engine(model, max_num_seqs=2).generate([[1, 2, 3], [4, 5]], params)
+    assert outs[0].token_ids == roomy[0].token_ids[:62] and outs[0].logprobs == roomy[0].logprobs[:62]
     assert not eng.has_unfinished()
     with pytest.raises(InputError, match="does not fit the KV cache"):
         eng.add_request(list(range(100)))
+    rid = eng.add_request([1, 2, 3], params[0], multi_turn=True)
+    while eng.seqs[rid].status.value != "paused":
+        eng.step()
+    assert eng.seqs[rid].finish_reason == "length"
+    with pytest.raises(InputError, match=f"request {rid}: 65 tokens so far and 1 environment tokens do not "
+                                         "fit the KV cache"):
+        eng.continue_request(rid, [7])
+    assert eng.release(rid).finish_reason == "length"
 
 
 def test_paused_request_preempted_under_pressure_can_still_continue():

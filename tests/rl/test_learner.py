@@ -311,13 +311,20 @@ def test_a_token_budget_changes_the_micro_batches_but_not_a_bit_of_the_log_probs
 
 
 def test_a_response_the_engine_failed_is_left_out_of_the_objective():
-    """A response whose KV cache ran out (finish_reason 'error') used to be trained on as a wrong
+    """A response the engine failed (finish_reason 'error': here the user's tokenizer cannot decode
+    it; a KV cache running out did so before it became "length") used to be trained on as a wrong
     answer (reward 0, advantage -0.5 here). It stays in the batch for the diagnostics, with
     advantage 0, and its group's baseline is the others' mean."""
+    class ShortOnly:  # a user's tokenizer that raises on the long response's text
+        def decode(self, ids):
+            if len(ids) > 8:
+                raise ValueError("too long to decode")
+            return " ".join(map(str, ids))
+
     m = model(seed=8)
-    outs = parity.Engine(m, max_num_seqs=2, kv_cache_tokens=64).generate(
+    outs = parity.Engine(m, max_num_seqs=2, tokenizer=ShortOnly()).generate(
         [[1, 2, 3], [4, 5, 6], [7, 8, 9]],
-        [SamplingParams(max_tokens=200, ignore_eos=True, seed=1), SamplingParams(max_tokens=4, seed=2),
+        [SamplingParams(max_tokens=20, ignore_eos=True, seed=1), SamplingParams(max_tokens=4, seed=2),
          SamplingParams(max_tokens=4, seed=3)])
     assert outs[0].finish_reason == "error" and outs[1].error is None and outs[2].error is None
     batch = TrajectoryBatch([Trajectory.from_output(o, r, 0) for o, r in zip(outs, (0.0, 1.0, 0.5))])
