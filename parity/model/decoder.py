@@ -124,7 +124,8 @@ class Model(nn.Module):
             raise ConfigError(f"the model this config describes cannot be built here "
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         # RoPE tables in float32 (plain attributes, so `.to(dtype)` leaves them alone)
-        self.rope_cos, self.rope_sin = rope_tables(config)
+        self.rope_cos, self.rope_sin = rope_tables(config.head_dim, config.rope_theta,
+                                                   config.max_position_embeddings, config.rope_scaling)
         self.last_routing: torch.Tensor | None = None
         self._tied: TiedGradient | None = None  # the last grad-enabled forward's (tied weights)
         self.last_router_logits: list[torch.Tensor] = []

@@ -21,14 +21,11 @@ removes.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import ConfigError
-
-if TYPE_CHECKING:
-    from .config import ModelConfig
 
 _REQUIRED: dict[str, tuple[str, ...]] = {  # per type; other keys are read as transformers reads them
     "linear": ("factor",),
@@ -108,9 +105,8 @@ def _yarn(inv_freq: torch.Tensor, rs: dict[str, Any], d: int, theta: float) -> t
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)  # fast pairs kept, slow ones interpolated
 
 
-def attention_factor(cfg: ModelConfig) -> float:
+def attention_factor(rs: dict[str, Any] | None) -> float:
     """YaRN's cos/sin multiplier (1 for every other scaling)."""
-    rs = cfg.rope_scaling
     if rs is None or rs["rope_type"] != "yarn":
         return 1.0
     if rs.get("attention_factor") is not None:
@@ -123,24 +119,24 @@ def attention_factor(cfg: ModelConfig) -> float:
     return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """The per-pair rotation frequencies [head_dim / 2] (float64), scaled as the config says."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    rs = cfg.rope_scaling
+def inverse_frequencies(head_dim: int, theta: float, rs: dict[str, Any] | None) -> torch.Tensor:
+    """The per-pair rotation frequencies [head_dim / 2] (float64), scaled as `rs` says."""
+    d = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     if rs is None:
         return inv_freq
     if rs["rope_type"] == "linear":
         return inv_freq / rs["factor"]
     if rs["rope_type"] == "llama3":
         return _llama3(inv_freq, rs)
-    return _yarn(inv_freq, rs, d, cfg.rope_theta)
+    return _yarn(inv_freq, rs, d, theta)
 
 
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [max_position_embeddings, head_dim] float32, rotate-half layout."""
-    positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
-    angles = positions[:, None] * inverse_frequencies(cfg)
+def rope_tables(head_dim: int, theta: float, positions: int,
+                rs: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [positions, head_dim] float32, rotate-half layout (a ModelConfig's
+    head_dim, rope_theta, max_position_embeddings and rope_scaling, checked)."""
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inverse_frequencies(head_dim, theta, rs)
     angles = torch.cat([angles, angles], dim=-1)
-    scale = attention_factor(cfg)
+    scale = attention_factor(rs)
     return (angles.cos() * scale).float(), (angles.sin() * scale).float()
