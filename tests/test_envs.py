@@ -56,6 +56,29 @@ def test_unparseable_answers_score_zero():
     assert score(p, "the answer: 2") == 1.0 and extract_answer("x\nanswer: 7 ") == "7"
 
 
+@pytest.mark.parametrize("response, answer, before, now", [
+    ("answer: 1,234", 1234, 0.0, 1.0),  # thousands commas (was 234)
+    ("answer: 12.0", 12, 0.0, 1.0),  # (was 0)
+    ("answer: 12 or 13", 13, 1.0, 0.0),  # a hedge: the first number on the line counts (was the last)
+    ("answer: 12\nwait, 13", 13, 1.0, 0.0),  # so does the answer line (was the last integer after it)
+    ("answer: 3.5", 5, 1.0, 0.0),  # (was 5)
+    ("answer: 440040051", 440040051, 1.0, 1.0), ("I think\n42\n", 42, 1.0, 1.0),
+])
+def test_math_tool_and_dataset_tasks_read_an_answer_by_one_rule(response, answer, before, now):
+    """The math and tool tasks took the last integer anywhere after `answer:`, the dataset task the
+    first number on the answer line: the same response scored differently by task (a hedge
+    `12 or 13` passed math). Both now read it by `answers.py`; `before` is the old math reading."""
+    import re
+
+    from parity.envs.dataset import exact
+
+    assert score(Problem("add", "?", answer), response) == exact(response, {"answer": answer}) == now
+    at = response.rfind("answer:")
+    rest = response[at + 7:] if at >= 0 else response.strip().splitlines()[-1]
+    found = re.findall(r"-?\d+", rest)
+    assert float(bool(found) and int(found[-1]) == answer) == before  # the old reading: the control
+
+
 def test_bad_task_or_level():
     with pytest.raises(ConfigError, match="unknown math task"):
         MathTask("div")

@@ -28,16 +28,15 @@ import json
 import logging
 import math
 import random
-import re
 import threading
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from ..errors import ConfigError, ParityError
+from .answers import matches
 from .base import Env, Episode, Turn
 from .chat import prompt_ids, turn_text
 from .custom import call_user, finite_number, load_object, one_line
-from .math import HELDOUT_SEED, _stable_seed, answer_at
+from .math import HELDOUT_SEED, _stable_seed
 
 log = logging.getLogger(__name__)
 
@@ -148,37 +147,13 @@ def _key(row: dict) -> str:
     return json.dumps(row.get("prompt", row.get("messages")), sort_keys=True, ensure_ascii=False)
 
 
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?|-?\.\d+(?:[eE][-+]?\d+)?")
-_PUNCTUATION = " \t.,;:!?\"'`*()[]{}"
-
-
-def _decimal(text: str) -> Decimal | None:
-    try:
-        return Decimal(text.replace(",", ""))
-    except InvalidOperation:
-        return None
-
-
 def exact(response: str, problem: dict) -> float:
-    """1.0 when the response's answer is the problem's `answer`, else 0.0. The answer is the first
-    line after the response's last `answer:` (else its last non-empty line). A numeric answer (a
-    JSON number, or a string that is one: `42`, `-3.5`, `1,234`, `1e3`) is compared exactly with
-    the first number on that line (`answer: 12 or 13` is 12); any other with the whole line,
-    ignoring case, runs of spaces and surrounding quotes and punctuation."""
-    at = answer_at(response)
-    if at >= 0:
-        line = (response[at:].strip().splitlines() or [""])[0]
-    else:
-        line = next((x for x in reversed(response.splitlines()) if x.strip()), "")
-    answer = problem["answer"]
-    want = _decimal(repr(answer) if isinstance(answer, float) else str(answer).strip()) \
-        if isinstance(answer, (int, float)) or _NUMBER.fullmatch(str(answer).strip()) else None
-    if want is not None:
-        found = _NUMBER.search(line)
-        return float(found is not None and _decimal(found.group()) == want)
-    def norm(text: str) -> str:
-        return " ".join(text.strip(_PUNCTUATION).split()).casefold()
-    return float(bool(norm(line)) and norm(line) == norm(str(answer)))
+    """1.0 when the response's answer is the problem's `answer`, else 0.0, by the rule every
+    built-in task reads answers with (`answers.py`): the first line after the last `answer:` (else
+    the last non-empty line); a numeric `answer` (a JSON number, or a string that is one: `42`,
+    `-3.5`, `1,234`, `1e3`) compared exactly with the first number on that line, any other with the
+    whole line, ignoring case, runs of spaces and surrounding quotes and punctuation."""
+    return float(matches(response, problem["answer"]))
 
 
 class DatasetEnv(Env):

@@ -2,9 +2,9 @@
 multi-step expressions and countdown-style target making, each at several difficulty levels.
 
 Every problem is generated from (task, level, seed, index), so the training stream and the
-fixed held-out set (a disjoint seed space) can be regenerated anywhere. Answers are extracted
-from the text after `answer:` (or the last integer) and compared exactly; a response that does
-not parse scores 0, it never raises.
+fixed held-out set (a disjoint seed space) can be regenerated anywhere. Answers are read by the
+rule every task shares (`answers.py`: the first number on the first line after the last
+`answer:`) and compared exactly; a response that does not parse scores 0, it never raises.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .answers import extract_answer, matches
 from .base import Env, Episode, Turn
 from .chat import prompt_ids, turn_text
 
@@ -162,38 +163,21 @@ def worked_answer(problem: Problem, fmt: str) -> str:
 MATH_FORMATS = ("direct", "columns")
 
 
-_ANSWER = re.compile("answer:", re.IGNORECASE)
-
-
-def answer_at(response: str) -> int:
-    """Where the text after the response's last `answer:` (in any case) starts, or -1. (Found in
-    the response itself: an index into `response.lower()` is off after a character that lowers
-    to two, such as İ.)"""
-    ends = [m.end() for m in _ANSWER.finditer(response)]
-    return ends[-1] if ends else -1
-
-
-def extract_answer(response: str) -> str:
-    """The text after the last `answer:`, else the last line."""
-    i = answer_at(response)
-    text = response[i:] if i >= 0 else (response.strip().splitlines() or [""])[-1]
-    return text.strip()
-
-
 def score(problem: Problem, response: str) -> float:
-    """1.0 for an exactly right answer, else 0.0 (unparseable answers score 0)."""
+    """1.0 for an exactly right answer, else 0.0 (unparseable answers score 0). The answer is read
+    as every task reads it (`answers.py`): the first number on the first line after the last
+    `answer:`; for countdown, that line is the expression."""
+    if problem.task != "countdown":
+        return float(matches(response, problem.answer))
     text = extract_answer(response)
-    if problem.task == "countdown":
-        used = [int(x) for x in re.findall(r"\d+", text)]
-        pool = list(problem.numbers)
-        for x in used:
-            if x not in pool:
-                return 0.0
-            pool.remove(x)
-        # binary operators only: a unary minus made "make -3 from 4 3 1" answerable by "-3"
-        return float(bool(used) and _safe_eval(text, unary=False) == problem.target)
-    found = re.findall(r"-?\d+", text)
-    return float(bool(found) and int(found[-1]) == problem.answer)
+    used = [int(x) for x in re.findall(r"\d+", text)]
+    pool = list(problem.numbers)
+    for x in used:
+        if x not in pool:
+            return 0.0
+        pool.remove(x)
+    # binary operators only: a unary minus made "make -3 from 4 3 1" answerable by "-3"
+    return float(bool(used) and _safe_eval(text, unary=False) == problem.target)
 
 
 def _stable_seed(*key) -> int:
