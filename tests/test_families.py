@@ -115,11 +115,16 @@ YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 
 def test_rope_scalings_load_and_agree_with_transformers_both_ways(tmp_path, family, scaling):
     """YaRN (all its knobs), linear and llama3 scaling on any family agree with transformers within
     1e-4, loading its checkpoint and saving one it loads. The control: the same weights with the
-    scaling dropped are far off, so the comparison sees the scaling (YaRN was refused before)."""
+    scaling dropped are far off, so the comparison sees the scaling (YaRN was refused before).
+    YaRN's context is original_max_position_embeddings * factor when that is longer (Qwen3's
+    recipe: 32768 * 4 beside a max_position_embeddings of 40960), and a save loads back the same."""
     hf = hf_model(family, rope_scaling=dict(scaling))
     hf.save_pretrained(tmp_path / "hf")
     ours = parity.load_model(tmp_path / "hf", dtype=torch.float32)
     assert ours.config.rope_scaling["rope_type"] == scaling.get("rope_type", scaling.get("type"))
+    if ours.config.rope_scaling["rope_type"] == "yarn":  # the context YaRN extends to, as vLLM serves it
+        context = ours.config.rope_scaling["original_max_position_embeddings"] * scaling["factor"]
+        assert ours.config.max_position_embeddings == max(256, context)
     long = torch.arange(1, 120, 3)  # past the original contexts, where the scalings differ most
     with torch.no_grad():
         lp = parity.sequence_logprobs(ours, [long])[0]
@@ -133,6 +138,20 @@ def test_rope_scalings_load_and_agree_with_transformers_both_ways(tmp_path, fami
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
         back.eval()
         assert torch.allclose(hf_logprobs(back, long), ref, atol=1e-5)
+    again = parity.load_model(tmp_path / "ours").config  # a save loads back as it was saved
+    assert (again.max_position_embeddings, again.rope_scaling) == (ours.config.max_position_embeddings,
+                                                                   ours.config.rope_scaling)
+
+
+def test_qwen3s_yarn_recipe_serves_131072_tokens():
+    """Qwen3's model card: add factor 4 over 32768 to a config whose max_position_embeddings is
+    40960. vLLM then serves 131072 tokens; parity read 40960 and refused longer prompts."""
+    from parity.model.families import config_from_hf
+
+    data = dict(COMMON, model_type="qwen3", max_position_embeddings=40960, rope_theta=1e6, head_dim=16,
+                rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    assert config_from_hf(data).max_position_embeddings == 131072
+    assert config_from_hf({**data, "rope_scaling": None}).max_position_embeddings == 40960  # control
 
 
 def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):

@@ -15,6 +15,7 @@ and `tensors_to_files` convert.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from .config import MODEL_TYPES, ModelConfig
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+log = logging.getLogger(__name__)
+
 _DEFAULT_CONTEXT = {"qwen3": 32768, "qwen3_moe": 32768, "qwen2": 32768, "llama": 2048}
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
@@ -150,6 +153,17 @@ def _sliding_layers(data: dict, where: str) -> list[int]:
     return [i for i in range(layers) if i >= first] if isinstance(layers, int) else []
 
 
+def _yarn_context(scaling: dict) -> int | None:
+    """The context a YaRN scaling extends to: `original_max_position_embeddings * factor`, as vLLM
+    serves it (Qwen3's documented recipe keeps `max_position_embeddings` 40960 beside factor 4 over
+    32768: 131072 tokens); None for values `ModelConfig` refuses."""
+    factor, context = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+    numbers = [v for v in (factor, context) if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if len(numbers) < 2 or not all(0 < v < float("inf") for v in numbers):
+        return None
+    return min(int(context * factor), 1 << 23)  # (ModelConfig's longest context)
+
+
 def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> ModelConfig:
     """A `ModelConfig` from a Hugging Face config dict of a supported family."""
     _check_types(data, str(where))
@@ -198,6 +212,15 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
     fields.setdefault("tie_word_embeddings", False)  # every supported family's default
     fields.setdefault("intermediate_size", data.get("moe_intermediate_size", 1))
     fields.update(model_type=model_type, rope_theta=float(theta), rope_scaling=scaling)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        # (transformers fills the original context in so: before it is extended below)
+        scaling.setdefault("original_max_position_embeddings", fields["max_position_embeddings"])
+        context, file_context = _yarn_context(scaling), fields["max_position_embeddings"]
+        if context is not None and isinstance(file_context, int) and context > file_context:
+            log.info("%s: YaRN factor %s over original_max_position_embeddings %s: a context of %d "
+                     "tokens (max_position_embeddings %s in the file)", where, scaling["factor"],
+                     scaling["original_max_position_embeddings"], context, file_context)
+            fields["max_position_embeddings"] = context
     if model_type == "qwen3_moe":
         fields.update(num_experts=data.get("num_experts", data.get("num_local_experts")),
                       num_experts_per_tok=data.get("num_experts_per_tok"),
