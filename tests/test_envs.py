@@ -47,6 +47,7 @@ def test_expressions_and_countdown():
     for unary in ("-3", "--3*1", "-(3)", "4-(-3)-4"):
         assert score(neg, f"answer: {unary}") == 0.0, unary  # (a unary minus named the target)
     assert score(neg, "answer: 1-4") == 1.0 and score(neg, "answer: (1-4)*3") == 0.0  # binary: the control
+    assert score(p, "answer: " + "9" * 5000) == 0.0  # (int() of 4301+ digits raised ValueError)
 
 
 def test_unparseable_answers_score_zero():

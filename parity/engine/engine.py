@@ -91,6 +91,7 @@ class Engine:
         self._unchecked: list[Sequence] = []  # sampled, stop check not yet run (an interrupt came)
         self._finished: list[RequestOutput] = []  # finished, not yet returned by step()
         self._lock, self._in_before_step = threading.RLock(), False  # `calls.one_thread`
+        self._warned_cache_full = False
 
     def describe_cache(self) -> str:
         """The cache's capacity in one line (what the commands print at start-up)."""
@@ -122,7 +123,7 @@ class Engine:
             raise InputError(f"prompt: length {len(ids)} leaves no room to generate "
                              f"(max_position_embeddings={limit})")
         capacity = self.blocks.capacity_tokens
-        if len(ids) + 1 > capacity:
+        if len(ids) > capacity:
             raise InputError(f"prompt: length {len(ids)} does not fit the KV cache "
                              f"({capacity} tokens; raise kv_cache_memory or kv_cache_tokens)")
         rid = next(self._ids)
@@ -147,7 +148,8 @@ class Engine:
             raise InputError(f"request {request_id}: {len(seq)} tokens so far and {len(ids)} environment "
                              f"tokens exceed the context, leaving no room for a next turn "
                              f"(max_position_embeddings = {self.model.config.max_position_embeddings})")
-        if len(seq) + len(ids) + 1 > self.blocks.capacity_tokens:
+        if len(seq) + len(ids) > self.blocks.capacity_tokens:
+            seq.cache_full = True  # (what the request is released with says why it ended)
             raise InputError(f"request {request_id}: {len(seq)} tokens so far and {len(ids)} environment "
                              f"tokens do not fit the KV cache with a token to generate "
                              f"({self.blocks.capacity_tokens} tokens; raise kv_cache_memory or "
@@ -159,7 +161,7 @@ class Engine:
                 seq.draw_seed, seq.draws = params.seed, 0  # counter draws restart as the generator does
             seq.params = params
         seq.turn_tokens = 0
-        seq.finish_reason = None
+        seq.finish_reason, seq.cache_full = None, False
         self.scheduler.resume(seq)
 
     @one_thread()
@@ -248,8 +250,16 @@ class Engine:
                 return "stop"
         if seq.turn_tokens >= p.max_tokens:
             return "length"
-        if len(seq) >= self.model.config.max_position_embeddings or len(seq) > self.blocks.capacity_tokens:
-            return "length"  # (the context, or the whole cache: its last token could never be fed)
+        if len(seq) >= self.model.config.max_position_embeddings:
+            return "length"
+        if len(seq) > self.blocks.capacity_tokens:  # the whole cache: its last token can never be fed
+            seq.cache_full = True
+            if not self._warned_cache_full:
+                self._warned_cache_full = True
+                log.warning("request %d ended at the KV cache's %d tokens (finish_reason 'length', "
+                            "cache_full): raise kv_cache_memory or kv_cache_tokens", seq.request_id,
+                            self.blocks.capacity_tokens)
+            return "length"
         return None
 
     @one_thread()

@@ -104,6 +104,7 @@ class Sequence:
     # that produced it (None where not sampled, and for dense models)
     turn_tokens: int = 0  # tokens sampled in the current turn
     finish_reason: str | None = None
+    cache_full: bool = False  # the KV cache ended it (its last turn, or the next one did not fit)
     arrival: int = 0
     generator: torch.Generator | None = None
     draws: int = 0  # counter-based draws made so far (the next one's index; sampler.py)
@@ -167,6 +168,8 @@ class RequestOutput:
     routing: list | None = None  # MoE: per completion token, experts [layers, k] (None: not sampled)
     cache_versions: list[int] | None = None  # per completion token: the version of the oldest
     # keys/values it attended (< its policy version after an in-flight update; -1 for env tokens)
+    cache_full: bool = False  # ended ("length") by the whole KV cache, not max_tokens or the
+    # context, or a next turn did not fit it: a sizing limit (the RL objective leaves it out)
 
     @property
     def full_token_ids(self) -> list[int]:
@@ -178,4 +181,5 @@ class RequestOutput:
         routing = seq.routing[p:] if any(r is not None for r in seq.routing[p:]) else None
         return RequestOutput(seq.request_id, seq.token_ids[:p], seq.token_ids[p:], seq.logprobs[p:],
                              seq.sampled_logprobs[p:], seq.policy_versions[p:], seq.loss_mask[p:],
-                             seq.finish_reason, routing=routing, cache_versions=seq.cache_versions[p:])
+                             seq.finish_reason, routing=routing, cache_versions=seq.cache_versions[p:],
+                             cache_full=seq.cache_full)

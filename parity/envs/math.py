@@ -170,7 +170,10 @@ def score(problem: Problem, response: str) -> float:
     if problem.task != "countdown":
         return float(matches(response, problem.answer))
     text = extract_answer(response)
-    used = [int(x) for x in re.findall(r"\d+", text)]
+    digits = re.findall(r"\d+", text)
+    if any(len(x) > 18 for x in digits):  # no pool holds such a number (int() of 4301 digits raised)
+        return 0.0
+    used = [int(x) for x in digits]
     pool = list(problem.numbers)
     for x in used:
         if x not in pool:

@@ -57,7 +57,7 @@ class Trajectory:
     """Why the objective leaves this response out (`from_output`: the engine failed it, e.g. the
     tokenizer could not decode it), or None. It stays in the batch, for the diagnostics, with
     advantage 0; its group's baseline is the mean of the others (a failure outside the policy must
-    not push it). A response that filled the KV cache is not failed: it ends with "length"."""
+    not push it). So is a response the KV cache ended (`cache_full`: its tokens kept, "length")."""
 
     @staticmethod
     def from_output(out, reward: float, group_id: int, **metadata) -> Trajectory:
@@ -81,7 +81,9 @@ class Trajectory:
         return Trajectory(out.full_token_ids, [0] * p + list(out.loss_mask),
                           [0.0] * p + list(out.sampled_logprobs), [-1] * p + list(out.policy_versions),
                           value, group_id, dict(metadata), routing, cache_versions=cache,
-                          excluded=f"engine error: {out.error}" if out.finish_reason == "error" else None)
+                          excluded=f"engine error: {out.error}" if out.finish_reason == "error" else
+                          f"the KV cache ended it at {p + len(out.token_ids)} tokens (raise "
+                          "rollout.kv_cache_memory)" if getattr(out, "cache_full", False) else None)
 
     def validate(self, index: int) -> None:
         where = f"response {index}"

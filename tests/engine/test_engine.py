@@ -306,19 +306,26 @@ def test_a_tokenizer_failing_on_one_request_fails_it_alone_without_hanging(stop_
         assert o.error is None and o.token_ids == ref.token_ids and o.text is not None
 
 
-def test_a_request_that_outgrows_the_cache_ends_at_its_length_keeping_its_tokens():
-    """The whole cache is the request's context, as max_position_embeddings is: at 64 + 1 tokens it
-    ends with "length" and keeps every token and log-prob it sampled (it ended with "error", the
-    sample lost to RL), the same tokens as an engine with room to spare; the other request is
-    untouched. A multi-turn request pauses there, and a next turn that cannot fit is refused in
-    one line (it failed at its next step)."""
+def test_a_request_that_outgrows_the_cache_ends_at_its_length_keeping_its_tokens(caplog):
+    """The whole cache bounds a request as max_position_embeddings does: at 64 + 1 tokens it ends
+    with "length", marked `cache_full` (a warning says how to raise it), keeping every token and
+    log-prob it sampled (it ended with "error", its tokens lost), the same tokens as an engine with
+    room to spare; the other request is untouched. A multi-turn request pauses there, and a next
+    turn that cannot fit is refused in one line (it failed at its next step). RL leaves both out of
+    the objective, as it left the error out: a sizing limit is not the policy's doing."""
+    from parity.rl import Trajectory
+
     model = cached_model("tiny", "aligned", "float32", 0, 0.02)
     params = [SamplingParams(max_tokens=200, ignore_eos=True, seed=3), SamplingParams(max_tokens=5, seed=4)]
     eng = parity.Engine(model, max_num_seqs=2, kv_cache_tokens=64)
-    outs = eng.generate([[1, 2, 3], [4, 5]], params)
-    assert outs[1].error is None and len(outs[1].token_ids) == 5
-    assert outs[0].error is None and outs[0].finish_reason == "length"
+    with caplog.at_level("WARNING", logger="parity.engine.engine"):
+        outs = eng.generate([[1, 2, 3], [4, 5]], params)
+    assert "ended at the KV cache's 64 tokens" in caplog.text
+    assert outs[1].error is None and len(outs[1].token_ids) == 5 and not outs[1].cache_full
+    assert outs[0].error is None and outs[0].finish_reason == "length" and outs[0].cache_full
     assert len(outs[0].prompt_token_ids) + len(outs[0].token_ids) == 64 + 1
+    assert Trajectory.from_output(outs[0], 0.0, 0).excluded.startswith("the KV cache ended it at 65 tokens")
+    assert Trajectory.from_output(outs[1], 0.0, 0).excluded is None  # the control
     roomy = parity.Engine(model, max_num_seqs=2).generate([[1, 2, 3], [4, 5]], params)
     assert outs[0].token_ids == roomy[0].token_ids[:62] and outs[0].logprobs == roomy[0].logprobs[:62]
     assert not eng.has_unfinished()
@@ -327,11 +334,20 @@ def test_a_request_that_outgrows_the_cache_ends_at_its_length_keeping_its_tokens
     rid = eng.add_request([1, 2, 3], params[0], multi_turn=True)
     while eng.seqs[rid].status.value != "paused":
         eng.step()
-    assert eng.seqs[rid].finish_reason == "length"
+    assert eng.seqs[rid].finish_reason == "length" and eng.seqs[rid].cache_full
     with pytest.raises(InputError, match=f"request {rid}: 65 tokens so far and 1 environment tokens do not "
                                          "fit the KV cache"):
         eng.continue_request(rid, [7])
-    assert eng.release(rid).finish_reason == "length"
+    assert eng.release(rid).cache_full
+    rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=2, seed=5), multi_turn=True)
+    while eng.seqs[rid].status.value != "paused":
+        eng.step()
+    assert not eng.seqs[rid].cache_full  # control: ended by max_tokens
+    with pytest.raises(InputError, match="do not fit the KV cache"):
+        eng.continue_request(rid, [7] * 60)  # 5 + 60 > 64: the next turn cannot fit
+    final = eng.release(rid)
+    assert final.finish_reason == "length" and final.cache_full
+    assert Trajectory.from_output(final, 0.0, 0).excluded is not None
 
 
 def test_paused_request_preempted_under_pressure_can_still_continue():

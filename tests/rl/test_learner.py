@@ -312,7 +312,8 @@ def test_a_token_budget_changes_the_micro_batches_but_not_a_bit_of_the_log_probs
 
 def test_a_response_the_engine_failed_is_left_out_of_the_objective():
     """A response the engine failed (finish_reason 'error': here the user's tokenizer cannot decode
-    it; a KV cache running out did so before it became "length") used to be trained on as a wrong
+    it; a KV cache running out did so before it became "length" with `cache_full`, left out the
+    same way: tests/engine/test_engine.py) used to be trained on as a wrong
     answer (reward 0, advantage -0.5 here). It stays in the batch for the diagnostics, with
     advantage 0, and its group's baseline is the others' mean."""
     class ShortOnly:  # a user's tokenizer that raises on the long response's text
