@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", help="one prompt per line, or JSONL with prompt / prompt_ids (a line "
                    "starting with { is JSON: such text goes in as {\"prompt\": ...})")
     g.add_argument("--chat", action="store_true", help="text prompts as a user turn of the chat template")
+    g.add_argument("--chat-kwarg", action="append", metavar="NAME=VALUE",
+                   help="a chat template variable, e.g. enable_thinking=false (repeatable)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)

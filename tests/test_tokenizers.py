@@ -226,3 +226,49 @@ def test_plain_text_encodes_as_encode_does_and_never_as_added_tokens(bpe_dir, tm
         assert tok.token_id(marker) in tok.encode(text)  # control: encode makes it the added token
         plain = tok.encode_plain(text)
         assert tok.token_id(marker) not in plain and tok.decode(plain) == text
+
+
+THINKING = CHATML + ("{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+                     "<think>\n\n</think>\n\n{% endif %}")  # (Qwen3's switch, in a small template)
+
+
+def test_chat_template_kwargs_reach_every_prompt_a_task_renders(bpe_dir, tmp_path, capsys):
+    """`task.chat_template_kwargs` (enable_thinking = false for Qwen3) renders the tasks' prompts
+    as transformers' apply_chat_template(..., enable_thinking=False) does; there was no way to
+    pass it. `parity generate --chat --chat-kwarg enable_thinking=false` likewise. Without it the
+    prompt has no empty think block (the control); misuse is a one-line error."""
+    from parity.config import TrainConfig, with_overrides
+    from parity.errors import ConfigError, ParityError
+    from parity.rl.build import build_env
+
+    ckpt = tmp_path / "ckpt"
+    model = parity.Model(parity.ModelConfig.preset("tiny", vocab_size=512, eos_token_id=2), seed=0)
+    model.save_pretrained(ckpt)
+    theirs = hf_tokenizer(bpe_dir, THINKING)
+    theirs.save_pretrained(ckpt)
+    base = with_overrides(TrainConfig(), [f'model.checkpoint="{ckpt}"', 'task.name="math"'])
+    cfg = with_overrides(base, ["task.chat_template_kwargs={enable_thinking = false}"])
+    env, plain = build_env(cfg, 512), build_env(base, 512)
+    problem = env.problems(0, 1)[0]
+    conversation = [{"role": "user", "content": problem.prompt}]
+    want = ids_of(theirs.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
+                                             enable_thinking=False))
+    assert env.prompt_ids(problem) == want
+    assert plain.prompt_ids(problem) != want  # the control: thinking left on
+    assert HFTokenizer(ckpt / "tokenizer.json").decode(want).endswith("<think>\n\n</think>\n\n")
+    assert main(["generate", "--model", str(ckpt), "--prompt", "hi", "--chat", "--chat-kwarg",
+                 "enable_thinking=false", "--json", "--max-tokens", "2"]) == 0
+    ids = json.loads(capsys.readouterr().out)[0]["prompt_token_ids"]
+    assert HFTokenizer(ckpt / "tokenizer.json").decode(ids).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert main(["generate", "--model", str(ckpt), "--prompt", "hi", "--chat-kwarg", "x=1"]) == 2
+    assert "--chat-kwarg needs --chat" in capsys.readouterr().err
+    for bad, message in (("task.chat_template_kwargs={messages = 1}", "is set by the task itself"),
+                         ("task.chat_template_kwargs={a = 1}", "for the text tasks")):
+        with pytest.raises(ConfigError, match=message):
+            with_overrides(TrainConfig(), [bad])
+    (ckpt / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ParityError, match="chat_template_kwargs: the run's tokenizer has no chat template"):
+        build_env(cfg, 512)

@@ -1,7 +1,8 @@
 """`parity generate`: sample completions with the rollout engine.
 
 Prompts come as text (`--prompt`, encoded with the checkpoint's tokenizer.json or UTF-8 bytes;
-with `--chat` as a user turn: in the checkpoint's chat template, or parity's turn format),
+with `--chat` as a user turn: in the checkpoint's chat template, with `--chat-kwarg NAME=VALUE`
+for its variables such as enable_thinking=false, or parity's turn format),
 as token ids (`--prompt-ids`) or from a file (one prompt per line, or JSONL with `prompt` /
 `prompt_ids`: a line that starts with `{` is JSON, so text that does goes in as {"prompt": ...}).
 `--json` prints token ids, float32 log-probs and the policy version of each token.
@@ -99,6 +100,21 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
     return prompts
 
 
+def _chat_kwarg(text: str) -> tuple[str, object]:
+    """'--chat-kwarg enable_thinking=false' -> ('enable_thinking', False): a TOML value (bare words
+    are strings)."""
+    import tomllib
+
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip().isidentifier() or key.strip() in ("messages", "add_generation_prompt"):
+        raise ParityError(f"--chat-kwarg {text!r}: expected NAME=VALUE, NAME a template variable "
+                          "(not messages or add_generation_prompt)")
+    try:
+        return key.strip(), tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key.strip(), raw
+
+
 def main(args) -> int:
     """`parity generate`."""
     dtype = dtype_from_name(args.dtype, "--dtype")
@@ -113,6 +129,10 @@ def main(args) -> int:
         model = Model(ModelConfig.preset(args.preset), kernels=args.kernels, dtype=dtype, seed=args.seed,
                       device=args.device)
     tokenizer = load_tokenizer(args.model, model.config.vocab_size)
+    if getattr(args, "chat_kwarg", None):
+        if not args.chat or not getattr(tokenizer, "chat_template", None):
+            raise ParityError("--chat-kwarg needs --chat and a checkpoint with a chat template")
+        tokenizer.chat_template_kwargs = dict(_chat_kwarg(text) for text in args.chat_kwarg)
     prompts = _read_prompts(args, tokenizer)
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=args.top_k,
                              top_p=args.top_p, seed=(args.seed + i) % (1 << 63), stop_strings=args.stop or [])
@@ -131,7 +151,8 @@ def main(args) -> int:
         print(json.dumps([{"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
                            "logprobs": o.logprobs, "sampled_logprobs": o.sampled_logprobs,
                            "policy_versions": o.policy_versions, "finish_reason": o.finish_reason,
-                           "text": o.text, "error": o.error} for o in outs], indent=1))
+                           "cache_full": o.cache_full, "text": o.text, "error": o.error} for o in outs],
+                         indent=1))
     else:
         for i, o in enumerate(outs):
             if o.error:

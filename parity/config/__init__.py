@@ -1,5 +1,6 @@
-"""Configs in one place: the training run (`TrainConfig` and its sections), the learner and its
-objectives (`LearnerConfig`, `LossConfig`), and TOML in and out with dotted overrides.
+"""Configs in one place: the training run (`TrainConfig` and its sections), the task table
+(`TaskSection`, `task.py`), the learner and its objectives (`LearnerConfig`, `LossConfig`), and
+TOML in and out with dotted overrides.
 
 The `rl` package imports these; nothing here imports `rl`.
 """
@@ -16,13 +17,12 @@ from .loading import (
     to_toml,
     with_overrides,
 )
+from .task import TASK_NAMES, TaskSection
 from .train import (
     BASE_CHECKPOINTS,
-    TASK_NAMES,
     ModelSection,
     RaySection,
     RolloutSection,
-    TaskSection,
     TrainConfig,
 )
 

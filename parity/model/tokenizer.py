@@ -75,6 +75,7 @@ class HFTokenizer:
         eos = [self.token_id(self.special_tokens["eos_token"])] if "eos_token" in self.special_tokens else []
         eos += generation if isinstance(generation, list) else [generation] if generation is not None else []
         self.eos_token_ids: list[int] = sorted({e for e in eos if isinstance(e, int)})
+        self.chat_template_kwargs: dict = {}  # the template's keywords for every render (a call's win)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without the special tokens the tokenizer would add around it."""
@@ -107,7 +108,8 @@ class HFTokenizer:
 
         if self.chat_template is None:
             raise InputError("this checkpoint has no chat template (tokenizer_config.json chat_template)")
-        return render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens, **kwargs)
+        return render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens,
+                           **{**self.chat_template_kwargs, **kwargs})
 
     @property
     def vocab_size(self) -> int:

@@ -64,6 +64,11 @@ def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
     from ..envs.custom import TaskContext, build_custom_env
 
     tokenizer = HFTokenizer(path) if path is not None else None
+    if t.chat_template_kwargs:
+        if tokenizer is None or not tokenizer.chat_template:
+            raise ParityError("task.chat_template_kwargs: the run's tokenizer has no chat template "
+                              f"({path or 'no tokenizer.json'})")
+        tokenizer.chat_template_kwargs = dict(t.chat_template_kwargs)
     ctx = TaskContext(tokenizer, vocab_size, cfg.seed, t.heldout_size, t.require_isolation, sandbox)
     if t.require_isolation and t.name == "custom":  # refused now, before anything is computed
         ctx.sandbox()  # (a dataset's reward that takes the sandbox makes it at start-up itself)
