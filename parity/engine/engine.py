@@ -90,8 +90,7 @@ class Engine:
         self.step_times: deque[float] = deque(maxlen=100_000)  # (a long-lived engine's grew for good)
         self._unchecked: list[Sequence] = []  # sampled, stop check not yet run (an interrupt came)
         self._finished: list[RequestOutput] = []  # finished, not yet returned by step()
-        self._lock, self._in_before_step = threading.RLock(), False  # `calls.one_thread`
-        self._warned_cache_full = False
+        self._lock, self._in_before_step, self._warned_cache_full = threading.RLock(), False, False
 
     def describe_cache(self) -> str:
         """The cache's capacity in one line (what the commands print at start-up)."""
@@ -254,11 +253,11 @@ class Engine:
             return "length"
         if len(seq) > self.blocks.capacity_tokens:  # the whole cache: its last token can never be fed
             seq.cache_full = True
-            if not self._warned_cache_full:
-                self._warned_cache_full = True
+            if not self._warned_cache_full:  # (once per engine)
                 log.warning("request %d ended at the KV cache's %d tokens (finish_reason 'length', "
                             "cache_full): raise kv_cache_memory or kv_cache_tokens", seq.request_id,
                             self.blocks.capacity_tokens)
+                self._warned_cache_full = True
             return "length"
         return None
 
@@ -272,8 +271,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             batch = self.scheduler.schedule()
-        except CacheFull as full:  # (a safety net: add/continue_request and the stop check keep every
-            # sequence within the cache) this request can never fit: fail it, keep the others
+        except CacheFull as full:  # (a safety net: the stop check keeps sequences within the cache)
             seq = full.seq
             self.scheduler.release(seq)
             self.seqs.pop(seq.request_id, None)
