@@ -14,7 +14,7 @@ import transformers
 
 import parity
 from parity.engine import Engine, SamplingParams
-from parity.errors import CheckpointError
+from parity.errors import CheckpointError, ConfigError, InputError
 from parity.rl import Learner, LearnerConfig, Trajectory, TrajectoryBatch
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -33,6 +33,8 @@ def hf_config(family: str, tied: bool = False, **over):
         return transformers.Qwen2Config(**kw)
     if family == "llama":
         return transformers.LlamaConfig(rope_theta=500000.0, rope_scaling=dict(LLAMA3), **kw)  # (adds to it)
+    if family == "mistral":  # Mistral v0.2+, Nemo, Small: no sliding window (head_dim set apart)
+        return transformers.MistralConfig(**{"sliding_window": None, "head_dim": 24, "rope_theta": 1e6, **kw})
     return transformers.Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2,
                                        moe_intermediate_size=32, mlp_only_layers=[1],
                                        **{"norm_topk_prob": True, **kw})
@@ -61,7 +63,7 @@ def hf_logprobs(model, seq):
     return torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0]
 
 
-FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama"]
+FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -154,6 +156,39 @@ def test_qwen3s_yarn_recipe_serves_131072_tokens():
     assert config_from_hf({**data, "rope_scaling": None}).max_position_embeddings == 40960  # control
 
 
+def test_a_mistral_with_a_sliding_window_loads_with_its_context_cut_to_the_window(tmp_path):
+    """Mistral v0.1 slides attention over 4096 of its 32768 positions (and a config.json without
+    `sliding_window` means 4096 to transformers). parity attends to everything, which is exact
+    while no sequence outgrows the window: the context becomes the window, and the log-probs of a
+    sequence within it agree with transformers'. The control: past the window transformers slides,
+    and parity refuses the sequence instead of computing another model."""
+    hf = hf_model("mistral", sliding_window=40)
+    hf.save_pretrained(tmp_path)
+    ours = parity.load_model(tmp_path)
+    assert (ours.config.max_position_embeddings, ours.config.sliding_window) == (40, 40)
+    seq = torch.arange(1, 41) % 128
+    with torch.no_grad():
+        assert torch.allclose(parity.sequence_logprobs(ours, [seq])[0], hf_logprobs(hf, seq), atol=1e-4)
+        longer = torch.arange(1, 61) % 128
+        slid = hf_logprobs(hf, longer)
+        full = hf_logprobs(hf_model("mistral", sliding_window=None), longer)
+        assert (slid[40:] - full[40:]).abs().max() > 1e-3  # the window matters past 40 tokens
+    with pytest.raises(InputError, match="exceeds max_position_embeddings=40"):
+        parity.sequence_logprobs(ours, [longer])
+    ours.save_pretrained(tmp_path / "again")  # the window is written back, and transformers reads it
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["sliding_window"] == 40
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32).eval()
+    assert type(back).__name__ == "MistralForCausalLM"
+    assert torch.allclose(hf_logprobs(back, longer), slid, atol=1e-5)  # its own window, past 40 too
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["sliding_window"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert parity.load_model(tmp_path).config.max_position_embeddings == 256  # 4096 holds all 256
+    with pytest.raises(ConfigError, match="sliding_window=40 must be at least max_position_embeddings=256"):
+        parity.ModelConfig.preset("tiny", model_type="mistral", max_position_embeddings=256,
+                                  sliding_window=40)
+
+
 def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):
     hf = hf_model("qwen2")
     hf.to(torch.bfloat16).save_pretrained(tmp_path)
@@ -165,7 +200,7 @@ def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):
 
 
 @pytest.mark.parametrize("edit, culprit", [
-    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "mistral"),
+    (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), "gemma"),
     (dict(architectures=["Qwen2ForSequenceClassification"]), "Qwen2ForSequenceClassification"),
     (dict(use_sliding_window=True, sliding_window=8, layer_types=None, max_window_layers=1), "use_sliding"),
     (dict(layer_types=["sliding_attention", "full_attention", "full_attention"]), "layer_types"),

@@ -8,6 +8,7 @@ One decoder definition serves four families, which differ in a few switches:
 | qwen3_moe  | yes      | no         | top-k mixture of SwiGLU experts | default   |
 | qwen2      | no       | yes        | SwiGLU              | default               |
 | llama      | no       | no         | SwiGLU              | llama3 (Llama 3.1+)   |
+| mistral    | no       | no         | SwiGLU              | default               |
 
 Any family may scale RoPE (`linear`, `llama3` or `yarn`: `rope.py`), as transformers allows.
 
@@ -26,7 +27,7 @@ from ..errors import ConfigError
 from ..fields import check_fields
 from .rope import check_rope_scaling
 
-MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama")
+MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral")
 """Decoder families parity builds."""
 
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -89,7 +90,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     """End-of-sequence id(s): the engine stops on any of them."""
     model_type: str = "qwen3"
-    """The family: 'qwen3', 'qwen3_moe', 'qwen2' or 'llama' (see the module docstring)."""
+    """The family: 'qwen3', 'qwen3_moe', 'qwen2', 'llama' or 'mistral' (the module docstring)."""
     attention_bias: bool = False
     """q/k/v projections have biases (always for qwen2; unsupported elsewhere)."""
     rope_scaling: dict[str, Any] | None = None
@@ -97,6 +98,10 @@ class ModelConfig:
     ...} with the fields `rope.py` lists (llama3: low/high_freq_factor and
     original_max_position_embeddings; yarn: original_max_position_embeddings, optional
     attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate)."""
+    sliding_window: int | None = None
+    """mistral: its attention window (HF `sliding_window`). parity attends to every earlier
+    position, so a window must hold the whole context: at least max_position_embeddings (a
+    checkpoint's context is cut to its window when loaded: exact, as no sequence outgrows it)."""
     num_experts: int = 0
     """qwen3_moe: experts per MoE layer."""
     num_experts_per_tok: int = 0
@@ -163,6 +168,11 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.attention_bias=true is not supported for {self.model_type}")
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2's q/k/v projections always carry biases
+        window = self.sliding_window
+        if window is not None and (self.model_type != "mistral" or self.max_position_embeddings > window):
+            raise ConfigError(f"ModelConfig.sliding_window={self.sliding_window} must be at least "
+                              f"max_position_embeddings={self.max_position_embeddings} (mistral only): "
+                              "parity attends to the whole context")
         self.rope_scaling = check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         self._check_moe()
 

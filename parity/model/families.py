@@ -26,10 +26,10 @@ from ..errors import ConfigError
 from .config import MODEL_TYPES, ModelConfig
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+                 "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 log = logging.getLogger(__name__)
 
-_DEFAULT_CONTEXT = {"qwen3": 32768, "qwen3_moe": 32768, "qwen2": 32768, "llama": 2048}
+_DEFAULT_CONTEXT = {"qwen3": 32768, "qwen3_moe": 32768, "qwen2": 32768, "llama": 2048, "mistral": 131072}
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -164,6 +164,21 @@ def _yarn_context(scaling: dict) -> int | None:
     return min(int(context * factor), 1 << 23)  # (ModelConfig's longest context)
 
 
+def _mistral_window(data: dict, fields: dict, where: str) -> None:
+    """Mistral slides every layer's attention over `sliding_window` positions (4096 when the
+    field is absent, as transformers reads it; null: none). parity attends to the whole context,
+    which is exact while no sequence outgrows the window: the context is cut to it."""
+    window = data.get("sliding_window", 4096)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
+    context = fields["max_position_embeddings"]
+    if window is not None and isinstance(context, int) and window < context:
+        log.info("%s: sliding_window %d: a context of %d tokens (max_position_embeddings %d in the "
+                 "file), over which attention is full", where, window, window, context)
+        fields["max_position_embeddings"] = window
+    fields["sliding_window"] = window
+
+
 def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> ModelConfig:
     """A `ModelConfig` from a Hugging Face config dict of a supported family."""
     _check_types(data, str(where))
@@ -221,6 +236,8 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                      "tokens (max_position_embeddings %s in the file)", where, scaling["factor"],
                      scaling["original_max_position_embeddings"], context, file_context)
             fields["max_position_embeddings"] = context
+    if model_type == "mistral":
+        _mistral_window(data, fields, str(where))
     if model_type == "qwen3_moe":
         fields.update(num_experts=data.get("num_experts", data.get("num_local_experts")),
                       num_experts_per_tok=data.get("num_experts_per_tok"),
@@ -259,8 +276,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out["attention_bias"] = False
     if cfg.model_type in ("qwen3", "qwen3_moe", "qwen2"):
         out["use_sliding_window"] = False
-    if cfg.model_type == "llama":
+    if cfg.model_type in ("llama", "mistral"):
         out["mlp_bias"] = False
+    if cfg.model_type == "mistral":
+        out["sliding_window"] = cfg.sliding_window  # (null written out: absent reads as 4096)
     if cfg.is_moe:
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
