@@ -1,4 +1,4 @@
-"""Bring your own checkpoint: Qwen3, Qwen3-MoE, Qwen2 and Llama 3 checkpoints made by
+"""Bring your own checkpoint: Qwen3, Qwen3-MoE, Qwen2, Llama 3 and Mistral checkpoints made by
 `transformers` itself load with log-probs within 1e-4 of transformers'; parity's own saves load in
 transformers; what parity does not honour is a one-line error; MoE routing is batch-invariant and
 identical on both sides with aligned kernels, and flips with standard kernels."""
