@@ -1,8 +1,8 @@
 """Model families: reading and writing Hugging Face `config.json` files and checkpoint tensor names.
 
 `config_from_hf` turns a config of a supported family (Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x,
-Mistral; the layouts of transformers 4.x and 5.x) into a `ModelConfig`, and refuses — with a one-
-line error naming the field — anything parity would otherwise get silently wrong: another
+Mistral; the layouts of transformers 4.x and 5.x) into a `ModelConfig`, and refuses — with a
+one-line error naming the field — anything parity would otherwise get silently wrong: another
 architecture, sliding-window attention (a Mistral window becomes the context), biases or RoPE
 scalings it does not implement, an activation other than SiLU. `config_to_hf` writes what
 `transformers` loads back.
