@@ -1,4 +1,4 @@
-"""Bring your own checkpoint: Qwen3, Qwen3-MoE, Qwen2, Llama 3 and Mistral checkpoints made by
+"""Bring your own checkpoint: Qwen3, Qwen3-MoE, Qwen2, Llama 3, Mistral and Mixtral checkpoints made by
 `transformers` itself load with log-probs within 1e-4 of transformers'; parity's own saves load in
 transformers; what parity does not honour is a one-line error; MoE routing is batch-invariant and
 identical on both sides with aligned kernels, and flips with standard kernels."""
@@ -35,6 +35,8 @@ def hf_config(family: str, tied: bool = False, **over):
         return transformers.LlamaConfig(rope_theta=500000.0, rope_scaling=dict(LLAMA3), **kw)  # (adds to it)
     if family == "mistral":  # Mistral v0.2+, Nemo, Small: no sliding window (head_dim set apart)
         return transformers.MistralConfig(**{"sliding_window": None, "head_dim": 24, "rope_theta": 1e6, **kw})
+    if family == "mixtral":
+        return transformers.MixtralConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, **kw})
     return transformers.Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2,
                                        moe_intermediate_size=32, mlp_only_layers=[1],
                                        **{"norm_topk_prob": True, **kw})
@@ -63,7 +65,7 @@ def hf_logprobs(model, seq):
     return torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0]
 
 
-FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral"]
+FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -187,6 +189,36 @@ def test_a_mistral_with_a_sliding_window_loads_with_its_context_cut_to_the_windo
     with pytest.raises(ConfigError, match="sliding_window=40 must be at least max_position_embeddings=256"):
         parity.ModelConfig.preset("tiny", model_type="mistral", max_position_embeddings=256,
                                   sliding_window=40)
+
+
+def test_a_mixtral_loads_agrees_and_saves_under_the_hubs_names(tmp_path):
+    """Mixtral: every layer a mixture of experts named `block_sparse_moe.experts.<e>.w1/w2/w3` on
+    the Hub, its top-k weights renormalised, no q/k norm (it was refused as another architecture).
+    A transformers checkpoint loads and agrees within 1e-4; parity's save keeps the Hub's names and
+    loads in transformers as the same model. The control: the same weights read as a Qwen3-MoE
+    (q/k norms, no renormalisation) are far off."""
+    from safetensors import safe_open
+
+    hf = hf_model("mixtral")
+    hf.save_pretrained(tmp_path / "hf")
+    ours = parity.load_model(tmp_path / "hf")
+    assert ours.config.is_moe and ours.config.moe_layers == [0, 1, 2] and ours.config.norm_topk_prob
+    long = torch.arange(1, 120, 3)
+    with torch.no_grad():
+        ref = hf_logprobs(hf, long)
+        assert torch.allclose(parity.sequence_logprobs(ours, [long])[0], ref, atol=1e-4)
+        plain = dataclasses.replace(ours.config, model_type="qwen3_moe", norm_topk_prob=False)
+        other = parity.Model(plain, dtype=torch.float32)
+        other.load_state_dict(ours.state_dict(), strict=False)  # (its q/k norms stay at 1)
+        assert (parity.sequence_logprobs(other, [long])[0] - ref).abs().max() > 1e-2  # control
+    ours.save_pretrained(tmp_path / "ours")
+    with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.2.block_sparse_moe.experts.7.w3.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names and not any(".mlp." in n for n in names)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    assert type(back).__name__ == "MixtralForCausalLM"
+    assert torch.allclose(hf_logprobs(back, long), ref, atol=1e-5)
 
 
 def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):

@@ -9,6 +9,7 @@ One decoder definition serves four families, which differ in a few switches:
 | qwen2      | no       | yes        | SwiGLU              | default               |
 | llama      | no       | no         | SwiGLU              | llama3 (Llama 3.1+)   |
 | mistral    | no       | no         | SwiGLU              | default               |
+| mixtral    | no       | no         | top-k mixture in every layer    | default   |
 
 Any family may scale RoPE (`linear`, `llama3` or `yarn`: `rope.py`), as transformers allows.
 
@@ -27,7 +28,7 @@ from ..errors import ConfigError
 from ..fields import check_fields
 from .rope import check_rope_scaling
 
-MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral")
+MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral")
 """Decoder families parity builds."""
 
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -90,7 +91,8 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     """End-of-sequence id(s): the engine stops on any of them."""
     model_type: str = "qwen3"
-    """The family: 'qwen3', 'qwen3_moe', 'qwen2', 'llama' or 'mistral' (the module docstring)."""
+    """The family: 'qwen3', 'qwen3_moe', 'qwen2', 'llama', 'mistral' or 'mixtral' (the module
+    docstring)."""
     attention_bias: bool = False
     """q/k/v projections have biases (always for qwen2; unsupported elsewhere)."""
     rope_scaling: dict[str, Any] | None = None
@@ -99,23 +101,23 @@ class ModelConfig:
     original_max_position_embeddings; yarn: original_max_position_embeddings, optional
     attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate)."""
     sliding_window: int | None = None
-    """mistral: its attention window (HF `sliding_window`). parity attends to every earlier
+    """mistral, mixtral: the attention window (HF `sliding_window`). parity attends to every earlier
     position, so a window must hold the whole context: at least max_position_embeddings (a
     checkpoint's context is cut to its window when loaded: exact, as no sequence outgrows it)."""
     num_experts: int = 0
-    """qwen3_moe: experts per MoE layer."""
+    """qwen3_moe, mixtral (HF num_local_experts): experts per MoE layer."""
     num_experts_per_tok: int = 0
-    """qwen3_moe: experts each token is routed to (top-k)."""
+    """qwen3_moe, mixtral: experts each token is routed to (top-k)."""
     moe_intermediate_size: int = 0
-    """qwen3_moe: width of each expert's SwiGLU MLP."""
+    """qwen3_moe, mixtral (HF intermediate_size): width of each expert's SwiGLU MLP."""
     norm_topk_prob: bool = False
-    """qwen3_moe: renormalise the top-k routing weights to sum to 1."""
+    """qwen3_moe: renormalise the top-k routing weights to sum to 1 (mixtral always does)."""
     decoder_sparse_step: int = 1
     """qwen3_moe: layer i has an MoE block when (i + 1) % decoder_sparse_step == 0 ..."""
     mlp_only_layers: list[int] = field(default_factory=list)
     """qwen3_moe: ... and i is not listed here (those layers use the dense MLP)."""
     router_aux_loss_coef: float = 0.0
-    """qwen3_moe: the checkpoint's load-balancing loss weight (informational; the learner's own
+    """qwen3_moe, mixtral: the checkpoint's load-balancing loss weight (informational; the learner's own
     `LearnerConfig.router_aux_loss_coef` decides, 0 = off)."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     """Fields of a loaded config.json that parity does not use, kept so a save round-trips."""
@@ -169,22 +171,27 @@ class ModelConfig:
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2's q/k/v projections always carry biases
         window = self.sliding_window
-        if window is not None and (self.model_type != "mistral" or self.max_position_embeddings > window):
+        if window is not None and (self.model_type not in ("mistral", "mixtral")
+                                   or self.max_position_embeddings > window):
             raise ConfigError(f"ModelConfig.sliding_window={self.sliding_window} must be at least "
-                              f"max_position_embeddings={self.max_position_embeddings} (mistral only): "
+                              f"max_position_embeddings={self.max_position_embeddings} (mistral, mixtral): "
                               "parity attends to the whole context")
         self.rope_scaling = check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         self._check_moe()
 
     def _check_moe(self) -> None:
-        if self.model_type != "qwen3_moe":
+        if not self.is_moe:
             if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
                 raise ConfigError(f"ModelConfig.num_experts is set but model_type is {self.model_type!r}")
             return
+        if self.model_type == "mixtral":  # every layer a mixture, its top-k weights renormalised
+            if self.decoder_sparse_step != 1 or self.mlp_only_layers or not self.norm_topk_prob:
+                raise ConfigError("ModelConfig: mixtral has a mixture in every layer (decoder_sparse_step 1, "
+                                  "no mlp_only_layers) and renormalises its top-k (norm_topk_prob true)")
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             value = getattr(self, name)
             if value <= 0:
-                raise ConfigError(f"ModelConfig.{name} must be a positive integer for qwen3_moe, "
+                raise ConfigError(f"ModelConfig.{name} must be a positive integer for {self.model_type}, "
                                   f"got {value!r}")
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
@@ -208,7 +215,7 @@ class ModelConfig:
 
     @property
     def is_moe(self) -> bool:
-        return self.model_type == "qwen3_moe"
+        return self.model_type in ("qwen3_moe", "mixtral")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has a mixture-of-experts block instead of the dense MLP."""

@@ -1,7 +1,7 @@
 """Model families: reading and writing Hugging Face `config.json` files and checkpoint tensor names.
 
 `config_from_hf` turns a config of a supported family (Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x,
-Mistral; the layouts of transformers 4.x and 5.x) into a `ModelConfig`, and refuses — with a
+Mistral, Mixtral; the layouts of transformers 4.x and 5.x) into a `ModelConfig`, and refuses — with a
 one-line error naming the field — anything parity would otherwise get silently wrong: another
 architecture, sliding-window attention (a Mistral window becomes the context), biases or RoPE
 scalings it does not implement, an activation other than SiLU. `config_to_hf` writes what
@@ -27,10 +27,12 @@ from ..errors import ConfigError
 from .config import MODEL_TYPES, ModelConfig
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+                 "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "MixtralForCausalLM": "mixtral"}
 log = logging.getLogger(__name__)
 
-_DEFAULT_CONTEXT = {"qwen3": 32768, "qwen3_moe": 32768, "qwen2": 32768, "llama": 2048, "mistral": 131072}
+_DEFAULT_CONTEXT = {"qwen3": 32768, "qwen3_moe": 32768, "qwen2": 32768, "llama": 2048, "mistral": 131072,
+                    "mixtral": 131072}
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -165,11 +167,12 @@ def _yarn_context(scaling: dict) -> int | None:
     return min(int(context * factor), 1 << 23)  # (ModelConfig's longest context)
 
 
-def _mistral_window(data: dict, fields: dict, where: str) -> None:
-    """Mistral slides every layer's attention over `sliding_window` positions (4096 when the
-    field is absent, as transformers reads it; null: none). parity attends to the whole context,
-    which is exact while no sequence outgrows the window: the context is cut to it."""
-    window = data.get("sliding_window", 4096)
+def _mistral_window(data: dict, fields: dict, where: str, default: int | None) -> None:
+    """Mistral and Mixtral slide every layer's attention over `sliding_window` positions (when the
+    field is absent: 4096 for Mistral, none for Mixtral, as transformers reads them; null: none).
+    parity attends to the whole context, which is exact while no sequence outgrows the window:
+    the context is cut to it."""
+    window = data.get("sliding_window", default)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
     context = fields["max_position_embeddings"]
@@ -237,8 +240,14 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                      "tokens (max_position_embeddings %s in the file)", where, scaling["factor"],
                      scaling["original_max_position_embeddings"], context, file_context)
             fields["max_position_embeddings"] = context
-    if model_type == "mistral":
-        _mistral_window(data, fields, str(where))
+    if model_type in ("mistral", "mixtral"):
+        _mistral_window(data, fields, str(where), 4096 if model_type == "mistral" else None)
+    if model_type == "mixtral":  # every layer a mixture of intermediate_size experts, top-k renormalised
+        width = data.get("intermediate_size", 14336)  # (transformers' defaults, as for the others)
+        fields.update(num_experts=data.get("num_local_experts", 8), intermediate_size=width,
+                      num_experts_per_tok=data.get("num_experts_per_tok", 2), moe_intermediate_size=width,
+                      norm_topk_prob=True,
+                      router_aux_loss_coef=float(data.get("router_aux_loss_coef", 0.001) or 0.0))
     if model_type == "qwen3_moe":
         fields.update(num_experts=data.get("num_experts", data.get("num_local_experts")),
                       num_experts_per_tok=data.get("num_experts_per_tok"),
@@ -279,9 +288,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out["use_sliding_window"] = False
     if cfg.model_type in ("llama", "mistral"):
         out["mlp_bias"] = False
-    if cfg.model_type == "mistral":
+    if cfg.model_type in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window  # (null written out: absent reads as 4096)
-    if cfg.is_moe:
+    if cfg.model_type == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   intermediate_size=cfg.moe_intermediate_size, router_aux_loss_coef=cfg.router_aux_loss_coef)
+    elif cfg.is_moe:
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
                    decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
@@ -291,6 +303,17 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- checkpoint tensor names
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MIXTRAL = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+            (".w2.", ".down_proj."))
+
+
+def _mixtral_name(name: str, to_hub: bool) -> str:
+    """A Mixtral tensor name between the Hub's spelling (`block_sparse_moe`, experts' w1/w3/w2)
+    and Qwen3-MoE's (`mlp`, gate/up/down_proj), which parity's MoE code reads (a Mixtral has no
+    dense MLP, so no other name holds these)."""
+    for hub, ours in _MIXTRAL:
+        name = name.replace(ours, hub) if to_hub else name.replace(hub, ours)
+    return name
 
 
 def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
@@ -298,6 +321,11 @@ def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
     """Checkpoint tensors under the model's own names: per-expert MoE weights are stacked."""
     if not cfg.is_moe:
         return tensors
+    if cfg.model_type == "mixtral":
+        named = {_mixtral_name(n, to_hub=False): t for n, t in tensors.items()}
+        if len(named) < len(tensors):  # (both spellings of one tensor: one would silently win)
+            raise ConfigError(f"{where}: a Mixtral tensor is stored under both its Hub and mlp names")
+        tensors = named
     out, experts = {}, {}
     for name, t in tensors.items():
         m = _EXPERT.match(name)
@@ -346,4 +374,4 @@ def tensors_to_files(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[s
                 out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
         else:
             out[name] = t
-    return out
+    return {_mixtral_name(n, to_hub=True): t for n, t in out.items()} if cfg.model_type == "mixtral" else out
