@@ -178,7 +178,9 @@ def test_a_mistral_with_a_sliding_window_loads_with_its_context_cut_to_the_windo
     with pytest.raises(InputError, match="exceeds max_position_embeddings=40"):
         parity.sequence_logprobs(ours, [longer])
     ours.save_pretrained(tmp_path / "again")  # the window is written back, and transformers reads it
-    assert json.loads((tmp_path / "again" / "config.json").read_text())["sliding_window"] == 40
+    written = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert (written["sliding_window"], written["max_position_embeddings"]) == (40, 256)  # as the file had
+    assert parity.load_model(tmp_path / "again").config == ours.config
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32).eval()
     assert type(back).__name__ == "MistralForCausalLM"
     assert torch.allclose(hf_logprobs(back, longer), slid, atol=1e-5)  # its own window, past 40 too

@@ -200,7 +200,10 @@ def test_eval_and_train_accept_a_brought_checkpoint(bpe_dir, tmp_path, capsys):
     sets = ['task.name="math"', f'model.checkpoint="{ckpt}"', "steps=1", "rollout.prompts_per_step=2",
             "rollout.group_size=2", "rollout.max_tokens=4", "eval_every=0", f'run_dir="{tmp_path / "run"}"']
     assert main(["train", *[x for s in sets for x in ("--set", s)]]) == 0
-    assert (tmp_path / "run" / "checkpoint-1" / "tokenizer.json").exists()
+    saved = HFTokenizer(tmp_path / "run" / "checkpoint-1" / "tokenizer.json")  # its own chat template and
+    brought = HFTokenizer(ckpt / "tokenizer.json")  # EOS ids, so an eval or resume from it prompts the same
+    assert (saved.chat_template, saved.eos_token_ids) == (brought.chat_template, brought.eos_token_ids)
+    assert saved.chat_template == CHATML  # (it was dropped: such a run was evaluated in parity's format)
 
 
 def test_plain_text_encodes_as_encode_does_and_never_as_added_tokens(bpe_dir, tmp_path):
@@ -262,6 +265,12 @@ def test_chat_template_kwargs_reach_every_prompt_a_task_renders(bpe_dir, tmp_pat
     assert HFTokenizer(ckpt / "tokenizer.json").decode(ids).endswith("assistant\n<think>\n\n</think>\n\n")
     assert main(["generate", "--model", str(ckpt), "--prompt", "hi", "--chat-kwarg", "x=1"]) == 2
     assert "--chat-kwarg needs --chat" in capsys.readouterr().err
+    assert main(["generate", "--model", str(ckpt), "--prompt", "hi", "--chat", "--chat-kwarg", "template=x",
+                 "--chat-kwarg", "special_tokens=1", "--max-tokens", "1"]) == 0  # (were TypeErrors)
+    capsys.readouterr()
+    python_style = with_overrides(base, ["task.chat_template_kwargs.enable_thinking=False"])
+    assert python_style.task.chat_template_kwargs == {"enable_thinking": False}  # (was the string 'False')
+    assert build_env(python_style, 512).prompt_ids(problem) == want
     for bad, message in (("task.chat_template_kwargs={messages = 1}", "is set by the task itself"),
                          ("task.chat_template_kwargs={a = 1}", "for the text tasks")):
         with pytest.raises(ConfigError, match=message):

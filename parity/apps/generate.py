@@ -14,6 +14,7 @@ import json
 import sys
 
 from .. import hardware
+from ..config.task import as_bool
 from ..dtypes import dtype_from_name
 from ..engine import Engine, SamplingParams
 from ..envs import chat
@@ -110,9 +111,9 @@ def _chat_kwarg(text: str) -> tuple[str, object]:
         raise ParityError(f"--chat-kwarg {text!r}: expected NAME=VALUE, NAME a template variable "
                           "(not messages or add_generation_prompt)")
     try:
-        return key.strip(), tomllib.loads(f"v = {raw}")["v"]
+        return key.strip(), as_bool(tomllib.loads(f"v = {raw}")["v"])
     except tomllib.TOMLDecodeError:
-        return key.strip(), raw
+        return key.strip(), as_bool(raw)  # ('False' is false: a string is true to the template)
 
 
 def main(args) -> int:

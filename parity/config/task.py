@@ -14,6 +14,11 @@ TASK_NAMES: tuple[str, ...] = ("tool", "math", "target_tokens", "dataset", "cust
 """Environments a run can train on ('dataset' and 'custom' are the user's: `parity.envs.dataset`,
 `parity.envs.custom`)."""
 
+def as_bool(value):
+    """`value`, or the boolean a string spells in any case ('False' from `--set ...=False`)."""
+    return {"true": True, "false": False}.get(value.lower(), value) if isinstance(value, str) else value
+
+
 MAX_PROBLEMS = 100_000
 """The most problems a held-out set or one evaluation may hold (each is generated up front, all
 at once; the text tasks' evaluations are also bounded by `task.heldout_size`)."""
@@ -75,7 +80,8 @@ class TaskSection:
     chat_template_kwargs: dict = field(default_factory=dict)
     """Keyword arguments for the checkpoint's chat template wherever a task renders a prompt with
     it (a TOML table, [task.chat_template_kwargs]; e.g. enable_thinking = false for Qwen3, as
-    transformers' `apply_chat_template(..., enable_thinking=False)`). Needs a chat template."""
+    transformers' `apply_chat_template(..., enable_thinking=False)`; a string spelling true or
+    false in any case is that boolean: the string is true to the template). Needs a chat template."""
     require_isolation: bool = False
     """tool, and your own tasks' sandbox: refuse, at start-up, to run model-written code where the
     sandbox cannot isolate it (namespaces, a private read-only root, no network). False: there it
@@ -136,6 +142,7 @@ class TaskSection:
         self.reward = checked if len(checked) > 1 else checked[0]  # ["exact"] is "exact"
         check_options(self.options, "task.options")
         check_options(self.chat_template_kwargs, "task.chat_template_kwargs")
+        self.chat_template_kwargs = {k: as_bool(v) for k, v in self.chat_template_kwargs.items()}
         fixed = sorted({"messages", "add_generation_prompt"} & set(self.chat_template_kwargs))
         if fixed:
             raise ConfigError(f"task.chat_template_kwargs.{fixed[0]} is set by the task itself")

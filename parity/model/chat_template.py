@@ -64,8 +64,12 @@ def _compile(template: str):
 
 
 def render_chat(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                special_tokens: dict[str, str] | None = None, **kwargs: Any) -> str:
-    """The conversation as the text the model sees."""
+                special_tokens: dict[str, str] | None = None, /, **kwargs: Any) -> str:
+    """The conversation as the text the model sees; `kwargs` are the template's other variables
+    (any name but `messages` and `add_generation_prompt`: a `template` variable is the template's)."""
+    fixed = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+    if fixed:
+        raise InputError(f"chat template variable {fixed[0]!r} is set by the caller, not a keyword")
     import jinja2
 
     if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):

@@ -180,6 +180,7 @@ def _mistral_window(data: dict, fields: dict, where: str, default: int | None) -
         log.info("%s: sliding_window %d: a context of %d tokens (max_position_embeddings %d in the "
                  "file), over which attention is full", where, window, window, context)
         fields["max_position_embeddings"] = window
+        fields.setdefault("extra", {})["max_position_embeddings"] = context  # (saved back as it was)
     fields["sliding_window"] = window
 
 
@@ -257,6 +258,7 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                       mlp_only_layers=list(data.get("mlp_only_layers") or []),
                       router_aux_loss_coef=float(data.get("router_aux_loss_coef") or 0.0))
     extra = {k: v for k, v in data.items() if k not in fields and k not in _WRITTEN}
+    extra.update(fields.pop("extra", {}))
     try:
         return ModelConfig(**fields, extra=extra)
     except (ConfigError, TypeError) as exc:
@@ -290,6 +292,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out["mlp_bias"] = False
     if cfg.model_type in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window  # (null written out: absent reads as 4096)
+        if cfg.sliding_window is not None:  # the file's own context, which its window slides over
+            out["max_position_embeddings"] = max(cfg.max_position_embeddings,
+                                                 cfg.extra.get("max_position_embeddings", 0))
     if cfg.model_type == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    intermediate_size=cfg.moe_intermediate_size, router_aux_loss_coef=cfg.router_aux_loss_coef)

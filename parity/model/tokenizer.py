@@ -8,6 +8,7 @@ text (the `tiny` preset's 128 ids cover ASCII only); ids it cannot decode print 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from ..errors import InputError
@@ -144,6 +145,20 @@ def _chat_template(config: dict, directory: Path) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) else None
+
+
+COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+"""What `HFTokenizer` reads beside a tokenizer.json (special tokens, the chat template, EOS ids)."""
+
+
+def copy_tokenizer(path: Path, directory: Path) -> None:
+    """Copy a tokenizer.json and its companion files into `directory` (where none is yet), so a
+    tokenizer read from there is the same: its chat template and EOS ids included."""
+    for name in ("tokenizer.json", *COMPANION_FILES):
+        source = Path(path) if name == "tokenizer.json" else Path(path).parent / name
+        if source.is_file() and not (Path(directory) / name).exists():
+            shutil.copyfile(source, Path(directory) / name)
 
 
 _OTHER_FORMATS = ("tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",

@@ -27,6 +27,7 @@ from ..config import TaskSection
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ParityError
 from ..fields import is_file_spec
+from ..model.tokenizer import copy_tokenizer
 from .faults import checkpoint_fault
 from .learner import Learner
 from .trajectory import RolloutBatch
@@ -148,17 +149,17 @@ def _trainer_state(step: int, learner: Learner, separate: bool, ready: list | No
 
 def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | None = None,
          ready: list | None = None, sampled_under: dict | None = None) -> Path:
-    """Write checkpoint-<step>; `tokenizer` (a tokenizer.json) is copied in so the checkpoint
-    can be evaluated or trained from on its own; `ready`: RolloutBatches sampled for steps after
-    `step` (a resumed run consumes them instead of sampling them again)."""
+    """Write checkpoint-<step>; `tokenizer` (a tokenizer.json, with the files beside it that
+    `HFTokenizer` reads) is copied in so the checkpoint can be evaluated or trained from on its
+    own; `ready`: RolloutBatches sampled for later steps (a resume consumes them)."""
     learner.check_whole()  # (a torn update saved would be resumed as if whole)
     final = Path(run_dir) / f"checkpoint-{step}"
     tmp = Path(run_dir) / f".checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
-        if tokenizer is not None and Path(tokenizer).exists():
-            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        if tokenizer is not None and Path(tokenizer).exists():  # (with its chat template: was left out)
+            copy_tokenizer(tokenizer, tmp)
         checkpoint_fault(step)
         separate = learner.compute_dtype != torch.float32
         # streamed to the file through Python writes (not serialised in memory first: at a real
