@@ -221,6 +221,24 @@ def test_a_mixtral_loads_agrees_and_saves_under_the_hubs_names(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     assert type(back).__name__ == "MixtralForCausalLM"
     assert torch.allclose(hf_logprobs(back, long), ref, atol=1e-5)
+    # fields a config.json may leave out read as transformers reads them for a Mixtral: theta 1e6 and
+    # eps 1e-5 (were 1e4 and 1e-6: 0.46 and 0.003 nats off), 8 kv heads; `num_experts` for
+    # num_local_experts; a missing expert is named as the file spells it
+    hf = hf_model("mixtral", num_attention_heads=16, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)
+    hf.save_pretrained(tmp_path / "bare")
+    cfg = json.loads((tmp_path / "bare" / "config.json").read_text())
+    for key in ("rope_parameters", "rope_theta", "rms_norm_eps", "num_key_value_heads"):
+        cfg.pop(key, None)
+    cfg["num_experts"] = cfg.pop("num_local_experts")
+    (tmp_path / "bare" / "config.json").write_text(json.dumps(cfg))
+    bare = parity.load_model(tmp_path / "bare")
+    got = bare.config
+    assert (got.rope_theta, got.rms_norm_eps, got.num_key_value_heads) == (1e6, 1e-5, 8)
+    with torch.no_grad():
+        assert torch.allclose(parity.sequence_logprobs(bare, [long])[0], hf_logprobs(hf, long), atol=1e-4)
+    (tmp_path / "bare" / "config.json").write_text(json.dumps({**cfg, "num_experts": 9}))
+    with pytest.raises(CheckpointError, match=r"missing tensor model.layers.0.block_sparse_moe.experts.8.w1"):
+        parity.load_model(tmp_path / "bare")
 
 
 def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):

@@ -15,6 +15,7 @@ and `tensors_to_files` convert.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -31,8 +32,16 @@ ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"
                  "MixtralForCausalLM": "mixtral"}
 log = logging.getLogger(__name__)
 
-_DEFAULT_CONTEXT = {"qwen3": 32768, "qwen3_moe": 32768, "qwen2": 32768, "llama": 2048, "mistral": 131072,
-                    "mixtral": 131072}
+_DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a config.json leaves out
+    "qwen3": dict(max_position_embeddings=32768, num_key_value_heads=32),
+    "qwen3_moe": dict(max_position_embeddings=32768, num_key_value_heads=4),
+    "qwen2": dict(max_position_embeddings=32768, num_key_value_heads=32),
+    "llama": dict(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+    "mistral": dict(max_position_embeddings=131072, num_key_value_heads=8, bos_token_id=1, eos_token_id=2),
+    "mixtral": dict(max_position_embeddings=131072, num_key_value_heads=8, bos_token_id=1, eos_token_id=2,
+                    rms_norm_eps=1e-5, rope_theta=1e6),
+}
+"""(else: rope_theta 1e4, rms_norm_eps 1e-6, num_key_value_heads num_attention_heads, no bos/eos)"""
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -97,7 +106,7 @@ def _number(value, what: str, where: str):
     return value
 
 
-def _rope(data: dict, where: str) -> tuple[float, dict | None]:
+def _rope(data: dict, where: str, default_theta: float) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) as transformers reads them from either layout: 4.x
     (`rope_theta`, `rope_scaling`) or 5.x (`rope_parameters`). A legacy `rope_scaling` wins over
     `rope_parameters` in both versions; with `rope_parameters` alone 5.x takes its theta over a
@@ -128,7 +137,7 @@ def _rope(data: dict, where: str) -> tuple[float, dict | None]:
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
         theta = top
-    theta = 10000.0 if theta is None else theta
+    theta = default_theta if theta is None else theta
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         if scaling.get("partial_rotary_factor") not in (None, 1, 1.0):  # (5.x keeps it here too)
             raise ConfigError(f"{where}: partial_rotary_factor {scaling['partial_rotary_factor']!r} is not "
@@ -220,15 +229,17 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         raise ConfigError(f"{where}: mlp_bias=true is not supported")
     if model_type != "qwen2" and data.get("attention_bias"):
         raise ConfigError(f"{where}: attention_bias=true is not supported for {model_type}")
-    theta, scaling = _rope(data, where)
+    theta, scaling = _rope(data, where, _DEFAULTS[model_type].get("rope_theta", 10000.0))
     fields = {k: data[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                    "num_attention_heads", "num_key_value_heads", "head_dim",
                                    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
                                    "bos_token_id", "eos_token_id") if data.get(k) is not None}
     if model_type == "qwen3" and "head_dim" not in data:
         fields["head_dim"] = 128  # transformers' Qwen3Config default (not hidden/heads; null means that)
+    defaults = _DEFAULTS[model_type]
+    fields.update({k: v for k, v in defaults.items() if k not in data and k != "rope_theta"})  # (null: None)
     fields.setdefault("num_key_value_heads", data["num_attention_heads"])
-    fields.setdefault("max_position_embeddings", _DEFAULT_CONTEXT[model_type])
+    fields.setdefault("max_position_embeddings", defaults["max_position_embeddings"])
     fields.setdefault("tie_word_embeddings", False)  # every supported family's default
     fields.setdefault("intermediate_size", data.get("moe_intermediate_size", 1))
     fields.update(model_type=model_type, rope_theta=float(theta), rope_scaling=scaling)
@@ -245,9 +256,9 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         _mistral_window(data, fields, str(where), 4096 if model_type == "mistral" else None)
     if model_type == "mixtral":  # every layer a mixture of intermediate_size experts, top-k renormalised
         width = data.get("intermediate_size", 14336)  # (transformers' defaults, as for the others)
-        fields.update(num_experts=data.get("num_local_experts", 8), intermediate_size=width,
-                      num_experts_per_tok=data.get("num_experts_per_tok", 2), moe_intermediate_size=width,
-                      norm_topk_prob=True,
+        fields.update(num_experts=data.get("num_local_experts", data.get("num_experts", 8)),
+                      intermediate_size=width, num_experts_per_tok=data.get("num_experts_per_tok", 2),
+                      moe_intermediate_size=width, norm_topk_prob=True,
                       router_aux_loss_coef=float(data.get("router_aux_loss_coef", 0.001) or 0.0))
     if model_type == "qwen3_moe":
         fields.update(num_experts=data.get("num_experts", data.get("num_local_experts")),
@@ -321,6 +332,12 @@ def _mixtral_name(name: str, to_hub: bool) -> str:
     return name
 
 
+def file_name(cfg: ModelConfig, name: str) -> str:
+    """A tensor's name as the checkpoint file spells it (for messages: a Mixtral's experts live
+    under `block_sparse_moe` there)."""
+    return _mixtral_name(name, to_hub=True) if cfg.model_type == "mixtral" else name
+
+
 def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
                        where: str) -> dict[str, torch.Tensor]:
     """Checkpoint tensors under the model's own names: per-expert MoE weights are stacked."""
@@ -332,6 +349,7 @@ def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
             raise ConfigError(f"{where}: a Mixtral tensor is stored under both its Hub and mlp names")
         tensors = named
     out, experts = {}, {}
+    shown = functools.partial(file_name, cfg)
     for name, t in tensors.items():
         m = _EXPERT.match(name)
         if m is None:
@@ -345,14 +363,14 @@ def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
             have = parts.get(kind, {})
             absent = [e for e in range(cfg.num_experts) if e not in have]
             if absent:
-                raise ConfigError(f"{where}: missing tensor {prefix}.{absent[0]}.{kind}.weight")
+                raise ConfigError(f"{where}: missing tensor {shown(f'{prefix}.{absent[0]}.{kind}.weight')}")
             extra = sorted(e for e in have if e >= cfg.num_experts)
             if extra:
-                raise ConfigError(f"{where}: unexpected tensor {prefix}.{extra[0]}.{kind}.weight "
+                raise ConfigError(f"{where}: unexpected tensor {shown(f'{prefix}.{extra[0]}.{kind}.weight')} "
                                   f"(config.json: num_experts={cfg.num_experts})")
             for e, t in sorted(have.items()):
                 if tuple(t.shape) != shape:
-                    raise ConfigError(f"{where}: tensor {prefix}.{e}.{kind}.weight has shape "
+                    raise ConfigError(f"{where}: tensor {shown(f'{prefix}.{e}.{kind}.weight')} has shape "
                                       f"{tuple(t.shape)}, config.json implies {shape}")
         if f"{prefix}.gate_up_proj" in out or f"{prefix}.down_proj" in out:  # (one silently won)
             raise ConfigError(f"{where}: {prefix} is stored both stacked and expert by expert")

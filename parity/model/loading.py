@@ -15,7 +15,7 @@ from ..errors import CheckpointError, ConfigError
 from ..hardware import check_device
 from .checkpoint import read_tensors
 from .decoder import DEFAULT_BLOCK_SIZE, Model
-from .families import config_from_hf, read_json, tensors_from_files
+from .families import config_from_hf, file_name, read_json, tensors_from_files
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -71,19 +71,22 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
     missing = sorted(set(expected) - set(tensors))
     if missing:
         untied = missing == ["lm_head.weight"] and "tie_word_embeddings" not in raw
-        raise CheckpointError(f"{weights_file}: missing tensor {missing[0]}"
+        raise CheckpointError(f"{weights_file}: missing tensor {file_name(config, missing[0])}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                               + ("; config.json has no tie_word_embeddings, read as false" if untied else ""))
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
-        raise CheckpointError(f"{weights_file}: unexpected tensor {unexpected[0]} for this config")
+        raise CheckpointError(f"{weights_file}: unexpected tensor {file_name(config, unexpected[0])} "
+                              "for this config")
     for name, want in expected.items():
         got = tensors[name]
         if tuple(got.shape) != tuple(want.shape):
-            raise CheckpointError(f"{weights_file}: tensor {name} has shape {tuple(got.shape)}, "
+            raise CheckpointError(f"{weights_file}: tensor {file_name(config, name)} has shape "
+                                  f"{tuple(got.shape)}, "
                                   f"config.json implies {tuple(want.shape)}")
         tensors[name] = got = got.to(dtype)  # checked as loaded: 3.4e38 in float32 is inf in bfloat16
         if not torch.isfinite(got).all():
-            raise CheckpointError(f"{weights_file}: tensor {name} contains NaN or inf as {dtype}")
+            raise CheckpointError(f"{weights_file}: tensor {file_name(config, name)} contains NaN or inf "
+                                  f"as {dtype}")
     model.load_state_dict(tensors)
     return model.to(check_device(device))
