@@ -83,7 +83,8 @@ def test_a_transformers_checkpoint_loads_and_agrees(tmp_path, family, tied):
         assert torch.allclose(lp, ref, atol=1e-4), (family, (lp - ref).abs().max())
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-qwen2", "tiny-llama"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-qwen2", "tiny-llama", "tiny-mistral",
+                                    "tiny-mixtral"])
 def test_parity_saves_what_transformers_loads(tmp_path, preset):
     model = parity.Model(parity.ModelConfig.preset(preset, tie_word_embeddings=False), seed=1)
     model.reset_parameters(1, 0.08)

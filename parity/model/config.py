@@ -50,6 +50,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(_TINY, model_type="llama", rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}),
+    "tiny-mistral": dict(_TINY, model_type="mistral", rope_theta=1e6, sliding_window=512),
+    "tiny-mixtral": dict(_TINY, model_type="mixtral", rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=32, norm_topk_prob=True),
     # a real size: Qwen3-0.6B's shape (596M parameters, random weights; benchmarks and memory checks)
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
