@@ -20,6 +20,7 @@ from ..engine import Engine, SamplingParams
 from ..envs import chat
 from ..errors import ParityError
 from ..model import Model, ModelConfig, load_model
+from ..model.chat_template import CALLER_VARIABLES
 from ..model.tokenizer import ByteTokenizer, load_tokenizer
 from ..ops.common import gemm_linear
 from .sft import RECIPES, get_base_policy, names_recipe
@@ -107,7 +108,7 @@ def _chat_kwarg(text: str) -> tuple[str, object]:
     import tomllib
 
     key, sep, raw = text.partition("=")
-    if not sep or not key.strip().isidentifier() or key.strip() in ("messages", "add_generation_prompt"):
+    if not sep or not key.strip().isidentifier() or key.strip() in CALLER_VARIABLES:
         raise ParityError(f"--chat-kwarg {text!r}: expected NAME=VALUE, NAME a template variable "
                           "(not messages or add_generation_prompt)")
     try:

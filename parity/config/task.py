@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..fields import check_fields, check_options, check_spec
+from ..model.chat_template import CALLER_VARIABLES
 
 TASK_NAMES: tuple[str, ...] = ("tool", "math", "target_tokens", "dataset", "custom")
 """Environments a run can train on ('dataset' and 'custom' are the user's: `parity.envs.dataset`,
@@ -143,7 +144,7 @@ class TaskSection:
         check_options(self.options, "task.options")
         check_options(self.chat_template_kwargs, "task.chat_template_kwargs")
         self.chat_template_kwargs = {k: as_bool(v) for k, v in self.chat_template_kwargs.items()}
-        fixed = sorted({"messages", "add_generation_prompt"} & set(self.chat_template_kwargs))
+        fixed = sorted(set(CALLER_VARIABLES) & set(self.chat_template_kwargs))
         if fixed:
             raise ConfigError(f"task.chat_template_kwargs.{fixed[0]} is set by the task itself")
         if self.chat_template_kwargs and self.name == "target_tokens":

@@ -63,11 +63,16 @@ def _compile(template: str):
         raise InputError(f"chat template: syntax error on line {exc.lineno}: {exc.message}") from None
 
 
+CALLER_VARIABLES = ("messages", "add_generation_prompt")
+"""Template variables the caller sets itself: never keyword arguments (`task.chat_template_kwargs`,
+`parity generate --chat-kwarg`)."""
+
+
 def render_chat(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                 special_tokens: dict[str, str] | None = None, /, **kwargs: Any) -> str:
     """The conversation as the text the model sees; `kwargs` are the template's other variables
     (any name but `messages` and `add_generation_prompt`: a `template` variable is the template's)."""
-    fixed = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+    fixed = sorted(set(kwargs) & set(CALLER_VARIABLES))
     if fixed:
         raise InputError(f"chat template variable {fixed[0]!r} is set by the caller, not a keyword")
     import jinja2
