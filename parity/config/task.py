@@ -15,6 +15,7 @@ TASK_NAMES: tuple[str, ...] = ("tool", "math", "target_tokens", "dataset", "cust
 """Environments a run can train on ('dataset' and 'custom' are the user's: `parity.envs.dataset`,
 `parity.envs.custom`)."""
 
+
 def as_bool(value):
     """`value`, or the boolean a string spells in any case ('False' from `--set ...=False`)."""
     return {"true": True, "false": False}.get(value.lower(), value) if isinstance(value, str) else value
