@@ -1,7 +1,8 @@
-"""Bring your own checkpoint: Qwen3, Qwen3-MoE, Qwen2, Llama 3, Mistral and Mixtral checkpoints made by
-`transformers` itself load with log-probs within 1e-4 of transformers'; parity's own saves load in
-transformers; what parity does not honour is a one-line error; MoE routing is batch-invariant and
-identical on both sides with aligned kernels, and flips with standard kernels."""
+"""Bring your own checkpoint: Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama 3, Mistral, Mixtral
+checkpoints made by `transformers` itself load with log-probs within 1e-4 of transformers';
+parity's own saves load in transformers; what parity does not honour is a one-line error; MoE
+routing is batch-invariant and identical on both sides with aligned kernels, and flips with
+standard kernels."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ def hf_config(family: str, tied: bool = False, **over):
         return transformers.MistralConfig(**{"sliding_window": None, "head_dim": 24, "rope_theta": 1e6, **kw})
     if family == "mixtral":
         return transformers.MixtralConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, **kw})
+    if family == "qwen2_moe":  # a shared expert beside the routed ones, one dense layer
+        moe = {"num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1],
+               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+        return transformers.Qwen2MoeConfig(**{**moe, **kw})
     return transformers.Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2,
                                        moe_intermediate_size=32, mlp_only_layers=[1],
                                        **{"norm_topk_prob": True, **kw})
@@ -65,7 +70,7 @@ def hf_logprobs(model, seq):
     return torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0]
 
 
-FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral"]
+FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -84,7 +89,7 @@ def test_a_transformers_checkpoint_loads_and_agrees(tmp_path, family, tied):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-qwen2", "tiny-llama", "tiny-mistral",
-                                    "tiny-mixtral"])
+                                    "tiny-mixtral", "tiny-qwen2-moe"])
 def test_parity_saves_what_transformers_loads(tmp_path, preset):
     model = parity.Model(parity.ModelConfig.preset(preset, tie_word_embeddings=False), seed=1)
     model.reset_parameters(1, 0.08)
@@ -240,6 +245,28 @@ def test_a_mixtral_loads_agrees_and_saves_under_the_hubs_names(tmp_path):
     (tmp_path / "bare" / "config.json").write_text(json.dumps({**cfg, "num_experts": 9}))
     with pytest.raises(CheckpointError, match=r"missing tensor model.layers.0.block_sparse_moe.experts.8.w1"):
         parity.load_model(tmp_path / "bare")
+
+
+def test_a_qwen2_moe_loads_agrees_and_saves_with_its_shared_expert(tmp_path):
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): q/k/v biases, routed experts plus a shared expert
+    every token goes through, weighted by sigmoid(shared_expert_gate) (it was refused as another
+    architecture). It agrees with transformers within 1e-4 and parity's save loads in
+    transformers as the same model; the control, the shared expert's gate at -inf (no shared
+    expert), is far off."""
+    hf = hf_model("qwen2_moe")
+    hf.save_pretrained(tmp_path / "hf")
+    ours = parity.load_model(tmp_path / "hf")
+    assert ours.config.attention_bias and ours.config.moe_layers == [0, 2]
+    long = torch.arange(1, 120, 3)
+    with torch.no_grad():
+        ref = hf_logprobs(hf, long)
+        assert torch.allclose(parity.sequence_logprobs(ours, [long])[0], ref, atol=1e-4)
+        ours.save_pretrained(tmp_path / "ours")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+        assert type(back).__name__ == "Qwen2MoeForCausalLM"
+        assert torch.allclose(hf_logprobs(back.eval(), long), ref, atol=1e-5)
+        ours.model.layers[0].mlp.shared_expert_gate.weight.fill_(-1e4)  # the control
+        assert (parity.sequence_logprobs(ours, [long])[0] - ref).abs().max() > 1e-2
 
 
 def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):

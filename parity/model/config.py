@@ -10,6 +10,7 @@ One decoder definition serves four families, which differ in a few switches:
 | llama      | no       | no         | SwiGLU              | llama3 (Llama 3.1+)   |
 | mistral    | no       | no         | SwiGLU              | default               |
 | mixtral    | no       | no         | top-k mixture in every layer    | default   |
+| qwen2_moe  | no       | yes        | top-k mixture + gated shared expert | default |
 
 Any family may scale RoPE (`linear`, `llama3` or `yarn`: `rope.py`), as transformers allows.
 
@@ -28,7 +29,7 @@ from ..errors import ConfigError
 from ..fields import check_fields
 from .rope import check_rope_scaling
 
-MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral")
+MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe")
 """Decoder families parity builds."""
 
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -53,6 +54,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "tiny-mistral": dict(_TINY, model_type="mistral", rope_theta=1e6, sliding_window=512),
     "tiny-mixtral": dict(_TINY, model_type="mixtral", rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
                          moe_intermediate_size=32, norm_topk_prob=True),
+    "tiny-qwen2-moe": dict(_TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=48),
     # a real size: Qwen3-0.6B's shape (596M parameters, random weights; benchmarks and memory checks)
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -94,10 +97,10 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     """End-of-sequence id(s): the engine stops on any of them."""
     model_type: str = "qwen3"
-    """The family: 'qwen3', 'qwen3_moe', 'qwen2', 'llama', 'mistral' or 'mixtral' (the module
-    docstring)."""
+    """The family: 'qwen3', 'qwen3_moe', 'qwen2', 'llama', 'mistral', 'mixtral' or 'qwen2_moe' (the
+    module docstring)."""
     attention_bias: bool = False
-    """q/k/v projections have biases (always for qwen2; unsupported elsewhere)."""
+    """q/k/v projections have biases (always for qwen2; qwen2_moe's `qkv_bias`; unsupported elsewhere)."""
     rope_scaling: dict[str, Any] | None = None
     """RoPE frequency scaling, HF names: None, or {"rope_type": "linear" | "llama3" | "yarn", "factor",
     ...} with the fields `rope.py` lists (llama3: low/high_freq_factor and
@@ -113,6 +116,9 @@ class ModelConfig:
     """qwen3_moe, mixtral: experts each token is routed to (top-k)."""
     moe_intermediate_size: int = 0
     """qwen3_moe, mixtral (HF intermediate_size): width of each expert's SwiGLU MLP."""
+    shared_expert_intermediate_size: int = 0
+    """qwen2_moe: width of the shared expert every token also goes through, its output weighted by
+    sigmoid(`shared_expert_gate`) and added to the experts'."""
     norm_topk_prob: bool = False
     """qwen3_moe: renormalise the top-k routing weights to sum to 1 (mixtral always does)."""
     decoder_sparse_step: int = 1
@@ -169,7 +175,7 @@ class ModelConfig:
         if self.model_type not in MODEL_TYPES:
             raise ConfigError(f"ModelConfig.model_type {self.model_type!r} is not supported: parity builds "
                               f"{', '.join(MODEL_TYPES)}")
-        if self.attention_bias and self.model_type != "qwen2":
+        if self.attention_bias and self.model_type not in ("qwen2", "qwen2_moe"):
             raise ConfigError(f"ModelConfig.attention_bias=true is not supported for {self.model_type}")
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2's q/k/v projections always carry biases
@@ -183,6 +189,10 @@ class ModelConfig:
         self._check_moe()
 
     def _check_moe(self) -> None:
+        if (self.shared_expert_intermediate_size > 0) != (self.model_type == "qwen2_moe"):
+            raise ConfigError(f"ModelConfig.shared_expert_intermediate_size must be a positive integer for "
+                              f"qwen2_moe and 0 otherwise, got {self.shared_expert_intermediate_size!r} "
+                              f"for {self.model_type}")
         if not self.is_moe:
             if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
                 raise ConfigError(f"ModelConfig.num_experts is set but model_type is {self.model_type!r}")
@@ -218,7 +228,7 @@ class ModelConfig:
 
     @property
     def is_moe(self) -> bool:
-        return self.model_type in ("qwen3_moe", "mixtral")
+        return self.model_type in ("qwen3_moe", "mixtral", "qwen2_moe")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has a mixture-of-experts block instead of the dense MLP."""
@@ -240,6 +250,7 @@ class ModelConfig:
             macs += 2 * h * q + 2 * h * kv + 2 * q * context  # q, o; k, v; QK^T and AV
             if self.is_moe_layer(layer):
                 macs += h * self.num_experts + self.num_experts_per_tok * 3 * h * self.moe_intermediate_size
+                macs += 3 * h * self.shared_expert_intermediate_size + h  # (qwen2_moe: shared expert, gate)
             else:
                 macs += 3 * h * self.intermediate_size
         return 2 * macs

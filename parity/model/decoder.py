@@ -1,12 +1,12 @@
 """The decoder: one model definition for the engine and the learner, for every supported family.
 
 Qwen3 (q/k norm), Qwen3-MoE (q/k norm, mixture-of-experts blocks, `moe.py`), Qwen2 (q/k/v biases),
-Llama 3, Mistral and Mixtral differ only in the switches of their `ModelConfig`; RoPE and its scalings
-(llama3, YaRN, linear) are fixed tables from `rope.py`. Parameter names are Hugging Face's
-(`model.layers.0.self_attn.q_proj.weight`, ...; MoE experts stacked as in transformers 5). Every
-reduction goes through the `Kernels` bundle chosen at construction (`aligned` or `standard`); the
-model code does not know which one it runs on. A forward also leaves each MoE layer's routing behind
-(`last_routing`, `last_router_logits`) for the engine to record and the learner to compare.
+Qwen2-MoE, Llama 3, Mistral and Mixtral differ only in the switches of their `ModelConfig`; RoPE and
+its scalings (llama3, YaRN, linear) are fixed tables from `rope.py`. Parameter names are Hugging
+Face's (`model.layers.0.self_attn.q_proj.weight`, ...; MoE experts stacked as in transformers 5).
+Every reduction goes through the `Kernels` bundle chosen at construction (`aligned` or `standard`);
+the model code does not know which one it runs on. A forward also leaves each MoE layer's routing
+behind (`last_routing`, `last_router_logits`) for the engine to record and the learner to compare.
 """
 
 from __future__ import annotations

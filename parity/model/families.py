@@ -1,10 +1,10 @@
 """Model families: reading and writing Hugging Face `config.json` files and checkpoint tensor names.
 
 `config_from_hf` turns a config of a supported family (Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x,
-Mistral, Mixtral; the layouts of transformers 4.x and 5.x) into a `ModelConfig`, and refuses — with a
-one-line error naming the field — anything parity would otherwise get silently wrong: another
-architecture, sliding-window attention (a Mistral window becomes the context), biases or RoPE
-scalings it does not implement, an activation other than SiLU. `config_to_hf` writes what
+Mistral, Mixtral, Qwen2-MoE; the layouts of transformers 4.x and 5.x) into a `ModelConfig`, and
+refuses — with a one-line error naming the field — anything parity would otherwise get silently
+wrong: another architecture, sliding-window attention (a Mistral window becomes the context), biases
+or RoPE scalings it does not implement, an activation other than SiLU. `config_to_hf` writes what
 `transformers` loads back.
 
 Checkpoint files name Qwen3-MoE experts one by one (`mlp.experts.<e>.gate_proj.weight`, as on
@@ -29,7 +29,7 @@ from .config import MODEL_TYPES, ModelConfig
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "MixtralForCausalLM": "mixtral"}
+                 "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
 log = logging.getLogger(__name__)
 
 _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a config.json leaves out
@@ -40,8 +40,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a 
     "mistral": dict(max_position_embeddings=131072, num_key_value_heads=8, bos_token_id=1, eos_token_id=2),
     "mixtral": dict(max_position_embeddings=131072, num_key_value_heads=8, bos_token_id=1, eos_token_id=2,
                     rms_norm_eps=1e-5, rope_theta=1e6),
-}
-"""(else: rope_theta 1e4, rms_norm_eps 1e-6, num_key_value_heads num_attention_heads, no bos/eos)"""
+    "qwen2_moe": dict(max_position_embeddings=32768, num_key_value_heads=16, moe_intermediate_size=1408,
+                      num_experts=60, num_experts_per_tok=4, shared_expert_intermediate_size=5632),
+}  # (else: rope_theta 1e4, rms_norm_eps 1e-6, num_key_value_heads num_attention_heads, no bos/eos)
+_MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -166,9 +168,8 @@ def _sliding_layers(data: dict, where: str) -> list[int]:
 
 
 def _yarn_context(scaling: dict) -> int | None:
-    """The context a YaRN scaling extends to: `original_max_position_embeddings * factor`, as vLLM
-    serves it (Qwen3's documented recipe keeps `max_position_embeddings` 40960 beside factor 4 over
-    32768: 131072 tokens); None for values `ModelConfig` refuses."""
+    """The context a YaRN scaling extends to, as vLLM serves it: `original_max_position_embeddings
+    * factor` (Qwen3's recipe: 131072); None for values `ModelConfig` refuses."""
     factor, context = scaling.get("factor"), scaling.get("original_max_position_embeddings")
     numbers = [v for v in (factor, context) if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if len(numbers) < 2 or not all(0 < v < float("inf") for v in numbers):
@@ -177,10 +178,9 @@ def _yarn_context(scaling: dict) -> int | None:
 
 
 def _mistral_window(data: dict, fields: dict, where: str, default: int | None) -> None:
-    """Mistral and Mixtral slide every layer's attention over `sliding_window` positions (when the
-    field is absent: 4096 for Mistral, none for Mixtral, as transformers reads them; null: none).
-    parity attends to the whole context, which is exact while no sequence outgrows the window:
-    the context is cut to it."""
+    """Mistral and Mixtral slide every layer's attention over `sliding_window` positions (absent:
+    4096 for Mistral, none for Mixtral, as transformers reads them). parity attends to the whole
+    context, exact while no sequence outgrows the window: the context is cut to it."""
     window = data.get("sliding_window", default)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
@@ -211,9 +211,9 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         raise ConfigError(f"{where}: partial_rotary_factor {data['partial_rotary_factor']!r} is not "
                           "supported (parity rotates every head dimension)")
     sliding = data.get("use_sliding_window") and data.get("sliding_window") is not None
-    if model_type == "qwen3_moe" and sliding:
+    if model_type in ("qwen3_moe", "qwen2_moe") and sliding:
         raise ConfigError(f"{where}: sliding-window attention (use_sliding_window=true) is not supported; "
-                          "transformers 5 slides every qwen3_moe layer, 4 from max_window_layers on")
+                          "transformers 5 slides every qwen3_moe layer, alternate qwen2_moe ones")
     layer_types = data.get("layer_types")
     if layer_types is None:  # transformers derives them (and then follows layer_types alone)
         if _sliding_layers(data, str(where)):
@@ -260,14 +260,14 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                       intermediate_size=width, num_experts_per_tok=data.get("num_experts_per_tok", 2),
                       moe_intermediate_size=width, norm_topk_prob=True,
                       router_aux_loss_coef=float(data.get("router_aux_loss_coef", 0.001) or 0.0))
-    if model_type == "qwen3_moe":
-        fields.update(num_experts=data.get("num_experts", data.get("num_local_experts")),
-                      num_experts_per_tok=data.get("num_experts_per_tok"),
-                      moe_intermediate_size=data.get("moe_intermediate_size"),
-                      norm_topk_prob=data.get("norm_topk_prob") or False,
+    if model_type in ("qwen3_moe", "qwen2_moe"):  # (qwen2_moe's absent sizes: its defaults, set above)
+        fields.update({k: data[k] for k in _MOE if k in data})
+        fields.setdefault("num_experts", data.get("num_local_experts"))
+        fields.update(norm_topk_prob=data.get("norm_topk_prob") or False,
                       decoder_sparse_step=data.get("decoder_sparse_step", 1),
                       mlp_only_layers=list(data.get("mlp_only_layers") or []),
-                      router_aux_loss_coef=float(data.get("router_aux_loss_coef") or 0.0))
+                      router_aux_loss_coef=float(data.get("router_aux_loss_coef") or 0.0),
+                      attention_bias=model_type == "qwen2_moe" and data.get("qkv_bias") is not False)
     extra = {k: v for k, v in data.items() if k not in fields and k not in _WRITTEN}
     extra.update(fields.pop("extra", {}))
     try:
@@ -276,11 +276,10 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         raise ConfigError(f"{where}: {exc}") from None
 
 
-_WRITTEN = {"model_type", "architectures", "hidden_act", "attention_bias", "rope_theta",
+_WRITTEN = {"model_type", "architectures", "hidden_act", "attention_bias", "qkv_bias", "rope_theta", "dtype",
             "rope_scaling", "rope_parameters", "use_sliding_window", "sliding_window", "layer_types",
-            "mlp_bias", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
-            "torch_dtype", "dtype", "transformers_version"}
+            "mlp_bias", *_MOE, "num_local_experts", "norm_topk_prob", "decoder_sparse_step",
+            "mlp_only_layers", "router_aux_loss_coef", "torch_dtype", "transformers_version"}
 """HF fields `config_to_hf` writes itself (not carried in `extra`)."""
 
 
@@ -295,9 +294,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     out.update(model_type=cfg.model_type, architectures=[arch], hidden_act="silu",
                rope_scaling=cfg.rope_scaling)
     out.setdefault("attention_dropout", 0.0)  # (a checkpoint's own value is kept; parity trains without)
-    if cfg.model_type != "qwen2":
+    if cfg.model_type == "qwen2_moe":  # (its q/k/v biases are `qkv_bias`)
+        out.update(qkv_bias=cfg.attention_bias,
+                   shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
+    elif cfg.model_type != "qwen2":
         out["attention_bias"] = False
-    if cfg.model_type in ("qwen3", "qwen3_moe", "qwen2"):
+    if cfg.model_type.startswith("qwen"):
         out["use_sliding_window"] = False
     if cfg.model_type in ("llama", "mistral"):
         out["mlp_bias"] = False
@@ -324,17 +326,15 @@ _MIXTRAL = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".u
 
 
 def _mixtral_name(name: str, to_hub: bool) -> str:
-    """A Mixtral tensor name between the Hub's spelling (`block_sparse_moe`, experts' w1/w3/w2)
-    and Qwen3-MoE's (`mlp`, gate/up/down_proj), which parity's MoE code reads (a Mixtral has no
-    dense MLP, so no other name holds these)."""
+    """A Mixtral tensor name between the Hub's spelling (`block_sparse_moe`, w1/w3/w2) and the one
+    parity's MoE code reads (`mlp`, gate/up/down_proj; a Mixtral has no dense MLP to confuse)."""
     for hub, ours in _MIXTRAL:
         name = name.replace(ours, hub) if to_hub else name.replace(hub, ours)
     return name
 
 
 def file_name(cfg: ModelConfig, name: str) -> str:
-    """A tensor's name as the checkpoint file spells it (for messages: a Mixtral's experts live
-    under `block_sparse_moe` there)."""
+    """A tensor's name as the checkpoint file spells it (for messages: Mixtral's `block_sparse_moe`)."""
     return _mixtral_name(name, to_hub=True) if cfg.model_type == "mixtral" else name
 
 

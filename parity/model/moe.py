@@ -1,4 +1,5 @@
-"""The mixture-of-experts block (Qwen3-MoE): a router and `num_experts` SwiGLU experts.
+"""The mixture-of-experts block (Qwen3-MoE, Mixtral, Qwen2-MoE): a router and `num_experts` SwiGLU
+experts (Qwen2-MoE adds a shared expert every token goes through, gated by a sigmoid).
 
 Each token goes to its top-k experts; the block's output is the routing-weighted sum of those
 experts' outputs. Routing (softmax, top-k with a fixed tie-break) and the final sum (a fixed
@@ -33,8 +34,24 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
 
 
+class _Linear(nn.Module):
+    def __init__(self, out: int, inp: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out, inp))
+
+
+class SharedExpert(nn.Module):
+    """qwen2_moe: a SwiGLU MLP every token goes through (`mlp.shared_expert.*_proj`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        i, h = cfg.shared_expert_intermediate_size, cfg.hidden_size
+        self.gate_proj, self.up_proj, self.down_proj = _Linear(i, h), _Linear(i, h), _Linear(h, i)
+
+
 class SparseMoE(nn.Module):
-    """`mlp.gate` (the router) and `mlp.experts`, under Hugging Face's names."""
+    """`mlp.gate` (the router) and `mlp.experts`, under Hugging Face's names; for qwen2_moe also
+    `mlp.shared_expert` and `mlp.shared_expert_gate`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -42,6 +59,8 @@ class SparseMoE(nn.Module):
         self.experts = Experts(cfg)
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.inter = cfg.moe_intermediate_size
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert, self.shared_expert_gate = SharedExpert(cfg), _Linear(1, cfg.hidden_size)
 
     def run(self, kernels, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [T, H] -> (output [T, H], expert ids [T, k], router logits [T, E])."""
@@ -61,4 +80,12 @@ class SparseMoE(nn.Module):
             where.append(slots)
         parts = h.new_zeros(t * k, h.shape[1]).index_copy(0, torch.cat(where), torch.cat(outs))
         parts = parts.view(t, k, -1) * weights.unsqueeze(-1)
-        return kernels.moe_combine(parts), idx, logits
+        out = kernels.moe_combine(parts)
+        if hasattr(self, "shared_expert"):  # every token's shared expert, gated by a sigmoid (on CPUs a
+            # vector tail's sigmoid differs: `pointwise` keeps every element on one path), added last
+            s = self.shared_expert
+            act = kernels.silu_mul(torch.cat([kernels.linear(h, s.gate_proj.weight),
+                                              kernels.linear(h, s.up_proj.weight)], dim=-1))
+            gate = kernels.pointwise(torch.sigmoid, kernels.linear(h, self.shared_expert_gate.weight))
+            out = out + gate * kernels.linear(act, s.down_proj.weight)
+        return out, idx, logits

@@ -8,7 +8,9 @@ computes it with the native matrix-vector kernel, which follows the large GEMM's
 order (K-blocks of `gemm_kblock(K)`, each a fused multiply-add chain from zero, added to the
 bias left to right), at GEMV speed (two to three times the padded GEMM). Neither property is
 assumed: a probe of this machine confirms each at first use (per thread count; per K for the
-kernel), and a product whose probe fails keeps the 16-row padding the design started from.
+kernel), and a product whose probe fails keeps the 16-row padding the design started from. A
+product of one output column (a gate's logit) is computed as one of four: MKL orders its rows
+by M.
 
 Where even the large GEMM's rows are not fixed (measured on an Intel Xeon with AMX: MKL's float32
 GEMM at 2 threads orders a row by M and thread count for K >= 1024, and oneDNN's bf16 GEMM picks
@@ -230,6 +232,11 @@ def gemm_rows(m: int) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` with every row computed by the same GEMM path. [..., K] -> [..., N]"""
     check_linear_args(x, weight, bias)
+    if weight.shape[0] == 1 and x.device.type == "cpu":  # one output column: MKL's float32 path for it
+        # orders a row by M (even past FREE_ROWS); as one of ROW_QUANTUM columns it is a GEMM row
+        wide = torch.cat([weight, weight.new_zeros(ROW_QUANTUM - 1, weight.shape[1])])
+        wide_bias = None if bias is None else torch.cat([bias, bias.new_zeros(ROW_QUANTUM - 1)])
+        return linear(x, wide, wide_bias)[..., :1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]

@@ -50,6 +50,20 @@ def test_every_small_row_count_gives_the_large_gemms_rows(threads, dtype, k, n):
             assert torch.equal(got, full[off:off + m]), f"M={m} at row {off} differs"
 
 
+@pytest.mark.parametrize("k", [64, 300])
+def test_one_output_column_gives_every_row_count_the_same_rows(threads, k):
+    """A product with one output column (Qwen2-MoE's shared-expert gate): MKL's float32 path for
+    it orders a row by M, past 12 rows too (the control: F.linear's rows differ); `linear`
+    computes it as one column of four."""
+    x, w = _data(k, 1, torch.float32)
+    full = gemm.linear(x, w)
+    for m in range(1, 48):
+        assert torch.equal(gemm.linear(x[:m], w), full[:m]), f"M={m} differs"
+    plain = F.linear(x, w)
+    if all(torch.equal(F.linear(x[:m], w), plain[:m]) for m in range(1, 48)):  # (seen on AMD EPYC AVX2)
+        pytest.skip("the control: this machine's one-column products do not depend on M")
+
+
 @pytest.mark.parametrize("k,n", [s for s in SHAPES if s[1] >= gemm.FREE_ROWS])
 def test_control_unpadded_small_gemms_differ(threads, k, n):
     x, w = _data(k, n, torch.float32)
