@@ -28,48 +28,32 @@ from .kv_cache import KVCache
 from .moe import SparseMoE
 from .rope import rope_tables
 from .tied import TiedGradient, TiedHead, TiedLookup
+from .weights import MLP, Weight
 
 DEFAULT_BLOCK_SIZE = 32
 """Attention key-block size = KV-cache page size (the aligned kernel reduces keys in these)."""
-
-
-class _Weight(nn.Module):
-    """A module holding one `weight` parameter (and a `bias`), so state-dict names match HF's."""
-
-    def __init__(self, *shape: int, bias: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(*shape))
-        self.bias = nn.Parameter(torch.empty(shape[0])) if bias else None
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, bias = cfg.head_dim, cfg.attention_bias
-        self.q_proj = _Weight(cfg.num_attention_heads * d, cfg.hidden_size, bias=bias)
-        self.k_proj = _Weight(cfg.num_key_value_heads * d, cfg.hidden_size, bias=bias)
-        self.v_proj = _Weight(cfg.num_key_value_heads * d, cfg.hidden_size, bias=bias)
-        self.o_proj = _Weight(cfg.hidden_size, cfg.num_attention_heads * d)
+        self.q_proj = Weight(cfg.num_attention_heads * d, cfg.hidden_size, bias=bias)
+        self.k_proj = Weight(cfg.num_key_value_heads * d, cfg.hidden_size, bias=bias)
+        self.v_proj = Weight(cfg.num_key_value_heads * d, cfg.hidden_size, bias=bias)
+        self.o_proj = Weight(cfg.hidden_size, cfg.num_attention_heads * d)
         if cfg.qk_norm:
-            self.q_norm = _Weight(d)
-            self.k_norm = _Weight(d)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = _Weight(cfg.intermediate_size, cfg.hidden_size)
-        self.up_proj = _Weight(cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj = _Weight(cfg.hidden_size, cfg.intermediate_size)
+            self.q_norm = Weight(d)
+            self.k_norm = Weight(d)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
-        self.input_layernorm = _Weight(cfg.hidden_size)
-        self.post_attention_layernorm = _Weight(cfg.hidden_size)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = Weight(cfg.hidden_size)
+        self.post_attention_layernorm = Weight(cfg.hidden_size)
 
 
 class Backbone(nn.Module):
@@ -81,7 +65,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = _Weight(cfg.hidden_size)
+        self.norm = Weight(cfg.hidden_size)
 
 
 class Model(nn.Module):
@@ -119,7 +103,7 @@ class Model(nn.Module):
         try:
             self.model = Backbone(config)
             if not config.tie_word_embeddings:
-                self.lm_head = _Weight(config.vocab_size, config.hidden_size)
+                self.lm_head = Weight(config.vocab_size, config.hidden_size)
         except (RuntimeError, MemoryError) as exc:  # sizes no memory holds (was the allocator's error)
             raise ConfigError(f"the model this config describes cannot be built here "
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None

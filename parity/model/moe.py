@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .weights import MLP, Weight
 
 
 class Experts(nn.Module):
@@ -34,21 +35,6 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
 
 
-class _Linear(nn.Module):
-    def __init__(self, out: int, inp: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out, inp))
-
-
-class SharedExpert(nn.Module):
-    """qwen2_moe: a SwiGLU MLP every token goes through (`mlp.shared_expert.*_proj`)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        i, h = cfg.shared_expert_intermediate_size, cfg.hidden_size
-        self.gate_proj, self.up_proj, self.down_proj = _Linear(i, h), _Linear(i, h), _Linear(h, i)
-
-
 class SparseMoE(nn.Module):
     """`mlp.gate` (the router) and `mlp.experts`, under Hugging Face's names; for qwen2_moe also
     `mlp.shared_expert` and `mlp.shared_expert_gate`."""
@@ -60,7 +46,9 @@ class SparseMoE(nn.Module):
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.inter = cfg.moe_intermediate_size
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert, self.shared_expert_gate = SharedExpert(cfg), _Linear(1, cfg.hidden_size)
+            h = cfg.hidden_size  # qwen2_moe: `mlp.shared_expert.*_proj` and `mlp.shared_expert_gate`
+            self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Weight(1, h)
 
     def run(self, kernels, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [T, H] -> (output [T, H], expert ids [T, k], router logits [T, E])."""
