@@ -22,6 +22,8 @@ def test_gradcheck_custom_functions():
     v = torch.randn(2, 8, 2, 4, dtype=torch.float64, generator=g, requires_grad=True)
     pos = torch.tensor([[2, 3, 4], [5, 6, 7]])
     assert torch.autograd.gradcheck(lambda q, k, v: functions.AttentionFn.apply(q, k, v, pos, 4), (q, k, v))
+    windowed = functions.AttentionFn.apply  # a sliding window of 3 keys
+    assert torch.autograd.gradcheck(lambda q, k, v: windowed(q, k, v, pos, 4, 3), (q, k, v))
 
 
 def test_aligned_forward_matches_reference_attention():
@@ -33,6 +35,32 @@ def test_aligned_forward_matches_reference_attention():
     out = get_kernels("aligned").attention(q, k, v, pos, 32)
     ref = functions.reference_attention(q, k, v, pos)
     assert torch.allclose(out, ref, atol=1e-12, rtol=1e-10)
+    for window in (1, 5, 40):  # sliding windows: inside a block, across blocks
+        out = get_kernels("aligned").attention(q, k, v, pos, 32, window=window)
+        assert torch.allclose(out, functions.reference_attention(q, k, v, pos, window), atol=1e-12, rtol=1e-10)
+        assert not torch.allclose(out[2], ref[2])  # (the window hides keys from the last sequence)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windowed_attention_gradients_match_autograd(dtype):
+    """The learner's attention with a sliding window, forward and backward (the native kernel's
+    log-sum-exp backward where it runs), against autograd through the textbook formula."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 6, 4, 16, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(2, 64, 2, 16, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(2, 64, 2, 16, generator=g).to(dtype).requires_grad_()
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [40, 41, 50, 61, 62, 63]])
+    grad = torch.randn(2, 6, 4, 16, generator=g).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for window in (3, 20):
+        out = get_kernels("aligned").attention(q, k, v, pos, 32, window=window)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = functions.reference_attention(qd, kd, vd, pos, window)
+        want = torch.autograd.grad(ref, (qd, kd, vd), grad.double())
+        assert torch.allclose(out.double(), ref, atol=tol)
+        for a, b in zip(got, want):
+            assert torch.allclose(a.double(), b, atol=tol), (window, (a.double() - b).abs().max())
 
 
 def _grads(kernels: str):

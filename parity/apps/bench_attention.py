@@ -69,8 +69,8 @@ def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: in
             q = randn(batch, 1, hq, d)
             q_pos = torch.full((batch, 1), context - 1, device=device)
             args = (q, k_cache, v_cache, tables, q_pos)
-            calls = {"walk": partial(ta.paged_attention, *args, "walk"),
-                     "split": partial(ta.paged_attention, *args, "split"),
+            calls = {"walk": partial(ta.paged_attention, *args, schedule="walk"),
+                     "split": partial(ta.paged_attention, *args, schedule="split"),
                      "auto": partial(ta.paged_attention, *args),
                      "standard": partial(standard.paged_attention, *args)}
             outs: dict[str, torch.Tensor] = {}

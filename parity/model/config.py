@@ -32,6 +32,9 @@ from .rope import check_rope_scaling
 MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe")
 """Decoder families parity builds."""
 
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+"""Attention kinds a layer may have (`ModelConfig.layer_types`)."""
+
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 _SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -51,7 +54,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(_TINY, model_type="llama", rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}),
-    "tiny-mistral": dict(_TINY, model_type="mistral", rope_theta=1e6, sliding_window=512),
+    "tiny-mistral": dict(_TINY, model_type="mistral", rope_theta=1e6, sliding_window=40),  # < the context
     "tiny-mixtral": dict(_TINY, model_type="mixtral", rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
                          moe_intermediate_size=32, norm_topk_prob=True),
     "tiny-qwen2-moe": dict(_TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
@@ -107,9 +110,12 @@ class ModelConfig:
     original_max_position_embeddings; yarn: original_max_position_embeddings, optional
     attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate)."""
     sliding_window: int | None = None
-    """mistral, mixtral: the attention window (HF `sliding_window`). parity attends to every earlier
-    position, so a window must hold the whole context: at least max_position_embeddings (a
-    checkpoint's context is cut to its window when loaded: exact, as no sequence outgrows it)."""
+    """The attention window of the sliding layers (HF `sliding_window`): a query there attends to its
+    last `sliding_window` positions, itself included. None: every layer attends to the whole prefix."""
+    layer_types: list[str] | None = None
+    """Per layer, 'full_attention' or 'sliding_attention' (HF `layer_types`). None: every layer
+    slides when `sliding_window` is set (Mistral, Mixtral, Qwen3-MoE), else none does. A list
+    (qwen2, qwen3, qwen2_moe) names each layer's; a sliding one needs `sliding_window`."""
     num_experts: int = 0
     """qwen3_moe, mixtral (HF num_local_experts): experts per MoE layer."""
     num_experts_per_tok: int = 0
@@ -179,14 +185,42 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.attention_bias=true is not supported for {self.model_type}")
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2's q/k/v projections always carry biases
-        window = self.sliding_window
-        if window is not None and (self.model_type not in ("mistral", "mixtral")
-                                   or self.max_position_embeddings > window):
-            raise ConfigError(f"ModelConfig.sliding_window={self.sliding_window} must be at least "
-                              f"max_position_embeddings={self.max_position_embeddings} (mistral, mixtral): "
-                              "parity attends to the whole context")
+        self._check_windows()
         self.rope_scaling = check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         self._check_moe()
+
+    def _check_windows(self) -> None:
+        window, types = self.sliding_window, self.layer_types
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ConfigError(f"ModelConfig.sliding_window must be a positive integer or None, "
+                              f"got {window!r}")
+        if window is not None and self.model_type == "llama":  # (transformers' Llama has no window)
+            raise ConfigError("ModelConfig.sliding_window is not supported for llama")
+        if types is None:
+            return
+        if not isinstance(types, (list, tuple)) or len(types) != self.num_hidden_layers:
+            raise ConfigError(f"ModelConfig.layer_types must list one type per layer "
+                              f"({self.num_hidden_layers}), got {types!r}")
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"ModelConfig.layer_types: {bad[0]!r} is not one of {', '.join(LAYER_TYPES)}")
+        self.layer_types = list(types)
+        if "sliding_attention" in types and window is None:
+            raise ConfigError("ModelConfig.layer_types has sliding_attention layers but sliding_window "
+                              "is None")
+        if self.model_type in ("mistral", "mixtral", "qwen3_moe") and len(set(types)) > 1:
+            raise ConfigError(f"ModelConfig.layer_types: {self.model_type} layers all attend alike "
+                              "(set sliding_window, or leave it None, for every layer)")
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of decoder layer `layer`, or 0 where it attends to its whole prefix
+        (also when the window is at least the context: no sequence outgrows it)."""
+        window = self.sliding_window
+        if window is None or window >= self.max_position_embeddings:
+            return 0
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return window
 
     def _check_moe(self) -> None:
         if (self.shared_expert_intermediate_size > 0) != (self.model_type == "qwen2_moe"):

@@ -297,11 +297,12 @@ class Model(nn.Module):
                 k, v = (torch.cat([z, z.new_zeros(1, *z.shape[1:])]) for z in (k, v))
             # [B, M, Hq, D]; without padding slots the layout is the packed order (decode): a view
             q_pad = q[q_index] if padded else q[:t].view(bsz, m, hq, d)
+            window = cfg.layer_window(i)
             if cache is None:
-                o = K.attention(q_pad, k[k_index], v[k_index], q_pos, self.block_size)
+                o = K.attention(q_pad, k[k_index], v[k_index], q_pos, self.block_size, window=window)
             else:
                 cache.write(i, where, k[:t], v[:t])  # new keys enter the cache first
-                o = K.paged_attention(q_pad, cache.k[i], cache.v[i], tables, q_pos)
+                o = K.paged_attention(q_pad, cache.k[i], cache.v[i], tables, q_pos, window=window)
             o = o.reshape(bsz * m, hq * d)  # back to packed [T, Hq*D]
             if padded:
                 o = o[batch.out_index]

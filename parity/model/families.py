@@ -3,9 +3,9 @@
 `config_from_hf` turns a config of a supported family (Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x,
 Mistral, Mixtral, Qwen2-MoE; the layouts of transformers 4.x and 5.x) into a `ModelConfig`, and
 refuses — with a one-line error naming the field — anything parity would otherwise get silently
-wrong: another architecture, sliding-window attention (a Mistral window becomes the context), biases
-or RoPE scalings it does not implement, an activation other than SiLU. `config_to_hf` writes what
-`transformers` loads back.
+wrong: another architecture, biases or RoPE scalings it does not implement, an activation other
+than SiLU. Sliding-window layers are read as each family's transformers code reads them
+(`_windows`). `config_to_hf` writes what `transformers` loads back.
 
 Checkpoint files name Qwen3-MoE experts one by one (`mlp.experts.<e>.gate_proj.weight`, as on
 the Hub); in memory parity keeps each layer's experts stacked (`mlp.experts.gate_up_proj`
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from .config import MODEL_TYPES, ModelConfig
+from .config import LAYER_TYPES, MODEL_TYPES, ModelConfig
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -44,6 +44,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a 
                       num_experts=60, num_experts_per_tok=4, shared_expert_intermediate_size=5632),
 }  # (else: rope_theta 1e4, rms_norm_eps 1e-6, num_key_value_heads num_attention_heads, no bos/eos)
 _MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+_SHARED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+           "tie_word_embeddings", "bos_token_id", "eos_token_id")
+"""Fields `ModelConfig` and transformers' configs both have, under one name (a null one is read as
+transformers' default, and written back as parity's value)."""
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -155,16 +160,36 @@ def _rope(data: dict, where: str, default_theta: float) -> tuple[float, dict | N
     return theta, scaling
 
 
-def _sliding_layers(data: dict, where: str) -> list[int]:
-    """The layers transformers gives sliding-window attention when `layer_types` is absent:
-    from `max_window_layers` on, where `use_sliding_window` and a `sliding_window` are set."""
-    if not data.get("use_sliding_window") or data.get("sliding_window") is None:
-        return []
-    first = data.get("max_window_layers", 28)  # (transformers' default)
-    if isinstance(first, bool) or not isinstance(first, int):
-        raise ConfigError(f"{where}: max_window_layers must be an integer, got {first!r}")
-    layers = data["num_hidden_layers"]  # (a wrong type is ModelConfig's one-line error)
-    return [i for i in range(layers) if i >= first] if isinstance(layers, int) else []
+def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
+    """`sliding_window` and `layer_types` as transformers reads the family's config: Mistral and
+    Mixtral slide every layer when a window is set (absent: 4096 for Mistral, none for Mixtral);
+    the Qwen families only with `use_sliding_window`: Qwen3-MoE every layer; Qwen2/Qwen3 the layers
+    `layer_types` names, else those from `max_window_layers` on; Qwen2-MoE likewise, else the even
+    layers below `max_window_layers`."""
+    types, layers = data.get("layer_types"), data["num_hidden_layers"]
+    if types is not None:  # (transformers checks them whether or not any layer slides)
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"{where}: layer_types: {bad[0]!r} is not supported (only "
+                              f"{', '.join(LAYER_TYPES)})")
+        if len(types) != layers:
+            raise ConfigError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is {layers}")
+    window = data.get("sliding_window", 4096 if model_type == "mistral" else None)
+    on = window is not None and (model_type in ("mistral", "mixtral") or bool(data.get("use_sliding_window")))
+    if not on or model_type == "llama":
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
+    fields["sliding_window"] = window
+    if model_type in ("mistral", "mixtral", "qwen3_moe"):
+        return  # every layer
+    if types is None and isinstance(layers, int):
+        first = data.get("max_window_layers", 28)  # (transformers' default)
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise ConfigError(f"{where}: max_window_layers must be an integer, got {first!r}")
+        slides = (lambda i: i % 2 == 0 and i < first) if model_type == "qwen2_moe" else (lambda i: i >= first)
+        types = ["sliding_attention" if slides(i) else "full_attention" for i in range(layers)]
+    fields["layer_types"] = types
 
 
 def _yarn_context(scaling: dict) -> int | None:
@@ -175,22 +200,6 @@ def _yarn_context(scaling: dict) -> int | None:
     if len(numbers) < 2 or not all(0 < v < float("inf") for v in numbers):
         return None
     return min(int(context * factor), 1 << 23)  # (ModelConfig's longest context)
-
-
-def _mistral_window(data: dict, fields: dict, where: str, default: int | None) -> None:
-    """Mistral and Mixtral slide every layer's attention over `sliding_window` positions (absent:
-    4096 for Mistral, none for Mixtral, as transformers reads them). parity attends to the whole
-    context, exact while no sequence outgrows the window: the context is cut to it."""
-    window = data.get("sliding_window", default)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
-    context = fields["max_position_embeddings"]
-    if window is not None and isinstance(context, int) and window < context:
-        log.info("%s: sliding_window %d: a context of %d tokens (max_position_embeddings %d in the "
-                 "file), over which attention is full", where, window, window, context)
-        fields["max_position_embeddings"] = window
-        fields.setdefault("extra", {})["max_position_embeddings"] = context  # (saved back as it was)
-    fields["sliding_window"] = window
 
 
 def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> ModelConfig:
@@ -210,30 +219,12 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
     if data.get("partial_rotary_factor") not in (None, 1, 1.0):  # (was kept in `extra`, rotated in full)
         raise ConfigError(f"{where}: partial_rotary_factor {data['partial_rotary_factor']!r} is not "
                           "supported (parity rotates every head dimension)")
-    sliding = data.get("use_sliding_window") and data.get("sliding_window") is not None
-    if model_type in ("qwen3_moe", "qwen2_moe") and sliding:
-        raise ConfigError(f"{where}: sliding-window attention (use_sliding_window=true) is not supported; "
-                          "transformers 5 slides every qwen3_moe layer, alternate qwen2_moe ones")
-    layer_types = data.get("layer_types")
-    if layer_types is None:  # transformers derives them (and then follows layer_types alone)
-        if _sliding_layers(data, str(where)):
-            raise ConfigError(f"{where}: sliding-window attention (use_sliding_window=true from layer "
-                              f"{data.get('max_window_layers', 28)} on) is not supported")
-    elif any(t != "full_attention" for t in layer_types):
-        raise ConfigError(f"{where}: layer_types {sorted(set(layer_types))} are not supported "
-                          "(only full attention)")
-    elif len(layer_types) != data["num_hidden_layers"]:
-        raise ConfigError(f"{where}: layer_types lists {len(layer_types)} layers, num_hidden_layers is "
-                          f"{data['num_hidden_layers']}")
     if data.get("mlp_bias"):
         raise ConfigError(f"{where}: mlp_bias=true is not supported")
     if model_type != "qwen2" and data.get("attention_bias"):
         raise ConfigError(f"{where}: attention_bias=true is not supported for {model_type}")
     theta, scaling = _rope(data, where, _DEFAULTS[model_type].get("rope_theta", 10000.0))
-    fields = {k: data[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                   "num_attention_heads", "num_key_value_heads", "head_dim",
-                                   "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-                                   "bos_token_id", "eos_token_id") if data.get(k) is not None}
+    fields = {k: data[k] for k in _SHARED if data.get(k) is not None and k != "rope_theta"}
     if model_type == "qwen3" and "head_dim" not in data:
         fields["head_dim"] = 128  # transformers' Qwen3Config default (not hidden/heads; null means that)
     defaults = _DEFAULTS[model_type]
@@ -252,8 +243,7 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                      "tokens (max_position_embeddings %s in the file)", where, scaling["factor"],
                      scaling["original_max_position_embeddings"], context, file_context)
             fields["max_position_embeddings"] = context
-    if model_type in ("mistral", "mixtral"):
-        _mistral_window(data, fields, str(where), 4096 if model_type == "mistral" else None)
+    _windows(data, model_type, fields, str(where))
     if model_type == "mixtral":  # every layer a mixture of intermediate_size experts, top-k renormalised
         width = data.get("intermediate_size", 14336)  # (transformers' defaults, as for the others)
         fields.update(num_experts=data.get("num_local_experts", data.get("num_experts", 8)),
@@ -276,7 +266,7 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         raise ConfigError(f"{where}: {exc}") from None
 
 
-_WRITTEN = {"model_type", "architectures", "hidden_act", "attention_bias", "qkv_bias", "rope_theta", "dtype",
+_WRITTEN = {*_SHARED, "model_type", "architectures", "hidden_act", "attention_bias", "qkv_bias", "rope_theta", "dtype",
             "rope_scaling", "rope_parameters", "use_sliding_window", "sliding_window", "layer_types",
             "mlp_bias", *_MOE, "num_local_experts", "norm_topk_prob", "decoder_sparse_step",
             "mlp_only_layers", "router_aux_loss_coef", "torch_dtype", "transformers_version"}
@@ -287,10 +277,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The `config.json` `transformers` loads as this family (both 4.x and 5.x read it)."""
     arch = {v: k for k, v in ARCHITECTURES.items()}[cfg.model_type]
     out = {**cfg.extra}
-    out.update({k: getattr(cfg, k) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-        "tie_word_embeddings", "bos_token_id", "eos_token_id")})
+    out.update({k: getattr(cfg, k) for k in _SHARED})
     out.update(model_type=cfg.model_type, architectures=[arch], hidden_act="silu",
                rope_scaling=cfg.rope_scaling)
     out.setdefault("attention_dropout", 0.0)  # (a checkpoint's own value is kept; parity trains without)
@@ -299,15 +286,17 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                    shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
     elif cfg.model_type != "qwen2":
         out["attention_bias"] = False
+    types = cfg.layer_types or ["sliding_attention"] * cfg.num_hidden_layers  # (None: all, with a window)
     if cfg.model_type.startswith("qwen"):
-        out["use_sliding_window"] = False
+        out["use_sliding_window"] = cfg.sliding_window is not None and "sliding_attention" in types
+        if out["use_sliding_window"]:
+            out["sliding_window"] = cfg.sliding_window
+            if cfg.model_type != "qwen3_moe":  # (which slides every layer)
+                out["layer_types"] = types
     if cfg.model_type in ("llama", "mistral"):
         out["mlp_bias"] = False
     if cfg.model_type in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window  # (null written out: absent reads as 4096)
-        if cfg.sliding_window is not None:  # the file's own context, which its window slides over
-            out["max_position_embeddings"] = max(cfg.max_position_embeddings,
-                                                 cfg.extra.get("max_position_embeddings", 0))
     if cfg.model_type == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    intermediate_size=cfg.moe_intermediate_size, router_aux_loss_coef=cfg.router_aux_loss_coef)

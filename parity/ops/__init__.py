@@ -42,7 +42,12 @@ class Kernels:
     silu_mul: Callable
     """`silu_mul(gate_up [T, 2I]) -> [T, I]`: SwiGLU, silu of the first half times the second."""
     attention: Callable
+    """`attention(q [B, M, Hq, D], k, v [B, L, Hkv, D], q_pos [B, M], block_size, window=0)`: causal
+    GQA attention of each query over keys 0..its position (with a sliding `window` > 0, over the
+    last `window` of them), keys read in pages of `block_size` (the learner's dense layout)."""
     paged_attention: Callable
+    """`paged_attention(q, k_cache, v_cache, tables, q_pos, window=0)`: the same, keys read through
+    the KV cache's block tables (the engine's layout)."""
     token_logprobs: Callable
     log_softmax: Callable
     rope: Callable
@@ -83,10 +88,10 @@ def _aligned_silu_mul(gate_up):
     return aligned.silu_mul(gate_up)
 
 
-def _aligned_attention(q, k, v, q_pos, block_size):
+def _aligned_attention(q, k, v, q_pos, block_size, window=0):
     if _needs_grad(q, k, v):
-        return AttentionFn.apply(q, k, v, q_pos, block_size)
-    return aligned.attention(q, k, v, q_pos, block_size)
+        return AttentionFn.apply(q, k, v, q_pos, block_size, window)
+    return aligned.attention(q, k, v, q_pos, block_size, window)
 
 
 _ALIGNED = Kernels(

@@ -138,40 +138,42 @@ def _tree_sum(parts: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int, window: int = 0
 ) -> torch.Tensor:
     """Causal GQA attention (shapes as `attention_torch`); the native kernel when available."""
     if _use_native(q) and q.shape[-1] % 16 == 0 and block_size % 16 == 0:
-        return native.attention(q, k, v, q_pos, block_size).to(q.dtype)
-    return attention_torch(q, k, v, q_pos, block_size)
+        return native.attention(q, k, v, q_pos, block_size, window=window).to(q.dtype)
+    return attention_torch(q, k, v, q_pos, block_size, window)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                       block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       block_size: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attention` (in float32 where the native kernel runs) and, from the native kernel, each
     row's log-sum-exp [B, M, Hq] for the learner's backward; None elsewhere. Same output bits."""
     if _use_native(q) and q.shape[-1] % 16 == 0 and block_size % 16 == 0:
-        return native.attention(q, k, v, q_pos, block_size, with_lse=True)
-    return attention_torch(q, k, v, q_pos, block_size), None
+        return native.attention(q, k, v, q_pos, block_size, with_lse=True, window=window)
+    return attention_torch(q, k, v, q_pos, block_size, window), None
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    tables: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+                    tables: torch.Tensor, q_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
     """Attention reading keys through block tables: key blocks [NB, Hkv, D, bs], value blocks
     [NB, Hkv, bs, D], tables [B, nblk]. Same bits as `attention` on the gathered keys."""
     if _use_native(q, k_cache) and q.shape[-1] % 16 == 0 and k_cache.shape[-1] % 16 == 0:
-        return native.paged_attention(q, k_cache, v_cache, tables, q_pos).to(q.dtype)
-    return attention_torch(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1])
+        return native.paged_attention(q, k_cache, v_cache, tables, q_pos, window=window).to(q.dtype)
+    return attention_torch(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1], window)
 
 
 def attention_torch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int, window: int = 0
 ) -> torch.Tensor:
     """Causal grouped-query attention with a fixed key-block reduction order (pure PyTorch).
 
     q: [B, M, Hq, D]; k, v: [B, L, Hkv, D] (keys at absolute positions 0..L-1, L a multiple of
     `block_size`); q_pos: [B, M] absolute position of each query (key j is visible iff j <= pos;
-    a negative position marks a padding row, whose output is unspecified).
+    a negative position marks a padding row, whose output is unspecified); with a sliding
+    `window` > 0 only keys j > pos - window are visible too (every block before a query's window
+    is then fully masked: a zero leaf of the tree, like the blocks after its position).
     Returns [B, M, Hq, D] in q's dtype. Computed in float32 (float64 for float64 inputs).
 
     Scores are produced per key block by GEMMs of one fixed shape (rows >= MIN_GEMM_ROWS, K = D,
@@ -199,7 +201,10 @@ def attention_torch(
         scores = scores[:, :, :, :rows]
     scores = scores.reshape(bsz, hkv, nblk, rep, m, block_size)
     keys = torch.arange(length, device=q.device).view(1, nblk, 1, block_size)
-    hidden = (keys > q_pos.view(bsz, 1, m, 1)).view(bsz, 1, nblk, 1, m, block_size)
+    hidden = keys > q_pos.view(bsz, 1, m, 1)
+    if window:
+        hidden = hidden | (keys <= q_pos.view(bsz, 1, m, 1) - window)
+    hidden = hidden.view(bsz, 1, nblk, 1, m, block_size)
     scores = scores.masked_fill(hidden, float("-inf"))
     peak = scores.amax(dim=(2, 5), keepdim=True)  # exact, order-free
     probs = pointwise(torch.exp2, scores - peak).view(bsz, hkv, nblk, rows, block_size)

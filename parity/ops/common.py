@@ -66,3 +66,15 @@ def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
     k = k_cache[tables].permute(0, 1, 4, 2, 3).reshape(bsz, nblk * bs, hkv, d)
     v = v_cache[tables].permute(0, 1, 3, 2, 4).reshape(bsz, nblk * bs, hkv, d)
     return k, v
+
+
+def visible_keys(length: int, q_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """[B, 1, M, L] bool: which of keys 0..L-1 each query at q_pos [B, M] attends to — keys up to
+    its own position, and with a sliding `window` (> 0) only the last `window` of them (key j with
+    pos - window < j <= pos, as transformers masks). Padding rows (pos < 0) see key 0."""
+    keys = torch.arange(length, device=q_pos.device).view(1, 1, length)
+    pos = q_pos.clamp(min=0).unsqueeze(-1)
+    seen = keys <= pos
+    if window:
+        seen = seen & (keys > pos - window)
+    return seen.unsqueeze(1)

@@ -14,7 +14,7 @@ import math
 import torch
 
 from . import aligned, native, standard
-from .common import compute_dtype
+from .common import compute_dtype, visible_keys
 
 
 def _native_backward(*tensors: torch.Tensor) -> bool:
@@ -91,8 +91,9 @@ class AttentionFn(torch.autograd.Function):
     tensor-core SDPA forward and backward, not a float32 pass without tensor cores."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, block_size: int):
-        out, lse = aligned.attention_with_lse(q, k, v, q_pos, block_size)
+    def forward(ctx, q, k, v, q_pos, block_size: int, window: int = 0):
+        out, lse = aligned.attention_with_lse(q, k, v, q_pos, block_size, window)
+        ctx.window = window
         if lse is None:
             ctx.save_for_backward(q, k, v, q_pos)
         else:
@@ -103,16 +104,16 @@ class AttentionFn(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         saved = ctx.saved_tensors  # read once (a recomputed forward's tensors unpack only once)
         if len(saved) == 6:
-            return (*_flash_backward(grad, *saved), None, None)
+            return (*_flash_backward(grad, *saved, window=ctx.window), None, None, None)
         q, k, v, q_pos = saved
         with torch.enable_grad():
             acc = recompute_dtype(q)
             qf = q.detach().to(acc).requires_grad_()
             kf = k.detach().to(acc).requires_grad_()
             vf = v.detach().to(acc).requires_grad_()
-            out = standard.attention(qf, kf, vf, q_pos, 0)
+            out = standard.attention(qf, kf, vf, q_pos, 0, ctx.window)
             gq, gk, gv = torch.autograd.grad(out, (qf, kf, vf), grad.to(acc))
-        return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None
+        return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None, None
 
 
 def recompute_dtype(q: torch.Tensor) -> torch.dtype:
@@ -122,14 +123,13 @@ def recompute_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype if q.is_cuda else compute_dtype(q.dtype)
 
 
-def _flash_backward(grad, q, k, v, q_pos, out, lse):
+def _flash_backward(grad, q, k, v, q_pos, out, lse, window: int = 0):
     """PyTorch's CPU flash-attention backward from a forward's output and log-sum-exp.
     q/grad/out [B, M, Hq, D], k/v [B, L, Hkv, D], lse [B, M, Hq] float32 (+inf on padding rows,
     whose probabilities are then exactly 0)."""
     acc = compute_dtype(q.dtype)
-    d, length = q.shape[-1], k.shape[1]
-    keys = torch.arange(length)
-    visible = (keys.view(1, 1, length) <= q_pos.clamp(min=0).unsqueeze(-1)).unsqueeze(1)  # [B,1,M,L]
+    d = q.shape[-1]
+    visible = visible_keys(k.shape[1], q_pos, window)  # [B,1,M,L]
     mask = torch.zeros(visible.shape, dtype=acc).masked_fill_(~visible, float("-inf"))
     gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad.to(acc).transpose(1, 2), q.to(acc).transpose(1, 2), k.to(acc).transpose(1, 2),
@@ -138,7 +138,7 @@ def _flash_backward(grad, q, k, v, q_pos, out, lse):
     return gq.transpose(1, 2).to(q.dtype), gk.transpose(1, 2).to(k.dtype), gv.transpose(1, 2).to(v.dtype)
 
 
-def reference_attention(q, k, v, q_pos):
+def reference_attention(q, k, v, q_pos, window: int = 0):
     """Textbook causal GQA attention (float math, autograd-friendly). Shapes as `aligned.attention`."""
     bsz, m, hq, d = q.shape
     length, hkv = k.shape[1], k.shape[2]
@@ -146,7 +146,6 @@ def reference_attention(q, k, v, q_pos):
     kr = k.repeat_interleave(rep, dim=2)
     vr = v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bmhd,blhd->bhml", q, kr) / math.sqrt(d)
-    keys = torch.arange(length, device=q.device)
-    visible = (keys.view(1, 1, length) <= q_pos.clamp(min=0).unsqueeze(-1)).unsqueeze(1)
+    visible = visible_keys(length, q_pos, window)
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     return torch.einsum("bhml,blhd->bmhd", probs, vr)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import check_logprob_args, compute_dtype, gather_blocks, gemm_linear, rope
+from .common import check_logprob_args, compute_dtype, gather_blocks, gemm_linear, rope, visible_keys
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -34,13 +34,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int, window: int = 0
 ) -> torch.Tensor:
     """SDPA over the valid keys, as a framework would call it. Shapes as in `aligned.attention`."""
-    bsz, m, hq, d = q.shape
-    length = k.shape[1]
-    keys = torch.arange(length, device=q.device)
-    visible = (keys.view(1, 1, length) <= q_pos.clamp(min=0).unsqueeze(-1)).unsqueeze(1)  # [B,1,M,L]
+    hq = q.shape[2]
+    visible = visible_keys(k.shape[1], q_pos, window)  # [B,1,M,L]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible,
         enable_gqa=hq != k.shape[2],
@@ -48,15 +46,15 @@ def attention(
     return out.transpose(1, 2)
 
 
-def paged_attention(q, k_cache, v_cache, tables, q_pos) -> torch.Tensor:
+def paged_attention(q, k_cache, v_cache, tables, q_pos, window: int = 0) -> torch.Tensor:
     """Gather each sequence's cached keys/values, then SDPA, as a framework's cache path does:
     sequences are grouped by their number of new tokens (all decodes in one call, each prefill
     chunk length in its own), so no padded query rows are computed."""
     if q.shape[1] == 1:  # decode: every sequence has its one new token, known without a host sync
-        return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1])
+        return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1], window)
     counts = (q_pos >= 0).sum(1)
     if bool((counts == q.shape[1]).all()):
-        return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1])
+        return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1], window)
     out = q.new_zeros(q.shape)
     for n in counts.unique().tolist():
         if n == 0:
@@ -64,7 +62,7 @@ def paged_attention(q, k_cache, v_cache, tables, q_pos) -> torch.Tensor:
         rows = (counts == n).nonzero().flatten()
         need = -(-(int(q_pos[rows].max()) + 1) // k_cache.shape[-1])  # blocks these rows read
         k, v = gather_blocks(k_cache, v_cache, tables[rows][:, :need])
-        out[rows, :n] = attention(q[rows, :n], k, v, q_pos[rows, :n], k_cache.shape[-1])
+        out[rows, :n] = attention(q[rows, :n], k, v, q_pos[rows, :n], k_cache.shape[-1], window)
     return out
 
 

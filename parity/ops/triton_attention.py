@@ -19,6 +19,12 @@ Both call the same `_split_state` and `_merge`, launched without fused multiply-
 shapes alone (never by values: no host sync, fixed per CUDA graph). Pages, or splits, wholly
 beyond a query's position are exact no-ops for it: their state is (max -inf, sum 0, values 0),
 and merging it multiplies by exactly 1 and adds exactly 0.
+
+A sliding window (`window` > 0: a query sees its last `window` keys) masks the keys before it the
+same way. Pages and splits wholly before every row's window are skipped; for a row whose window
+starts later than its tile's, the splits before it are empty states, and merging empties into the
+empty start state keeps it (-inf, 0, 0) exactly (`_merge` takes exponents against 0 there), so a
+row's bits depend on its own position and window alone.
 """
 
 from __future__ import annotations
@@ -42,13 +48,14 @@ _WORKSPACE_BYTES = 1 << 26
 
 
 @triton.jit
-def _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, j0, j1, scale,
+def _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0, j1, scale,
                  skb, skh, skd, skp, svb, svh, svp, svd, stb,
                  D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
                  INTERP: tl.constexpr, IEEE: tl.constexpr):
     """Online softmax of the query rows over pages j0..j1-1 of sequence b, in order, from an empty
     state: (row max, row sum, weighted values), in log2 units. A row with no visible key yet keeps
-    (-inf, 0, 0) exactly (its exponents are taken against 0, not against -inf)."""
+    (-inf, 0, 0) exactly (its exponents are taken against 0, not against -inf). Key j is visible
+    to a row iff lo < j <= pos (lo = -1 without a sliding window)."""
     d = tl.arange(0, D)
     keys = tl.arange(0, BS)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -58,7 +65,8 @@ def _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, j0, j1, scale,
         blk = tl.load(tab_ptr + b * stb + j).to(tl.int64)
         kt = tl.load(k_ptr + blk * skb + h * skh + d[:, None] * skd + keys[None, :] * skp)  # [D, BS]
         s = _dot(q, kt, tl.zeros((BLOCK_M, BS), dtype=tl.float32), INTERP, IEEE) * scale
-        s = tl.where((j * BS + keys)[None, :] <= pos[:, None], s, float("-inf"))
+        key = (j * BS + keys)[None, :]
+        s = tl.where((key <= pos[:, None]) & (key > lo[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -76,26 +84,30 @@ def _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, j0, j1, scale,
 
 @triton.jit
 def _merge(m_t, l_t, a_t, m_i, l_i, acc):
-    """The running result (m_t, l_t, a_t) with one more split's state merged in."""
+    """The running result (m_t, l_t, a_t) with one more split's state merged in (two empty states,
+    max -inf, merge into an empty one exactly: exponents taken against 0)."""
     m_new = tl.maximum(m_t, m_i)
-    old = tl.exp2(m_t - m_new)
-    new = tl.exp2(m_i - m_new)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    old = tl.exp2(m_t - m_use)
+    new = tl.exp2(m_i - m_use)
     return m_new, l_t * old + l_i * new, a_t * old[:, None] + acc * new[:, None]
 
 
 @triton.jit
-def _rows(pos_ptr, b, h, tile, M, REP, spb, BLOCK_M: tl.constexpr):
-    """A tile's query rows (row r: token r // REP, query head h * REP + r % REP), their liveness
-    and positions (padding rows attend to key 0: finite, then dropped)."""
+def _rows(pos_ptr, b, h, tile, M, REP, spb, window, BLOCK_M: tl.constexpr):
+    """A tile's query rows (row r: token r // REP, query head h * REP + r % REP), their liveness,
+    positions (padding rows attend to key 0: finite, then dropped) and the last key before each
+    row's window (-1 without one)."""
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     live = r < M * REP
     tok = r // REP
     pos = tl.maximum(tl.load(pos_ptr + b * spb + tok, mask=live, other=0), 0)
-    return r, live, tok, h * REP + r % REP, pos
+    lo = tl.where(window > 0, tl.maximum(pos - window, -1), -1)
+    return r, live, tok, h * REP + r % REP, pos, lo
 
 
-@triton.jit(do_not_specialize=["M", "n_tab", "sqb", "sob", "stb", "spb"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr, M, REP, n_tab, scale,
+@triton.jit(do_not_specialize=["M", "n_tab", "window", "sqb", "sob", "stb", "spb"])
+def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr, M, REP, n_tab, window, scale,
                       sqb, sqm, sqh, sob, som, soh,
                       skb, skh, skd, skp, svb, svh, svp, svd, stb, spb,
                       D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
@@ -103,16 +115,18 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr, M, REP, n_
     """The walk: sequence b, KV head h, BLOCK_M query rows; splits in order, each merged as it ends."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    r, live, tok, head, pos = _rows(pos_ptr, b, h, tl.program_id(2), M, REP, spb, BLOCK_M)
+    r, live, tok, head, pos, lo = _rows(pos_ptr, b, h, tl.program_id(2), M, REP, spb, window, BLOCK_M)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * sqb + tok[:, None] * sqm + head[:, None] * sqh + d[None, :],
                 mask=live[:, None], other=0.0)
     last = tl.minimum(tl.max(pos, axis=0) // BS + 1, n_tab)
+    first = (tl.min(tl.where(live, lo, pos), axis=0) + 1) // BS  # the tile's first visible page
     m_t = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
     a_t = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    for j0 in range(0, last, SPLIT):
-        m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, j0, tl.minimum(j0 + SPLIT, last),
+    for j0 in range(first // SPLIT * SPLIT, last, SPLIT):
+        m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, tl.maximum(j0, first),
+                                     tl.minimum(j0 + SPLIT, last),
                                      scale, skb, skh, skd, skp, svb, svh, svp, svd, stb,
                                      D, BS, BLOCK_M, INTERP, IEEE)
         m_t, l_t, a_t = _merge(m_t, l_t, a_t, m_i, l_i, acc)
@@ -120,9 +134,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr, M, REP, n_
              (a_t / l_t[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
-@triton.jit(do_not_specialize=["M", "n_tab", "n_split", "sqb", "stb", "spb"])
+@triton.jit(do_not_specialize=["M", "n_tab", "n_split", "window", "sqb", "stb", "spb"])
 def _split_partial_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, pm_ptr, pl_ptr, pa_ptr,
-                          M, REP, n_tab, n_split, scale, sqb, sqm, sqh,
+                          M, REP, n_tab, n_split, window, scale, sqb, sqm, sqh,
                           skb, skh, skd, skp, svb, svh, svp, svd, stb, spb,
                           D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
                           INTERP: tl.constexpr, IEEE: tl.constexpr):
@@ -131,14 +145,16 @@ def _split_partial_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, pm_ptr, pl_ptr,
     h = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2) // n_split
     sp = tl.program_id(2) % n_split
-    r, live, tok, head, pos = _rows(pos_ptr, b, h, tile, M, REP, spb, BLOCK_M)
+    r, live, tok, head, pos, lo = _rows(pos_ptr, b, h, tile, M, REP, spb, window, BLOCK_M)
     last = tl.minimum(tl.max(pos, axis=0) // BS + 1, n_tab)
+    first = (tl.min(tl.where(live, lo, pos), axis=0) + 1) // BS
     j0 = sp * SPLIT
-    if j0 < last:
+    if (j0 < last) & (j0 + SPLIT > first):
         d = tl.arange(0, D)
         q = tl.load(q_ptr + b * sqb + tok[:, None] * sqm + head[:, None] * sqh + d[None, :],
                     mask=live[:, None], other=0.0)
-        m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, j0, tl.minimum(j0 + SPLIT, last),
+        m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, tl.maximum(j0, first),
+                                     tl.minimum(j0 + SPLIT, last),
                                      scale, skb, skh, skd, skp, svb, svh, svp, svd, stb,
                                      D, BS, BLOCK_M, INTERP, IEEE)
         at = ((b * tl.num_programs(1) + h) * M * REP + r) * n_split + sp
@@ -147,23 +163,25 @@ def _split_partial_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, pm_ptr, pl_ptr,
         tl.store(pa_ptr + at[:, None] * D + d[None, :], acc, mask=live[:, None])
 
 
-@triton.jit(do_not_specialize=["M", "n_tab", "n_split", "sob", "spb"])
-def _combine_kernel(pm_ptr, pl_ptr, pa_ptr, pos_ptr, out_ptr, M, REP, n_tab, n_split,
+@triton.jit(do_not_specialize=["M", "n_tab", "n_split", "window", "sob", "spb"])
+def _combine_kernel(pm_ptr, pl_ptr, pa_ptr, pos_ptr, out_ptr, M, REP, n_tab, n_split, window,
                     sob, som, soh, spb,
                     D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
     """The splits' states of a tile merged in split order, as the walk merges them. A row reads
-    its own splits; later ones count as empty (-inf, 0, 0), which the walk computes for it."""
+    its own splits; the others count as empty (-inf, 0, 0), which the walk computes for it."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    r, live, tok, head, pos = _rows(pos_ptr, b, h, tl.program_id(2), M, REP, spb, BLOCK_M)
+    r, live, tok, head, pos, lo = _rows(pos_ptr, b, h, tl.program_id(2), M, REP, spb, window, BLOCK_M)
     d = tl.arange(0, D)
     last = tl.minimum(tl.max(pos, axis=0) // BS + 1, n_tab)
     mine = pos // BS // SPLIT
+    own = (lo + 1) // BS // SPLIT  # a row's first split
+    first = tl.min(tl.where(live, own, mine), axis=0)
     m_t = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
     a_t = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    for sp in range(0, tl.cdiv(last, SPLIT)):
-        ok = live & (sp <= mine)
+    for sp in range(first, tl.cdiv(last, SPLIT)):
+        ok = live & (sp <= mine) & (sp >= own)
         at = ((b * tl.num_programs(1) + h) * M * REP + r) * n_split + sp
         # rows past the tile's end (never stored) are kept finite: max 0, sum 1
         m_i = tl.where(live, tl.load(pm_ptr + at, mask=ok, other=float("-inf")), 0.0)
@@ -208,7 +226,8 @@ def _schedule(bsz: int, hkv: int, rows: int, bm: int, n_tab: int, d: int, device
     return "split" if bsz * hkv * rows * n_split * (d + 2) * 4 <= _WORKSPACE_BYTES else "walk"
 
 
-def _launch(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_size, schedule="auto"):
+def _launch(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_size, schedule="auto",
+            window=0):
     bsz, m, hq, d = q.shape
     hkv = k_strides[4]
     rep = hq // hkv
@@ -228,7 +247,7 @@ def _launch(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_si
     with _on(q, k_blocks, v_blocks):
         if schedule == "walk":
             _attention_kernel[(bsz, hkv, tiles)](
-                q, k_blocks, v_blocks, tables, q_pos, out, m, rep, n_tab, scale,
+                q, k_blocks, v_blocks, tables, q_pos, out, m, rep, n_tab, window, scale,
                 q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
                 *k_strides[:4], *v_strides, tables.stride(0), q_pos.stride(0),
                 INTERP=INTERPRET, IEEE=q.dtype == torch.float32, **common, **opts)
@@ -238,29 +257,31 @@ def _launch(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_si
         pl = torch.empty_like(pm)
         pa = torch.empty(bsz, hkv, m * rep, n_split, d, dtype=torch.float32, device=q.device)
         _split_partial_kernel[(bsz, hkv, tiles * n_split)](
-            q, k_blocks, v_blocks, tables, q_pos, pm, pl, pa, m, rep, n_tab, n_split, scale,
+            q, k_blocks, v_blocks, tables, q_pos, pm, pl, pa, m, rep, n_tab, n_split, window, scale,
             q.stride(0), q.stride(1), q.stride(2), *k_strides[:4], *v_strides,
             tables.stride(0), q_pos.stride(0),
             INTERP=INTERPRET, IEEE=q.dtype == torch.float32, **common, **opts)
         _combine_kernel[(bsz, hkv, _cdiv(m * rep, _COMBINE_ROWS))](
-            pm, pl, pa, q_pos, out, m, rep, n_tab, n_split,
+            pm, pl, pa, q_pos, out, m, rep, n_tab, n_split, window,
             out.stride(0), out.stride(1), out.stride(2), q_pos.stride(0),
             D=d, BS=block_size, BLOCK_M=_COMBINE_ROWS, SPLIT=KV_SPLIT_PAGES, num_warps=4, **LAUNCH)
     return out
 
 
-def paged_attention(q, k_cache, v_cache, tables, q_pos, schedule: str = "auto") -> torch.Tensor:
+def paged_attention(q, k_cache, v_cache, tables, q_pos, window: int = 0, *,
+                    schedule: str = "auto") -> torch.Tensor:
     """Attention through block tables: q [B, M, Hq, D] (last dim contiguous), key blocks
-    [NB, Hkv, D, bs], value blocks [NB, Hkv, bs, D], tables [B, nblk], q_pos [B, M].
+    [NB, Hkv, D, bs], value blocks [NB, Hkv, bs, D], tables [B, nblk], q_pos [B, M]; a sliding
+    `window` > 0 limits each query to its last `window` keys.
     `schedule`: 'auto' (by shapes), 'walk' or 'split' (tests): the same bits."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     k_str = (*k_cache.stride(), k_cache.shape[1])  # block, head, d, pos, Hkv
     v_str = v_cache.stride()  # block, head, pos, d
-    return _launch(q, k_cache, v_cache, k_str, v_str, tables, q_pos, k_cache.shape[-1], schedule)
+    return _launch(q, k_cache, v_cache, k_str, v_str, tables, q_pos, k_cache.shape[-1], schedule, window)
 
 
-def attention(q, k, v, q_pos, block_size: int, schedule: str = "auto") -> torch.Tensor:
+def attention(q, k, v, q_pos, block_size: int, window: int = 0, *, schedule: str = "auto") -> torch.Tensor:
     """Dense attention (the learner's): k, v [B, L, Hkv, D] with L a multiple of `block_size`,
     read as pages of `block_size` keys in order, by the same kernels as `paged_attention`."""
     if q.stride(-1) != 1:
@@ -272,4 +293,4 @@ def attention(q, k, v, q_pos, block_size: int, schedule: str = "auto") -> torch.
     # page (b, j) starts at row b * L + j * bs of the [B * L, Hkv, D] key matrix
     k_str = (block_size * hkv * d, d, 1, hkv * d, hkv)
     v_str = (block_size * hkv * d, d, hkv * d, 1)
-    return _launch(q, k, v, k_str, v_str, tables, q_pos, block_size, schedule)
+    return _launch(q, k, v, k_str, v_str, tables, q_pos, block_size, schedule, window)

@@ -80,9 +80,10 @@ class _SiluMulFn(SiluMulFn):
 
 class _AttentionFn(AttentionFn):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, block_size):
+    def forward(ctx, q, k, v, q_pos, block_size, window=0):
         ctx.save_for_backward(q, k, v, q_pos)
-        return ta.attention(q, k, v, q_pos, block_size)
+        ctx.window = window
+        return ta.attention(q, k, v, q_pos, block_size, window=window)
 
 
 def rms_norm(x, weight, eps):
@@ -123,10 +124,10 @@ def silu_mul(gate_up):
     return _SiluMulFn.apply(gate_up) if _needs_grad(gate_up) else _silu_mul(gate_up)
 
 
-def attention(q, k, v, q_pos, block_size):
+def attention(q, k, v, q_pos, block_size, window=0):
     if _needs_grad(q, k, v):
-        return _AttentionFn.apply(q, k, v, q_pos, block_size)
-    return ta.attention(q, k, v, q_pos, block_size)
+        return _AttentionFn.apply(q, k, v, q_pos, block_size, window)
+    return ta.attention(q, k, v, q_pos, block_size, window=window)
 
 
 class _RowLSEFn(torch.autograd.Function):

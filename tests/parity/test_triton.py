@@ -38,9 +38,9 @@ def triton_impl(monkeypatch):
     monkeypatch.setenv("PARITY_ALIGNED_IMPL", "triton")
 
 
-def _model(kernels: str, dtype: torch.dtype, preset: str = "tiny", seed: int = 3):
-    model = parity.Model(parity.ModelConfig.preset(preset, num_hidden_layers=1), kernels=kernels,
-                         dtype=dtype, seed=seed)
+def _model(kernels: str, dtype: torch.dtype, preset: str = "tiny", seed: int = 3, **over):
+    model = parity.Model(parity.ModelConfig.preset(preset, **{"num_hidden_layers": 1, **over}),
+                         kernels=kernels, dtype=dtype, seed=seed)
     model.reset_parameters(seed, 0.1)
     return model.to(dtype)
 
@@ -309,12 +309,14 @@ def test_model_log_probs_are_invariant_across_kv_splits(triton_impl):
     assert_model_schedules_agree(model, (long, long - 9))
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-mixtral", "tiny-qwen2-moe", "tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-mixtral", "tiny-qwen2-moe", "tiny-llama", "tiny-qwen2",
+                                    "tiny-mistral"])
 def test_moe_routing_and_the_other_families_are_invariant(triton_impl, preset):
     """Routing (Qwen3-MoE; Mixtral: renormalised, no q/k norm; Qwen2-MoE's shared expert) and the
     families without q/k norm, whose RoPE is the plain op beside the Triton kernels (Llama's
-    llama3 tables, Qwen2's YaRN)."""
-    model = _model("aligned", torch.float32, preset=preset)
+    llama3 tables, Qwen2's YaRN); Mistral's sliding window (9 keys here, so it binds)."""
+    model = _model("aligned", torch.float32, preset=preset,
+                   **({"sliding_window": 9} if preset == "tiny-mistral" else {}))
     results = run_checks(model, rounds=1, seed=5, max_len=24, cases=("batch", "decode"))
     assert all(r.comparisons > 0 and r.mismatches == 0 for r in results), results
 

@@ -72,14 +72,14 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
  * (rows with q_pos < 0 are padding and left untouched); D and bs multiples of 16. When lse is
  * not NULL it receives each row's natural log-sum-exp of the scaled scores, [B, M, Hq] (+inf on
  * padding rows), for the learner's backward pass.
- * Query (b, m, h) attends to keys 0..q_pos of KV head h / (Hq / Hkv): its n = q_pos + 1 keys
- * are a property of the query alone, so every reduction (each score summed over d in order;
+ * Query (b, m, h) attends to keys n0..q_pos of KV head h / (Hq / Hkv), n0 = 0, or with a sliding
+ * window W > 0 max(0, q_pos + 1 - W): its keys are a property of the query alone, so every reduction (each score summed over d in order;
  * the exact max; the denominator and the value sum accumulated key by key) is the same
  * whatever else is in the batch and wherever its keys are stored. */
 #define ATTEND_ROW(KV_T, LOAD, DIM)                                                            \
     {                                                                                          \
         const int64_t nb = (n + bs - 1) / bs;                                                  \
-        for (int64_t i = 0; i < nb; i++) {                                                     \
+        for (int64_t i = n0 / bs; i < nb; i++) {                                               \
             const KV_T *kb = k + (tab[i] * Hkv + kh) * DIM * bs;                               \
             for (int64_t j0 = 0; j0 < bs; j0 += LANES) {                                       \
                 float s[LANES];                                                                \
@@ -93,14 +93,14 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
             }                                                                                  \
         }                                                                                      \
         float peak = -INFINITY;                                                                \
-        for (int64_t j = 0; j < n; j++) peak = scores[j] > peak ? scores[j] : peak;            \
-        for (int64_t j = 0; j < n; j++) scores[j] = fixed_exp(scores[j] - peak);               \
+        for (int64_t j = n0; j < n; j++) peak = scores[j] > peak ? scores[j] : peak;           \
+        for (int64_t j = n0; j < n; j++) scores[j] = fixed_exp(scores[j] - peak);              \
         float denom = 0.0f;                                                                    \
-        for (int64_t j = 0; j < n; j++) denom = denom + scores[j];                             \
+        for (int64_t j = n0; j < n; j++) denom = denom + scores[j];                            \
         for (int64_t d0 = 0; d0 < DIM; d0 += LANES) {                                          \
             float acc[LANES];                                                                  \
             for (int l = 0; l < LANES; l++) acc[l] = 0.0f;                                     \
-            for (int64_t j = 0; j < n; j++) {                                                  \
+            for (int64_t j = n0; j < n; j++) {                                                 \
                 const float p = scores[j];                                                     \
                 const KV_T *vr = v + ((tab[j / bs] * Hkv + kh) * bs + j % bs) * DIM + d0;      \
                 for (int l = 0; l < LANES; l++) acc[l] = acc[l] + p * LOAD(vr[l]);             \
@@ -126,6 +126,7 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
                     for (int64_t r = 0; r < rep; r++) lse[bm * Hq + kh * rep + r] = INFINITY;  \
                 continue;                                                                      \
             }                                                                                  \
+            const int64_t n0 = (window > 0 && n > window) ? n - window : 0;                    \
             const int64_t *tab = tables + b * nblk;                                            \
             for (int64_t r = 0; r < rep; r++) {                                                \
                 const int64_t h = kh * rep + r;                                                \
@@ -157,7 +158,7 @@ static float *scratch(size_t n) {
 #define ATTENTION_ARGS(KV_T)                                                                   \
     const float *q, const KV_T *k, const KV_T *v, const int64_t *tables, const int64_t *q_pos, \
         float *out, float *lse, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,      \
-        int64_t nblk, int64_t bs, float scale, int threads
+        int64_t nblk, int64_t bs, int64_t window, float scale, int threads
 
 void parity_attention_f32(ATTENTION_ARGS(float)) { ATTENTION_BODY(float, F32_ID) }
 
