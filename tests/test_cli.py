@@ -296,7 +296,7 @@ def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, ca
 
     # the Triton attention as the standard one: what is tested is the interrupt, and Triton's
     # interpreter cannot be turned on in a process that imported triton before
-    fake = types.SimpleNamespace(paged_attention=lambda *args: standard.paged_attention(*args[:5]),
+    fake = types.SimpleNamespace(paged_attention=lambda *args, **kw: standard.paged_attention(*args[:5]),
                                  _schedule=lambda *args: "walk", _attention_tiles=lambda d, dtype: (16,))
     monkeypatch.setitem(sys.modules, "parity.ops.triton_attention", fake)
     monkeypatch.setattr(parity.ops, "triton_attention", fake, raising=False)

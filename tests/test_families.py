@@ -38,6 +38,9 @@ def hf_config(family: str, tied: bool = False, **over):
         return transformers.MistralConfig(**{"sliding_window": None, "head_dim": 24, "rope_theta": 1e6, **kw})
     if family == "mixtral":
         return transformers.MixtralConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, **kw})
+    if family == "gemma3_text":  # sliding layers 0 and 2 (8 keys, their own RoPE base), query scale 24
+        return transformers.Gemma3TextConfig(**{"head_dim": 16, "query_pre_attn_scalar": 24,
+                                                "sliding_window": 8, "sliding_window_pattern": 2, **kw})
     if family == "qwen2_moe":  # a shared expert beside the routed ones, one dense layer
         moe = {"num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1],
                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
@@ -70,7 +73,7 @@ def hf_logprobs(model, seq):
     return torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0]
 
 
-FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe"]
+FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe", "gemma3_text"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -89,7 +92,7 @@ def test_a_transformers_checkpoint_loads_and_agrees(tmp_path, family, tied):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-qwen2", "tiny-llama", "tiny-mistral",
-                                    "tiny-mixtral", "tiny-qwen2-moe"])
+                                    "tiny-mixtral", "tiny-qwen2-moe", "tiny-gemma3"])
 def test_parity_saves_what_transformers_loads(tmp_path, preset):
     model = parity.Model(parity.ModelConfig.preset(preset, tie_word_embeddings=False), seed=1)
     model.reset_parameters(1, 0.08)
@@ -121,6 +124,7 @@ YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 
     ("qwen3_moe", YARN),
     ("qwen2", {"rope_type": "linear", "factor": 3.0}),
     ("qwen3", LLAMA3),
+    ("gemma3_text", {"rope_type": "linear", "factor": 8.0}),  # Gemma 3 4B's: its full layers only
 ])
 def test_rope_scalings_load_and_agree_with_transformers_both_ways(tmp_path, family, scaling):
     """YaRN (all its knobs), linear and llama3 scaling on any family agree with transformers within
@@ -196,6 +200,51 @@ def test_sliding_window_layers_agree_with_transformers_past_the_window(tmp_path,
     assert torch.allclose(hf_logprobs(back, seqs[0]), slid[0], atol=1e-5)
 
 
+GEMMA3_1B = {  # google/gemma-3-1b-it's config.json (transformers 4.50 wrote it), at a tiny size
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": None,
+    "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+    "final_logit_softcapping": None, "head_dim": 16, "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 256,
+    "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 3, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 8, "sliding_window_pattern": 2,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 128}
+
+
+def test_a_gemma3_checkpoint_in_the_hubs_layout_agrees_in_both_dtypes(tmp_path):
+    """Gemma 3 (text) as the Hub ships it (transformers 4.x field names: rope_local_base_freq,
+    sliding_window_pattern) agrees with transformers: within 1e-5 in float32, and in bfloat16 no
+    further from the float32 reference than transformers' own bfloat16 forward (x1.5). The controls:
+    the same weights with every layer full, or with the global RoPE base on the sliding layers, are
+    more than 0.01 nats off — so the comparison sees the window and the local base."""
+    hf = hf_model("gemma3_text", tied=True, num_key_value_heads=1, query_pre_attn_scalar=16)
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_1B))
+    ours = parity.load_model(tmp_path, dtype=torch.float32)
+    c = ours.config
+    assert (c.layer_types[:2], c.rope_local_base_freq, c.eos_token_id) == (
+        ["sliding_attention", "full_attention"], 1e4, [1, 106])
+    seq = torch.arange(1, 90, 3) % 128
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        ref = hf_logprobs(hf, seq)
+        assert torch.allclose(parity.sequence_logprobs(ours, [seq])[0], ref, atol=1e-5)
+        ours16 = parity.load_model(tmp_path, dtype=torch.bfloat16)
+        hf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+        theirs = (hf_logprobs(hf16, seq) - ref).abs().max()
+        assert (parity.sequence_logprobs(ours16, [seq])[0] - ref).abs().max() <= 1.5 * theirs
+        for edit in (dict(layer_types=["full_attention"] * 3), dict(rope_local_base_freq=1e6)):
+            other = parity.Model(dataclasses.replace(c, **edit), dtype=torch.float32, seed=None)
+            other.load_state_dict(ours.state_dict())
+            assert (parity.sequence_logprobs(other, [seq])[0] - ref).abs().max() > 1e-2, edit
+    for key, value, culprit in (("final_logit_softcapping", 30.0, "final_logit_softcapping 30.0 is not"),
+                                ("hidden_activation", "gelu", "hidden_activation 'gelu' is not supported"),
+                                ("use_bidirectional_attention", True, "use_bidirectional_attention=true")):
+        (tmp_path / "config.json").write_text(json.dumps({**GEMMA3_1B, key: value}))
+        with pytest.raises(CheckpointError, match=culprit):
+            parity.load_model(tmp_path)
+
+
 def test_a_window_no_sequence_outgrows_is_full_attention(tmp_path):
     """A Mistral config without `sliding_window` means 4096 to transformers; over a 256-token
     context that window never binds, and parity runs full attention (bit for bit the same)."""
@@ -212,6 +261,76 @@ def test_a_window_no_sequence_outgrows_is_full_attention(tmp_path):
                                   layer_types=["full_attention", "sliding_attention"])
     with pytest.raises(ConfigError, match="sliding_attention layers but sliding_window is None"):
         parity.ModelConfig.preset("tiny", layer_types=["full_attention", "sliding_attention"])
+
+
+def test_a_mixtral_loads_agrees_and_saves_under_the_hubs_names(tmp_path):
+    """Mixtral: every layer a mixture of experts named `block_sparse_moe.experts.<e>.w1/w2/w3` on
+    the Hub, its top-k weights renormalised, no q/k norm (it was refused as another architecture).
+    A transformers checkpoint loads and agrees within 1e-4; parity's save keeps the Hub's names and
+    loads in transformers as the same model. The control: the same weights read as a Qwen3-MoE
+    (q/k norms, no renormalisation) are far off."""
+    from safetensors import safe_open
+
+    hf = hf_model("mixtral")
+    hf.save_pretrained(tmp_path / "hf")
+    ours = parity.load_model(tmp_path / "hf")
+    assert ours.config.is_moe and ours.config.moe_layers == [0, 1, 2] and ours.config.norm_topk_prob
+    long = torch.arange(1, 120, 3)
+    with torch.no_grad():
+        ref = hf_logprobs(hf, long)
+        assert torch.allclose(parity.sequence_logprobs(ours, [long])[0], ref, atol=1e-4)
+        plain = dataclasses.replace(ours.config, model_type="qwen3_moe", norm_topk_prob=False)
+        other = parity.Model(plain, dtype=torch.float32)
+        other.load_state_dict(ours.state_dict(), strict=False)  # (its q/k norms stay at 1)
+        assert (parity.sequence_logprobs(other, [long])[0] - ref).abs().max() > 1e-2  # control
+    ours.save_pretrained(tmp_path / "ours")
+    with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.2.block_sparse_moe.experts.7.w3.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names and not any(".mlp." in n for n in names)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    assert type(back).__name__ == "MixtralForCausalLM"
+    assert torch.allclose(hf_logprobs(back, long), ref, atol=1e-5)
+    # fields a config.json may leave out read as transformers reads them for a Mixtral: theta 1e6 and
+    # eps 1e-5 (were 1e4 and 1e-6: 0.46 and 0.003 nats off), 8 kv heads; `num_experts` for
+    # num_local_experts; a missing expert is named as the file spells it
+    hf = hf_model("mixtral", num_attention_heads=16, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)
+    hf.save_pretrained(tmp_path / "bare")
+    cfg = json.loads((tmp_path / "bare" / "config.json").read_text())
+    for key in ("rope_parameters", "rope_theta", "rms_norm_eps", "num_key_value_heads"):
+        cfg.pop(key, None)
+    cfg["num_experts"] = cfg.pop("num_local_experts")
+    (tmp_path / "bare" / "config.json").write_text(json.dumps(cfg))
+    bare = parity.load_model(tmp_path / "bare")
+    got = bare.config
+    assert (got.rope_theta, got.rms_norm_eps, got.num_key_value_heads) == (1e6, 1e-5, 8)
+    with torch.no_grad():
+        assert torch.allclose(parity.sequence_logprobs(bare, [long])[0], hf_logprobs(hf, long), atol=1e-4)
+    (tmp_path / "bare" / "config.json").write_text(json.dumps({**cfg, "num_experts": 9}))
+    with pytest.raises(CheckpointError, match=r"missing tensor model.layers.0.block_sparse_moe.experts.8.w1"):
+        parity.load_model(tmp_path / "bare")
+
+
+def test_a_qwen2_moe_loads_agrees_and_saves_with_its_shared_expert(tmp_path):
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): q/k/v biases, routed experts plus a shared expert
+    every token goes through, weighted by sigmoid(shared_expert_gate) (it was refused as another
+    architecture). It agrees with transformers within 1e-4 and parity's save loads in
+    transformers as the same model; the control, the shared expert's gate at -inf (no shared
+    expert), is far off."""
+    hf = hf_model("qwen2_moe")
+    hf.save_pretrained(tmp_path / "hf")
+    ours = parity.load_model(tmp_path / "hf")
+    assert ours.config.attention_bias and ours.config.moe_layers == [0, 2]
+    long = torch.arange(1, 120, 3)
+    with torch.no_grad():
+        ref = hf_logprobs(hf, long)
+        assert torch.allclose(parity.sequence_logprobs(ours, [long])[0], ref, atol=1e-4)
+        ours.save_pretrained(tmp_path / "ours")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+        assert type(back).__name__ == "Qwen2MoeForCausalLM"
+        assert torch.allclose(hf_logprobs(back.eval(), long), ref, atol=1e-5)
+        ours.model.layers[0].mlp.shared_expert_gate.weight.fill_(-1e4)  # the control
+        assert (parity.sequence_logprobs(ours, [long])[0] - ref).abs().max() > 1e-2
 
 
 def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):

@@ -37,7 +37,8 @@ def test_aligned_forward_matches_reference_attention():
     assert torch.allclose(out, ref, atol=1e-12, rtol=1e-10)
     for window in (1, 5, 40):  # sliding windows: inside a block, across blocks
         out = get_kernels("aligned").attention(q, k, v, pos, 32, window=window)
-        assert torch.allclose(out, functions.reference_attention(q, k, v, pos, window), atol=1e-12, rtol=1e-10)
+        want = functions.reference_attention(q, k, v, pos, window)
+        assert torch.allclose(out, want, atol=1e-12, rtol=1e-10)
         assert not torch.allclose(out[2], ref[2])  # (the window hides keys from the last sequence)
 
 
@@ -63,8 +64,8 @@ def test_windowed_attention_gradients_match_autograd(dtype):
             assert torch.allclose(a.double(), b, atol=tol), (window, (a.double() - b).abs().max())
 
 
-def _grads(kernels: str):
-    cfg = parity.ModelConfig.preset("tiny")
+def _grads(kernels: str, preset: str = "tiny"):
+    cfg = parity.ModelConfig.preset(preset)
     model = parity.Model(cfg, kernels=kernels, dtype=torch.float64, seed=3)
     model.reset_parameters(3, 0.1)
     seqs = [torch.arange(n) * 7 % 128 for n in (5, 33, 70)]
@@ -74,9 +75,10 @@ def _grads(kernels: str):
     return {n: p.grad.clone() for n, p in model.named_parameters()}, loss.detach()
 
 
-def test_model_gradients_match_standard_backend_float64():
-    aligned, la = _grads("aligned")
-    standard, ls = _grads("standard")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3"])  # (Gemma: windows, offset norms, GELU)
+def test_model_gradients_match_standard_backend_float64(preset):
+    aligned, la = _grads("aligned", preset)
+    standard, ls = _grads("standard", preset)
     assert torch.allclose(la, ls, atol=1e-12)
     for name in aligned:
         assert torch.allclose(aligned[name], standard[name], atol=1e-10, rtol=1e-7), name

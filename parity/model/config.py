@@ -1,6 +1,6 @@
 """`ModelConfig`: a decoder's shape and family, validated on construction, HF-compatible names.
 
-One decoder definition serves four families, which differ in a few switches:
+One decoder definition serves every family; they differ in a few switches:
 
 | model_type | q/k norm | q/k/v bias | MLP                 | RoPE                  |
 |------------|----------|------------|---------------------|-----------------------|
@@ -11,6 +11,14 @@ One decoder definition serves four families, which differ in a few switches:
 | mistral    | no       | no         | SwiGLU              | default               |
 | mixtral    | no       | no         | top-k mixture in every layer    | default   |
 | qwen2_moe  | no       | yes        | top-k mixture + gated shared expert | default |
+| gemma3_text| yes      | no         | GeGLU (tanh GELU)   | local / global bases  |
+
+Gemma 3 (text: Gemma3ForCausalLM, the 270M and 1B checkpoints) also scales its embeddings by
+sqrt(hidden_size), stores every RMSNorm weight as an offset from 1 (applied as `1 + w` in float32),
+norms each block's output before the residual add (`post_attention_layernorm`,
+`post_feedforward_layernorm`; `pre_feedforward_layernorm` before the MLP), scales attention by
+`query_pre_attn_scalar ** -0.5`, and gives its sliding layers RoPE of another base
+(`rope_local_base_freq`), never scaled.
 
 Any family may scale RoPE (`linear`, `llama3` or `yarn`: `rope.py`), as transformers allows.
 
@@ -29,7 +37,8 @@ from ..errors import ConfigError
 from ..fields import check_fields
 from .rope import check_rope_scaling
 
-MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe")
+MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe",
+                                "gemma3_text")
 """Decoder families parity builds."""
 
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -57,6 +66,10 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "tiny-mistral": dict(_TINY, model_type="mistral", rope_theta=1e6, sliding_window=40),  # < the context
     "tiny-mixtral": dict(_TINY, model_type="mixtral", rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
                          moe_intermediate_size=32, norm_topk_prob=True),
+    "tiny-gemma3": dict(_TINY, model_type="gemma3_text", head_dim=32, query_pre_attn_scalar=24.0,
+                        sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                        rope_theta=1e6, rope_local_base_freq=1e4,
+                        rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "tiny-qwen2-moe": dict(_TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
                            moe_intermediate_size=32, shared_expert_intermediate_size=48),
     # a real size: Qwen3-0.6B's shape (596M parameters, random weights; benchmarks and memory checks)
@@ -116,6 +129,12 @@ class ModelConfig:
     """Per layer, 'full_attention' or 'sliding_attention' (HF `layer_types`). None: every layer
     slides when `sliding_window` is set (Mistral, Mixtral, Qwen3-MoE), else none does. A list
     (qwen2, qwen3, qwen2_moe) names each layer's; a sliding one needs `sliding_window`."""
+    query_pre_attn_scalar: float | None = None
+    """gemma3_text: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim,
+    the usual 1 / sqrt(head_dim))."""
+    rope_local_base_freq: float | None = None
+    """gemma3_text: the RoPE base of the sliding layers (`rope_theta` and `rope_scaling` are the full
+    layers'); None: 10000."""
     num_experts: int = 0
     """qwen3_moe, mixtral (HF num_local_experts): experts per MoE layer."""
     num_experts_per_tok: int = 0
@@ -186,6 +205,7 @@ class ModelConfig:
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2's q/k/v projections always carry biases
         self._check_windows()
+        self._check_gemma()
         self.rope_scaling = check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         self._check_moe()
 
@@ -212,15 +232,52 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.layer_types: {self.model_type} layers all attend alike "
                               "(set sliding_window, or leave it None, for every layer)")
 
+    def _check_gemma(self) -> None:
+        gemma = self.model_type == "gemma3_text"
+        for name, default in (("query_pre_attn_scalar", float(self.head_dim)), ("rope_local_base_freq", 1e4)):
+            value = getattr(self, name)
+            if value is None:
+                if gemma:
+                    setattr(self, name, default)
+            elif not gemma:
+                raise ConfigError(f"ModelConfig.{name} is for gemma3_text, not {self.model_type}")
+            elif not 0 < value < math.inf:
+                raise ConfigError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
+
+    # ------------------------------------------------------------------ family switches
+    @property
+    def gemma(self) -> bool:
+        """Gemma 3's block: embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as
+        1 + w (in float32), sandwich norms around attention and MLP, a tanh-GELU MLP."""
+        return self.model_type == "gemma3_text"
+
+    @property
+    def query_scale(self) -> float:
+        """What queries are multiplied by so that the attention kernels' 1/sqrt(head_dim) scaling
+        gives the family's: sqrt(head_dim / query_pre_attn_scalar) (1 for all but Gemma)."""
+        if self.query_pre_attn_scalar is None:
+            return 1.0
+        return math.sqrt(self.head_dim / self.query_pre_attn_scalar)
+
+    def layer_rope_base(self, layer: int) -> float:
+        """The RoPE base of layer `layer`: Gemma's sliding layers use `rope_local_base_freq`."""
+        if self.gemma and self.layer_window_type(layer) == "sliding_attention":
+            return self.rope_local_base_freq
+        return self.rope_theta
+
+    def layer_window_type(self, layer: int) -> str:
+        """'sliding_attention' or 'full_attention', as `layer_types` (or its default) says."""
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
     def layer_window(self, layer: int) -> int:
         """The sliding window of decoder layer `layer`, or 0 where it attends to its whole prefix
         (also when the window is at least the context: no sequence outgrows it)."""
         window = self.sliding_window
         if window is None or window >= self.max_position_embeddings:
             return 0
-        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
-            return 0
-        return window
+        return window if self.layer_window_type(layer) == "sliding_attention" else 0
 
     def _check_moe(self) -> None:
         if (self.shared_expert_intermediate_size > 0) != (self.model_type == "qwen2_moe"):
@@ -258,7 +315,7 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm on queries and keys (the Qwen3 families)."""
-        return self.model_type in ("qwen3", "qwen3_moe")
+        return self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
 
     @property
     def is_moe(self) -> bool:
@@ -318,5 +375,5 @@ class ModelConfig:
                 mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)
             else:
                 mlp = 3 * h * i
-            total += attn + mlp + 2 * h
+            total += attn + mlp + (4 if self.gemma else 2) * h
         return total

@@ -30,6 +30,11 @@ from .rope import rope_tables
 from .tied import TiedGradient, TiedHead, TiedLookup
 from .weights import MLP, Weight
 
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 DEFAULT_BLOCK_SIZE = 32
 """Attention key-block size = KV-cache page size (the aligned kernel reduces keys in these)."""
 
@@ -53,7 +58,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = Weight(cfg.hidden_size)
-        self.post_attention_layernorm = Weight(cfg.hidden_size)
+        self.post_attention_layernorm = Weight(cfg.hidden_size)  # (Gemma: on the attention's output)
+        if cfg.gemma:  # sandwich norms: before the MLP and on its output
+            self.pre_feedforward_layernorm = Weight(cfg.hidden_size)
+            self.post_feedforward_layernorm = Weight(cfg.hidden_size)
 
 
 class Backbone(nn.Module):
@@ -110,6 +118,10 @@ class Model(nn.Module):
         # RoPE tables in float32 (plain attributes, so `.to(dtype)` leaves them alone)
         self.rope_cos, self.rope_sin = rope_tables(config.head_dim, config.rope_theta,
                                                    config.max_position_embeddings, config.rope_scaling)
+        self.local_rope = None  # Gemma's sliding layers: another base, never scaled
+        if any(config.layer_rope_base(i) != config.rope_theta for i in range(config.num_hidden_layers)):
+            self.local_rope = rope_tables(config.head_dim, config.rope_local_base_freq,
+                                          config.max_position_embeddings, None)
         self.last_routing: torch.Tensor | None = None
         self._tied: TiedGradient | None = None  # the last grad-enabled forward's (tied weights)
         self.last_router_logits: list[torch.Tensor] = []
@@ -142,11 +154,12 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int, std: float = 0.02) -> None:
-        """Seeded init: N(0, std) projections, biases, routers and embeddings; ones for norms."""
+        """Seeded init: N(0, std) projections, biases, routers and embeddings; norms scale by 1 (a
+        Gemma norm weight is an offset from 1: zeros)."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
-                p.fill_(1.0)
+                p.fill_(0.0 if self.config.gemma else 1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std))
 
@@ -239,6 +252,27 @@ class Model(nn.Module):
             return TiedLookup.apply(ids, weight, self._tied)
         return F.embedding(ids, weight)
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, rope=None, scale: float = 1.0) -> torch.Tensor:
+        """RMSNorm of x by `weight` (then RoPE by rope = (cos, sin)). A Gemma weight is an offset
+        applied as `1 + w` in float32 on the float32 normalised x, rounded once to x's dtype, as
+        transformers computes it; `scale` multiplies that weight (Gemma's query scaling)."""
+        K, eps, dtype = self.kernels, self.config.rms_norm_eps, x.dtype
+        if self.config.gemma:
+            acc = torch.promote_types(dtype, torch.float32)  # (float64 stays: references)
+            x, weight = x.to(acc), (weight.to(acc) + 1.0) * scale
+        out = K.rms_norm(x, weight, eps) if rope is None else K.rms_norm_rope(x, weight, eps, *rope)
+        return out.to(dtype)
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's gated activation of a fused [T, 2I] gate/up: SwiGLU, or Gemma's tanh-GELU
+        one (element-wise through the backend's `pointwise`, in float32, rounded once)."""
+        K = self.kernels
+        if not self.config.gemma:
+            return K.silu_mul(gate_up)
+        half, acc = gate_up.shape[-1] // 2, torch.promote_types(gate_up.dtype, torch.float32)
+        gate, up = gate_up[:, :half].to(acc), gate_up[:, half:].to(acc)
+        return (K.pointwise(_gelu_tanh, gate) * up).to(gate_up.dtype)
+
     def forward(self, batch: ForwardBatch, cache: KVCache | None = None,
                 recompute: bool = False) -> torch.Tensor:
         """Final-norm hidden states of the batch's new tokens: [T, hidden]. With `recompute` (a
@@ -260,12 +294,18 @@ class Model(nn.Module):
         # token-wise work runs on `token_rows` rows (extra rows are dropped at the end)
         rows = K.token_rows(t, self.model.embed_tokens.weight.dtype)
         x = self._embed(batch.input_ids)
+        if cfg.gemma:  # embeddings times sqrt(hidden), the factor rounded to the weights' dtype
+            x = x * torch.tensor(cfg.hidden_size ** 0.5, dtype=x.dtype)
         if rows > t:
             x = torch.cat([x, x.new_zeros(rows - t, x.shape[1])])
         positions = batch.positions
         if rows > t:
             positions = torch.cat([positions, positions.new_zeros(rows - t)])
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [rows, D] float32
+        ropes = {cfg.rope_theta: (self.rope_cos[positions], self.rope_sin[positions])}  # [rows, D] float32
+        if self.local_rope is not None:
+            if self.local_rope[0].device != device:
+                self.local_rope = tuple(t.to(device) for t in self.local_rope)
+            ropes[cfg.rope_local_base_freq] = tuple(t[positions] for t in self.local_rope)
         q_index = batch.q_index
         k_index = batch.k_index
         padded = bsz * m > t  # the [B, M] query layout has padding slots (they point at row t)
@@ -276,7 +316,7 @@ class Model(nn.Module):
         def run_layer(i: int, x: torch.Tensor):
             layer = self.model.layers[i]
             att, mlp = layer.self_attn, layer.mlp
-            h = K.rms_norm(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
+            h = self._norm(x, layer.input_layernorm.weight)
             projections = (att.q_proj, att.k_proj, att.v_proj)
             w_qkv = self._fused(i, "qkv", [p.weight for p in projections])
             b_qkv = self._fused(i, "qkv_bias", [p.bias for p in projections]) if cfg.attention_bias else None
@@ -284,11 +324,12 @@ class Model(nn.Module):
             q = qkv[:, :hq * d].reshape(rows, hq, d)
             k = qkv[:, hq * d:(hq + hkv) * d].reshape(rows, hkv, d)
             v = qkv[:, (hq + hkv) * d:].reshape(rows, hkv, d)
+            rope = ropes[cfg.layer_rope_base(i)]
             if cfg.qk_norm:
-                q = K.rms_norm_rope(q, att.q_norm.weight, cfg.rms_norm_eps, cos, sin)
-                k = K.rms_norm_rope(k, att.k_norm.weight, cfg.rms_norm_eps, cos, sin)
+                q = self._norm(q, att.q_norm.weight, rope, cfg.query_scale)
+                k = self._norm(k, att.k_norm.weight, rope)
             else:
-                q, k = K.rope(q, cos, sin), K.rope(k, cos, sin)
+                q, k = K.rope(q, *rope), K.rope(k, *rope)
             # row `t` (a padding row, or an appended zero row) serves as the gather pad target:
             # of q where the query layout is padded, of k and v in the dense (learner) layout
             if rows == t and (padded or cache is None):
@@ -308,14 +349,22 @@ class Model(nn.Module):
                 o = o[batch.out_index]
             if rows > t:
                 o = torch.cat([o, o.new_zeros(rows - t, o.shape[1])])
-            x = x + K.linear(o, att.o_proj.weight)
-            h = K.rms_norm(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+            o = K.linear(o, att.o_proj.weight)
+            if cfg.gemma:
+                x = x + self._norm(o, layer.post_attention_layernorm.weight)
+                h = self._norm(x, layer.pre_feedforward_layernorm.weight)
+            else:
+                x = x + o
+                h = self._norm(x, layer.post_attention_layernorm.weight)
             if isinstance(mlp, SparseMoE):  # the real tokens only: padding rows would take expert slots
                 out, experts, logits = mlp.run(K, h[:t])
                 out = torch.cat([out, out.new_zeros(rows - t, out.shape[1])]) if rows > t else out
                 return x + out, experts, logits
             gate_up = K.linear(h, self._fused(i, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]))
-            return x + K.linear(K.silu_mul(gate_up), mlp.down_proj.weight), None, None
+            out = K.linear(self._activation(gate_up), mlp.down_proj.weight)
+            if cfg.gemma:
+                out = self._norm(out, layer.post_feedforward_layernorm.weight)
+            return x + out, None, None
 
         # recompute: each layer keeps only its input for the backward and runs again there (the
         # same kernels on the same rows: the same bits, so the same gradients, bit for bit)
@@ -330,7 +379,7 @@ class Model(nn.Module):
         # which experts each token went to, per MoE layer: [T, layers, k] (None for dense models)
         self.last_routing = torch.stack(routing, 1).to(torch.int16) if routing else None
         self.last_router_logits = router_logits
-        return K.rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)[:t]
+        return self._norm(x, self.model.norm.weight)[:t]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [N, vocab] in the model dtype."""

@@ -25,11 +25,13 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from . import gemma
 from .config import LAYER_TYPES, MODEL_TYPES, ModelConfig
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
+                 "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                 "Gemma3ForCausalLM": "gemma3_text"}
 log = logging.getLogger(__name__)
 
 _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a config.json leaves out
@@ -42,6 +44,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a 
                     rms_norm_eps=1e-5, rope_theta=1e6),
     "qwen2_moe": dict(max_position_embeddings=32768, num_key_value_heads=16, moe_intermediate_size=1408,
                       num_experts=60, num_experts_per_tok=4, shared_expert_intermediate_size=5632),
+    "gemma3_text": dict(max_position_embeddings=131072, num_key_value_heads=4, head_dim=256, bos_token_id=2,
+                        eos_token_id=1, tie_word_embeddings=True, rope_theta=1e6, intermediate_size=9216),
 }  # (else: rope_theta 1e4, rms_norm_eps 1e-6, num_key_value_heads num_attention_heads, no bos/eos)
 _MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 _SHARED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -173,7 +177,8 @@ def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
             raise ConfigError(f"{where}: layer_types: {bad[0]!r} is not supported (only "
                               f"{', '.join(LAYER_TYPES)})")
         if len(types) != layers:
-            raise ConfigError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is {layers}")
+            raise ConfigError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is "
+                              f"{layers}")
     window = data.get("sliding_window", 4096 if model_type == "mistral" else None)
     on = window is not None and (model_type in ("mistral", "mixtral") or bool(data.get("use_sliding_window")))
     if not on or model_type == "llama":
@@ -214,7 +219,7 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         kind = kind.get("quant_method", "?") if isinstance(kind, dict) else kind
         raise ConfigError(f"{where}: quantized checkpoints (quantization_config: {kind}) are not supported: "
                           "load a dequantized (float32/bfloat16/float16) checkpoint")
-    if data.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers: the same function)
+    if model_type != "gemma3_text" and data.get("hidden_act", "silu") not in ("silu", "swish"):  # (the same)
         raise ConfigError(f"{where}: hidden_act {data['hidden_act']!r} is not supported (only 'silu')")
     if data.get("partial_rotary_factor") not in (None, 1, 1.0):  # (was kept in `extra`, rotated in full)
         raise ConfigError(f"{where}: partial_rotary_factor {data['partial_rotary_factor']!r} is not "
@@ -243,7 +248,10 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                      "tokens (max_position_embeddings %s in the file)", where, scaling["factor"],
                      scaling["original_max_position_embeddings"], context, file_context)
             fields["max_position_embeddings"] = context
-    _windows(data, model_type, fields, str(where))
+    if model_type == "gemma3_text":
+        fields.update(gemma.from_hf(data, str(where)))
+    else:
+        _windows(data, model_type, fields, str(where))
     if model_type == "mixtral":  # every layer a mixture of intermediate_size experts, top-k renormalised
         width = data.get("intermediate_size", 14336)  # (transformers' defaults, as for the others)
         fields.update(num_experts=data.get("num_local_experts", data.get("num_experts", 8)),
@@ -266,8 +274,9 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         raise ConfigError(f"{where}: {exc}") from None
 
 
-_WRITTEN = {*_SHARED, "model_type", "architectures", "hidden_act", "attention_bias", "qkv_bias", "rope_theta", "dtype",
-            "rope_scaling", "rope_parameters", "use_sliding_window", "sliding_window", "layer_types",
+_WRITTEN = {*_SHARED, *gemma.WRITTEN, "model_type", "architectures", "hidden_act", "attention_bias",
+            "qkv_bias", "dtype", "rope_scaling", "rope_parameters", "use_sliding_window", "sliding_window",
+            "layer_types",
             "mlp_bias", *_MOE, "num_local_experts", "norm_topk_prob", "decoder_sparse_step",
             "mlp_only_layers", "router_aux_loss_coef", "torch_dtype", "transformers_version"}
 """HF fields `config_to_hf` writes itself (not carried in `extra`)."""
@@ -278,8 +287,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     arch = {v: k for k, v in ARCHITECTURES.items()}[cfg.model_type]
     out = {**cfg.extra}
     out.update({k: getattr(cfg, k) for k in _SHARED})
-    out.update(model_type=cfg.model_type, architectures=[arch], hidden_act="silu",
-               rope_scaling=cfg.rope_scaling)
+    out.update(model_type=cfg.model_type, architectures=[arch], rope_scaling=cfg.rope_scaling)
+    out.update(gemma.to_hf(cfg) if cfg.gemma else {"hidden_act": "silu"})
     out.setdefault("attention_dropout", 0.0)  # (a checkpoint's own value is kept; parity trains without)
     if cfg.model_type == "qwen2_moe":  # (its q/k/v biases are `qkv_bias`)
         out.update(qkv_bias=cfg.attention_bias,
