@@ -139,8 +139,7 @@ class DecodeGraphs:
         self.stream = torch.cuda.Stream(model.device) if mode == "cuda" else None
         """The capture stream, on the model's device (which need not be the current one)."""
         dev = model.device
-        if model.rope_cos.device != dev:  # as the forward would on its first call: before the key
-            model.rope_cos, model.rope_sin = model.rope_cos.to(dev), model.rope_sin.to(dev)
+        model.place_rope(dev)  # as the forward would on its first call: before the key
         self.replays = 0
         """Steps served by a graph (or its emulation) so far."""
         self.failed: str | None = None
@@ -153,7 +152,7 @@ class DecodeGraphs:
         and `share_projection_storage` move weights to new storage; in-place updates do not)."""
         kernels, m = self.model.kernels, self.model
         return (kernels.name, kernels.impl, [p.data_ptr() for p in self._params], self.cache.k.data_ptr(),
-                m.rope_cos.data_ptr(), m.rope_sin.data_ptr())
+                m.rope_cos.data_ptr(), m.rope_sin.data_ptr(), [t.data_ptr() for t in m.local_rope or ()])
 
     def _on_device(self):
         """The model's CUDA device made current for a capture or replay, when it is not."""

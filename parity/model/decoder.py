@@ -25,10 +25,11 @@ from .checkpoint import save_pretrained
 from .config import ModelConfig
 from .fused import FusedView, adjacent, share_storage
 from .kv_cache import KVCache
+from .layers import Backbone
 from .moe import SparseMoE
 from .rope import rope_tables
 from .tied import TiedGradient, TiedHead, TiedLookup
-from .weights import MLP, Weight
+from .weights import Weight
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -37,43 +38,6 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 DEFAULT_BLOCK_SIZE = 32
 """Attention key-block size = KV-cache page size (the aligned kernel reduces keys in these)."""
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        d, bias = cfg.head_dim, cfg.attention_bias
-        self.q_proj = Weight(cfg.num_attention_heads * d, cfg.hidden_size, bias=bias)
-        self.k_proj = Weight(cfg.num_key_value_heads * d, cfg.hidden_size, bias=bias)
-        self.v_proj = Weight(cfg.num_key_value_heads * d, cfg.hidden_size, bias=bias)
-        self.o_proj = Weight(cfg.hidden_size, cfg.num_attention_heads * d)
-        if cfg.qk_norm:
-            self.q_norm = Weight(d)
-            self.k_norm = Weight(d)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int):
-        super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = Weight(cfg.hidden_size)
-        self.post_attention_layernorm = Weight(cfg.hidden_size)  # (Gemma: on the attention's output)
-        if cfg.gemma:  # sandwich norms: before the MLP and on its output
-            self.pre_feedforward_layernorm = Weight(cfg.hidden_size)
-            self.post_feedforward_layernorm = Weight(cfg.hidden_size)
-
-
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        # not drawn here: `reset_parameters` (or a checkpoint) sets every weight, and nn.Embedding's
-        # own N(0, 1) draw would cost ~1-3 s of the 0.6B shape's seeded construction. (Not
-        # nn.utils.skip_init: its meta device costs each new process over a second of imports.)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = Weight(cfg.hidden_size)
 
 
 class Model(nn.Module):
@@ -240,6 +204,13 @@ class Model(nn.Module):
         """Drop cached concatenated weights (after writing parameters behind autograd's back)."""
         self._fused_cache.clear()
 
+    def place_rope(self, device: torch.device) -> None:
+        """Move the RoPE tables to `device` (plain attributes, which `.to(device)` leaves alone)."""
+        if self.rope_cos.device != device:
+            self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
+        if self.local_rope is not None and self.local_rope[0].device != device:
+            self.local_rope = tuple(t.to(device) for t in self.local_rope)
+
     def _tied_autograd(self) -> bool:
         weight = self.model.embed_tokens.weight
         return self.config.tie_word_embeddings and torch.is_grad_enabled() and weight.requires_grad
@@ -284,8 +255,7 @@ class Model(nn.Module):
         batch = batch.to(device)
         if self.check_inputs and device.type == "cpu":  # (torch's IndexError)
             self._check_batch(batch)
-        if self.rope_cos.device != device:  # plain attributes: `.to(device)` does not move them
-            self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
+        self.place_rope(device)
         if cache is None and batch.k_index is None:
             raise ValueError("a forward with block tables needs a KV cache")
         t = batch.num_tokens
@@ -303,8 +273,6 @@ class Model(nn.Module):
             positions = torch.cat([positions, positions.new_zeros(rows - t)])
         ropes = {cfg.rope_theta: (self.rope_cos[positions], self.rope_sin[positions])}  # [rows, D] float32
         if self.local_rope is not None:
-            if self.local_rope[0].device != device:
-                self.local_rope = tuple(t.to(device) for t in self.local_rope)
             ropes[cfg.rope_local_base_freq] = tuple(t[positions] for t in self.local_rope)
         q_index = batch.q_index
         k_index = batch.k_index
