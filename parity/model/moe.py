@@ -44,6 +44,10 @@ class SparseMoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.float32_weights = cfg.model_type == "mixtral"
+        """Weigh expert outputs by float32 routing weights, rounding each product once, as
+        transformers 5 does for Mixtral (for the Qwen MoEs it rounds the weights to the model's
+        dtype first, and so does parity)."""
         self.inter = cfg.moe_intermediate_size
         if cfg.shared_expert_intermediate_size:
             h = cfg.hidden_size  # qwen2_moe: `mlp.shared_expert.*_proj` and `mlp.shared_expert_gate`
@@ -67,7 +71,8 @@ class SparseMoE(nn.Module):
             outs.append(kernels.linear(act, down_w[e]))
             where.append(slots)
         parts = h.new_zeros(t * k, h.shape[1]).index_copy(0, torch.cat(where), torch.cat(outs))
-        parts = parts.view(t, k, -1) * weights.unsqueeze(-1)
+        weights = weights if self.float32_weights else weights.to(h.dtype)
+        parts = (parts.view(t, k, -1) * weights.unsqueeze(-1)).to(h.dtype)
         out = kernels.moe_combine(parts)
         if hasattr(self, "shared_expert"):  # every token's shared expert, gated by a sigmoid (on CPUs a
             # vector tail's sigmoid differs: `pointwise` keeps every element on one path), added last

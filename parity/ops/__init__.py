@@ -53,7 +53,8 @@ class Kernels:
     rope: Callable
     """Rotary embedding without a preceding norm (models without q/k norm)."""
     moe_route: Callable
-    """`moe_route(router_logits, k, normalize) -> (weights, expert ids)`: top-k routing."""
+    """`moe_route(router_logits, k, normalize) -> (weights, expert ids)`: top-k routing, the
+    weights in float32 (the MoE block casts them as its family does)."""
     moe_combine: Callable
     """`moe_combine(parts [T, k, H]) -> [T, H]`: a token's weighted expert outputs summed."""
     index_dtype: torch.dtype = torch.int64

@@ -301,14 +301,14 @@ def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Mixture-of-experts routing: softmax over experts in float32, the k largest (ties to the
-    lower expert index: a stable sort), optionally renormalised; weights cast to the logits'
-    dtype. logits [T, E] -> (weights [T, k], expert ids [T, k]). Every step is per row."""
+    lower expert index: a stable sort), optionally renormalised; weights in float32 (float64 for
+    float64 logits). logits [T, E] -> (weights [T, k], expert ids [T, k]). Every step is per row."""
     probs = pointwise(torch.exp, log_softmax(logits, 1.0))
     top, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
     top, idx = top[:, :k], idx[:, :k]
     if normalize:
         top = top / row_sum(top).unsqueeze(-1)
-    return top.to(logits.dtype), idx
+    return top, idx
 
 
 def moe_combine(parts: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tens
     top, idx = torch.topk(probs, k, dim=-1)
     if normalize:
         top = top / top.sum(-1, keepdim=True)
-    return top.to(logits.dtype), idx
+    return top, idx
 
 
 def moe_combine(parts: torch.Tensor) -> torch.Tensor:

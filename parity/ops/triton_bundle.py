@@ -183,7 +183,7 @@ def moe_route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tens
         for j in range(1, k):
             total = total + top[:, j]
         top = top / total.unsqueeze(-1)
-    return top.to(logits.dtype), idx
+    return top, idx
 
 
 TRITON_ALIGNED = Kernels(
