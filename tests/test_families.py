@@ -245,6 +245,32 @@ def test_a_gemma3_checkpoint_in_the_hubs_layout_agrees_in_both_dtypes(tmp_path):
             parity.load_model(tmp_path)
 
 
+def test_gemma3s_sliding_layers_rotate_unscaled_even_when_the_bases_are_equal(tmp_path):
+    """(2026-12-06 review) With rope_local_base_freq equal to rope_theta and the full layers'
+    RoPE scaled, the sliding layers took the scaled table (0.68 nats off transformers); a save's
+    layer pattern is written for transformers 4.50-4.52 too (`sliding_window_pattern`); RoPE
+    fields the two transformers versions read differently are refused."""
+    hf = hf_model("gemma3_text", rope_theta=1e4, rope_local_base_freq=1e4,
+                  rope_scaling={"rope_type": "linear", "factor": 4.0})
+    hf.save_pretrained(tmp_path / "hf")
+    ours = parity.load_model(tmp_path / "hf", dtype=torch.float32)
+    seq = torch.arange(1, 120, 3) % 128
+    with torch.no_grad():
+        assert torch.allclose(parity.sequence_logprobs(ours, [seq])[0], hf_logprobs(hf, seq), atol=1e-4)
+    ours.save_pretrained(tmp_path / "ours")
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert saved["sliding_window_pattern"] == 2 and saved["layer_types"][1] == "full_attention"
+    nested = {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    for edit, culprit in ((dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5}),
+                           "rope_parameters must name the layer types"),
+                          (dict(rope_parameters=nested), "rope_scaling beside"),  # (and the saved scaling)
+                          (dict(query_pre_attn_scalar=24.5), "query_pre_attn_scalar must be a whole number")):
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**saved, **edit}))
+        with pytest.raises(CheckpointError, match=culprit):
+            parity.load_model(tmp_path / "hf")
+
+
 def test_a_window_no_sequence_outgrows_is_full_attention(tmp_path):
     """A Mistral config without `sliding_window` means 4096 to transformers; over a 256-token
     context that window never binds, and parity runs full attention (bit for bit the same)."""

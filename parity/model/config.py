@@ -243,6 +243,9 @@ class ModelConfig:
                 raise ConfigError(f"ModelConfig.{name} is for gemma3_text, not {self.model_type}")
             elif not 0 < value < math.inf:
                 raise ConfigError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
+        if gemma and not float(self.query_pre_attn_scalar).is_integer():  # (transformers 5 reads an int)
+            raise ConfigError(f"ModelConfig.query_pre_attn_scalar must be a whole number, "
+                              f"got {self.query_pre_attn_scalar!r}")
 
     # ------------------------------------------------------------------ family switches
     @property
@@ -259,11 +262,10 @@ class ModelConfig:
             return 1.0
         return math.sqrt(self.head_dim / self.query_pre_attn_scalar)
 
-    def layer_rope_base(self, layer: int) -> float:
-        """The RoPE base of layer `layer`: Gemma's sliding layers use `rope_local_base_freq`."""
-        if self.gemma and self.layer_window_type(layer) == "sliding_attention":
-            return self.rope_local_base_freq
-        return self.rope_theta
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates by the local table: Gemma's sliding layers, whose base is
+        `rope_local_base_freq` and whose RoPE is never scaled (even when the bases are equal)."""
+        return self.gemma and self.layer_window_type(layer) == "sliding_attention"
 
     def layer_window_type(self, layer: int) -> str:
         """'sliding_attention' or 'full_attention', as `layer_types` (or its default) says."""

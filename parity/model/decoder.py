@@ -83,7 +83,7 @@ class Model(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(config.head_dim, config.rope_theta,
                                                    config.max_position_embeddings, config.rope_scaling)
         self.local_rope = None  # Gemma's sliding layers: another base, never scaled
-        if any(config.layer_rope_base(i) != config.rope_theta for i in range(config.num_hidden_layers)):
+        if any(config.local_rope(i) for i in range(config.num_hidden_layers)):
             self.local_rope = rope_tables(config.head_dim, config.rope_local_base_freq,
                                           config.max_position_embeddings, None)
         self.last_routing: torch.Tensor | None = None
@@ -271,9 +271,9 @@ class Model(nn.Module):
         positions = batch.positions
         if rows > t:
             positions = torch.cat([positions, positions.new_zeros(rows - t)])
-        ropes = {cfg.rope_theta: (self.rope_cos[positions], self.rope_sin[positions])}  # [rows, D] float32
+        ropes = {False: (self.rope_cos[positions], self.rope_sin[positions])}  # [rows, D] float32
         if self.local_rope is not None:
-            ropes[cfg.rope_local_base_freq] = tuple(t[positions] for t in self.local_rope)
+            ropes[True] = tuple(t[positions] for t in self.local_rope)
         q_index = batch.q_index
         k_index = batch.k_index
         padded = bsz * m > t  # the [B, M] query layout has padding slots (they point at row t)
@@ -292,7 +292,7 @@ class Model(nn.Module):
             q = qkv[:, :hq * d].reshape(rows, hq, d)
             k = qkv[:, hq * d:(hq + hkv) * d].reshape(rows, hkv, d)
             v = qkv[:, (hq + hkv) * d:].reshape(rows, hkv, d)
-            rope = ropes[cfg.layer_rope_base(i)]
+            rope = ropes[cfg.local_rope(i)]
             if cfg.qk_norm:
                 q = self._norm(q, att.q_norm.weight, rope, cfg.query_scale)
                 k = self._norm(k, att.k_norm.weight, rope)

@@ -39,7 +39,14 @@ def from_hf(data: dict[str, Any], where: str) -> dict[str, Any]:
     if act != "gelu_pytorch_tanh":
         raise ConfigError(f"{where}: hidden_activation {act!r} is not supported (only 'gelu_pytorch_tanh')")
     params = data.get("rope_parameters")
-    local = params.get("sliding_attention") if isinstance(params, dict) else None
+    nested = isinstance(params, dict) and bool({"full_attention", "sliding_attention"} & set(params))
+    if params and not nested:  # (transformers 5 ignores flat keys here, 4.x all of rope_parameters)
+        raise ConfigError(f"{where}: rope_parameters must name the layer types for gemma3_text "
+                          "({'full_attention': {...}, 'sliding_attention': {...}}), got a flat one")
+    if nested and data.get("rope_scaling"):  # (5.x merges the two, 4.x reads rope_scaling alone)
+        raise ConfigError(f"{where}: rope_scaling beside per-layer-type rope_parameters: transformers 4 "
+                          "and 5 read them differently; keep one")
+    local = params.get("sliding_attention") if nested else None
     base = data.get("rope_local_base_freq")
     if local is not None:
         if not isinstance(local, dict):
@@ -61,8 +68,7 @@ def from_hf(data: dict[str, Any], where: str) -> dict[str, Any]:
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ConfigError(f"{where}: sliding_window_pattern must be a positive integer, got {pattern!r}")
         layers = data["num_hidden_layers"]
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                 for i in range(layers if isinstance(layers, int) else 0)]
+        types = _pattern(pattern, layers if isinstance(layers, int) else 0)
     base = _positive(10000.0 if base is None else base, "rope_local_base_freq", where)
     scalar = _positive(data.get("query_pre_attn_scalar", 256), "query_pre_attn_scalar", where)
     return dict(sliding_window=window, layer_types=types, rope_local_base_freq=base,
@@ -71,11 +77,21 @@ def from_hf(data: dict[str, Any], where: str) -> dict[str, Any]:
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The gemma3_text fields of `config.json`, in the layout both transformers 4.x and 5.x read
-    (`rope_theta` and `rope_scaling` are the full layers', written by `families.config_to_hf`)."""
-    scalar = cfg.query_pre_attn_scalar
-    scalar = int(scalar) if scalar.is_integer() else scalar  # (transformers 5 refuses 256.0)
-    return dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
-                rope_local_base_freq=cfg.rope_local_base_freq, sliding_window=cfg.sliding_window,
-                layer_types=[cfg.layer_window_type(i) for i in range(cfg.num_hidden_layers)],
-                attn_logit_softcapping=None, final_logit_softcapping=None, use_bidirectional_attention=False,
-                attention_bias=False)
+    (`rope_theta` and `rope_scaling` are the full layers', written by `families.config_to_hf`;
+    `layer_types` for 4.53+ and 5.x, and `sliding_window_pattern` for 4.50-4.52 where the layers
+    follow one)."""
+    types = [cfg.layer_window_type(i) for i in range(cfg.num_hidden_layers)]
+    out = dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
+               rope_local_base_freq=cfg.rope_local_base_freq, sliding_window=cfg.sliding_window,
+               layer_types=types, attn_logit_softcapping=None, final_logit_softcapping=None,
+               use_bidirectional_attention=False, attention_bias=False)
+    for pattern in range(1, len(types) + 2):  # transformers 4.50-4.52 read this, not layer_types
+        if types == _pattern(pattern, len(types)):
+            out["sliding_window_pattern"] = pattern
+            break
+    return out
+
+
+def _pattern(pattern: int, layers: int) -> list[str]:
+    """transformers' layer types from `sliding_window_pattern`: every pattern-th layer is full."""
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
