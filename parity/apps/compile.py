@@ -16,6 +16,7 @@ It proves compilation and resources, not bits or speed on the GPU (that is `scri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import statistics
@@ -133,8 +134,15 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
                   lambda b=b: sequence_logprobs(model, [tokens(length) for _ in range(b)]))
         for b in (1, batch):
             dec = Decoder(model, max_tokens=b * (length + 3 * model.block_size))
-            phase(f"prefill batch {b}",
-                  lambda b=b, dec=dec: dec.extend({i: tokens(length // 2) for i in range(b)}))
+
+            def prefill(b=b, dec=dec):
+                if b == 1:  # both schedules' paged attention: shapes pick one (with few KV heads
+                    for schedule in ("walk", "split"):  # the split at batch 1, the walk at batch 8)
+                        with _forced_schedule(schedule):
+                            one = Decoder(model, max_tokens=length + 3 * model.block_size)
+                            one.extend({0: tokens(length // 2)})
+                return dec.extend({i: tokens(length // 2) for i in range(b)})
+            phase(f"prefill batch {b}", prefill)
             step[b] = phase(f"decode batch {b}", lambda b=b, dec=dec: decode(dec, b))
         long = min(cfg.max_position_embeddings - 8, 2 * KV_SPLIT_PAGES * model.block_size + 8)
         dec = Decoder(model, max_tokens=long + 2 * model.block_size)  # keys over several splits:
@@ -148,6 +156,17 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
         step[batch]["standard"] = _standard_decode(cfg, dtype, batch, length)
     return {"decode": step, "length": length, "hidden": cfg.hidden_size, "compiled_by_phase": compiled,
             "one_binary_per_kernel": all(n == 0 for k, n in compiled.items() if k not in expected)}
+
+
+@contextlib.contextmanager
+def _forced_schedule(schedule: str):
+    """Every Triton attention call in the block on `schedule` ('walk' or 'split'): the same bits."""
+    from ..ops import triton_attention as ta
+    chosen, ta._schedule = ta._schedule, lambda *args: schedule
+    try:
+        yield
+    finally:
+        ta._schedule = chosen
 
 
 _GEMM_KERNELS = {"_matmul_kernel": (), "_matmul_tma_kernel": ("tma",)}

@@ -76,6 +76,15 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        max_position_embeddings=40960, rope_theta=1000000.0),
+    # Gemma 3 1B's shape (1.0B parameters, 302M of them the embedding; random weights): five
+    # sliding layers of 512 keys to one full one, head_dim 256, one key-value head
+    "gemma3-1b": dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                      max_position_embeddings=32768,
+                      model_type="gemma3_text", rope_theta=1e6, rope_local_base_freq=1e4,
+                      query_pre_attn_scalar=256.0, sliding_window=512, bos_token_id=2, eos_token_id=[1, 106],
+                      layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                   for i in range(26)]),
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)

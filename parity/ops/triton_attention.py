@@ -51,11 +51,11 @@ _WORKSPACE_BYTES = 1 << 26
 def _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0, j1, scale,
                  skb, skh, skd, skp, svb, svh, svp, svd, stb,
                  D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 INTERP: tl.constexpr, IEEE: tl.constexpr):
+                 INTERP: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr):
     """Online softmax of the query rows over pages j0..j1-1 of sequence b, in order, from an empty
     state: (row max, row sum, weighted values), in log2 units. A row with no visible key yet keeps
     (-inf, 0, 0) exactly (its exponents are taken against 0, not against -inf). Key j is visible
-    to a row iff lo < j <= pos (lo = -1 without a sliding window)."""
+    to a row iff j <= pos, and with a sliding window (SLIDING) lo < j too."""
     d = tl.arange(0, D)
     keys = tl.arange(0, BS)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -66,7 +66,10 @@ def _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0, j1, scale,
         kt = tl.load(k_ptr + blk * skb + h * skh + d[:, None] * skd + keys[None, :] * skp)  # [D, BS]
         s = _dot(q, kt, tl.zeros((BLOCK_M, BS), dtype=tl.float32), INTERP, IEEE) * scale
         key = (j * BS + keys)[None, :]
-        s = tl.where((key <= pos[:, None]) & (key > lo[:, None]), s, float("-inf"))
+        if SLIDING:
+            s = tl.where((key <= pos[:, None]) & (key > lo[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(key <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -83,11 +86,12 @@ def _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0, j1, scale,
 
 
 @triton.jit
-def _merge(m_t, l_t, a_t, m_i, l_i, acc):
-    """The running result (m_t, l_t, a_t) with one more split's state merged in (two empty states,
-    max -inf, merge into an empty one exactly: exponents taken against 0)."""
+def _merge(m_t, l_t, a_t, m_i, l_i, acc, SLIDING: tl.constexpr):
+    """The running result (m_t, l_t, a_t) with one more split's state merged in. Under a sliding
+    window a row's leading splits are empty, and two empty states (max -inf) merge into an empty
+    one exactly: exponents taken against 0 (without a window a row's first split holds key 0)."""
     m_new = tl.maximum(m_t, m_i)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new) if SLIDING else m_new
     old = tl.exp2(m_t - m_use)
     new = tl.exp2(m_i - m_use)
     return m_new, l_t * old + l_i * new, a_t * old[:, None] + acc * new[:, None]
@@ -106,13 +110,21 @@ def _rows(pos_ptr, b, h, tile, M, REP, spb, window, BLOCK_M: tl.constexpr):
     return r, live, tok, h * REP + r % REP, pos, lo
 
 
+@triton.jit
+def _first_page(lo, live, n_tab, BS: tl.constexpr):
+    """The first page holding a key visible to some live row of the tile (rows past the tile's
+    end do not count: every key is before them)."""
+    return (tl.min(tl.where(live, lo, n_tab * BS), axis=0) + 1) // BS
+
+
 @triton.jit(do_not_specialize=["M", "n_tab", "window", "sqb", "sob", "stb", "spb"])
 def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr, M, REP, n_tab, window, scale,
                       sqb, sqm, sqh, sob, som, soh,
                       skb, skh, skd, skp, svb, svh, svp, svd, stb, spb,
                       D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-                      INTERP: tl.constexpr, IEEE: tl.constexpr):
-    """The walk: sequence b, KV head h, BLOCK_M query rows; splits in order, each merged as it ends."""
+                      INTERP: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr):
+    """The walk: sequence b, KV head h, BLOCK_M query rows; splits in order, each merged as it ends
+    (under a sliding window from the tile's first split with a visible key)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     r, live, tok, head, pos, lo = _rows(pos_ptr, b, h, tl.program_id(2), M, REP, spb, window, BLOCK_M)
@@ -120,16 +132,25 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr, M, REP, n_
     q = tl.load(q_ptr + b * sqb + tok[:, None] * sqm + head[:, None] * sqh + d[None, :],
                 mask=live[:, None], other=0.0)
     last = tl.minimum(tl.max(pos, axis=0) // BS + 1, n_tab)
-    first = (tl.min(tl.where(live, lo, pos), axis=0) + 1) // BS  # the tile's first visible page
     m_t = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
     a_t = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    for j0 in range(first // SPLIT * SPLIT, last, SPLIT):
-        m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, tl.maximum(j0, first),
-                                     tl.minimum(j0 + SPLIT, last),
-                                     scale, skb, skh, skd, skp, svb, svh, svp, svd, stb,
-                                     D, BS, BLOCK_M, INTERP, IEEE)
-        m_t, l_t, a_t = _merge(m_t, l_t, a_t, m_i, l_i, acc)
+    if SLIDING:
+        first = _first_page(lo, live, n_tab, BS) // SPLIT * SPLIT
+        for j0 in range(0, last, SPLIT):
+            if j0 >= first:  # (a loop from `first` spilled registers on sm_90)
+                m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0,
+                                             tl.minimum(j0 + SPLIT, last),
+                                             scale, skb, skh, skd, skp, svb, svh, svp, svd, stb,
+                                             D, BS, BLOCK_M, INTERP, IEEE, True)
+                m_t, l_t, a_t = _merge(m_t, l_t, a_t, m_i, l_i, acc, True)
+    else:
+        for j0 in range(0, last, SPLIT):
+            m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0,
+                                         tl.minimum(j0 + SPLIT, last),
+                                         scale, skb, skh, skd, skp, svb, svh, svp, svd, stb,
+                                         D, BS, BLOCK_M, INTERP, IEEE, False)
+            m_t, l_t, a_t = _merge(m_t, l_t, a_t, m_i, l_i, acc, False)
     tl.store(out_ptr + b * sob + tok[:, None] * som + head[:, None] * soh + d[None, :],
              (a_t / l_t[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None])
 
@@ -139,24 +160,25 @@ def _split_partial_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, pm_ptr, pl_ptr,
                           M, REP, n_tab, n_split, window, scale, sqb, sqm, sqh,
                           skb, skh, skd, skp, svb, svh, svp, svd, stb, spb,
                           D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-                          INTERP: tl.constexpr, IEEE: tl.constexpr):
-    """One split of one tile: its state written to the partials [B, Hkv, M*REP, n_split](, D)."""
+                          INTERP: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr):
+    """One split of one tile: its state written to the partials [B, Hkv, M*REP, n_split](, D)
+    (not where it lies wholly before every row's sliding window: no row reads it)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2) // n_split
     sp = tl.program_id(2) % n_split
     r, live, tok, head, pos, lo = _rows(pos_ptr, b, h, tile, M, REP, spb, window, BLOCK_M)
     last = tl.minimum(tl.max(pos, axis=0) // BS + 1, n_tab)
-    first = (tl.min(tl.where(live, lo, pos), axis=0) + 1) // BS
     j0 = sp * SPLIT
+    first = _first_page(lo, live, n_tab, BS) if SLIDING else 0
     if (j0 < last) & (j0 + SPLIT > first):
         d = tl.arange(0, D)
         q = tl.load(q_ptr + b * sqb + tok[:, None] * sqm + head[:, None] * sqh + d[None, :],
                     mask=live[:, None], other=0.0)
-        m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, tl.maximum(j0, first),
+        m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0,
                                      tl.minimum(j0 + SPLIT, last),
                                      scale, skb, skh, skd, skp, svb, svh, svp, svd, stb,
-                                     D, BS, BLOCK_M, INTERP, IEEE)
+                                     D, BS, BLOCK_M, INTERP, IEEE, SLIDING)
         at = ((b * tl.num_programs(1) + h) * M * REP + r) * n_split + sp
         tl.store(pm_ptr + at, m_i, mask=live)
         tl.store(pl_ptr + at, l_i, mask=live)
@@ -166,7 +188,8 @@ def _split_partial_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, pm_ptr, pl_ptr,
 @triton.jit(do_not_specialize=["M", "n_tab", "n_split", "window", "sob", "spb"])
 def _combine_kernel(pm_ptr, pl_ptr, pa_ptr, pos_ptr, out_ptr, M, REP, n_tab, n_split, window,
                     sob, som, soh, spb,
-                    D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
+                    D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
+                    SLIDING: tl.constexpr):
     """The splits' states of a tile merged in split order, as the walk merges them. A row reads
     its own splits; the others count as empty (-inf, 0, 0), which the walk computes for it."""
     b = tl.program_id(0).to(tl.int64)
@@ -175,8 +198,8 @@ def _combine_kernel(pm_ptr, pl_ptr, pa_ptr, pos_ptr, out_ptr, M, REP, n_tab, n_s
     d = tl.arange(0, D)
     last = tl.minimum(tl.max(pos, axis=0) // BS + 1, n_tab)
     mine = pos // BS // SPLIT
-    own = (lo + 1) // BS // SPLIT  # a row's first split
-    first = tl.min(tl.where(live, own, mine), axis=0)
+    own = (lo + 1) // BS // SPLIT if SLIDING else mine * 0  # a row's first split
+    first = _first_page(lo, live, n_tab, BS) // SPLIT if SLIDING else 0
     m_t = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
     a_t = tl.zeros((BLOCK_M, D), dtype=tl.float32)
@@ -187,7 +210,7 @@ def _combine_kernel(pm_ptr, pl_ptr, pa_ptr, pos_ptr, out_ptr, M, REP, n_tab, n_s
         m_i = tl.where(live, tl.load(pm_ptr + at, mask=ok, other=float("-inf")), 0.0)
         l_i = tl.where(live, tl.load(pl_ptr + at, mask=ok, other=0.0), 1.0)
         acc = tl.load(pa_ptr + at[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        m_t, l_t, a_t = _merge(m_t, l_t, a_t, m_i, l_i, acc)
+        m_t, l_t, a_t = _merge(m_t, l_t, a_t, m_i, l_i, acc, SLIDING)
     tl.store(out_ptr + b * sob + tok[:, None] * som + head[:, None] * soh + d[None, :],
              (a_t / l_t[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None])
 
@@ -200,8 +223,9 @@ def _attention_tiles(d: int, dtype: torch.dtype) -> tuple[int, int, int]:
     [BLOCK_M, D] float32 states (the running result and the current split's). 16-bit heads up to
     64 in 64 rows on 8 warps (Hopper's warpgroup MMA); at 128, 64 rows spilled 48-80 bytes a
     thread on 8 warps (752 on 4, 248 on 16), so 32 rows on 8 warps (warp-level MMA, 128
-    registers). Float32 (FMA): 32 rows on 4 warps up to D = 32, on 8 warps with one stage up to
-    128 (two stages spilled 8-32 bytes), then 16 rows."""
+    registers). Float32 (FMA): 32 rows on 4 warps up to D = 32, on 8 warps up to 128, then 16
+    rows, all with one stage (two spilled 8-32 bytes; at D = 16 since the sliding window's
+    bookkeeping joined the walk, 2026-12-06)."""
     if INTERPRET:
         return 64, 4, 1
     if dtype != torch.float32:
@@ -242,7 +266,7 @@ def _launch(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_si
     if schedule == "auto":
         schedule = _schedule(bsz, hkv, m * rep, bm, n_tab, d, q.device)
     scale = 1.4426950408889634 / d ** 0.5  # scores in log2 units
-    common = dict(D=d, BS=block_size, BLOCK_M=bm, SPLIT=KV_SPLIT_PAGES)
+    common = dict(D=d, BS=block_size, BLOCK_M=bm, SPLIT=KV_SPLIT_PAGES, SLIDING=window > 0)
     opts = dict(num_warps=warps, num_stages=stages, **LAUNCH)
     with _on(q, k_blocks, v_blocks):
         if schedule == "walk":
@@ -264,7 +288,8 @@ def _launch(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_si
         _combine_kernel[(bsz, hkv, _cdiv(m * rep, _COMBINE_ROWS))](
             pm, pl, pa, q_pos, out, m, rep, n_tab, n_split, window,
             out.stride(0), out.stride(1), out.stride(2), q_pos.stride(0),
-            D=d, BS=block_size, BLOCK_M=_COMBINE_ROWS, SPLIT=KV_SPLIT_PAGES, num_warps=4, **LAUNCH)
+            D=d, BS=block_size, BLOCK_M=_COMBINE_ROWS, SPLIT=KV_SPLIT_PAGES, SLIDING=window > 0,
+            num_warps=4, **LAUNCH)
     return out
 
 
