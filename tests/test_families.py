@@ -41,6 +41,13 @@ def hf_config(family: str, tied: bool = False, **over):
     if family == "gemma3_text":  # sliding layers 0 and 2 (8 keys, their own RoPE base), query scale 24
         return transformers.Gemma3TextConfig(**{"head_dim": 16, "query_pre_attn_scalar": 24,
                                                 "sliding_window": 8, "sliding_window_pattern": 2, **kw})
+    if family == "olmo2":
+        return transformers.Olmo2Config(**{"eos_token_id": 2, **kw})
+    if family == "olmo3":  # sliding layers 0 and 2 (8 keys), the full one YaRN-scaled (OLMo 3's long context)
+        return transformers.Olmo3Config(**{"sliding_window": 8, "rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "eos_token_id": 2,
+            **kw})
     if family == "qwen2_moe":  # a shared expert beside the routed ones, one dense layer
         moe = {"num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1],
                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
@@ -73,7 +80,8 @@ def hf_logprobs(model, seq):
     return torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0]
 
 
-FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe", "gemma3_text"]
+FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe", "gemma3_text", "olmo2",
+            "olmo3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -92,7 +100,8 @@ def test_a_transformers_checkpoint_loads_and_agrees(tmp_path, family, tied):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-qwen2", "tiny-llama", "tiny-mistral",
-                                    "tiny-mixtral", "tiny-qwen2-moe", "tiny-gemma3"])
+                                    "tiny-mixtral", "tiny-qwen2-moe", "tiny-gemma3", "tiny-olmo2",
+                                    "tiny-olmo3"])
 def test_parity_saves_what_transformers_loads(tmp_path, preset):
     model = parity.Model(parity.ModelConfig.preset(preset, tie_word_embeddings=False), seed=1)
     model.reset_parameters(1, 0.08)
@@ -269,6 +278,33 @@ def test_gemma3s_sliding_layers_rotate_unscaled_even_when_the_bases_are_equal(tm
         (tmp_path / "hf" / "config.json").write_text(json.dumps({**saved, **edit}))
         with pytest.raises(CheckpointError, match=culprit):
             parity.load_model(tmp_path / "hf")
+
+
+def test_olmo3_slides_three_layers_of_four_and_scales_only_the_full_ones(tmp_path):
+    """OLMo 3 (sliding layers of 8 keys here, YaRN on the full layer): agrees with transformers on
+    a sequence several windows long; its transformers 4.x layout (one rope_theta, rope_scaling) reads
+    as the same model. The controls: the same weights with every layer full, or without the
+    full layer's YaRN, are more than 0.01 nats off; a 4.x rope_theta other than 500000 (5.x would
+    rotate the sliding layers by 500000) is refused."""
+    hf = hf_model("olmo3")
+    hf.save_pretrained(tmp_path / "hf")
+    ours = parity.load_model(tmp_path / "hf", dtype=torch.float32)
+    seq = torch.arange(1, 120, 3) % 128
+    with torch.no_grad():
+        ref = hf_logprobs(hf, seq)
+        assert torch.allclose(parity.sequence_logprobs(ours, [seq])[0], ref, atol=1e-4)
+        for edit in (dict(layer_types=["full_attention"] * 3), dict(rope_scaling=None)):
+            other = parity.Model(dataclasses.replace(ours.config, **edit), dtype=torch.float32, seed=None)
+            other.load_state_dict(ours.state_dict())
+            assert (parity.sequence_logprobs(other, [seq])[0] - ref).abs().max() > 1e-2, edit
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    full = cfg.pop("rope_parameters")["full_attention"]
+    cfg.update(rope_theta=full.pop("rope_theta"), rope_scaling=full)  # transformers 4.x's layout
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    assert parity.load_model(tmp_path / "hf", dtype=torch.float32).config == ours.config
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1e4}))
+    with pytest.raises(CheckpointError, match="rope_theta 10000.0 without rope_parameters"):
+        parity.load_model(tmp_path / "hf")
 
 
 def test_a_window_no_sequence_outgrows_is_full_attention(tmp_path):

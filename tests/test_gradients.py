@@ -75,7 +75,7 @@ def _grads(kernels: str, preset: str = "tiny"):
     return {n: p.grad.clone() for n, p in model.named_parameters()}, loss.detach()
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3"])  # (Gemma: windows, offset norms, GELU)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3", "tiny-olmo3"])  # (windows, their norms, GELU)
 def test_model_gradients_match_standard_backend_float64(preset):
     aligned, la = _grads("aligned", preset)
     standard, ls = _grads("standard", preset)

@@ -16,7 +16,6 @@ It proves compilation and resources, not bits or speed on the GPU (that is `scri
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import statistics
@@ -91,7 +90,7 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
     the host time of one decode step."""
     from ..engine import Decoder, draws_triton
     from ..model import Model, ModelConfig, sequence_logprobs
-    from ..ops.triton_attention import KV_SPLIT_PAGES
+    from ..ops.triton_attention import KV_SPLIT_PAGES, forced
 
     cfg = ModelConfig.preset(preset)
     length = min(length, cfg.max_position_embeddings - 8)
@@ -138,7 +137,7 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
             def prefill(b=b, dec=dec):
                 if b == 1:  # both schedules' paged attention: shapes pick one (with few KV heads
                     for schedule in ("walk", "split"):  # the split at batch 1, the walk at batch 8)
-                        with _forced_schedule(schedule):
+                        with forced(schedule):
                             one = Decoder(model, max_tokens=length + 3 * model.block_size)
                             one.extend({0: tokens(length // 2)})
                 return dec.extend({i: tokens(length // 2) for i in range(b)})
@@ -156,17 +155,6 @@ def _passes(preset: str, dtype: torch.dtype, batch: int, length: int, progress) 
         step[batch]["standard"] = _standard_decode(cfg, dtype, batch, length)
     return {"decode": step, "length": length, "hidden": cfg.hidden_size, "compiled_by_phase": compiled,
             "one_binary_per_kernel": all(n == 0 for k, n in compiled.items() if k not in expected)}
-
-
-@contextlib.contextmanager
-def _forced_schedule(schedule: str):
-    """Every Triton attention call in the block on `schedule` ('walk' or 'split'): the same bits."""
-    from ..ops import triton_attention as ta
-    chosen, ta._schedule = ta._schedule, lambda *args: schedule
-    try:
-        yield
-    finally:
-        ta._schedule = chosen
 
 
 _GEMM_KERNELS = {"_matmul_kernel": (), "_matmul_tma_kernel": ("tma",)}

@@ -1,7 +1,7 @@
 """Hugging Face-compatible checkpoint files: `config.json` + `model.safetensors` (or shards).
 
 `save_pretrained` writes what `transformers` loads back as the model's family (tensor names as on
-the Hub: `families.tensors_to_files`); `read_tensors` reads one safetensors file or an index of
+the Hub: `tensor_names.tensors_to_files`); `read_tensors` reads one safetensors file or an index of
 shards, with one-line errors for missing or corrupt files. Building a model from a directory is
 `loading.load_model`.
 """
@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from .families import config_to_hf, tensors_to_files
+from .families import config_to_hf
+from .tensor_names import tensors_to_files
 
 
 def _own(t: torch.Tensor):

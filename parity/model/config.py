@@ -12,13 +12,19 @@ One decoder definition serves every family; they differ in a few switches:
 | mixtral    | no       | no         | top-k mixture in every layer    | default   |
 | qwen2_moe  | no       | yes        | top-k mixture + gated shared expert | default |
 | gemma3_text| yes      | no         | GeGLU (tanh GELU)   | local / global bases  |
+| olmo2      | whole q/k| no         | SwiGLU              | default               |
+| olmo3      | whole q/k| no         | SwiGLU              | sliding layers unscaled |
 
 Gemma 3 (text: Gemma3ForCausalLM, the 270M and 1B checkpoints) also scales its embeddings by
 sqrt(hidden_size), stores every RMSNorm weight as an offset from 1 (applied as `1 + w` in float32),
 norms each block's output before the residual add (`post_attention_layernorm`,
 `post_feedforward_layernorm`; `pre_feedforward_layernorm` before the MLP), scales attention by
 `query_pre_attn_scalar ** -0.5`, and gives its sliding layers RoPE of another base
-(`rope_local_base_freq`), never scaled.
+(`rope_local_base_freq`), never scaled. OLMo 2 and OLMo 3 norm each block's output only (no norm
+before attention or the MLP: `post_attention_layernorm`, `post_feedforward_layernorm`) and norm q
+and k over the whole projection, every head at once, before RoPE; OLMo 3 slides three layers of
+four, their RoPE never scaled. Gemma's and OLMo's norms multiply by their weight in float32 and
+round once, as transformers computes them.
 
 Any family may scale RoPE (`linear`, `llama3` or `yarn`: `rope.py`), as transformers allows.
 
@@ -35,57 +41,15 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..fields import check_fields
+from .presets import PRESETS as _PRESETS
 from .rope import check_rope_scaling
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe",
-                                "gemma3_text")
+                                "gemma3_text", "olmo2", "olmo3")
 """Decoder families parity builds."""
 
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 """Attention kinds a layer may have (`ModelConfig.layer_types`)."""
-
-_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-_SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
-_PRESETS: dict[str, dict[str, Any]] = {
-    # unit tests: runs a forward in a few milliseconds
-    "tiny": _TINY,
-    # demos and benchmarks: ~5M parameters, learns small tasks on 2 cores in minutes
-    "small": _SMALL,
-    # the other families at the tiny and small sizes (parity check and the bitwise suite per family)
-    "tiny-moe": dict(_TINY, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-                     moe_intermediate_size=32, norm_topk_prob=True),
-    "small-moe": dict(_SMALL, model_type="qwen3_moe", num_experts=16, num_experts_per_tok=2,
-                      moe_intermediate_size=192, norm_topk_prob=True),
-    "tiny-qwen2": dict(_TINY, model_type="qwen2", rope_scaling={  # Qwen2.5's long-context YaRN
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
-    "tiny-llama": dict(_TINY, model_type="llama", rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}),
-    "tiny-mistral": dict(_TINY, model_type="mistral", rope_theta=1e6, sliding_window=40),  # < the context
-    "tiny-mixtral": dict(_TINY, model_type="mixtral", rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
-                         moe_intermediate_size=32, norm_topk_prob=True),
-    "tiny-gemma3": dict(_TINY, model_type="gemma3_text", head_dim=32, query_pre_attn_scalar=24.0,
-                        sliding_window=24, layer_types=["sliding_attention", "full_attention"],
-                        rope_theta=1e6, rope_local_base_freq=1e4,
-                        rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "tiny-qwen2-moe": dict(_TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
-                           moe_intermediate_size=32, shared_expert_intermediate_size=48),
-    # a real size: Qwen3-0.6B's shape (596M parameters, random weights; benchmarks and memory checks)
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=40960, rope_theta=1000000.0),
-    # Gemma 3 1B's shape (1.0B parameters, 302M of them the embedding; random weights): five
-    # sliding layers of 512 keys to one full one, head_dim 256, one key-value head
-    "gemma3-1b": dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
-                      num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                      max_position_embeddings=32768,
-                      model_type="gemma3_text", rope_theta=1e6, rope_local_base_freq=1e4,
-                      query_pre_attn_scalar=256.0, sliding_window=512, bos_token_id=2, eos_token_id=[1, 106],
-                      layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                   for i in range(26)]),
-}
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 """Named model shapes `ModelConfig.preset` builds."""
@@ -142,8 +106,8 @@ class ModelConfig:
     """gemma3_text: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim,
     the usual 1 / sqrt(head_dim))."""
     rope_local_base_freq: float | None = None
-    """gemma3_text: the RoPE base of the sliding layers (`rope_theta` and `rope_scaling` are the full
-    layers'); None: 10000."""
+    """gemma3_text, olmo3: the RoPE base of the sliding layers, which rotate unscaled (`rope_theta`
+    and `rope_scaling` are the full layers'); None: 10000 (Gemma), `rope_theta` (OLMo 3)."""
     num_experts: int = 0
     """qwen3_moe, mixtral (HF num_local_experts): experts per MoE layer."""
     num_experts_per_tok: int = 0
@@ -223,8 +187,8 @@ class ModelConfig:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ConfigError(f"ModelConfig.sliding_window must be a positive integer or None, "
                               f"got {window!r}")
-        if window is not None and self.model_type == "llama":  # (transformers' Llama has no window)
-            raise ConfigError("ModelConfig.sliding_window is not supported for llama")
+        if window is not None and self.model_type in ("llama", "olmo2"):  # (transformers' have no window)
+            raise ConfigError(f"ModelConfig.sliding_window is not supported for {self.model_type}")
         if types is None:
             return
         if not isinstance(types, (list, tuple)) or len(types) != self.num_hidden_layers:
@@ -243,13 +207,15 @@ class ModelConfig:
 
     def _check_gemma(self) -> None:
         gemma = self.model_type == "gemma3_text"
-        for name, default in (("query_pre_attn_scalar", float(self.head_dim)), ("rope_local_base_freq", 1e4)):
+        local = {"gemma3_text": 1e4, "olmo3": self.rope_theta}.get(self.model_type)
+        for name, default, own in (("query_pre_attn_scalar", float(self.head_dim), gemma),
+                                   ("rope_local_base_freq", local, local is not None)):
             value = getattr(self, name)
             if value is None:
-                if gemma:
+                if own:
                     setattr(self, name, default)
-            elif not gemma:
-                raise ConfigError(f"ModelConfig.{name} is for gemma3_text, not {self.model_type}")
+            elif not own:
+                raise ConfigError(f"ModelConfig.{name} is not a field of {self.model_type}")
             elif not 0 < value < math.inf:
                 raise ConfigError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
         if gemma and not float(self.query_pre_attn_scalar).is_integer():  # (transformers 5 reads an int)
@@ -264,6 +230,18 @@ class ModelConfig:
         return self.model_type == "gemma3_text"
 
     @property
+    def olmo(self) -> bool:
+        """OLMo 2/3's block: no norm before attention or the MLP, each one's output normed before
+        the residual add; q and k normed over the whole projection before RoPE."""
+        return self.model_type in ("olmo2", "olmo3")
+
+    @property
+    def norms_in_float32(self) -> bool:
+        """RMSNorm multiplies the float32 normalised x by its weight in float32, rounding once
+        (Gemma, OLMo); else the normalised x is rounded to the model dtype, then scaled (Qwen, Llama)."""
+        return self.gemma or self.olmo
+
+    @property
     def query_scale(self) -> float:
         """What queries are multiplied by so that the attention kernels' 1/sqrt(head_dim) scaling
         gives the family's: sqrt(head_dim / query_pre_attn_scalar) (1 for all but Gemma)."""
@@ -274,7 +252,7 @@ class ModelConfig:
     def local_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates by the local table: Gemma's sliding layers, whose base is
         `rope_local_base_freq` and whose RoPE is never scaled (even when the bases are equal)."""
-        return self.gemma and self.layer_window_type(layer) == "sliding_attention"
+        return self.rope_local_base_freq is not None and self.layer_window_type(layer) == "sliding_attention"
 
     def layer_window_type(self, layer: int) -> str:
         """'sliding_attention' or 'full_attention', as `layer_types` (or its default) says."""
@@ -326,7 +304,7 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm on queries and keys (the Qwen3 families)."""
-        return self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+        return self.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3")
 
     @property
     def is_moe(self) -> bool:
@@ -387,4 +365,6 @@ class ModelConfig:
             else:
                 mlp = 3 * h * i
             total += attn + mlp + (4 if self.gemma else 2) * h
+            if self.olmo:  # (its q/k norms span the whole projection)
+                total += (hq + hkv) * d - 2 * d
         return total

@@ -224,13 +224,15 @@ class Model(nn.Module):
         return F.embedding(ids, weight)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, rope=None, scale: float = 1.0) -> torch.Tensor:
-        """RMSNorm of x by `weight` (then RoPE by rope = (cos, sin)). A Gemma weight is an offset
-        applied as `1 + w` in float32 on the float32 normalised x, rounded once to x's dtype, as
-        transformers computes it; `scale` multiplies that weight (Gemma's query scaling)."""
+        """RMSNorm of x by `weight` (then RoPE by rope = (cos, sin)). Gemma and OLMo scale the
+        float32 normalised x by the weight in float32, rounded once to x's dtype, as transformers
+        computes them (a Gemma weight is an offset: `1 + w`); `scale` multiplies that weight
+        (Gemma's query scaling)."""
         K, eps, dtype = self.kernels, self.config.rms_norm_eps, x.dtype
-        if self.config.gemma:
+        if self.config.norms_in_float32:
             acc = torch.promote_types(dtype, torch.float32)  # (float64 stays: references)
-            x, weight = x.to(acc), (weight.to(acc) + 1.0) * scale
+            x, weight = x.to(acc), weight.to(acc)
+            weight = (weight + 1.0) * scale if self.config.gemma else weight
         out = K.rms_norm(x, weight, eps) if rope is None else K.rms_norm_rope(x, weight, eps, *rope)
         return out.to(dtype)
 
@@ -284,7 +286,7 @@ class Model(nn.Module):
         def run_layer(i: int, x: torch.Tensor):
             layer = self.model.layers[i]
             att, mlp = layer.self_attn, layer.mlp
-            h = self._norm(x, layer.input_layernorm.weight)
+            h = x if cfg.olmo else self._norm(x, layer.input_layernorm.weight)
             projections = (att.q_proj, att.k_proj, att.v_proj)
             w_qkv = self._fused(i, "qkv", [p.weight for p in projections])
             b_qkv = self._fused(i, "qkv_bias", [p.bias for p in projections]) if cfg.attention_bias else None
@@ -293,7 +295,10 @@ class Model(nn.Module):
             k = qkv[:, hq * d:(hq + hkv) * d].reshape(rows, hkv, d)
             v = qkv[:, (hq + hkv) * d:].reshape(rows, hkv, d)
             rope = ropes[cfg.local_rope(i)]
-            if cfg.qk_norm:
+            if cfg.olmo:  # q/k norms over the whole projection, then RoPE per head
+                q = K.rope(self._norm(q.reshape(rows, hq * d), att.q_norm.weight).view(rows, hq, d), *rope)
+                k = K.rope(self._norm(k.reshape(rows, hkv * d), att.k_norm.weight).view(rows, hkv, d), *rope)
+            elif cfg.qk_norm:
                 q = self._norm(q, att.q_norm.weight, rope, cfg.query_scale)
                 k = self._norm(k, att.k_norm.weight, rope)
             else:
@@ -318,9 +323,9 @@ class Model(nn.Module):
             if rows > t:
                 o = torch.cat([o, o.new_zeros(rows - t, o.shape[1])])
             o = K.linear(o, att.o_proj.weight)
-            if cfg.gemma:
+            if cfg.gemma or cfg.olmo:
                 x = x + self._norm(o, layer.post_attention_layernorm.weight)
-                h = self._norm(x, layer.pre_feedforward_layernorm.weight)
+                h = self._norm(x, layer.pre_feedforward_layernorm.weight) if cfg.gemma else x
             else:
                 x = x + o
                 h = self._norm(x, layer.post_attention_layernorm.weight)
@@ -330,7 +335,7 @@ class Model(nn.Module):
                 return x + out, experts, logits
             gate_up = K.linear(h, self._fused(i, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]))
             out = K.linear(self._activation(gate_up), mlp.down_proj.weight)
-            if cfg.gemma:
+            if cfg.gemma or cfg.olmo:
                 out = self._norm(out, layer.post_feedforward_layernorm.weight)
             return x + out, None, None
 

@@ -7,31 +7,24 @@ wrong: another architecture, biases or RoPE scalings it does not implement, an a
 than SiLU. Sliding-window layers are read as each family's transformers code reads them
 (`_windows`). `config_to_hf` writes what `transformers` loads back.
 
-Checkpoint files name Qwen3-MoE experts one by one (`mlp.experts.<e>.gate_proj.weight`, as on
-the Hub); in memory parity keeps each layer's experts stacked (`mlp.experts.gate_up_proj`
-[E, 2I, H], `mlp.experts.down_proj` [E, H, I], as transformers 5 does): `tensors_from_files`
-and `tensors_to_files` convert.
+Tensor names between checkpoint files and the model are `tensor_names.py`'s.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import ConfigError
-from . import gemma
+from . import hybrid
 from .config import LAYER_TYPES, MODEL_TYPES, ModelConfig
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                 "Gemma3ForCausalLM": "gemma3_text"}
+                 "Gemma3ForCausalLM": "gemma3_text", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3"}
 log = logging.getLogger(__name__)
 
 _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a config.json leaves out
@@ -46,6 +39,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a 
                       num_experts=60, num_experts_per_tok=4, shared_expert_intermediate_size=5632),
     "gemma3_text": dict(max_position_embeddings=131072, num_key_value_heads=4, head_dim=256, bos_token_id=2,
                         eos_token_id=1, tie_word_embeddings=True, rope_theta=1e6, intermediate_size=9216),
+    "olmo2": dict(max_position_embeddings=2048, rms_norm_eps=1e-5, eos_token_id=50279,
+                  intermediate_size=11008),
+    "olmo3": dict(max_position_embeddings=2048, rope_theta=500000.0, rms_norm_eps=1e-5, eos_token_id=50279,
+                  intermediate_size=11008),
 }  # (else: rope_theta 1e4, rms_norm_eps 1e-6, num_key_value_heads num_attention_heads, no bos/eos)
 _MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 _SHARED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -248,8 +245,8 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                      "tokens (max_position_embeddings %s in the file)", where, scaling["factor"],
                      scaling["original_max_position_embeddings"], context, file_context)
             fields["max_position_embeddings"] = context
-    if model_type == "gemma3_text":
-        fields.update(gemma.from_hf(data, str(where)))
+    if model_type in ("gemma3_text", "olmo3"):
+        fields.update(hybrid.from_hf(data, model_type, str(where), float(theta)))
     else:
         _windows(data, model_type, fields, str(where))
     if model_type == "mixtral":  # every layer a mixture of intermediate_size experts, top-k renormalised
@@ -274,7 +271,7 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         raise ConfigError(f"{where}: {exc}") from None
 
 
-_WRITTEN = {*_SHARED, *gemma.WRITTEN, "model_type", "architectures", "hidden_act", "attention_bias",
+_WRITTEN = {*_SHARED, *hybrid.WRITTEN, "model_type", "architectures", "hidden_act", "attention_bias",
             "qkv_bias", "dtype", "rope_scaling", "rope_parameters", "use_sliding_window", "sliding_window",
             "layer_types",
             "mlp_bias", *_MOE, "num_local_experts", "norm_topk_prob", "decoder_sparse_step",
@@ -288,7 +285,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     out = {**cfg.extra}
     out.update({k: getattr(cfg, k) for k in _SHARED})
     out.update(model_type=cfg.model_type, architectures=[arch], rope_scaling=cfg.rope_scaling)
-    out.update(gemma.to_hf(cfg) if cfg.gemma else {"hidden_act": "silu"})
+    out.update({} if cfg.gemma else {"hidden_act": "silu"})
+    out.update(hybrid.to_hf(cfg) if cfg.model_type in ("gemma3_text", "olmo3") else {})
     out.setdefault("attention_dropout", 0.0)  # (a checkpoint's own value is kept; parity trains without)
     if cfg.model_type == "qwen2_moe":  # (its q/k/v biases are `qkv_bias`)
         out.update(qkv_bias=cfg.attention_bias,
@@ -315,84 +313,3 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                    decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
                    router_aux_loss_coef=cfg.router_aux_loss_coef)
     return out
-
-
-# --------------------------------------------------------------------------- checkpoint tensor names
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_MIXTRAL = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
-            (".w2.", ".down_proj."))
-
-
-def _mixtral_name(name: str, to_hub: bool) -> str:
-    """A Mixtral tensor name between the Hub's spelling (`block_sparse_moe`, w1/w3/w2) and the one
-    parity's MoE code reads (`mlp`, gate/up/down_proj; a Mixtral has no dense MLP to confuse)."""
-    for hub, ours in _MIXTRAL:
-        name = name.replace(ours, hub) if to_hub else name.replace(hub, ours)
-    return name
-
-
-def file_name(cfg: ModelConfig, name: str) -> str:
-    """A tensor's name as the checkpoint file spells it (for messages: Mixtral's `block_sparse_moe`)."""
-    return _mixtral_name(name, to_hub=True) if cfg.model_type == "mixtral" else name
-
-
-def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-                       where: str) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors under the model's own names: per-expert MoE weights are stacked."""
-    if not cfg.is_moe:
-        return tensors
-    if cfg.model_type == "mixtral":
-        named = {_mixtral_name(n, to_hub=False): t for n, t in tensors.items()}
-        if len(named) < len(tensors):  # (both spellings of one tensor: one would silently win)
-            raise ConfigError(f"{where}: a Mixtral tensor is stored under both its Hub and mlp names")
-        tensors = named
-    out, experts = {}, {}
-    shown = functools.partial(file_name, cfg)
-    for name, t in tensors.items():
-        m = _EXPERT.match(name)
-        if m is None:
-            out[name] = t
-        else:
-            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
-    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
-    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
-    for prefix, parts in experts.items():
-        for kind, shape in shapes.items():
-            have = parts.get(kind, {})
-            absent = [e for e in range(cfg.num_experts) if e not in have]
-            if absent:
-                raise ConfigError(f"{where}: missing tensor {shown(f'{prefix}.{absent[0]}.{kind}.weight')}")
-            extra = sorted(e for e in have if e >= cfg.num_experts)
-            if extra:
-                raise ConfigError(f"{where}: unexpected tensor {shown(f'{prefix}.{extra[0]}.{kind}.weight')} "
-                                  f"(config.json: num_experts={cfg.num_experts})")
-            for e, t in sorted(have.items()):
-                if tuple(t.shape) != shape:
-                    raise ConfigError(f"{where}: tensor {shown(f'{prefix}.{e}.{kind}.weight')} has shape "
-                                      f"{tuple(t.shape)}, config.json implies {shape}")
-        if f"{prefix}.gate_up_proj" in out or f"{prefix}.down_proj" in out:  # (one silently won)
-            raise ConfigError(f"{where}: {prefix} is stored both stacked and expert by expert")
-        stack = {k: torch.stack([parts[k][e] for e in range(cfg.num_experts)]) for k in parts}
-        out[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
-        out[f"{prefix}.down_proj"] = stack["down_proj"]
-    return out
-
-
-def tensors_to_files(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's tensors under the checkpoint names the Hub and `transformers` use."""
-    if not cfg.is_moe:
-        return state
-    out, inter = {}, cfg.moe_intermediate_size
-    for name, t in state.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = name.removesuffix(".gate_up_proj")
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter].contiguous()
-                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:].contiguous()
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name.removesuffix(".down_proj")
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
-        else:
-            out[name] = t
-    return {_mixtral_name(n, to_hub=True): t for n, t in out.items()} if cfg.model_type == "mixtral" else out

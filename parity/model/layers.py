@@ -23,9 +23,9 @@ class Attention(nn.Module):
         self.k_proj = Weight(cfg.num_key_value_heads * d, cfg.hidden_size, bias=bias)
         self.v_proj = Weight(cfg.num_key_value_heads * d, cfg.hidden_size, bias=bias)
         self.o_proj = Weight(cfg.hidden_size, cfg.num_attention_heads * d)
-        if cfg.qk_norm:
-            self.q_norm = Weight(d)
-            self.k_norm = Weight(d)
+        if cfg.qk_norm:  # per head, or (OLMo) over the whole projection
+            self.q_norm = Weight(cfg.num_attention_heads * d if cfg.olmo else d)
+            self.k_norm = Weight(cfg.num_key_value_heads * d if cfg.olmo else d)
 
 
 class DecoderLayer(nn.Module):
@@ -33,10 +33,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = Weight(cfg.hidden_size)
-        self.post_attention_layernorm = Weight(cfg.hidden_size)  # (Gemma: on the attention's output)
-        if cfg.gemma:  # sandwich norms: before the MLP and on its output
+        if not cfg.olmo:  # (OLMo norms each block's output only)
+            self.input_layernorm = Weight(cfg.hidden_size)
+        self.post_attention_layernorm = Weight(cfg.hidden_size)  # (Gemma, OLMo: on the attention's output)
+        if cfg.gemma:  # sandwich norms: before the MLP too
             self.pre_feedforward_layernorm = Weight(cfg.hidden_size)
+        if cfg.gemma or cfg.olmo:
             self.post_feedforward_layernorm = Weight(cfg.hidden_size)
 
 

@@ -15,7 +15,8 @@ from ..errors import CheckpointError, ConfigError
 from ..hardware import check_device
 from .checkpoint import read_tensors
 from .decoder import DEFAULT_BLOCK_SIZE, Model
-from .families import config_from_hf, file_name, read_json, tensors_from_files
+from .families import config_from_hf, read_json
+from .tensor_names import file_name, tensors_from_files
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 

@@ -29,6 +29,7 @@ row's bits depend on its own position and window alone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -213,6 +214,18 @@ def _combine_kernel(pm_ptr, pl_ptr, pa_ptr, pos_ptr, out_ptr, M, REP, n_tab, n_s
         m_t, l_t, a_t = _merge(m_t, l_t, a_t, m_i, l_i, acc, SLIDING)
     tl.store(out_ptr + b * sob + tok[:, None] * som + head[:, None] * soh + d[None, :],
              (a_t / l_t[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@contextlib.contextmanager
+def forced(schedule: str):
+    """Every attention call in the block on `schedule` ('walk' or 'split'), whatever the shapes:
+    the same bits (tests; `parity compile` builds both schedules' binaries)."""
+    global _schedule
+    chosen, _schedule = _schedule, lambda *args: schedule
+    try:
+        yield
+    finally:
+        _schedule = chosen
 
 
 def _attention_tiles(d: int, dtype: torch.dtype) -> tuple[int, int, int]:

@@ -7,23 +7,15 @@ GPU runs, not only on the interpreter's numpy.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from parity.invariance import case_batch, case_decode, compare, reference
 
 
-@contextlib.contextmanager
 def forced(schedule: str):
     """Every Triton attention call in the block runs `schedule` ('walk' or 'split')."""
     from parity.ops import triton_attention as ta
-    chosen = ta._schedule
-    ta._schedule = lambda *args: schedule
-    try:
-        yield
-    finally:
-        ta._schedule = chosen
+    return ta.forced(schedule)
 
 
 def assert_kernel_schedules_agree(dtype: torch.dtype, device, d: int, monkeypatch) -> None:

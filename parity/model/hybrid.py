@@ -1,0 +1,136 @@
+"""Families with sliding and full layer types of their own RoPE: Gemma 3 (text) and OLMo 3 configs.
+
+Both name each layer's type (`layer_types`, or a pattern when absent: every 6th layer full for
+Gemma 3, every 4th for OLMo 3), give the sliding layers RoPE that is never scaled (in transformers
+5, `rope_parameters.sliding_attention`; `rope_scaling` is the full layers' alone) and, for Gemma,
+another base (`rope_local_base_freq`). `families.py` reads the fields shared with the other
+families and the full layers' RoPE; this module the rest, and writes them back.
+
+Gemma3ForCausalLM (the 270M and 1B checkpoints; the larger ones are Gemma3ForConditionalGeneration,
+image and text) also has the attention scale `query_pre_attn_scalar` and a tanh-GELU activation
+(`hidden_activation`); Gemma 2's soft-capping and the bidirectional variant are refused, not
+approximated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..errors import ConfigError
+from .config import ModelConfig
+
+WRITTEN = ("hidden_activation", "query_pre_attn_scalar", "rope_local_base_freq", "sliding_window_pattern",
+           "_sliding_window_pattern", "attn_logit_softcapping", "final_logit_softcapping",
+           "use_bidirectional_attention")
+"""Fields `to_hf` writes itself (never carried in `extra`)."""
+
+_PATTERN = {"gemma3_text": 6, "olmo3": 4}
+"""Every n-th layer is full when a config lists no `layer_types`."""
+_WINDOW = {"gemma3_text": 4096, "olmo3": 4096}
+"""transformers' `sliding_window` when a config leaves it out."""
+
+
+def _positive(value, what: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"{where}: {what} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _pattern(pattern: int, layers: int) -> list[str]:
+    """transformers' layer types from a pattern: every pattern-th layer is full."""
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
+def _gemma_checks(data: dict[str, Any], where: str) -> None:
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if data.get(key) is not None:
+            raise ConfigError(f"{where}: {key} {data[key]!r} is not supported (soft-capping, as in Gemma 2)")
+    if data.get("use_bidirectional_attention"):
+        raise ConfigError(f"{where}: use_bidirectional_attention=true is not supported (a causal LM only)")
+    act = data.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"{where}: hidden_activation {act!r} is not supported (only 'gelu_pytorch_tanh')")
+
+
+def _local_base(data: dict[str, Any], model_type: str, where: str, full_theta: float) -> float:
+    """The sliding layers' RoPE base, as transformers 4.x and 5.x both read it (or refused)."""
+    params = data.get("rope_parameters")
+    nested = isinstance(params, dict) and bool({"full_attention", "sliding_attention"} & set(params))
+    if params and not nested:  # (transformers 5 ignores flat keys here, 4.x all of rope_parameters)
+        raise ConfigError(f"{where}: rope_parameters must name the layer types for {model_type} "
+                          "({'full_attention': {...}, 'sliding_attention': {...}}), got a flat one")
+    if nested and data.get("rope_scaling"):  # (5.x merges the two, 4.x reads rope_scaling alone)
+        raise ConfigError(f"{where}: rope_scaling beside per-layer-type rope_parameters: transformers 4 "
+                          "and 5 read them differently; keep one")
+    local = params.get("sliding_attention") if nested else None
+    # 4.x: Gemma's own field, OLMo 3's one rope_theta (5.x gives OLMo's sliding layers 500000 then)
+    legacy = data.get("rope_local_base_freq") if model_type == "gemma3_text" else data.get("rope_theta")
+    if local is not None:
+        if not isinstance(local, dict):
+            raise ConfigError(f"{where}: rope_parameters.sliding_attention must be an object, got {local!r}")
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{where}: rope_parameters.sliding_attention.rope_type {local['rope_type']!r} "
+                              "is not supported (the sliding layers rotate unscaled)")
+        own = local.get("rope_theta")
+        if own is not None and legacy is not None and _positive(own, "rope_theta", where) != float(legacy):
+            raise ConfigError(f"{where}: the sliding layers' RoPE base {legacy} and rope_parameters."
+                              f"sliding_attention.rope_theta {own} disagree (transformers 4 reads the "
+                              "first, 5 the second)")
+        return _positive(own if own is not None else legacy if legacy is not None else full_theta,
+                         "rope_theta", where)
+    if model_type == "olmo3":
+        if legacy is not None and float(legacy) != 500000.0:  # (5.x: 500000 for the sliding layers)
+            raise ConfigError(f"{where}: rope_theta {legacy} without rope_parameters: transformers 4 rotates "
+                              "OLMo 3's sliding layers by it, 5 by 500000; give rope_parameters")
+        return 500000.0
+    return _positive(10000.0 if legacy is None else legacy, "rope_local_base_freq", where)
+
+
+def from_hf(data: dict[str, Any], model_type: str, where: str, full_theta: float) -> dict[str, Any]:
+    """The `ModelConfig` fields of a gemma3_text or olmo3 config beyond the shared ones and the
+    full layers' RoPE (`full_theta`)."""
+    if model_type == "gemma3_text":
+        _gemma_checks(data, where)
+    window = data.get("sliding_window", _WINDOW[model_type])
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
+    types = data.get("layer_types")
+    if types is None:  # transformers' derivation
+        pattern = data.get("sliding_window_pattern", _PATTERN[model_type])
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ConfigError(f"{where}: sliding_window_pattern must be a positive integer, got {pattern!r}")
+        layers = data["num_hidden_layers"]
+        types = _pattern(pattern, layers if isinstance(layers, int) else 0)
+    out = dict(sliding_window=window, layer_types=types,
+               rope_local_base_freq=_local_base(data, model_type, where, full_theta))
+    if model_type == "gemma3_text":
+        scalar = data.get("query_pre_attn_scalar", 256)
+        out["query_pre_attn_scalar"] = _positive(scalar, "query_pre_attn_scalar", where)
+    return out
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The fields of `config.json` this module reads, in a layout transformers 4.x and 5.x read
+    alike (`rope_theta` and `rope_scaling` are the full layers', written by `families.py`;
+    `layer_types` for 4.53+ and 5.x, and Gemma's `sliding_window_pattern` for 4.50-4.52 where the
+    layers follow one)."""
+    types = [cfg.layer_window_type(i) for i in range(cfg.num_hidden_layers)]
+    out: dict[str, Any] = dict(sliding_window=cfg.sliding_window, layer_types=types, attention_bias=False)
+    if cfg.model_type == "olmo3":  # per layer type, as 5.x reads it (4.x: rope_theta, rope_scaling)
+        out["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                                     **(cfg.rope_scaling or {})},
+                                  "sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": cfg.rope_local_base_freq}}
+        out["rope_scaling"] = None  # (beside rope_parameters, 4.x and 5.x would read different models)
+        if cfg.rope_local_base_freq != cfg.rope_theta:  # (4.x rotates every layer by rope_theta)
+            out["rope_theta"] = None
+        return out
+    out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
+               rope_local_base_freq=cfg.rope_local_base_freq, attn_logit_softcapping=None,
+               final_logit_softcapping=None, use_bidirectional_attention=False)
+    for pattern in range(1, len(types) + 2):  # transformers 4.50-4.52 read this, not layer_types
+        if types == _pattern(pattern, len(types)):
+            out["sliding_window_pattern"] = pattern
+            break
+    return out
