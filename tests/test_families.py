@@ -278,6 +278,16 @@ def test_gemma3s_sliding_layers_rotate_unscaled_even_when_the_bases_are_equal(tm
         (tmp_path / "hf" / "config.json").write_text(json.dumps({**saved, **edit}))
         with pytest.raises(CheckpointError, match=culprit):
             parity.load_model(tmp_path / "hf")
+    # a sliding_attention entry without its own base: rope_local_base_freq's (5.x; was the full one's)
+    hf = hf_model("gemma3_text", rope_local_base_freq=2e4)
+    hf.save_pretrained(tmp_path / "local")
+    path = tmp_path / "local" / "config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["rope_parameters"]["sliding_attention"]["rope_theta"]
+    path.write_text(json.dumps({**cfg, "rope_local_base_freq": 2e4}))
+    with torch.no_grad():
+        lp = parity.sequence_logprobs(parity.load_model(tmp_path / "local", dtype=torch.float32), [seq])[0]
+        assert torch.allclose(lp, hf_logprobs(hf, seq), atol=1e-4)
 
 
 def test_olmo3_slides_three_layers_of_four_and_scales_only_the_full_ones(tmp_path):
@@ -302,9 +312,29 @@ def test_olmo3_slides_three_layers_of_four_and_scales_only_the_full_ones(tmp_pat
     cfg.update(rope_theta=full.pop("rope_theta"), rope_scaling=full)  # transformers 4.x's layout
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     assert parity.load_model(tmp_path / "hf", dtype=torch.float32).config == ours.config
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1e4}))
-    with pytest.raises(CheckpointError, match="rope_theta 10000.0 without rope_parameters"):
-        parity.load_model(tmp_path / "hf")
+    ours.save_pretrained(tmp_path / "ours")  # YaRN both nested (5.x) and as rope_scaling (4.x reads)
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert saved["rope_scaling"] == {k: v for k, v in saved["rope_parameters"]["full_attention"].items()
+                                     if k != "rope_theta"} == ours.config.rope_scaling
+    assert parity.load_model(tmp_path / "ours").config == ours.config
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    for edit, culprit in (
+            (dict(rope_theta=1e4), "rope_theta 10000.0 for OLMo 3's sliding layers"),
+            (dict(rope_theta=None), "OLMo 3 config without rope_theta"),
+            (dict(rope_scaling={"type": "yarn", "factor": 4.0}), "spells its type 'type'"),
+            (dict(rope_scaling=dict(yarn, truncate=False)), "truncate=false on olmo3")):
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({k: v for k, v in {**cfg, **edit}.items()
+                                                                  if v is not None}))
+        with pytest.raises(CheckpointError, match=culprit):
+            parity.load_model(tmp_path / "hf")
+    unlisted = {k: v for k, v in cfg.items() if k != "layer_types"}  # every 4th layer full, as transformers
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**unlisted, "sliding_window_pattern": 2}))
+    assert parity.load_model(tmp_path / "hf").config.layer_types == ["sliding_attention"] * 3  # (no pattern)
+    hf_model("olmo2").save_pretrained(tmp_path / "olmo2")  # (transformers' OLMo 2 has no window: unread)
+    path = tmp_path / "olmo2" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "use_sliding_window": True,
+                                "sliding_window": 4}))
+    assert parity.load_model(tmp_path / "olmo2").config.sliding_window is None
 
 
 def test_a_window_no_sequence_outgrows_is_full_attention(tmp_path):

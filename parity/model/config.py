@@ -189,6 +189,9 @@ class ModelConfig:
                               f"got {window!r}")
         if window is not None and self.model_type in ("llama", "olmo2"):  # (transformers' have no window)
             raise ConfigError(f"ModelConfig.sliding_window is not supported for {self.model_type}")
+        if window is None and self.model_type in ("gemma3_text", "olmo3"):  # (transformers' always slide)
+            raise ConfigError(f"ModelConfig.sliding_window must be set for {self.model_type} (its "
+                              "transformers code always builds the sliding layers' mask)")
         if types is None:
             return
         if not isinstance(types, (list, tuple)) or len(types) != self.num_hidden_layers:

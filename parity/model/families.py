@@ -178,7 +178,7 @@ def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
                               f"{layers}")
     window = data.get("sliding_window", 4096 if model_type == "mistral" else None)
     on = window is not None and (model_type in ("mistral", "mixtral") or bool(data.get("use_sliding_window")))
-    if not on or model_type == "llama":
+    if not on or model_type in ("llama", "olmo2"):  # (transformers' have no window)
         return
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
@@ -246,7 +246,7 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                      scaling["original_max_position_embeddings"], context, file_context)
             fields["max_position_embeddings"] = context
     if model_type in ("gemma3_text", "olmo3"):
-        fields.update(hybrid.from_hf(data, model_type, str(where), float(theta)))
+        fields.update(hybrid.from_hf(data, model_type, str(where)))
     else:
         _windows(data, model_type, fields, str(where))
     if model_type == "mixtral":  # every layer a mixture of intermediate_size experts, top-k renormalised

@@ -25,8 +25,6 @@ WRITTEN = ("hidden_activation", "query_pre_attn_scalar", "rope_local_base_freq",
            "use_bidirectional_attention")
 """Fields `to_hf` writes itself (never carried in `extra`)."""
 
-_PATTERN = {"gemma3_text": 6, "olmo3": 4}
-"""Every n-th layer is full when a config lists no `layer_types`."""
 _WINDOW = {"gemma3_text": 4096, "olmo3": 4096}
 """transformers' `sliding_window` when a config leaves it out."""
 
@@ -53,57 +51,80 @@ def _gemma_checks(data: dict[str, Any], where: str) -> None:
         raise ConfigError(f"{where}: hidden_activation {act!r} is not supported (only 'gelu_pytorch_tanh')")
 
 
-def _local_base(data: dict[str, Any], model_type: str, where: str, full_theta: float) -> float:
-    """The sliding layers' RoPE base, as transformers 4.x and 5.x both read it (or refused)."""
+def _check_scaling(data: dict[str, Any], full: dict | None, where: str) -> None:
+    """A legacy `rope_scaling` (the full layers') beside per-layer-type `rope_parameters`: 5.x
+    merges the two, 4.x reads `rope_scaling` alone, so they must say the same; and what 5.x would
+    read otherwise than 4.x in it (its old `type` spelling, YaRN's `truncate`) is refused."""
+    scaling = data.get("rope_scaling")
+    if not scaling:
+        return
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: rope_scaling must be an object, got {scaling!r}")
+    if "type" in scaling and "rope_type" not in scaling:  # (5.x keeps rope_type 'default': unscaled)
+        raise ConfigError(f"{where}: rope_scaling spells its type 'type': transformers 5 reads it as no "
+                          "scaling here, 4 as the scaling; write 'rope_type'")
+    if full is not None and {k: v for k, v in full.items() if k != "rope_theta"} != scaling:
+        raise ConfigError(f"{where}: rope_scaling beside per-layer-type rope_parameters says otherwise than "
+                          "rope_parameters.full_attention: transformers 4 and 5 read them differently")
+
+
+def _local_base(data: dict[str, Any], model_type: str, where: str) -> float:
+    """The sliding layers' RoPE base, as transformers 5 reads it (4.x alike, or refused): Gemma's
+    `rope_parameters.sliding_attention.rope_theta`, else `rope_local_base_freq`, else 10000;
+    OLMo 3's `rope_parameters.sliding_attention.rope_theta`, else 500000 (4.x: `rope_theta`)."""
     params = data.get("rope_parameters")
     nested = isinstance(params, dict) and bool({"full_attention", "sliding_attention"} & set(params))
     if params and not nested:  # (transformers 5 ignores flat keys here, 4.x all of rope_parameters)
         raise ConfigError(f"{where}: rope_parameters must name the layer types for {model_type} "
                           "({'full_attention': {...}, 'sliding_attention': {...}}), got a flat one")
-    if nested and data.get("rope_scaling"):  # (5.x merges the two, 4.x reads rope_scaling alone)
-        raise ConfigError(f"{where}: rope_scaling beside per-layer-type rope_parameters: transformers 4 "
-                          "and 5 read them differently; keep one")
+    full = params.get("full_attention") if nested else None
+    _check_scaling(data, full if isinstance(full, dict) else None, where)
+    for scaling in (data.get("rope_scaling"), full):
+        if isinstance(scaling, dict) and scaling.get("truncate") is False:  # (5.x reads it at the top only)
+            raise ConfigError(f"{where}: YaRN's truncate=false on {model_type}: transformers 5 ignores it "
+                              "in a per-layer-type config, 4 applies it")
     local = params.get("sliding_attention") if nested else None
-    # 4.x: Gemma's own field, OLMo 3's one rope_theta (5.x gives OLMo's sliding layers 500000 then)
-    legacy = data.get("rope_local_base_freq") if model_type == "gemma3_text" else data.get("rope_theta")
-    if local is not None:
-        if not isinstance(local, dict):
-            raise ConfigError(f"{where}: rope_parameters.sliding_attention must be an object, got {local!r}")
-        if local.get("rope_type", "default") != "default":
-            raise ConfigError(f"{where}: rope_parameters.sliding_attention.rope_type {local['rope_type']!r} "
-                              "is not supported (the sliding layers rotate unscaled)")
-        own = local.get("rope_theta")
-        if own is not None and legacy is not None and _positive(own, "rope_theta", where) != float(legacy):
-            raise ConfigError(f"{where}: the sliding layers' RoPE base {legacy} and rope_parameters."
-                              f"sliding_attention.rope_theta {own} disagree (transformers 4 reads the "
-                              "first, 5 the second)")
-        return _positive(own if own is not None else legacy if legacy is not None else full_theta,
-                         "rope_theta", where)
-    if model_type == "olmo3":
-        if legacy is not None and float(legacy) != 500000.0:  # (5.x: 500000 for the sliding layers)
-            raise ConfigError(f"{where}: rope_theta {legacy} without rope_parameters: transformers 4 rotates "
-                              "OLMo 3's sliding layers by it, 5 by 500000; give rope_parameters")
-        return 500000.0
-    return _positive(10000.0 if legacy is None else legacy, "rope_local_base_freq", where)
+    if local is not None and not isinstance(local, dict):
+        raise ConfigError(f"{where}: rope_parameters.sliding_attention must be an object, got {local!r}")
+    if local is not None and local.get("rope_type", "default") != "default":
+        raise ConfigError(f"{where}: rope_parameters.sliding_attention.rope_type {local['rope_type']!r} "
+                          "is not supported (the sliding layers rotate unscaled)")
+    own = None if local is None else local.get("rope_theta")
+    own = None if own is None else _positive(own, "rope_parameters.sliding_attention.rope_theta", where)
+    if model_type == "gemma3_text":
+        legacy = data.get("rope_local_base_freq")
+        if own is not None and legacy is not None and own != float(legacy):
+            raise ConfigError(f"{where}: rope_local_base_freq {legacy} and rope_parameters.sliding_attention."
+                              f"rope_theta {own} disagree (transformers 4 reads the first, 5 the second)")
+        return _positive(own if own is not None else legacy if legacy is not None else 10000.0,
+                         "rope_local_base_freq", where)
+    base, legacy = (own if own is not None else 500000.0), data.get("rope_theta")  # olmo3
+    if legacy is None and not nested:
+        raise ConfigError(f"{where}: OLMo 3 config without rope_theta: transformers 4 reads 10000, 5 reads "
+                          "500000; set it")
+    if legacy is not None and float(legacy) != base:
+        raise ConfigError(f"{where}: rope_theta {legacy} for OLMo 3's sliding layers: transformers 4 rotates "
+                          f"them by it, 5 by {base:g} (rope_parameters.sliding_attention); make them agree")
+    return base
 
 
-def from_hf(data: dict[str, Any], model_type: str, where: str, full_theta: float) -> dict[str, Any]:
+def from_hf(data: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
     """The `ModelConfig` fields of a gemma3_text or olmo3 config beyond the shared ones and the
-    full layers' RoPE (`full_theta`)."""
+    full layers' RoPE."""
     if model_type == "gemma3_text":
         _gemma_checks(data, where)
     window = data.get("sliding_window", _WINDOW[model_type])
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
     types = data.get("layer_types")
-    if types is None:  # transformers' derivation
-        pattern = data.get("sliding_window_pattern", _PATTERN[model_type])
+    if types is None:  # transformers' derivation (Gemma's configs may set the pattern; OLMo 3's fixed)
+        pattern = data.get("sliding_window_pattern", 6) if model_type == "gemma3_text" else 4
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ConfigError(f"{where}: sliding_window_pattern must be a positive integer, got {pattern!r}")
         layers = data["num_hidden_layers"]
         types = _pattern(pattern, layers if isinstance(layers, int) else 0)
     out = dict(sliding_window=window, layer_types=types,
-               rope_local_base_freq=_local_base(data, model_type, where, full_theta))
+               rope_local_base_freq=_local_base(data, model_type, where))
     if model_type == "gemma3_text":
         scalar = data.get("query_pre_attn_scalar", 256)
         out["query_pre_attn_scalar"] = _positive(scalar, "query_pre_attn_scalar", where)
@@ -122,7 +143,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
                                                      **(cfg.rope_scaling or {})},
                                   "sliding_attention": {"rope_type": "default",
                                                         "rope_theta": cfg.rope_local_base_freq}}
-        out["rope_scaling"] = None  # (beside rope_parameters, 4.x and 5.x would read different models)
+        out["rope_scaling"] = cfg.rope_scaling  # (4.x reads these two; 5.x merges the same values)
         if cfg.rope_local_base_freq != cfg.rope_theta:  # (4.x rotates every layer by rope_theta)
             out["rope_theta"] = None
         return out
