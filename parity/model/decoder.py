@@ -11,6 +11,8 @@ behind (`last_routing`, `last_router_logits`) for the engine to record and the l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,7 +84,7 @@ class Model(nn.Module):
         # RoPE tables in float32 (plain attributes, so `.to(dtype)` leaves them alone)
         self.rope_cos, self.rope_sin = rope_tables(config.head_dim, config.rope_theta,
                                                    config.max_position_embeddings, config.rope_scaling)
-        self.local_rope = None  # Gemma's sliding layers: another base, never scaled
+        self.local_rope = None  # Gemma's and OLMo 3's sliding layers: their own base, never scaled
         if any(config.local_rope(i) for i in range(config.num_hidden_layers)):
             self.local_rope = rope_tables(config.head_dim, config.rope_local_base_freq,
                                           config.max_position_embeddings, None)
@@ -223,12 +225,13 @@ class Model(nn.Module):
             return TiedLookup.apply(ids, weight, self._tied)
         return F.embedding(ids, weight)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, rope=None, scale: float = 1.0) -> torch.Tensor:
+    def _norm(self, K: Kernels, x: torch.Tensor, weight: torch.Tensor, rope=None,
+              scale: float = 1.0) -> torch.Tensor:
         """RMSNorm of x by `weight` (then RoPE by rope = (cos, sin)). Gemma and OLMo scale the
         float32 normalised x by the weight in float32, rounded once to x's dtype, as transformers
         computes them (a Gemma weight is an offset: `1 + w`); `scale` multiplies that weight
         (Gemma's query scaling)."""
-        K, eps, dtype = self.kernels, self.config.rms_norm_eps, x.dtype
+        eps, dtype = self.config.rms_norm_eps, x.dtype
         if self.config.norms_in_float32:
             acc = torch.promote_types(dtype, torch.float32)  # (float64 stays: references)
             x, weight = x.to(acc), weight.to(acc)
@@ -236,10 +239,9 @@ class Model(nn.Module):
         out = K.rms_norm(x, weight, eps) if rope is None else K.rms_norm_rope(x, weight, eps, *rope)
         return out.to(dtype)
 
-    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _activation(self, K: Kernels, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP's gated activation of a fused [T, 2I] gate/up: SwiGLU, or Gemma's tanh-GELU
         one (element-wise through the backend's `pointwise`, in float32, rounded once)."""
-        K = self.kernels
         if not self.config.gemma:
             return K.silu_mul(gate_up)
         half, acc = gate_up.shape[-1] // 2, torch.promote_types(gate_up.dtype, torch.float32)
@@ -265,6 +267,7 @@ class Model(nn.Module):
         bsz, m = batch.q_index.shape
         # token-wise work runs on `token_rows` rows (extra rows are dropped at the end)
         rows = K.token_rows(t, self.model.embed_tokens.weight.dtype)
+        norm = functools.partial(self._norm, K)
         x = self._embed(batch.input_ids)
         if cfg.gemma:  # embeddings times sqrt(hidden), the factor rounded to the weights' dtype
             x = x * torch.tensor(cfg.hidden_size ** 0.5, dtype=x.dtype)
@@ -286,7 +289,7 @@ class Model(nn.Module):
         def run_layer(i: int, x: torch.Tensor):
             layer = self.model.layers[i]
             att, mlp = layer.self_attn, layer.mlp
-            h = x if cfg.olmo else self._norm(x, layer.input_layernorm.weight)
+            h = x if cfg.olmo else norm(x, layer.input_layernorm.weight)
             projections = (att.q_proj, att.k_proj, att.v_proj)
             w_qkv = self._fused(i, "qkv", [p.weight for p in projections])
             b_qkv = self._fused(i, "qkv_bias", [p.bias for p in projections]) if cfg.attention_bias else None
@@ -296,11 +299,11 @@ class Model(nn.Module):
             v = qkv[:, (hq + hkv) * d:].reshape(rows, hkv, d)
             rope = ropes[cfg.local_rope(i)]
             if cfg.olmo:  # q/k norms over the whole projection, then RoPE per head
-                q = K.rope(self._norm(q.reshape(rows, hq * d), att.q_norm.weight).view(rows, hq, d), *rope)
-                k = K.rope(self._norm(k.reshape(rows, hkv * d), att.k_norm.weight).view(rows, hkv, d), *rope)
+                q = K.rope(norm(q.reshape(rows, hq * d), att.q_norm.weight).view(rows, hq, d), *rope)
+                k = K.rope(norm(k.reshape(rows, hkv * d), att.k_norm.weight).view(rows, hkv, d), *rope)
             elif cfg.qk_norm:
-                q = self._norm(q, att.q_norm.weight, rope, cfg.query_scale)
-                k = self._norm(k, att.k_norm.weight, rope)
+                q = norm(q, att.q_norm.weight, rope, cfg.query_scale)
+                k = norm(k, att.k_norm.weight, rope)
             else:
                 q, k = K.rope(q, *rope), K.rope(k, *rope)
             # row `t` (a padding row, or an appended zero row) serves as the gather pad target:
@@ -324,19 +327,19 @@ class Model(nn.Module):
                 o = torch.cat([o, o.new_zeros(rows - t, o.shape[1])])
             o = K.linear(o, att.o_proj.weight)
             if cfg.gemma or cfg.olmo:
-                x = x + self._norm(o, layer.post_attention_layernorm.weight)
-                h = self._norm(x, layer.pre_feedforward_layernorm.weight) if cfg.gemma else x
+                x = x + norm(o, layer.post_attention_layernorm.weight)
+                h = norm(x, layer.pre_feedforward_layernorm.weight) if cfg.gemma else x
             else:
                 x = x + o
-                h = self._norm(x, layer.post_attention_layernorm.weight)
+                h = norm(x, layer.post_attention_layernorm.weight)
             if isinstance(mlp, SparseMoE):  # the real tokens only: padding rows would take expert slots
                 out, experts, logits = mlp.run(K, h[:t])
                 out = torch.cat([out, out.new_zeros(rows - t, out.shape[1])]) if rows > t else out
                 return x + out, experts, logits
             gate_up = K.linear(h, self._fused(i, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]))
-            out = K.linear(self._activation(gate_up), mlp.down_proj.weight)
+            out = K.linear(self._activation(K, gate_up), mlp.down_proj.weight)
             if cfg.gemma or cfg.olmo:
-                out = self._norm(out, layer.post_feedforward_layernorm.weight)
+                out = norm(out, layer.post_feedforward_layernorm.weight)
             return x + out, None, None
 
         # recompute: each layer keeps only its input for the backward and runs again there (the
@@ -352,7 +355,7 @@ class Model(nn.Module):
         # which experts each token went to, per MoE layer: [T, layers, k] (None for dense models)
         self.last_routing = torch.stack(routing, 1).to(torch.int16) if routing else None
         self.last_router_logits = router_logits
-        return self._norm(x, self.model.norm.weight)[:t]
+        return norm(x, self.model.norm.weight)[:t]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [N, vocab] in the model dtype."""
