@@ -178,7 +178,7 @@ class ModelConfig:
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2's q/k/v projections always carry biases
         self._check_windows()
-        self._check_gemma()
+        self._check_family_fields()
         self.rope_scaling = check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         self._check_moe()
 
@@ -208,7 +208,9 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.layer_types: {self.model_type} layers all attend alike "
                               "(set sliding_window, or leave it None, for every layer)")
 
-    def _check_gemma(self) -> None:
+    def _check_family_fields(self) -> None:
+        """Gemma's query scalar and the sliding layers' RoPE base (Gemma, OLMo 3): their defaults
+        where left out, refused on the other families."""
         gemma = self.model_type == "gemma3_text"
         local = {"gemma3_text": 1e4, "olmo3": self.rope_theta}.get(self.model_type)
         for name, default, own in (("query_pre_attn_scalar", float(self.head_dim), gemma),
@@ -253,8 +255,9 @@ class ModelConfig:
         return math.sqrt(self.head_dim / self.query_pre_attn_scalar)
 
     def local_rope(self, layer: int) -> bool:
-        """Whether layer `layer` rotates by the local table: Gemma's sliding layers, whose base is
-        `rope_local_base_freq` and whose RoPE is never scaled (even when the bases are equal)."""
+        """Whether layer `layer` rotates by the local table: Gemma's and OLMo 3's sliding layers,
+        whose base is `rope_local_base_freq` and whose RoPE is never scaled (even when the bases
+        are equal)."""
         return self.rope_local_base_freq is not None and self.layer_window_type(layer) == "sliding_attention"
 
     def layer_window_type(self, layer: int) -> str:

@@ -21,10 +21,11 @@ beyond a query's position are exact no-ops for it: their state is (max -inf, sum
 and merging it multiplies by exactly 1 and adds exactly 0.
 
 A sliding window (`window` > 0: a query sees its last `window` keys) masks the keys before it the
-same way. Pages and splits wholly before every row's window are skipped; for a row whose window
-starts later than its tile's, the splits before it are empty states, and merging empties into the
-empty start state keeps it (-inf, 0, 0) exactly (`_merge` takes exponents against 0 there), so a
-row's bits depend on its own position and window alone.
+same way (a compile-time switch, SLIDING: full-attention binaries are unchanged). Splits wholly
+before every live row's window are skipped; for a row whose window starts later than its tile's,
+the splits before it are empty states, and merging empties into the empty start state keeps it
+(-inf, 0, 0) exactly (`_merge` takes exponents against 0 there), so a row's bits depend on its own
+position and window alone.
 """
 
 from __future__ import annotations
