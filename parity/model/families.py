@@ -245,7 +245,7 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                      "tokens (max_position_embeddings %s in the file)", where, scaling["factor"],
                      scaling["original_max_position_embeddings"], context, file_context)
             fields["max_position_embeddings"] = context
-    if model_type in ("gemma3_text", "olmo3"):
+    if model_type in hybrid.FAMILIES:
         fields.update(hybrid.from_hf(data, model_type, str(where)))
     else:
         _windows(data, model_type, fields, str(where))
@@ -285,8 +285,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     out = {**cfg.extra}
     out.update({k: getattr(cfg, k) for k in _SHARED})
     out.update(model_type=cfg.model_type, architectures=[arch], rope_scaling=cfg.rope_scaling)
-    out.update({} if cfg.gemma else {"hidden_act": "silu"})
-    out.update(hybrid.to_hf(cfg) if cfg.model_type in ("gemma3_text", "olmo3") else {})
+    if not cfg.gemma:  # (Gemma's activation is `hidden_activation`, written below)
+        out["hidden_act"] = "silu"
+    if cfg.model_type in hybrid.FAMILIES:
+        out.update(hybrid.to_hf(cfg))
     out.setdefault("attention_dropout", 0.0)  # (a checkpoint's own value is kept; parity trains without)
     if cfg.model_type == "qwen2_moe":  # (its q/k/v biases are `qkv_bias`)
         out.update(qkv_bias=cfg.attention_bias,

@@ -25,8 +25,8 @@ WRITTEN = ("hidden_activation", "query_pre_attn_scalar", "rope_local_base_freq",
            "use_bidirectional_attention")
 """Fields `to_hf` writes itself (never carried in `extra`)."""
 
-_WINDOW = {"gemma3_text": 4096, "olmo3": 4096}
-"""transformers' `sliding_window` when a config leaves it out."""
+FAMILIES = ("gemma3_text", "olmo3")
+"""The model types whose config fields this module reads and writes."""
 
 
 def _positive(value, what: str, where: str) -> float:
@@ -113,7 +113,7 @@ def from_hf(data: dict[str, Any], model_type: str, where: str) -> dict[str, Any]
     full layers' RoPE."""
     if model_type == "gemma3_text":
         _gemma_checks(data, where)
-    window = data.get("sliding_window", _WINDOW[model_type])
+    window = data.get("sliding_window", 4096)  # (both families' transformers default)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
     types = data.get("layer_types")
