@@ -41,6 +41,8 @@ def hf_config(family: str, tied: bool = False, **over):
     if family == "gemma3_text":  # sliding layers 0 and 2 (8 keys, their own RoPE base), query scale 24
         return transformers.Gemma3TextConfig(**{"head_dim": 16, "query_pre_attn_scalar": 24,
                                                 "sliding_window": 8, "sliding_window_pattern": 2, **kw})
+    if family == "phi3":  # fused qkv_proj and gate_up_proj in its files
+        return transformers.Phi3Config(**{"eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1, **kw})
     if family == "olmo2":
         return transformers.Olmo2Config(**{"eos_token_id": 2, **kw})
     if family == "olmo3":  # sliding layers 0 and 2 (8 keys), the full one YaRN-scaled (OLMo 3's long context)
@@ -81,7 +83,7 @@ def hf_logprobs(model, seq):
 
 
 FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe", "gemma3_text", "olmo2",
-            "olmo3"]
+            "olmo3", "phi3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -101,7 +103,7 @@ def test_a_transformers_checkpoint_loads_and_agrees(tmp_path, family, tied):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-qwen2", "tiny-llama", "tiny-mistral",
                                     "tiny-mixtral", "tiny-qwen2-moe", "tiny-gemma3", "tiny-olmo2",
-                                    "tiny-olmo3"])
+                                    "tiny-olmo3", "tiny-phi3"])
 def test_parity_saves_what_transformers_loads(tmp_path, preset):
     model = parity.Model(parity.ModelConfig.preset(preset, tie_word_embeddings=False), seed=1)
     model.reset_parameters(1, 0.08)
@@ -185,6 +187,7 @@ def test_qwen3s_yarn_recipe_serves_131072_tokens():
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]), [1, 0, 1]),
     ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8), [1, 1, 1]),  # (transformers 5: all)
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=3), [1, 0, 1]),  # even
+    ("phi3", dict(sliding_window=8), [1, 1, 1]),  # Phi-3-mini/medium-4k: every layer (window 2047)
 ])
 def test_sliding_window_layers_agree_with_transformers_past_the_window(tmp_path, family, edit, slides):
     """Sliding-window attention (was: refused, or a Mistral's context cut to its window), read per
@@ -335,6 +338,33 @@ def test_olmo3_slides_three_layers_of_four_and_scales_only_the_full_ones(tmp_pat
     path.write_text(json.dumps({**json.loads(path.read_text()), "use_sliding_window": True,
                                 "sliding_window": 4}))
     assert parity.load_model(tmp_path / "olmo2").config.sliding_window is None
+
+
+def test_phi3s_fused_projections_are_cut_on_load_and_fused_on_save(tmp_path):
+    """Phi-3 files hold each layer's q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
+    (it was refused as another architecture): they load cut apart (the checkpoint agrees with
+    transformers: test_a_transformers_checkpoint_loads_and_agrees), save fused, and a fused tensor
+    of the wrong shape or a missing one is a one-line error naming the file's tensor."""
+    from safetensors.torch import load_file, save_file
+
+    hf_model("phi3").save_pretrained(tmp_path)
+    ours = parity.load_model(tmp_path)
+    ours.save_pretrained(tmp_path / "ours")
+    saved = load_file(tmp_path / "ours" / "model.safetensors")
+    assert "model.layers.0.self_attn.qkv_proj.weight" in saved
+    assert "model.layers.0.mlp.gate_proj.weight" not in saved
+    theirs = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(saved[n], t) for n, t in theirs.items())  # bit for bit, name for name
+    fused = "model.layers.1.self_attn.qkv_proj.weight"
+    for edit, culprit in ((lambda t: t.update({fused: torch.zeros(5, 64)}),
+                           r"qkv_proj.weight has shape \(5, 64\), config.json implies \(128, 64\)"),
+                          (lambda t: t.pop("model.layers.2.mlp.gate_up_proj.weight"),
+                           "missing tensor model.layers.2.mlp.gate_up_proj.weight")):
+        tensors = dict(theirs)
+        edit(tensors)
+        save_file(tensors, tmp_path / "model.safetensors")
+        with pytest.raises(CheckpointError, match=culprit):
+            parity.load_model(tmp_path)
 
 
 def test_a_window_no_sequence_outgrows_is_full_attention(tmp_path):

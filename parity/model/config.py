@@ -14,6 +14,7 @@ One decoder definition serves every family; they differ in a few switches:
 | gemma3_text| yes      | no         | GeGLU (tanh GELU)   | local / global bases  |
 | olmo2      | whole q/k| no         | SwiGLU              | default               |
 | olmo3      | whole q/k| no         | SwiGLU              | sliding layers unscaled |
+| phi3       | no       | no         | SwiGLU              | default               |
 
 Gemma 3 (text: Gemma3ForCausalLM, the 270M and 1B checkpoints) also scales its embeddings by
 sqrt(hidden_size), stores every RMSNorm weight as an offset from 1 (applied as `1 + w` in float32),
@@ -45,7 +46,7 @@ from .presets import PRESETS as _PRESETS
 from .rope import check_rope_scaling
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe",
-                                "gemma3_text", "olmo2", "olmo3")
+                                "gemma3_text", "olmo2", "olmo3", "phi3")
 """Decoder families parity builds."""
 
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -204,7 +205,7 @@ class ModelConfig:
         if "sliding_attention" in types and window is None:
             raise ConfigError("ModelConfig.layer_types has sliding_attention layers but sliding_window "
                               "is None")
-        if self.model_type in ("mistral", "mixtral", "qwen3_moe") and len(set(types)) > 1:
+        if self.model_type in ("mistral", "mixtral", "qwen3_moe", "phi3") and len(set(types)) > 1:
             raise ConfigError(f"ModelConfig.layer_types: {self.model_type} layers all attend alike "
                               "(set sliding_window, or leave it None, for every layer)")
 

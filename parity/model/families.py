@@ -24,7 +24,8 @@ from .config import LAYER_TYPES, MODEL_TYPES, ModelConfig
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                 "Gemma3ForCausalLM": "gemma3_text", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3"}
+                 "Gemma3ForCausalLM": "gemma3_text", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
+                 "Phi3ForCausalLM": "phi3"}
 log = logging.getLogger(__name__)
 
 _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a config.json leaves out
@@ -41,6 +42,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a 
                         eos_token_id=1, tie_word_embeddings=True, rope_theta=1e6, intermediate_size=9216),
     "olmo2": dict(max_position_embeddings=2048, rms_norm_eps=1e-5, eos_token_id=50279,
                   intermediate_size=11008),
+    "phi3": dict(max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=32000,
+                 intermediate_size=8192),
     "olmo3": dict(max_position_embeddings=2048, rope_theta=500000.0, rms_norm_eps=1e-5, eos_token_id=50279,
                   intermediate_size=11008),
 }  # (else: rope_theta 1e4, rms_norm_eps 1e-6, num_key_value_heads num_attention_heads, no bos/eos)
@@ -162,8 +165,8 @@ def _rope(data: dict, where: str, default_theta: float) -> tuple[float, dict | N
 
 
 def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
-    """`sliding_window` and `layer_types` as transformers reads the family's config: Mistral and
-    Mixtral slide every layer when a window is set (absent: 4096 for Mistral, none for Mixtral);
+    """`sliding_window` and `layer_types` as transformers reads the family's config: Mistral,
+    Mixtral and Phi-3 slide every layer when a window is set (absent: 4096 for Mistral, none else);
     the Qwen families only with `use_sliding_window`: Qwen3-MoE every layer; Qwen2/Qwen3 the layers
     `layer_types` names, else those from `max_window_layers` on; Qwen2-MoE likewise, else the even
     layers below `max_window_layers`."""
@@ -177,13 +180,14 @@ def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
             raise ConfigError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is "
                               f"{layers}")
     window = data.get("sliding_window", 4096 if model_type == "mistral" else None)
-    on = window is not None and (model_type in ("mistral", "mixtral") or bool(data.get("use_sliding_window")))
+    every = model_type in ("mistral", "mixtral", "phi3")  # (these slide whenever a window is set)
+    on = window is not None and (every or bool(data.get("use_sliding_window")))
     if not on or model_type in ("llama", "olmo2"):  # (transformers' have no window)
         return
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
     fields["sliding_window"] = window
-    if model_type in ("mistral", "mixtral", "qwen3_moe"):
+    if model_type in ("mistral", "mixtral", "qwen3_moe", "phi3"):
         return  # every layer
     if types is None and isinstance(layers, int):
         first = data.get("max_window_layers", 28)  # (transformers' default)
@@ -290,6 +294,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.model_type in hybrid.FAMILIES:
         out.update(hybrid.to_hf(cfg))
     out.setdefault("attention_dropout", 0.0)  # (a checkpoint's own value is kept; parity trains without)
+    out.setdefault("pad_token_id", None)  # (a checkpoint's own is kept; Phi-3's default, 32000, is an id)
     if cfg.model_type == "qwen2_moe":  # (its q/k/v biases are `qkv_bias`)
         out.update(qkv_bias=cfg.attention_bias,
                    shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
@@ -304,7 +309,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                 out["layer_types"] = types
     if cfg.model_type in ("llama", "mistral"):
         out["mlp_bias"] = False
-    if cfg.model_type in ("mistral", "mixtral"):
+    if cfg.model_type in ("mistral", "mixtral", "phi3"):
         out["sliding_window"] = cfg.sliding_window  # (null written out: absent reads as 4096)
     if cfg.model_type == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,

@@ -33,15 +33,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                         rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "tiny-qwen2-moe": dict(_TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
                            moe_intermediate_size=32, shared_expert_intermediate_size=48),
-    # a real size: Qwen3-0.6B's shape (596M parameters, random weights; benchmarks and memory checks)
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=40960, rope_theta=1000000.0),
+    "tiny-phi3": dict(_TINY, model_type="phi3", sliding_window=40, tie_word_embeddings=False),  # (as Phi-3)
     "tiny-olmo2": dict(_TINY, model_type="olmo2", rope_theta=500000.0, tie_word_embeddings=False),
     "tiny-olmo3": dict(_TINY, model_type="olmo3", rope_theta=500000.0, rope_local_base_freq=500000.0,
                        sliding_window=24, layer_types=["sliding_attention", "full_attention"],
                        tie_word_embeddings=False, rope_scaling={  # (OLMo 3's long context: YaRN, full layers)
                            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    # a real size: Qwen3-0.6B's shape (596M parameters, random weights; benchmarks and memory checks)
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rope_theta=1000000.0),
     # Gemma 3 1B's shape (1.0B parameters, 302M of them the embedding; random weights): five
     # sliding layers of 512 keys to one full one, head_dim 256, one key-value head
     "gemma3-1b": dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,

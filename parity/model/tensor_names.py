@@ -1,5 +1,9 @@
 """Checkpoint tensor names: the files' spelling and the model's, per family.
 
+Phi-3's files fuse each layer's q/k/v projections (`self_attn.qkv_proj`) and its gate/up ones
+(`mlp.gate_up_proj`); parity cuts them apart on load and fuses them again on save (row blocks of
+one weight: exact both ways).
+
 Checkpoint files name MoE experts one by one (`mlp.experts.<e>.gate_proj.weight`, as on the Hub;
 Mixtral's under `block_sparse_moe` as w1/w3/w2); in memory parity keeps each layer's experts
 stacked (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I], as
@@ -30,13 +34,60 @@ def _mixtral_name(name: str, to_hub: bool) -> str:
 
 
 def file_name(cfg: ModelConfig, name: str) -> str:
-    """A tensor's name as the checkpoint file spells it (for messages: Mixtral's `block_sparse_moe`)."""
+    """A tensor's name as the checkpoint file spells it (for messages: Mixtral's `block_sparse_moe`,
+    Phi-3's fused `qkv_proj` and `gate_up_proj`)."""
+    if cfg.model_type == "phi3":
+        return re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name))
     return _mixtral_name(name, to_hub=True) if cfg.model_type == "mixtral" else name
+
+
+_PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+"""Phi-3's files fuse these projections (rows in this order); parity keeps them apart."""
+
+
+def _phi3_sizes(cfg: ModelConfig, fused: str) -> list[int]:
+    d = cfg.head_dim
+    if fused == "self_attn.qkv_proj":
+        return [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def _phi3_split(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Phi-3's fused projections cut into the model's (row blocks of one weight: exact)."""
+    out = {}
+    for name, t in tensors.items():
+        prefix, _, rest = name.rpartition(".layers.")
+        layer, _, proj = rest.partition(".")
+        fused = proj.removesuffix(".weight")
+        if not prefix or fused not in _PHI3_FUSED or not proj.endswith(".weight"):
+            out[name] = t
+            continue
+        sizes = _phi3_sizes(cfg, fused)
+        if t.dim() != 2 or t.shape != (sum(sizes), cfg.hidden_size):
+            raise ConfigError(f"{where}: tensor {name} has shape {tuple(t.shape)}, config.json implies "
+                              f"{(sum(sizes), cfg.hidden_size)}")
+        for part, block in zip(_PHI3_FUSED[fused], t.split(sizes)):
+            out[f"{prefix}.layers.{layer}.{part}.weight"] = block.contiguous()
+    return out
+
+
+def _phi3_fuse(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's projections fused as Phi-3's files hold them."""
+    out = dict(state)
+    for i in range(cfg.num_hidden_layers):
+        for fused, parts in _PHI3_FUSED.items():
+            names = [f"model.layers.{i}.{p}.weight" for p in parts]
+            out[f"model.layers.{i}.{fused}.weight"] = torch.cat([out.pop(n) for n in names])
+    return out
 
 
 def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
                        where: str) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors under the model's own names: per-expert MoE weights are stacked."""
+    """Checkpoint tensors under the model's own names: per-expert MoE weights are stacked, Phi-3's
+    fused projections cut apart."""
+    if cfg.model_type == "phi3":
+        return _phi3_split(cfg, tensors, where)
     if not cfg.is_moe:
         return tensors
     if cfg.model_type == "mixtral":
@@ -78,6 +129,8 @@ def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
 
 def tensors_to_files(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's tensors under the checkpoint names the Hub and `transformers` use."""
+    if cfg.model_type == "phi3":
+        return _phi3_fuse(cfg, state)
     if not cfg.is_moe:
         return state
     out, inter = {}, cfg.moe_intermediate_size
