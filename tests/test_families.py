@@ -359,7 +359,9 @@ def test_phi3s_fused_projections_are_cut_on_load_and_fused_on_save(tmp_path):
     for edit, culprit in ((lambda t: t.update({fused: torch.zeros(5, 64)}),
                            r"qkv_proj.weight has shape \(5, 64\), config.json implies \(128, 64\)"),
                           (lambda t: t.pop("model.layers.2.mlp.gate_up_proj.weight"),
-                           "missing tensor model.layers.2.mlp.gate_up_proj.weight")):
+                           "missing tensor model.layers.2.mlp.gate_up_proj.weight"),
+                          (lambda t: t.update({fused.replace("qkv", "k"): torch.zeros(32, 64)}),
+                           "qkv_proj.weight is stored both fused and as its parts")):
         tensors = dict(theirs)
         edit(tensors)
         save_file(tensors, tmp_path / "model.safetensors")

@@ -67,8 +67,10 @@ def _phi3_split(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str) 
         if t.dim() != 2 or t.shape != (sum(sizes), cfg.hidden_size):
             raise ConfigError(f"{where}: tensor {name} has shape {tuple(t.shape)}, config.json implies "
                               f"{(sum(sizes), cfg.hidden_size)}")
-        for part, block in zip(_PHI3_FUSED[fused], t.split(sizes)):
-            out[f"{prefix}.layers.{layer}.{part}.weight"] = block.contiguous()
+        parts = [f"{prefix}.layers.{layer}.{part}.weight" for part in _PHI3_FUSED[fused]]
+        if any(p in tensors for p in parts):  # (one of the two would silently win)
+            raise ConfigError(f"{where}: {name} is stored both fused and as its parts")
+        out.update(zip(parts, (block.contiguous() for block in t.split(sizes))))
     return out
 
 
