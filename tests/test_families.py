@@ -1,5 +1,6 @@
-"""Bring your own checkpoint: Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama 3, Mistral, Mixtral
-checkpoints made by `transformers` itself load with log-probs within 1e-4 of transformers';
+"""Bring your own checkpoint: Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama 3, Mistral, Mixtral, Gemma 2
+and 3, OLMo 2 and 3, Phi-3 checkpoints made by `transformers` itself load with log-probs within 1e-4
+of transformers';
 parity's own saves load in transformers; what parity does not honour is a one-line error; MoE
 routing is batch-invariant and identical on both sides with aligned kernels, and flips with
 standard kernels."""
@@ -41,6 +42,10 @@ def hf_config(family: str, tied: bool = False, **over):
     if family == "gemma3_text":  # sliding layers 0 and 2 (8 keys, their own RoPE base), query scale 24
         return transformers.Gemma3TextConfig(**{"head_dim": 16, "query_pre_attn_scalar": 24,
                                                 "sliding_window": 8, "sliding_window_pattern": 2, **kw})
+    if family == "gemma2":  # sliding layers 0 and 2 (8 keys), query scale 24, caps that bind at these scales
+        return transformers.Gemma2Config(**{"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                                            "attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.0,
+                                            **kw})
     if family == "phi3":  # fused qkv_proj and gate_up_proj in its files
         return transformers.Phi3Config(**{"eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1, **kw})
     if family == "olmo2":
@@ -82,8 +87,8 @@ def hf_logprobs(model, seq):
     return torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0]
 
 
-FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe", "gemma3_text", "olmo2",
-            "olmo3", "phi3"]
+FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe", "gemma2",
+            "gemma3_text", "olmo2", "olmo3", "phi3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -102,8 +107,8 @@ def test_a_transformers_checkpoint_loads_and_agrees(tmp_path, family, tied):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-qwen2", "tiny-llama", "tiny-mistral",
-                                    "tiny-mixtral", "tiny-qwen2-moe", "tiny-gemma3", "tiny-olmo2",
-                                    "tiny-olmo3", "tiny-phi3"])
+                                    "tiny-mixtral", "tiny-qwen2-moe", "tiny-gemma2", "tiny-gemma3",
+                                    "tiny-olmo2", "tiny-olmo3", "tiny-phi3"])
 def test_parity_saves_what_transformers_loads(tmp_path, preset):
     model = parity.Model(parity.ModelConfig.preset(preset, tie_word_embeddings=False), seed=1)
     model.reset_parameters(1, 0.08)
@@ -249,12 +254,61 @@ def test_a_gemma3_checkpoint_in_the_hubs_layout_agrees_in_both_dtypes(tmp_path):
             other = parity.Model(dataclasses.replace(c, **edit), dtype=torch.float32, seed=None)
             other.load_state_dict(ours.state_dict())
             assert (parity.sequence_logprobs(other, [seq])[0] - ref).abs().max() > 1e-2, edit
-    for key, value, culprit in (("final_logit_softcapping", 30.0, "final_logit_softcapping 30.0 is not"),
+    for key, value, culprit in (("final_logit_softcapping", -3.0, "final_logit_softcapping must be a"),
                                 ("hidden_activation", "gelu", "hidden_activation 'gelu' is not supported"),
                                 ("use_bidirectional_attention", True, "use_bidirectional_attention=true")):
         (tmp_path / "config.json").write_text(json.dumps({**GEMMA3_1B, key: value}))
         with pytest.raises(CheckpointError, match=culprit):
             parity.load_model(tmp_path)
+
+
+GEMMA2_2B = {  # google/gemma-2-2b-it's config.json (transformers 4.42 wrote it): a tiny size, lower caps
+    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": 0.5, "bos_token_id": 2, "cache_implementation": "hybrid",
+    "eos_token_id": [1, 107],
+    "final_logit_softcapping": 1.0, "head_dim": 16, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 64, "initializer_range": 0.02,
+    "intermediate_size": 96, "max_position_embeddings": 256, "model_type": "gemma2", "num_attention_heads": 4,
+    "num_hidden_layers": 3, "num_key_value_heads": 2, "pad_token_id": 0, "query_pre_attn_scalar": 24,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 8, "torch_dtype": "float32",
+    "transformers_version": "4.42.4", "use_cache": True, "vocab_size": 128}
+
+
+def test_a_gemma2_checkpoint_in_the_hubs_layout_agrees_in_both_dtypes(tmp_path):
+    """Gemma 2 as the Hub ships it (no layer_types: the even layers slide; soft-caps on attention
+    scores and logits, `query_pre_attn_scalar` apart from head_dim) agrees with transformers within
+    1e-5 in float32, and in bfloat16 no further from the float32 reference than transformers' own
+    bfloat16 forward (x1.5). The controls: the same weights without either cap, with every layer
+    full, or scaled by 1/sqrt(head_dim), are more than 0.01 nats off; left out, the caps are
+    transformers' (50 and 30)."""
+    hf = hf_model("gemma2", tied=True)
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA2_2B))
+    ours = parity.load_model(tmp_path, dtype=torch.float32)
+    c = ours.config
+    assert (c.layer_types, c.attn_logit_softcapping, c.final_logit_softcapping, c.rope_local_base_freq) == (
+        ["sliding_attention", "full_attention", "sliding_attention"], 0.5, 1.0, None)
+    seq = torch.arange(1, 90, 3) % 128
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        ref = hf_logprobs(hf, seq)
+        assert torch.allclose(parity.sequence_logprobs(ours, [seq])[0], ref, atol=1e-5)
+        ours16 = parity.load_model(tmp_path, dtype=torch.bfloat16)
+        hf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+        theirs = (hf_logprobs(hf16, seq) - ref).abs().max()
+        assert (parity.sequence_logprobs(ours16, [seq])[0] - ref).abs().max() <= 1.5 * theirs
+        for edit in (dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None),
+                     dict(layer_types=["full_attention"] * 3), dict(query_pre_attn_scalar=16.0)):
+            other = parity.Model(dataclasses.replace(c, **edit), dtype=torch.float32, seed=None)
+            other.load_state_dict(ours.state_dict())
+            assert (parity.sequence_logprobs(other, [seq])[0] - ref).abs().max() > 1e-2, edit
+    plain = {k: v for k, v in GEMMA2_2B.items() if not k.endswith("softcapping")}
+    (tmp_path / "config.json").write_text(json.dumps(plain))
+    c = parity.load_model(tmp_path).config
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, 30.0)
+    (tmp_path / "config.json").write_text(json.dumps({**GEMMA2_2B, "attn_logit_softcapping": "50"}))
+    with pytest.raises(CheckpointError, match="attn_logit_softcapping must be a positive number"):
+        parity.load_model(tmp_path)
 
 
 def test_gemma3s_sliding_layers_rotate_unscaled_even_when_the_bases_are_equal(tmp_path):
@@ -367,6 +421,33 @@ def test_phi3s_fused_projections_are_cut_on_load_and_fused_on_save(tmp_path):
         save_file(tensors, tmp_path / "model.safetensors")
         with pytest.raises(CheckpointError, match=culprit):
             parity.load_model(tmp_path)
+
+
+def test_phi3s_rope_scalings_and_a_window_its_layers_ignore_are_refused(tmp_path):
+    """(2026-12-06 review) transformers reads every Phi-3 RoPE scaling as longrope (`yarn` and
+    `su` renamed to it; 0.67 nats off where parity computed YaRN) and refuses the other types, so
+    parity refuses them by name, in a config.json and a ModelConfig alike. A Mistral-like family
+    whose `layer_types` says full everywhere beside a window ran full attention but saved the
+    window, which transformers then applies on every layer (1.2 nats apart): refused."""
+    hf_model("phi3").save_pretrained(tmp_path)
+    base = json.loads((tmp_path / "config.json").read_text())
+    base.pop("rope_parameters", None)
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    for scaling in ({"type": "yarn", "factor": 4.0, **factors}, {"rope_type": "su", **factors},
+                    {"rope_type": "linear", "factor": 2.0}):
+        for key in ("rope_scaling", "rope_parameters"):
+            (tmp_path / "config.json").write_text(json.dumps({**base, key: scaling}))
+            kind = scaling.get("rope_type", scaling.get("type"))
+            with pytest.raises(CheckpointError, match=f"{key} of type '{kind}' on Phi-3 is not supported"):
+                parity.load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**base, "rope_scaling": {"rope_type": "default"}}))
+    assert parity.load_model(tmp_path).config.rope_scaling is None
+    with pytest.raises(ConfigError, match="'linear' is not supported for phi3"):
+        parity.ModelConfig.preset("tiny-phi3", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    for preset in ("tiny-phi3", "tiny-mistral"):
+        with pytest.raises(ConfigError, match="attend alike, and with sliding_window set all slide"):
+            parity.ModelConfig.preset(preset, layer_types=["full_attention"] * 2)
+    assert parity.ModelConfig.preset("tiny-phi3", layer_types=["sliding_attention"] * 2).layer_window(1) == 40
 
 
 def test_a_window_no_sequence_outgrows_is_full_attention(tmp_path):

@@ -11,6 +11,7 @@ One decoder definition serves every family; they differ in a few switches:
 | mistral    | no       | no         | SwiGLU              | default               |
 | mixtral    | no       | no         | top-k mixture in every layer    | default   |
 | qwen2_moe  | no       | yes        | top-k mixture + gated shared expert | default |
+| gemma2     | no       | no         | GeGLU (tanh GELU)   | default               |
 | gemma3_text| yes      | no         | GeGLU (tanh GELU)   | local / global bases  |
 | olmo2      | whole q/k| no         | SwiGLU              | default               |
 | olmo3      | whole q/k| no         | SwiGLU              | sliding layers unscaled |
@@ -25,7 +26,9 @@ norms each block's output before the residual add (`post_attention_layernorm`,
 before attention or the MLP: `post_attention_layernorm`, `post_feedforward_layernorm`) and norm q
 and k over the whole projection, every head at once, before RoPE; OLMo 3 slides three layers of
 four, their RoPE never scaled. Gemma's and OLMo's norms multiply by their weight in float32 and
-round once, as transformers computes them.
+round once, as transformers computes them. Gemma 2 is Gemma 3's block without q/k norms, its
+sliding layers on the same RoPE as the full ones, and it soft-caps attention scores and the final
+logits: c * tanh(x / c) (`attn_logit_softcapping`, `final_logit_softcapping`).
 
 Any family may scale RoPE (`linear`, `llama3` or `yarn`: `rope.py`), as transformers allows.
 
@@ -46,7 +49,7 @@ from .presets import PRESETS as _PRESETS
 from .rope import check_rope_scaling
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe",
-                                "gemma3_text", "olmo2", "olmo3", "phi3")
+                                "gemma2", "gemma3_text", "olmo2", "olmo3", "phi3")
 """Decoder families parity builds."""
 
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -104,8 +107,14 @@ class ModelConfig:
     slides when `sliding_window` is set (Mistral, Mixtral, Qwen3-MoE), else none does. A list
     (qwen2, qwen3, qwen2_moe) names each layer's; a sliding one needs `sliding_window`."""
     query_pre_attn_scalar: float | None = None
-    """gemma3_text: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim,
-    the usual 1 / sqrt(head_dim))."""
+    """gemma2, gemma3_text: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None:
+    head_dim, the usual 1 / sqrt(head_dim))."""
+    attn_logit_softcapping: float | None = None
+    """gemma2, gemma3_text: attention scores s are capped to c * tanh(s / c) before the softmax,
+    c this value (Gemma 2: 50); None: not capped."""
+    final_logit_softcapping: float | None = None
+    """gemma2, gemma3_text: the LM head's logits z are capped to c * tanh(z / c) (Gemma 2: 30),
+    in the engine and the learner alike; None: not capped."""
     rope_local_base_freq: float | None = None
     """gemma3_text, olmo3: the RoPE base of the sliding layers, which rotate unscaled (`rope_theta`
     and `rope_scaling` are the full layers'); None: 10000 (Gemma), `rope_theta` (OLMo 3)."""
@@ -181,6 +190,9 @@ class ModelConfig:
         self._check_windows()
         self._check_family_fields()
         self.rope_scaling = check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+        if self.model_type == "phi3" and self.rope_scaling is not None:  # (transformers' refuses them)
+            raise ConfigError(f"ModelConfig.rope_scaling {self.rope_scaling['rope_type']!r} is not supported "
+                              "for phi3: transformers' Phi-3 scales by longrope alone, which parity refuses")
         self._check_moe()
 
     def _check_windows(self) -> None:
@@ -190,7 +202,7 @@ class ModelConfig:
                               f"got {window!r}")
         if window is not None and self.model_type in ("llama", "olmo2"):  # (transformers' have no window)
             raise ConfigError(f"ModelConfig.sliding_window is not supported for {self.model_type}")
-        if window is None and self.model_type in ("gemma3_text", "olmo3"):  # (transformers' always slide)
+        if window is None and self.model_type in ("gemma2", "gemma3_text", "olmo3"):  # (theirs always slide)
             raise ConfigError(f"ModelConfig.sliding_window must be set for {self.model_type} (its "
                               "transformers code always builds the sliding layers' mask)")
         if types is None:
@@ -205,17 +217,20 @@ class ModelConfig:
         if "sliding_attention" in types and window is None:
             raise ConfigError("ModelConfig.layer_types has sliding_attention layers but sliding_window "
                               "is None")
-        if self.model_type in ("mistral", "mixtral", "qwen3_moe", "phi3") and len(set(types)) > 1:
-            raise ConfigError(f"ModelConfig.layer_types: {self.model_type} layers all attend alike "
-                              "(set sliding_window, or leave it None, for every layer)")
+        full = window is not None and types[:1] == ["full_attention"]  # (saved, the window slides them all)
+        if self.model_type in ("mistral", "mixtral", "qwen3_moe", "phi3") and (len(set(types)) > 1 or full):
+            raise ConfigError(f"ModelConfig.layer_types: {self.model_type} layers all attend alike, and with "
+                              "sliding_window set all slide (set sliding_window None for full attention)")
 
     def _check_family_fields(self) -> None:
-        """Gemma's query scalar and the sliding layers' RoPE base (Gemma, OLMo 3): their defaults
-        where left out, refused on the other families."""
-        gemma = self.model_type == "gemma3_text"
+        """Gemma's query scalar and soft-caps, the sliding layers' RoPE base (Gemma 3, OLMo 3):
+        their defaults where left out, refused on the other families."""
+        gemma = self.gemma
         local = {"gemma3_text": 1e4, "olmo3": self.rope_theta}.get(self.model_type)
         for name, default, own in (("query_pre_attn_scalar", float(self.head_dim), gemma),
-                                   ("rope_local_base_freq", local, local is not None)):
+                                   ("rope_local_base_freq", local, local is not None),
+                                   ("attn_logit_softcapping", None, gemma),
+                                   ("final_logit_softcapping", None, gemma)):
             value = getattr(self, name)
             if value is None:
                 if own:
@@ -231,9 +246,9 @@ class ModelConfig:
     # ------------------------------------------------------------------ family switches
     @property
     def gemma(self) -> bool:
-        """Gemma 3's block: embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as
-        1 + w (in float32), sandwich norms around attention and MLP, a tanh-GELU MLP."""
-        return self.model_type == "gemma3_text"
+        """Gemma 2's and 3's block: embeddings scaled by sqrt(hidden_size), RMSNorm weights applied
+        as 1 + w (in float32), sandwich norms around attention and MLP, a tanh-GELU MLP."""
+        return self.model_type in ("gemma2", "gemma3_text")
 
     @property
     def olmo(self) -> bool:
@@ -250,10 +265,17 @@ class ModelConfig:
     @property
     def query_scale(self) -> float:
         """What queries are multiplied by so that the attention kernels' 1/sqrt(head_dim) scaling
-        gives the family's: sqrt(head_dim / query_pre_attn_scalar) (1 for all but Gemma)."""
-        if self.query_pre_attn_scalar is None:
+        gives the family's: sqrt(head_dim / query_pre_attn_scalar) (1 for all but Gemma 3, whose
+        query norm's weight takes it)."""
+        if self.query_pre_attn_scalar is None or not self.qk_norm:
             return 1.0
         return math.sqrt(self.head_dim / self.query_pre_attn_scalar)
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The factor the attention kernels scale scores by: Gemma 2's query_pre_attn_scalar ** -0.5
+        (it has no query norm to take `query_scale`); None (1/sqrt(head_dim)) for the others."""
+        return self.query_pre_attn_scalar ** -0.5 if self.model_type == "gemma2" else None
 
     def local_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates by the local table: Gemma's and OLMo 3's sliding layers,

@@ -28,6 +28,7 @@ from .config import ModelConfig
 from .fused import FusedView, adjacent, share_storage
 from .kv_cache import KVCache
 from .layers import Backbone
+from .logprobs import soft_cap
 from .moe import SparseMoE
 from .rope import rope_tables
 from .tied import TiedGradient, TiedHead, TiedLookup
@@ -314,12 +315,13 @@ class Model(nn.Module):
                 k, v = (torch.cat([z, z.new_zeros(1, *z.shape[1:])]) for z in (k, v))
             # [B, M, Hq, D]; without padding slots the layout is the packed order (decode): a view
             q_pad = q[q_index] if padded else q[:t].view(bsz, m, hq, d)
-            window = cfg.layer_window(i)
+            spec = dict(window=cfg.layer_window(i), softcap=cfg.attn_logit_softcapping or 0.0,
+                        scale=cfg.attention_scale)
             if cache is None:
-                o = K.attention(q_pad, k[k_index], v[k_index], q_pos, self.block_size, window=window)
+                o = K.attention(q_pad, k[k_index], v[k_index], q_pos, self.block_size, **spec)
             else:
                 cache.write(i, where, k[:t], v[:t])  # new keys enter the cache first
-                o = K.paged_attention(q_pad, cache.k[i], cache.v[i], tables, q_pos, window=window)
+                o = K.paged_attention(q_pad, cache.k[i], cache.v[i], tables, q_pos, **spec)
             o = o.reshape(bsz * m, hq * d)  # back to packed [T, Hq*D]
             if padded:
                 o = o[batch.out_index]
@@ -358,10 +360,17 @@ class Model(nn.Module):
         return norm(x, self.model.norm.weight)[:t]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM-head logits [N, vocab] in the model dtype."""
+        """LM-head logits [N, vocab] in the model dtype (soft-capped where the family caps them)."""
         if self._tied_autograd() and self._tied is not None:
-            return TiedHead.apply(hidden, self.lm_head_weight, self.kernels.linear, self._tied)
-        return self.kernels.linear(hidden, self.lm_head_weight)
+            z = TiedHead.apply(hidden, self.lm_head_weight, self.kernels.linear, self._tied)
+        else:
+            z = self.kernels.linear(hidden, self.lm_head_weight)
+        return self.cap_logits(z)
+
+    def cap_logits(self, z: torch.Tensor) -> torch.Tensor:
+        """Gemma's final soft-cap c * tanh(z / c) of LM-head logits (`logprobs.soft_cap`); z itself
+        for the other families."""
+        return soft_cap(self.kernels, z, self.config.final_logit_softcapping)
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
                        temperature: float = 1.0) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Model families: reading and writing Hugging Face `config.json` files and checkpoint tensor names.
 
 `config_from_hf` turns a config of a supported family (Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x,
-Mistral, Mixtral, Qwen2-MoE; the layouts of transformers 4.x and 5.x) into a `ModelConfig`, and
+Mistral, Mixtral, Qwen2-MoE, Gemma 2 and 3, OLMo 2 and 3, Phi-3; the layouts of transformers 4.x
+and 5.x) into a `ModelConfig`, and
 refuses — with a one-line error naming the field — anything parity would otherwise get silently
 wrong: another architecture, biases or RoPE scalings it does not implement, an activation other
 than SiLU. Sliding-window layers are read as each family's transformers code reads them
@@ -25,7 +26,7 @@ ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"
                  "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Gemma3ForCausalLM": "gemma3_text", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                 "Phi3ForCausalLM": "phi3"}
+                 "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2"}
 log = logging.getLogger(__name__)
 
 _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a config.json leaves out
@@ -38,6 +39,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a 
                     rms_norm_eps=1e-5, rope_theta=1e6),
     "qwen2_moe": dict(max_position_embeddings=32768, num_key_value_heads=16, moe_intermediate_size=1408,
                       num_experts=60, num_experts_per_tok=4, shared_expert_intermediate_size=5632),
+    "gemma2": dict(max_position_embeddings=8192, num_key_value_heads=4, head_dim=256, bos_token_id=2,
+                   eos_token_id=1, tie_word_embeddings=True, intermediate_size=9216),
     "gemma3_text": dict(max_position_embeddings=131072, num_key_value_heads=4, head_dim=256, bos_token_id=2,
                         eos_token_id=1, tie_word_embeddings=True, rope_theta=1e6, intermediate_size=9216),
     "olmo2": dict(max_position_embeddings=2048, rms_norm_eps=1e-5, eos_token_id=50279,
@@ -198,6 +201,18 @@ def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
     fields["layer_types"] = types
 
 
+def _phi3_rope(data: dict, where: str) -> None:
+    """Phi-3's transformers code reads every RoPE scaling as longrope (`su` and `yarn` renamed to
+    it) and refuses the other types: any scaling but the default is refused here, by its name."""
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = data.get(key)
+        kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else None
+        if kind not in (None, "default"):
+            raise ConfigError(f"{where}: {key} of type {kind!r} on Phi-3 is not supported: transformers "
+                              "reads Phi-3's scalings as longrope (su and yarn renamed to it), which "
+                              "switches RoPE tables by sequence length; parity refuses it")
+
+
 def _yarn_context(scaling: dict) -> int | None:
     """The context a YaRN scaling extends to, as vLLM serves it: `original_max_position_embeddings
     * factor` (Qwen3's recipe: 131072); None for values `ModelConfig` refuses."""
@@ -220,7 +235,7 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         kind = kind.get("quant_method", "?") if isinstance(kind, dict) else kind
         raise ConfigError(f"{where}: quantized checkpoints (quantization_config: {kind}) are not supported: "
                           "load a dequantized (float32/bfloat16/float16) checkpoint")
-    if model_type != "gemma3_text" and data.get("hidden_act", "silu") not in ("silu", "swish"):  # (the same)
+    if model_type not in hybrid.GEMMAS and data.get("hidden_act", "silu") not in ("silu", "swish"):  # (same)
         raise ConfigError(f"{where}: hidden_act {data['hidden_act']!r} is not supported (only 'silu')")
     if data.get("partial_rotary_factor") not in (None, 1, 1.0):  # (was kept in `extra`, rotated in full)
         raise ConfigError(f"{where}: partial_rotary_factor {data['partial_rotary_factor']!r} is not "
@@ -229,6 +244,8 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
         raise ConfigError(f"{where}: mlp_bias=true is not supported")
     if model_type != "qwen2" and data.get("attention_bias"):
         raise ConfigError(f"{where}: attention_bias=true is not supported for {model_type}")
+    if model_type == "phi3":
+        _phi3_rope(data, str(where))
     theta, scaling = _rope(data, where, _DEFAULTS[model_type].get("rope_theta", 10000.0))
     fields = {k: data[k] for k in _SHARED if data.get(k) is not None and k != "rope_theta"}
     if model_type == "qwen3" and "head_dim" not in data:

@@ -1,4 +1,4 @@
-"""Families with sliding and full layer types of their own RoPE: Gemma 3 (text) and OLMo 3 configs.
+"""Families with sliding and full layer types: Gemma 2, Gemma 3 (text) and OLMo 3 configs.
 
 Both name each layer's type (`layer_types`, or a pattern when absent: every 6th layer full for
 Gemma 3, every 4th for OLMo 3), give the sliding layers RoPE that is never scaled (in transformers
@@ -8,8 +8,11 @@ families and the full layers' RoPE; this module the rest, and writes them back.
 
 Gemma3ForCausalLM (the 270M and 1B checkpoints; the larger ones are Gemma3ForConditionalGeneration,
 image and text) also has the attention scale `query_pre_attn_scalar` and a tanh-GELU activation
-(`hidden_activation`); Gemma 2's soft-capping and the bidirectional variant are refused, not
-approximated.
+(`hidden_activation`). Gemma 2 (Gemma2ForCausalLM: 2B, 9B, 27B) has both too, slides every other
+layer (the even ones, unless `layer_types` says otherwise) on the full layers' RoPE, and soft-caps
+attention scores and final logits (`attn_logit_softcapping`, `final_logit_softcapping`: 50 and 30
+when left out; Gemma 3's may set them, absent there means none). The bidirectional variant is
+refused, not approximated.
 """
 
 from __future__ import annotations
@@ -25,8 +28,15 @@ WRITTEN = ("hidden_activation", "query_pre_attn_scalar", "rope_local_base_freq",
            "use_bidirectional_attention")
 """Fields `to_hf` writes itself (never carried in `extra`)."""
 
-FAMILIES = ("gemma3_text", "olmo3")
+FAMILIES = ("gemma2", "gemma3_text", "olmo3")
 """The model types whose config fields this module reads and writes."""
+
+GEMMAS = ("gemma2", "gemma3_text")
+"""The Gemma families (activation `hidden_activation`, query scalar, soft-caps)."""
+
+_CAPS = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+         "gemma3_text": {"attn_logit_softcapping": None, "final_logit_softcapping": None}}
+"""transformers' soft-caps where a config leaves them out (an explicit null: no cap)."""
 
 
 def _positive(value, what: str, where: str) -> float:
@@ -41,9 +51,6 @@ def _pattern(pattern: int, layers: int) -> list[str]:
 
 
 def _gemma_checks(data: dict[str, Any], where: str) -> None:
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if data.get(key) is not None:
-            raise ConfigError(f"{where}: {key} {data[key]!r} is not supported (soft-capping, as in Gemma 2)")
     if data.get("use_bidirectional_attention"):
         raise ConfigError(f"{where}: use_bidirectional_attention=true is not supported (a causal LM only)")
     act = data.get("hidden_activation") or "gelu_pytorch_tanh"
@@ -111,23 +118,27 @@ def _local_base(data: dict[str, Any], model_type: str, where: str) -> float:
 def from_hf(data: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
     """The `ModelConfig` fields of a gemma3_text or olmo3 config beyond the shared ones and the
     full layers' RoPE."""
-    if model_type == "gemma3_text":
+    if model_type in GEMMAS:
         _gemma_checks(data, where)
-    window = data.get("sliding_window", 4096)  # (both families' transformers default)
+    window = data.get("sliding_window", 4096)  # (every family's transformers default)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
     types = data.get("layer_types")
-    if types is None:  # transformers' derivation (Gemma's configs may set the pattern; OLMo 3's fixed)
-        pattern = data.get("sliding_window_pattern", 6) if model_type == "gemma3_text" else 4
+    if types is None:  # transformers' derivation (Gemma 3's configs may set the pattern; the others fixed)
+        pattern = {"gemma2": 2, "olmo3": 4}.get(model_type) or data.get("sliding_window_pattern", 6)
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ConfigError(f"{where}: sliding_window_pattern must be a positive integer, got {pattern!r}")
         layers = data["num_hidden_layers"]
         types = _pattern(pattern, layers if isinstance(layers, int) else 0)
-    out = dict(sliding_window=window, layer_types=types,
-               rope_local_base_freq=_local_base(data, model_type, where))
-    if model_type == "gemma3_text":
+    out: dict[str, Any] = dict(sliding_window=window, layer_types=types)
+    if model_type != "gemma2":  # (whose sliding layers rotate as the full ones)
+        out["rope_local_base_freq"] = _local_base(data, model_type, where)
+    if model_type in GEMMAS:
         scalar = data.get("query_pre_attn_scalar", 256)
         out["query_pre_attn_scalar"] = _positive(scalar, "query_pre_attn_scalar", where)
+        for key, default in _CAPS[model_type].items():
+            cap = data.get(key, default)
+            out[key] = None if cap is None else _positive(cap, key, where)
     return out
 
 
@@ -148,8 +159,11 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
             out["rope_theta"] = None
         return out
     out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
-               rope_local_base_freq=cfg.rope_local_base_freq, attn_logit_softcapping=None,
-               final_logit_softcapping=None, use_bidirectional_attention=False)
+               attn_logit_softcapping=cfg.attn_logit_softcapping, use_bidirectional_attention=False,
+               final_logit_softcapping=cfg.final_logit_softcapping)
+    if cfg.model_type == "gemma2":
+        return out
+    out["rope_local_base_freq"] = cfg.rope_local_base_freq
     for pattern in range(1, len(types) + 2):  # transformers 4.50-4.52 read this, not layer_types
         if types == _pattern(pattern, len(types)):
             out["sliding_window_pattern"] = pattern

@@ -124,7 +124,8 @@ def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
     if 0 < head_chunk < len(rows):
         tied = model._tied if model._tied_autograd() else None
         lp = ChunkedHead.apply(hidden, model.lm_head_weight, targets, model.kernels, temperature,
-                               head_chunk, entropy if return_entropy else None, tied)
+                               head_chunk, entropy if return_entropy else None, tied,
+                               model.config.final_logit_softcapping)
     else:
         logits = model.logits(hidden)
         lp = model.kernels.token_logprobs(logits, targets, temperature)
@@ -134,6 +135,13 @@ def sequence_logprobs(model, sequences: Sequence, temperature: float = 1.0,
     if not return_entropy:
         return list(lp.split(split))
     return list(lp.split(split)), list(torch.cat(entropy).split(split))
+
+
+def soft_cap(kernels, z: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma's soft-cap of logits, c * tanh(z / c), in z's dtype as transformers computes it (tanh
+    through the bundle's `pointwise`: an element's bits do not depend on where it sits); z itself
+    when `cap` is None. `Model.logits` and `ChunkedHead` both cap through this one function."""
+    return z if cap is None else kernels.pointwise(torch.tanh, z / cap) * cap
 
 
 ENTROPY_ROWS = 256
@@ -160,21 +168,23 @@ class ChunkedHead(torch.autograd.Function):
     it ((onehot - p) / T), then plain GEMMs as `TiedHead`'s: each row of the weight's gradient
     is one product over all N positions (rounded once, no [vocab, hidden] accumulator), the hidden
     gradient sums the blocks' products in float32. With tied embeddings the weight's gradient is
-    handed to the lookup's backward (`tied.py`), not returned."""
+    handed to the lookup's backward (`tied.py`), not returned. Soft-capped logits (`cap`, Gemma)
+    are capped by `soft_cap` in the forward; the backward recomputes the cap of its block and
+    multiplies the logits' gradient by the cap's derivative, 1 - tanh(z / c)^2."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, kernels, temperature: float, chunk: int,
-                entropy: list | None, tied: TiedGradient | None) -> torch.Tensor:
+                entropy: list | None, tied: TiedGradient | None, cap: float | None = None) -> torch.Tensor:
         out, lse = [], []
         for s in range(0, len(hidden), chunk):
-            logits = kernels.linear(hidden[s:s + chunk], weight)
+            logits = soft_cap(kernels, kernels.linear(hidden[s:s + chunk], weight), cap)
             lp = kernels.token_logprobs(logits, targets[s:s + chunk], temperature)
             out.append(lp)  # log p = logit_t / T - lse
             lse.append(logits.gather(1, targets[s:s + chunk, None])[:, 0].float() / temperature - lp)
             if entropy is not None:
                 entropy.append(_entropy(kernels, logits, temperature))
         ctx.save_for_backward(hidden, weight, targets, torch.cat(lse))
-        ctx.temperature, ctx.block, ctx.tied = temperature, chunk * len(weight), tied
+        ctx.temperature, ctx.block, ctx.tied, ctx.cap = temperature, chunk * len(weight), tied, cap
         return torch.cat(out)
 
     @staticmethod
@@ -189,10 +199,16 @@ class ChunkedHead(torch.autograd.Function):
         rows = max(1, ctx.block // max(n, 1))
         for v0 in range(0, len(weight), rows):
             w = weight[v0:v0 + rows]
-            p = gemm_linear(hidden, w).float().div_(t).sub_(lse[:, None]).exp_()  # [N, block]
+            z = gemm_linear(hidden, w)
+            if ctx.cap is not None:
+                tanh = torch.tanh(z.float() / ctx.cap)
+                z = (tanh * ctx.cap).to(z.dtype)
+            p = z.float().div_(t).sub_(lse[:, None]).exp_()  # [N, block]
             g = p.mul_(scale[:, None]).neg_()
             mine = (targets >= v0) & (targets < v0 + len(w))
             g[mine.nonzero()[:, 0], targets[mine] - v0] += scale[mine]
+            if ctx.cap is not None:  # through the cap: d(c tanh(z / c))/dz = 1 - tanh^2
+                g.mul_(1.0 - tanh * tanh)
             g = g.to(weight.dtype)
             if want_h:
                 grad_hidden.add_(gemm_linear(g, w.t()))  # [N, block] @ [block, H]
@@ -203,7 +219,7 @@ class ChunkedHead(torch.autograd.Function):
             slot.dense = grad_weight if slot.dense is None else slot.dense.add_(grad_weight)
             grad_weight = None
         grad_hidden = grad_hidden.to(hidden.dtype) if want_h else None
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def scored_routing(model, sequences: Sequence) -> list[torch.Tensor] | None:

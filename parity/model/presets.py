@@ -31,6 +31,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                         sliding_window=24, layer_types=["sliding_attention", "full_attention"],
                         rope_theta=1e6, rope_local_base_freq=1e4,
                         rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "tiny-gemma2": dict(_TINY, model_type="gemma2", head_dim=32, query_pre_attn_scalar=24.0,
+                        sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                        attn_logit_softcapping=1.0, final_logit_softcapping=2.0),  # (bind at test scales)
     "tiny-qwen2-moe": dict(_TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
                            moe_intermediate_size=32, shared_expert_intermediate_size=48),
     "tiny-phi3": dict(_TINY, model_type="phi3", sliding_window=40, tie_word_embeddings=False),  # (as Phi-3)
@@ -43,6 +46,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        max_position_embeddings=40960, rope_theta=1000000.0),
+    # Gemma 2 2B's shape (2.6B parameters, 590M of them the embedding; random weights): every other
+    # layer slides over 4096 keys, attention scores and logits soft-capped
+    "gemma2-2b": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      max_position_embeddings=8192, model_type="gemma2", query_pre_attn_scalar=256.0,
+                      sliding_window=4096, bos_token_id=2, eos_token_id=[1, 107],
+                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                      layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(26)]),
     # Gemma 3 1B's shape (1.0B parameters, 302M of them the embedding; random weights): five
     # sliding layers of 512 keys to one full one, head_dim 256, one key-value head
     "gemma3-1b": dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,

@@ -42,12 +42,14 @@ class Kernels:
     silu_mul: Callable
     """`silu_mul(gate_up [T, 2I]) -> [T, I]`: SwiGLU, silu of the first half times the second."""
     attention: Callable
-    """`attention(q [B, M, Hq, D], k, v [B, L, Hkv, D], q_pos [B, M], block_size, window=0)`: causal
-    GQA attention of each query over keys 0..its position (with a sliding `window` > 0, over the
-    last `window` of them), keys read in pages of `block_size` (the learner's dense layout)."""
+    """`attention(q [B, M, Hq, D], k, v [B, L, Hkv, D], q_pos [B, M], block_size, window=0,
+    softcap=0.0, scale=None)`: causal GQA attention of each query over keys 0..its position (with
+    a sliding `window` > 0, over the last `window` of them), keys read in pages of `block_size`
+    (the learner's dense layout); scores q.k times `scale` (None: 1/sqrt(D)), soft-capped to
+    softcap * tanh(score / softcap) when `softcap` > 0 (Gemma 2)."""
     paged_attention: Callable
-    """`paged_attention(q, k_cache, v_cache, tables, q_pos, window=0)`: the same, keys read through
-    the KV cache's block tables (the engine's layout)."""
+    """`paged_attention(q, k_cache, v_cache, tables, q_pos, window=0, softcap=0.0, scale=None)`: the
+    same, keys read through the KV cache's block tables (the engine's layout)."""
     token_logprobs: Callable
     log_softmax: Callable
     rope: Callable
@@ -89,10 +91,10 @@ def _aligned_silu_mul(gate_up):
     return aligned.silu_mul(gate_up)
 
 
-def _aligned_attention(q, k, v, q_pos, block_size, window=0):
+def _aligned_attention(q, k, v, q_pos, block_size, window=0, softcap=0.0, scale=None):
     if _needs_grad(q, k, v):
-        return AttentionFn.apply(q, k, v, q_pos, block_size, window)
-    return aligned.attention(q, k, v, q_pos, block_size, window)
+        return AttentionFn.apply(q, k, v, q_pos, block_size, window, softcap, scale)
+    return aligned.attention(q, k, v, q_pos, block_size, window, softcap, scale)
 
 
 _ALIGNED = Kernels(

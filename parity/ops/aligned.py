@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .common import check_logprob_args, compute_dtype, gather_blocks, rope
+from .common import check_logprob_args, compute_dtype, gather_blocks, rope, score_scale
 from .gemm import MIN_GEMM_ROWS
 
 ROW_BLOCK = 1024
@@ -137,43 +137,49 @@ def _tree_sum(parts: torch.Tensor, dim: int) -> torch.Tensor:
     return parts.squeeze(dim)
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int, window: int = 0
-) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int,
+              window: int = 0, softcap: float = 0.0, scale: float | None = None) -> torch.Tensor:
     """Causal GQA attention (shapes as `attention_torch`); the native kernel when available."""
     if _use_native(q) and q.shape[-1] % 16 == 0 and block_size % 16 == 0:
-        return native.attention(q, k, v, q_pos, block_size, window=window).to(q.dtype)
-    return attention_torch(q, k, v, q_pos, block_size, window)
+        return native.attention(q, k, v, q_pos, block_size, window=window, softcap=softcap,
+                                scale=scale).to(q.dtype)
+    return attention_torch(q, k, v, q_pos, block_size, window, softcap, scale)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                       block_size: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       block_size: int, window: int = 0, softcap: float = 0.0,
+                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attention` (in float32 where the native kernel runs) and, from the native kernel, each
     row's log-sum-exp [B, M, Hq] for the learner's backward; None elsewhere. Same output bits."""
     if _use_native(q) and q.shape[-1] % 16 == 0 and block_size % 16 == 0:
-        return native.attention(q, k, v, q_pos, block_size, with_lse=True, window=window)
-    return attention_torch(q, k, v, q_pos, block_size, window), None
+        return native.attention(q, k, v, q_pos, block_size, with_lse=True, window=window, softcap=softcap,
+                                scale=scale)
+    return attention_torch(q, k, v, q_pos, block_size, window, softcap, scale), None
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    tables: torch.Tensor, q_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                    q_pos: torch.Tensor, window: int = 0, softcap: float = 0.0,
+                    scale: float | None = None) -> torch.Tensor:
     """Attention reading keys through block tables: key blocks [NB, Hkv, D, bs], value blocks
     [NB, Hkv, bs, D], tables [B, nblk]. Same bits as `attention` on the gathered keys."""
     if _use_native(q, k_cache) and q.shape[-1] % 16 == 0 and k_cache.shape[-1] % 16 == 0:
-        return native.paged_attention(q, k_cache, v_cache, tables, q_pos, window=window).to(q.dtype)
-    return attention_torch(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1], window)
+        return native.paged_attention(q, k_cache, v_cache, tables, q_pos, window=window, softcap=softcap,
+                                      scale=scale).to(q.dtype)
+    return attention_torch(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1], window,
+                           softcap, scale)
 
 
-def attention_torch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int, window: int = 0
-) -> torch.Tensor:
+def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int,
+                    window: int = 0, softcap: float = 0.0, scale: float | None = None) -> torch.Tensor:
     """Causal grouped-query attention with a fixed key-block reduction order (pure PyTorch).
 
     q: [B, M, Hq, D]; k, v: [B, L, Hkv, D] (keys at absolute positions 0..L-1, L a multiple of
     `block_size`); q_pos: [B, M] absolute position of each query (key j is visible iff j <= pos;
     a negative position marks a padding row, whose output is unspecified); with a sliding
     `window` > 0 only keys j > pos - window are visible too (every block before a query's window
-    is then fully masked: a zero leaf of the tree, like the blocks after its position).
+    is then fully masked: a zero leaf of the tree, like the blocks after its position). Scores
+    are q.k times `scale` (None: 1/sqrt(D)), soft-capped when `softcap` > 0 (cap * tanh(s / cap),
+    element-wise through `pointwise`).
     Returns [B, M, Hq, D] in q's dtype. Computed in float32 (float64 for float64 inputs).
 
     Scores are produced per key block by GEMMs of one fixed shape (rows >= MIN_GEMM_ROWS, K = D,
@@ -190,15 +196,19 @@ def attention_torch(
     acc = compute_dtype(q.dtype)
     rows = rep * m
     padded = max(rows, MIN_GEMM_ROWS)
-    # query rows of one KV head: [B, Hkv, R, D], in log2 units (scale folded in)
-    qf = (q.to(acc) * (_LOG2E / math.sqrt(d))).view(bsz, m, hkv, rep, d).permute(0, 2, 3, 1, 4)
-    qf = qf.reshape(bsz, hkv, rows, d)
+    # query rows of one KV head: [B, Hkv, R, D], in log2 units (scale folded in; soft-capped
+    # scores are capped in natural units first, then turned into log2 units)
+    fold = _LOG2E / math.sqrt(d) if scale is None else _LOG2E * scale
+    qf = (q.to(acc) * (score_scale(d, scale) if softcap else fold)).view(bsz, m, hkv, rep, d)
+    qf = qf.permute(0, 2, 3, 1, 4).reshape(bsz, hkv, rows, d)
     if padded > rows:
         qf = torch.cat([qf, qf.new_zeros(bsz, hkv, padded - rows, d)], dim=2)
     kb = k.to(acc).view(bsz, nblk, block_size, hkv, d).permute(0, 3, 1, 4, 2).contiguous()  # [B,Hkv,n,D,bs]
     scores = torch.matmul(qf.unsqueeze(2), kb)  # [B, Hkv, nblk, R', bs]
     if padded > rows:
         scores = scores[:, :, :, :rows]
+    if softcap:
+        scores = pointwise(torch.tanh, scores / softcap) * (softcap * _LOG2E)
     scores = scores.reshape(bsz, hkv, nblk, rep, m, block_size)
     keys = torch.arange(length, device=q.device).view(1, nblk, 1, block_size)
     hidden = keys > q_pos.view(bsz, 1, m, 1)

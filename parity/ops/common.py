@@ -78,3 +78,24 @@ def visible_keys(length: int, q_pos: torch.Tensor, window: int = 0) -> torch.Ten
     if window:
         seen = seen & (keys > pos - window)
     return seen.unsqueeze(1)
+
+
+def score_scale(d: int, scale: float | None) -> float:
+    """The factor attention scores q.k are multiplied by: `scale`, or 1/sqrt(d) when None."""
+    return 1.0 / d ** 0.5 if scale is None else float(scale)
+
+
+def eager_attention(q, k, v, q_pos, window: int = 0, softcap: float = 0.0, scale: float | None = None):
+    """Causal GQA attention as transformers' eager path computes it, in q's dtype: scores q.k times
+    `scale`, soft-capped (`softcap` > 0: cap * tanh(score / cap), Gemma 2) before the mask, a
+    softmax in float32 rounded to q's dtype, then its product with the values. Shapes as
+    `aligned.attention` (q [B, M, Hq, D], k/v [B, L, Hkv, D], q_pos [B, M])."""
+    bsz, m, hq, d = q.shape
+    length, rep = k.shape[1], hq // k.shape[2]
+    kr, vr = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bmhd,blhd->bhml", q, kr) * score_scale(d, scale)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible_keys(length, q_pos, window), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=compute_dtype(q.dtype)).to(q.dtype)
+    return torch.einsum("bhml,blhd->bmhd", probs, vr)

@@ -9,12 +9,10 @@ aligned forward's output and log-sum-exp, and PyTorch ops elsewhere (float64, CU
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import aligned, native, standard
-from .common import compute_dtype, visible_keys
+from .common import compute_dtype, eager_attention, score_scale, visible_keys
 
 
 def _native_backward(*tensors: torch.Tensor) -> bool:
@@ -88,13 +86,15 @@ class AttentionFn(torch.autograd.Function):
     starts from the aligned output and log-sum-exp (no second forward); elsewhere it recomputes
     attention with PyTorch's scaled-dot-product attention under autograd: on a GPU in the
     inputs' own dtype (`recompute_dtype`), so the recompute is the standard learner's own
-    tensor-core SDPA forward and backward, not a float32 pass without tensor cores."""
+    tensor-core SDPA forward and backward, not a float32 pass without tensor cores. Soft-capped
+    scores (which neither fused backward takes) recompute transformers' eager attention."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, block_size: int, window: int = 0):
-        out, lse = aligned.attention_with_lse(q, k, v, q_pos, block_size, window)
-        ctx.window = window
-        if lse is None:
+    def forward(ctx, q, k, v, q_pos, block_size: int, window: int = 0, softcap: float = 0.0,
+                scale: float | None = None):
+        out, lse = aligned.attention_with_lse(q, k, v, q_pos, block_size, window, softcap, scale)
+        ctx.spec = dict(window=window, softcap=softcap, scale=scale)
+        if lse is None or softcap:
             ctx.save_for_backward(q, k, v, q_pos)
         else:
             ctx.save_for_backward(q, k, v, q_pos, out, lse)
@@ -104,16 +104,17 @@ class AttentionFn(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         saved = ctx.saved_tensors  # read once (a recomputed forward's tensors unpack only once)
         if len(saved) == 6:
-            return (*_flash_backward(grad, *saved, window=ctx.window), None, None, None)
+            return (*_flash_backward(grad, *saved, window=ctx.spec["window"], scale=ctx.spec["scale"]),
+                    *[None] * 5)
         q, k, v, q_pos = saved
         with torch.enable_grad():
             acc = recompute_dtype(q)
             qf = q.detach().to(acc).requires_grad_()
             kf = k.detach().to(acc).requires_grad_()
             vf = v.detach().to(acc).requires_grad_()
-            out = standard.attention(qf, kf, vf, q_pos, 0, ctx.window)
+            out = standard.attention(qf, kf, vf, q_pos, 0, **ctx.spec)
             gq, gk, gv = torch.autograd.grad(out, (qf, kf, vf), grad.to(acc))
-        return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None, None
+        return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), *[None] * 5
 
 
 def recompute_dtype(q: torch.Tensor) -> torch.dtype:
@@ -123,7 +124,7 @@ def recompute_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype if q.is_cuda else compute_dtype(q.dtype)
 
 
-def _flash_backward(grad, q, k, v, q_pos, out, lse, window: int = 0):
+def _flash_backward(grad, q, k, v, q_pos, out, lse, window: int = 0, scale: float | None = None):
     """PyTorch's CPU flash-attention backward from a forward's output and log-sum-exp.
     q/grad/out [B, M, Hq, D], k/v [B, L, Hkv, D], lse [B, M, Hq] float32 (+inf on padding rows,
     whose probabilities are then exactly 0)."""
@@ -134,18 +135,10 @@ def _flash_backward(grad, q, k, v, q_pos, out, lse, window: int = 0):
     gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad.to(acc).transpose(1, 2), q.to(acc).transpose(1, 2), k.to(acc).transpose(1, 2),
         v.to(acc).transpose(1, 2), out.to(acc).transpose(1, 2), lse.transpose(1, 2).contiguous(),
-        0.0, False, attn_mask=mask, scale=1.0 / math.sqrt(d))
+        0.0, False, attn_mask=mask, scale=score_scale(d, scale))
     return gq.transpose(1, 2).to(q.dtype), gk.transpose(1, 2).to(k.dtype), gv.transpose(1, 2).to(v.dtype)
 
 
-def reference_attention(q, k, v, q_pos, window: int = 0):
+def reference_attention(q, k, v, q_pos, window: int = 0, softcap: float = 0.0, scale: float | None = None):
     """Textbook causal GQA attention (float math, autograd-friendly). Shapes as `aligned.attention`."""
-    bsz, m, hq, d = q.shape
-    length, hkv = k.shape[1], k.shape[2]
-    rep = hq // hkv
-    kr = k.repeat_interleave(rep, dim=2)
-    vr = v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("bmhd,blhd->bhml", q, kr) / math.sqrt(d)
-    visible = visible_keys(length, q_pos, window)
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.einsum("bhml,blhd->bmhd", probs, vr)
+    return eager_attention(q, k, v, q_pos, window, softcap, scale)

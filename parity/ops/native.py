@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .common import check_linear_args
+from .common import check_linear_args, score_scale
 
 _SRC = Path(__file__).with_name("csrc") / "aligned_kernels.c"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
@@ -65,7 +65,7 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     f, i64, p = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
     for name in ("parity_attention_f32", "parity_attention_bf16"):
-        getattr(lib, name).argtypes = [p] * 7 + [i64] * 8 + [f, ctypes.c_int]
+        getattr(lib, name).argtypes = [p] * 7 + [i64] * 8 + [f, f, ctypes.c_int]
     lib.parity_row_lse.argtypes = lib.parity_row_lse_bf16.argtypes = [p, p, i64, i64, f, ctypes.c_int]
     for name in ("parity_token_lp_backward_f32", "parity_token_lp_backward_bf16"):
         getattr(lib, name).argtypes = [p, p, p, p, p, i64, i64, f, ctypes.c_int]
@@ -126,9 +126,11 @@ def _need(ok: bool, what: str) -> None:
         raise ValueError(what)
 
 
-def paged_attention(q, k_blocks, v_blocks, tables, q_pos, with_lse: bool = False, window: int = 0):
+def paged_attention(q, k_blocks, v_blocks, tables, q_pos, with_lse: bool = False, window: int = 0,
+                    softcap: float = 0.0, scale: float | None = None):
     """Causal GQA attention reading keys/values in place through block tables (with a sliding
-    `window` > 0: over each query's last `window` keys).
+    `window` > 0: over each query's last `window` keys; scores q.k times `scale`, None: 1/sqrt(D);
+    with `softcap` > 0 capped to softcap * tanh(score / softcap)).
 
     q [B, M, Hq, D]; key blocks [NB, Hkv, D, bs] and value blocks [NB, Hkv, bs, D] (float32 or
     bfloat16); tables [B, nblk] block ids; q_pos [B, M] (negative = padding row, left zero).
@@ -153,7 +155,7 @@ def paged_attention(q, k_blocks, v_blocks, tables, q_pos, with_lse: bool = False
     getattr(library(), f"parity_attention_{_SUFFIX[kv_dtype]}")(
         _ptr(q), _ptr(k_blocks), _ptr(v_blocks), _ptr(tables), _ptr(pos), _ptr(out),
         None if lse is None else _ptr(lse), b, m, hq, k_blocks.shape[1], d, tables.shape[1],
-        k_blocks.shape[3], int(window), 1.0 / float(d) ** 0.5, torch.get_num_threads())
+        k_blocks.shape[3], int(window), score_scale(d, scale), float(softcap), torch.get_num_threads())
     return (out, lse) if with_lse else out
 
 
@@ -166,11 +168,12 @@ def to_blocks(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.
     return kb, vb
 
 
-def attention(q, k, v, q_pos, block_size: int, with_lse: bool = False, window: int = 0):
+def attention(q, k, v, q_pos, block_size: int, with_lse: bool = False, window: int = 0, softcap: float = 0.0,
+              scale: float | None = None):
     """Dense form: k/v [B, L, Hkv, D] (L a multiple of block_size), laid out as blocks in order."""
     bsz, nblk = k.shape[0], k.shape[1] // block_size
     tables = torch.arange(bsz * nblk).view(bsz, nblk)
-    return paged_attention(q, *to_blocks(k, v, block_size), tables, q_pos, with_lse, window)
+    return paged_attention(q, *to_blocks(k, v, block_size), tables, q_pos, with_lse, window, softcap, scale)
 
 
 def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:

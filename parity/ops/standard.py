@@ -11,7 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import check_logprob_args, compute_dtype, gather_blocks, gemm_linear, rope, visible_keys
+from .common import (
+    check_logprob_args,
+    compute_dtype,
+    eager_attention,
+    gather_blocks,
+    gemm_linear,
+    rope,
+    visible_keys,
+)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,28 +41,32 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[..., :half]) * gate_up[..., half:]
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int, window: int = 0
-) -> torch.Tensor:
-    """SDPA over the valid keys, as a framework would call it. Shapes as in `aligned.attention`."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, block_size: int,
+              window: int = 0, softcap: float = 0.0, scale: float | None = None) -> torch.Tensor:
+    """SDPA over the valid keys, as a framework would call it; with soft-capped scores (which SDPA
+    cannot do) transformers' eager attention. Shapes as in `aligned.attention`."""
+    if softcap:
+        return eager_attention(q, k, v, q_pos, window, softcap, scale)
     hq = q.shape[2]
     visible = visible_keys(k.shape[1], q_pos, window)  # [B,1,M,L]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible,
-        enable_gqa=hq != k.shape[2],
+        enable_gqa=hq != k.shape[2], scale=scale,
     )
     return out.transpose(1, 2)
 
 
-def paged_attention(q, k_cache, v_cache, tables, q_pos, window: int = 0) -> torch.Tensor:
+def paged_attention(q, k_cache, v_cache, tables, q_pos, window: int = 0, softcap: float = 0.0,
+                    scale: float | None = None) -> torch.Tensor:
     """Gather each sequence's cached keys/values, then SDPA, as a framework's cache path does:
     sequences are grouped by their number of new tokens (all decodes in one call, each prefill
     chunk length in its own), so no padded query rows are computed."""
+    spec = dict(window=window, softcap=softcap, scale=scale)
     if q.shape[1] == 1:  # decode: every sequence has its one new token, known without a host sync
-        return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1], window)
+        return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1], **spec)
     counts = (q_pos >= 0).sum(1)
     if bool((counts == q.shape[1]).all()):
-        return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1], window)
+        return attention(q, *gather_blocks(k_cache, v_cache, tables), q_pos, k_cache.shape[-1], **spec)
     out = q.new_zeros(q.shape)
     for n in counts.unique().tolist():
         if n == 0:
@@ -62,7 +74,7 @@ def paged_attention(q, k_cache, v_cache, tables, q_pos, window: int = 0) -> torc
         rows = (counts == n).nonzero().flatten()
         need = -(-(int(q_pos[rows].max()) + 1) // k_cache.shape[-1])  # blocks these rows read
         k, v = gather_blocks(k_cache, v_cache, tables[rows][:, :need])
-        out[rows, :n] = attention(q[rows, :n], k, v, q_pos[rows, :n], k_cache.shape[-1], window)
+        out[rows, :n] = attention(q[rows, :n], k, v, q_pos[rows, :n], k_cache.shape[-1], **spec)
     return out
 
 

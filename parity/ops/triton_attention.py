@@ -35,6 +35,7 @@ import functools
 
 import torch
 
+from .common import score_scale
 from .triton_kernels import INTERPRET, LAUNCH, _cdiv, _dot, _on, tl, triton
 
 KV_SPLIT_PAGES = 2 if INTERPRET else 8
@@ -50,14 +51,23 @@ _WORKSPACE_BYTES = 1 << 26
 
 
 @triton.jit
-def _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0, j1, scale,
+def _tanh(x):
+    """tanh(x) = 1 - 2 / (e^2x + 1), by exp2 (libdevice's tanh has no interpreter form): exactly
+    +-1 where e^2x overflows or vanishes, within ~1e-7 of tanh elsewhere."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0, j1, scale, softcap,
                  skb, skh, skd, skp, svb, svh, svp, svd, stb,
                  D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 INTERP: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr):
+                 INTERP: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax of the query rows over pages j0..j1-1 of sequence b, in order, from an empty
     state: (row max, row sum, weighted values), in log2 units. A row with no visible key yet keeps
     (-inf, 0, 0) exactly (its exponents are taken against 0, not against -inf). Key j is visible
-    to a row iff j <= pos, and with a sliding window (SLIDING) lo < j too."""
+    to a row iff j <= pos, and with a sliding window (SLIDING) lo < j too. Soft-capped scores
+    (SOFTCAP) arrive in natural units (`scale` without log2 e), are capped, then turned into log2
+    units."""
     d = tl.arange(0, D)
     keys = tl.arange(0, BS)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -67,6 +77,8 @@ def _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0, j1, scale,
         blk = tl.load(tab_ptr + b * stb + j).to(tl.int64)
         kt = tl.load(k_ptr + blk * skb + h * skh + d[:, None] * skd + keys[None, :] * skp)  # [D, BS]
         s = _dot(q, kt, tl.zeros((BLOCK_M, BS), dtype=tl.float32), INTERP, IEEE) * scale
+        if SOFTCAP:
+            s = _tanh(s / softcap) * softcap * 1.4426950408889634
         key = (j * BS + keys)[None, :]
         if SLIDING:
             s = tl.where((key <= pos[:, None]) & (key > lo[:, None]), s, float("-inf"))
@@ -120,11 +132,11 @@ def _first_page(lo, live, n_tab, BS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "n_tab", "window", "sqb", "sob", "stb", "spb"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr, M, REP, n_tab, window, scale,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr, M, REP, n_tab, window, scale, softcap,
                       sqb, sqm, sqh, sob, som, soh,
                       skb, skh, skd, skp, svb, svh, svp, svd, stb, spb,
                       D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-                      INTERP: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr):
+                      INTERP: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
     """The walk: sequence b, KV head h, BLOCK_M query rows; splits in order, each merged as it ends
     (under a sliding window from the tile's first split with a visible key)."""
     b = tl.program_id(0).to(tl.int64)
@@ -143,15 +155,15 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr, M, REP, n_
             if j0 >= first:  # (a loop from `first` spilled registers on sm_90)
                 m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0,
                                              tl.minimum(j0 + SPLIT, last),
-                                             scale, skb, skh, skd, skp, svb, svh, svp, svd, stb,
-                                             D, BS, BLOCK_M, INTERP, IEEE, True)
+                                             scale, softcap, skb, skh, skd, skp, svb, svh, svp, svd, stb,
+                                             D, BS, BLOCK_M, INTERP, IEEE, True, SOFTCAP)
                 m_t, l_t, a_t = _merge(m_t, l_t, a_t, m_i, l_i, acc, True)
     else:
         for j0 in range(0, last, SPLIT):
             m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0,
                                          tl.minimum(j0 + SPLIT, last),
-                                         scale, skb, skh, skd, skp, svb, svh, svp, svd, stb,
-                                         D, BS, BLOCK_M, INTERP, IEEE, False)
+                                         scale, softcap, skb, skh, skd, skp, svb, svh, svp, svd, stb,
+                                         D, BS, BLOCK_M, INTERP, IEEE, False, SOFTCAP)
             m_t, l_t, a_t = _merge(m_t, l_t, a_t, m_i, l_i, acc, False)
     tl.store(out_ptr + b * sob + tok[:, None] * som + head[:, None] * soh + d[None, :],
              (a_t / l_t[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None])
@@ -159,10 +171,11 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, out_ptr, M, REP, n_
 
 @triton.jit(do_not_specialize=["M", "n_tab", "n_split", "window", "sqb", "stb", "spb"])
 def _split_partial_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, pm_ptr, pl_ptr, pa_ptr,
-                          M, REP, n_tab, n_split, window, scale, sqb, sqm, sqh,
+                          M, REP, n_tab, n_split, window, scale, softcap, sqb, sqm, sqh,
                           skb, skh, skd, skp, svb, svh, svp, svd, stb, spb,
                           D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-                          INTERP: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr):
+                          INTERP: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr,
+                          SOFTCAP: tl.constexpr):
     """One split of one tile: its state written to the partials [B, Hkv, M*REP, n_split](, D)
     (not where it lies wholly before every row's sliding window: no row reads it)."""
     b = tl.program_id(0).to(tl.int64)
@@ -179,8 +192,8 @@ def _split_partial_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, pos_ptr, pm_ptr, pl_ptr,
                     mask=live[:, None], other=0.0)
         m_i, l_i, acc = _split_state(q, k_ptr, v_ptr, tab_ptr, b, h, pos, lo, j0,
                                      tl.minimum(j0 + SPLIT, last),
-                                     scale, skb, skh, skd, skp, svb, svh, svp, svd, stb,
-                                     D, BS, BLOCK_M, INTERP, IEEE, SLIDING)
+                                     scale, softcap, skb, skh, skd, skp, svb, svh, svp, svd, stb,
+                                     D, BS, BLOCK_M, INTERP, IEEE, SLIDING, SOFTCAP)
         at = ((b * tl.num_programs(1) + h) * M * REP + r) * n_split + sp
         tl.store(pm_ptr + at, m_i, mask=live)
         tl.store(pl_ptr + at, l_i, mask=live)
@@ -265,7 +278,7 @@ def _schedule(bsz: int, hkv: int, rows: int, bm: int, n_tab: int, d: int, device
 
 
 def _launch(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_size, schedule="auto",
-            window=0):
+            window=0, softcap=0.0, scale=None):
     bsz, m, hq, d = q.shape
     hkv = k_strides[4]
     rep = hq // hkv
@@ -279,13 +292,16 @@ def _launch(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_si
     tiles = _cdiv(m * rep, bm)
     if schedule == "auto":
         schedule = _schedule(bsz, hkv, m * rep, bm, n_tab, d, q.device)
-    scale = 1.4426950408889634 / d ** 0.5  # scores in log2 units
-    common = dict(D=d, BS=block_size, BLOCK_M=bm, SPLIT=KV_SPLIT_PAGES, SLIDING=window > 0)
+    log2e = 1.4426950408889634  # scores in log2 units (soft-capped ones: after the cap)
+    scale = score_scale(d, scale) if softcap else log2e / d ** 0.5 if scale is None else log2e * scale
+    common = dict(D=d, BS=block_size, BLOCK_M=bm, SPLIT=KV_SPLIT_PAGES, SLIDING=window > 0,
+                  SOFTCAP=softcap > 0)
+    softcap = float(softcap)
     opts = dict(num_warps=warps, num_stages=stages, **LAUNCH)
     with _on(q, k_blocks, v_blocks):
         if schedule == "walk":
             _attention_kernel[(bsz, hkv, tiles)](
-                q, k_blocks, v_blocks, tables, q_pos, out, m, rep, n_tab, window, scale,
+                q, k_blocks, v_blocks, tables, q_pos, out, m, rep, n_tab, window, scale, softcap,
                 q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
                 *k_strides[:4], *v_strides, tables.stride(0), q_pos.stride(0),
                 INTERP=INTERPRET, IEEE=q.dtype == torch.float32, **common, **opts)
@@ -295,32 +311,35 @@ def _launch(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_si
         pl = torch.empty_like(pm)
         pa = torch.empty(bsz, hkv, m * rep, n_split, d, dtype=torch.float32, device=q.device)
         _split_partial_kernel[(bsz, hkv, tiles * n_split)](
-            q, k_blocks, v_blocks, tables, q_pos, pm, pl, pa, m, rep, n_tab, n_split, window, scale,
+            q, k_blocks, v_blocks, tables, q_pos, pm, pl, pa, m, rep, n_tab, n_split, window, scale, softcap,
             q.stride(0), q.stride(1), q.stride(2), *k_strides[:4], *v_strides,
             tables.stride(0), q_pos.stride(0),
             INTERP=INTERPRET, IEEE=q.dtype == torch.float32, **common, **opts)
         _combine_kernel[(bsz, hkv, _cdiv(m * rep, _COMBINE_ROWS))](
             pm, pl, pa, q_pos, out, m, rep, n_tab, n_split, window,
             out.stride(0), out.stride(1), out.stride(2), q_pos.stride(0),
-            D=d, BS=block_size, BLOCK_M=_COMBINE_ROWS, SPLIT=KV_SPLIT_PAGES, SLIDING=window > 0,
+            D=d, BS=block_size, BLOCK_M=_COMBINE_ROWS, SPLIT=KV_SPLIT_PAGES, SLIDING=common["SLIDING"],
             num_warps=4, **LAUNCH)
     return out
 
 
-def paged_attention(q, k_cache, v_cache, tables, q_pos, window: int = 0, *,
-                    schedule: str = "auto") -> torch.Tensor:
+def paged_attention(q, k_cache, v_cache, tables, q_pos, window: int = 0, softcap: float = 0.0,
+                    scale: float | None = None, *, schedule: str = "auto") -> torch.Tensor:
     """Attention through block tables: q [B, M, Hq, D] (last dim contiguous), key blocks
     [NB, Hkv, D, bs], value blocks [NB, Hkv, bs, D], tables [B, nblk], q_pos [B, M]; a sliding
-    `window` > 0 limits each query to its last `window` keys.
+    `window` > 0 limits each query to its last `window` keys; scores are q.k times `scale` (None:
+    1/sqrt(D)), soft-capped when `softcap` > 0.
     `schedule`: 'auto' (by shapes), 'walk' or 'split' (tests): the same bits."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     k_str = (*k_cache.stride(), k_cache.shape[1])  # block, head, d, pos, Hkv
     v_str = v_cache.stride()  # block, head, pos, d
-    return _launch(q, k_cache, v_cache, k_str, v_str, tables, q_pos, k_cache.shape[-1], schedule, window)
+    return _launch(q, k_cache, v_cache, k_str, v_str, tables, q_pos, k_cache.shape[-1], schedule, window,
+                   softcap, scale)
 
 
-def attention(q, k, v, q_pos, block_size: int, window: int = 0, *, schedule: str = "auto") -> torch.Tensor:
+def attention(q, k, v, q_pos, block_size: int, window: int = 0, softcap: float = 0.0,
+              scale: float | None = None, *, schedule: str = "auto") -> torch.Tensor:
     """Dense attention (the learner's): k, v [B, L, Hkv, D] with L a multiple of `block_size`,
     read as pages of `block_size` keys in order, by the same kernels as `paged_attention`."""
     if q.stride(-1) != 1:
@@ -332,4 +351,4 @@ def attention(q, k, v, q_pos, block_size: int, window: int = 0, *, schedule: str
     # page (b, j) starts at row b * L + j * bs of the [B * L, Hkv, D] key matrix
     k_str = (block_size * hkv * d, d, 1, hkv * d, hkv)
     v_str = (block_size * hkv * d, d, hkv * d, 1)
-    return _launch(q, k, v, k_str, v_str, tables, q_pos, block_size, schedule, window)
+    return _launch(q, k, v, k_str, v_str, tables, q_pos, block_size, schedule, window, softcap, scale)

@@ -80,10 +80,10 @@ class _SiluMulFn(SiluMulFn):
 
 class _AttentionFn(AttentionFn):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, block_size, window=0):
+    def forward(ctx, q, k, v, q_pos, block_size, window=0, softcap=0.0, scale=None):
         ctx.save_for_backward(q, k, v, q_pos)
-        ctx.window = window
-        return ta.attention(q, k, v, q_pos, block_size, window=window)
+        ctx.spec = dict(window=window, softcap=softcap, scale=scale)
+        return ta.attention(q, k, v, q_pos, block_size, **ctx.spec)
 
 
 def rms_norm(x, weight, eps):
@@ -124,10 +124,10 @@ def silu_mul(gate_up):
     return _SiluMulFn.apply(gate_up) if _needs_grad(gate_up) else _silu_mul(gate_up)
 
 
-def attention(q, k, v, q_pos, block_size, window=0):
+def attention(q, k, v, q_pos, block_size, window=0, softcap=0.0, scale=None):
     if _needs_grad(q, k, v):
-        return _AttentionFn.apply(q, k, v, q_pos, block_size, window)
-    return ta.attention(q, k, v, q_pos, block_size, window=window)
+        return _AttentionFn.apply(q, k, v, q_pos, block_size, window, softcap, scale)
+    return ta.attention(q, k, v, q_pos, block_size, window=window, softcap=softcap, scale=scale)
 
 
 class _RowLSEFn(torch.autograd.Function):

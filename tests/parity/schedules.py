@@ -21,8 +21,8 @@ def forced(schedule: str):
 def assert_kernel_schedules_agree(dtype: torch.dtype, device, d: int, monkeypatch) -> None:
     """Keys over several splits: the split schedule gives every query the walk's bits, dense or
     paged, prefill or decode, inside the first split or far past it, with sliding windows or
-    without; both are attention (close to the textbook formula). The control: a walk with another
-    split size differs (float32)."""
+    without, with soft-capped scores and a scale of their own (Gemma 2) or not; both are attention
+    (close to the textbook formula). The control: a walk with another split size differs (float32)."""
     from parity.ops import triton_attention as ta
     from parity.ops.functions import reference_attention
     gen = torch.Generator().manual_seed(8)
@@ -40,21 +40,27 @@ def assert_kernel_schedules_agree(dtype: torch.dtype, device, d: int, monkeypatc
         for j in range(pages):
             k_cache[tables[b, j]] = k[b, j * bs:(j + 1) * bs].permute(1, 2, 0)
             v_cache[tables[b, j]] = v[b, j * bs:(j + 1) * bs].permute(1, 0, 2)
-    # sliding windows: inside one page, across a split, and wider than every position (= none)
-    for window in (0, 7, split * bs + 5, pages * bs + 1):
-        walk = ta.attention(q, k, v, pos, bs, window, schedule="walk")
-        assert torch.equal(ta.attention(q, k, v, pos, bs, window, schedule="split"), walk)
-        ref = reference_attention(q.double(), k.double(), v.double(), pos, window)
+    # sliding windows: inside one page, across a split, and wider than every position (= none);
+    # soft-capped scores (a cap that binds, another scale) with and without a window
+    specs = [(w, 0.0, None) for w in (0, 7, split * bs + 5, pages * bs + 1)] + [(0, 0.7, 0.3), (7, 0.7, 0.3)]
+    for window, softcap, scale in specs:
+        spec = dict(softcap=softcap, scale=scale)
+        walk = ta.attention(q, k, v, pos, bs, window, schedule="walk", **spec)
+        assert torch.equal(ta.attention(q, k, v, pos, bs, window, schedule="split", **spec), walk)
+        ref = reference_attention(q.double(), k.double(), v.double(), pos, window, **spec)
         assert torch.allclose(walk.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
         for schedule in ("walk", "split"):
-            paged = ta.paged_attention(q, k_cache, v_cache, tables, pos, window, schedule=schedule)
+            paged = ta.paged_attention(q, k_cache, v_cache, tables, pos, window, schedule=schedule, **spec)
             assert torch.equal(paged, walk)
             for i in (0, m - 1):  # decode: one query per sequence
                 one = ta.paged_attention(q[:, i:i + 1], k_cache, v_cache, tables, pos[:, i:i + 1], window,
-                                         schedule=schedule)
+                                         schedule=schedule, **spec)
                 assert torch.equal(one[:, 0], walk[:, i])
         if window == pages * bs + 1:  # a window no query outgrows is no window, bit for bit
             assert torch.equal(walk, ta.attention(q, k, v, pos, bs, schedule="walk"))
+        if softcap:  # (the cap is seen: uncapped scores at that scale are another attention)
+            plain = reference_attention(q.double(), k.double(), v.double(), pos, window, scale=scale)
+            assert (plain - ref).abs().max() > 0.05
     qf, kf, vf = q.float(), k.float(), v.float()  # in float32: bf16's rounding of the output can hide it
     base = ta.attention(qf, kf, vf, pos, bs, schedule="walk")
     monkeypatch.setattr(ta, "KV_SPLIT_PAGES", split + 1)

@@ -226,14 +226,17 @@ def test_control_same_suite_on_aligned_passes():
 
 # ---------------------------------------------------------------------------- every family
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-qwen2", "tiny-llama", "tiny-mistral", "tiny-mixtral",
-                                    "tiny-qwen2-moe", "tiny-gemma3", "tiny-olmo3"])
+                                    "tiny-qwen2-moe", "tiny-gemma2", "tiny-gemma3", "tiny-olmo3",
+                                    "tiny-phi3"])
 def test_every_family_is_invariant_and_its_standard_control_differs(preset):
     """Qwen3-MoE (routing included), Qwen2 (q/k/v biases, YaRN), Llama 3 (llama3 RoPE scaling),
     Mistral (a sliding window of 40 keys), Mixtral (experts in every layer, renormalised, no q/k
     norm), Qwen2-MoE (a gated shared expert beside the routed ones), Gemma 3 (sliding and full
-    layers with their own RoPE bases, offset norms in float32, tanh-GELU, scaled queries), OLMo 3
-    (norms after each block only, q/k normed over the whole projection, sliding layers): the
-    same cases, zero mismatches on aligned kernels in both dtypes; the standard control fails."""
+    layers with their own RoPE bases, offset norms in float32, tanh-GELU, scaled queries), Gemma 2
+    (soft-capped attention scores and logits, its own attention scale, no q/k norm), OLMo 3
+    (norms after each block only, q/k normed over the whole projection, sliding layers), Phi-3
+    (fused projections in its files, a window on every layer): the same cases, zero mismatches on
+    aligned kernels in both dtypes; the standard control fails."""
     cases = ("batch", "padding", "offset", "decode", "engine", "autograd") + (("threads",) if ON_CPU else ())
     for dtype, seed in (("float32", 7), ("bfloat16", 8)):
         model = cached_model(preset, "aligned", dtype, seed, 0.1)

@@ -75,7 +75,8 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
  * Query (b, m, h) attends to keys n0..q_pos of KV head h / (Hq / Hkv), n0 = 0, or with a sliding
  * window W > 0 max(0, q_pos + 1 - W): its keys are a property of the query alone, so every reduction (each score summed over d in order;
  * the exact max; the denominator and the value sum accumulated key by key) is the same
- * whatever else is in the batch and wherever its keys are stored. */
+ * whatever else is in the batch and wherever its keys are stored. Scores are q.k * scale; with
+ * softcap > 0 they are capped to softcap * tanhf(score / softcap) (Gemma 2), element by element. */
 #define ATTEND_ROW(KV_T, LOAD, DIM)                                                            \
     {                                                                                          \
         const int64_t nb = (n + bs - 1) / bs;                                                  \
@@ -90,6 +91,9 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
                     for (int l = 0; l < LANES; l++) s[l] = s[l] + qd * LOAD(row[l]);           \
                 }                                                                              \
                 for (int l = 0; l < LANES; l++) scores[i * bs + j0 + l] = s[l] * scale;        \
+                if (softcap > 0.0f)                                                            \
+                    for (int l = 0; l < LANES; l++)                                            \
+                        scores[i * bs + j0 + l] = tanhf(scores[i * bs + j0 + l] / softcap) * softcap; \
             }                                                                                  \
         }                                                                                      \
         float peak = -INFINITY;                                                                \
@@ -158,7 +162,7 @@ static float *scratch(size_t n) {
 #define ATTENTION_ARGS(KV_T)                                                                   \
     const float *q, const KV_T *k, const KV_T *v, const int64_t *tables, const int64_t *q_pos, \
         float *out, float *lse, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,      \
-        int64_t nblk, int64_t bs, int64_t window, float scale, int threads
+        int64_t nblk, int64_t bs, int64_t window, float scale, float softcap, int threads
 
 void parity_attention_f32(ATTENTION_ARGS(float)) { ATTENTION_BODY(float, F32_ID) }
 
