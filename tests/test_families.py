@@ -311,6 +311,56 @@ def test_a_gemma2_checkpoint_in_the_hubs_layout_agrees_in_both_dtypes(tmp_path):
         parity.load_model(tmp_path)
 
 
+def test_a_gemma3_image_text_checkpoint_loads_its_language_model(tmp_path):
+    """Gemma 3 4B-27B are Gemma3ForConditionalGeneration checkpoints (image and text; they were
+    refused as another architecture): parity loads the language model (`text_config`, the
+    `language_model.model.*` tensors; the vision tower's left out) and agrees with the image-text
+    model on text within 1e-5, from transformers 5's save and from the Hub's 4.50 layout (a sparse
+    `text_config` whose missing fields are Gemma3TextConfig's defaults, the 4B's linear RoPE
+    scaling on the full layers, the end-of-turn id at the top level); it saves as the
+    Gemma3ForCausalLM it is, which transformers reads as the same model."""
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    ids = dict(mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, **ids)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.08)
+    hf.save_pretrained(tmp_path)
+    seq = torch.arange(1, 120, 3) % 290
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+           "model_type": "gemma3", "vision_config": json.loads((tmp_path / "config.json").read_text())[
+               "vision_config"], **ids,  # (no rope_theta, rope_local_base_freq, rms_norm_eps: defaults)
+           "text_config": {**text, "model_type": "gemma3_text", "rope_scaling": {"factor": 8.0,
+                                                                                 "rope_type": "linear"}}}
+    for layout in ("transformers 5", "hub"):
+        if layout == "hub":
+            (tmp_path / "config.json").write_text(json.dumps(hub))
+            hf = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)
+            hf = hf.eval()
+        ours = parity.load_model(tmp_path)
+        assert (ours.config.model_type, ours.config.eos_token_id) == (
+            "gemma3_text", [1, 106] if layout == "hub" else 1)
+        with torch.no_grad():
+            ref = hf_logprobs(hf, seq)
+            assert torch.allclose(parity.sequence_logprobs(ours, [seq])[0], ref, atol=1e-5), layout
+    assert ours.config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    ours.save_pretrained(tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    assert type(back).__name__ == "Gemma3ForCausalLM"
+    with torch.no_grad():
+        assert torch.allclose(hf_logprobs(back, seq), ref, atol=1e-5)
+    (tmp_path / "config.json").write_text(json.dumps({**hub, "text_config": {**hub["text_config"],
+                                                                             "model_type": "siglip"}}))
+    with pytest.raises(CheckpointError, match="text_config.model_type 'siglip' is not supported"):
+        parity.load_model(tmp_path)
+
+
 def test_gemma3s_sliding_layers_rotate_unscaled_even_when_the_bases_are_equal(tmp_path):
     """(2026-12-06 review) With rope_local_base_freq equal to rope_theta and the full layers'
     RoPE scaled, the sliding layers took the scaled table (0.68 nats off transformers); a save's

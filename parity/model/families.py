@@ -224,7 +224,9 @@ def _yarn_context(scaling: dict) -> int | None:
 
 
 def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> ModelConfig:
-    """A `ModelConfig` from a Hugging Face config dict of a supported family."""
+    """A `ModelConfig` from a Hugging Face config dict of a supported family (Gemma 3's image-text
+    ones: their language model, `hybrid.text_config_of`)."""
+    data = hybrid.text_config_of(data, str(where))
     _check_types(data, str(where))
     model_type = _model_type(data, str(where))
     missing = [k for k in _REQUIRED if k not in data]

@@ -1,18 +1,23 @@
 """Families with sliding and full layer types: Gemma 2, Gemma 3 (text) and OLMo 3 configs.
 
-Both name each layer's type (`layer_types`, or a pattern when absent: every 6th layer full for
+Gemma 3 and OLMo 3 name each layer's type (`layer_types`, or a pattern when absent: every 6th layer full for
 Gemma 3, every 4th for OLMo 3), give the sliding layers RoPE that is never scaled (in transformers
 5, `rope_parameters.sliding_attention`; `rope_scaling` is the full layers' alone) and, for Gemma,
 another base (`rope_local_base_freq`). `families.py` reads the fields shared with the other
 families and the full layers' RoPE; this module the rest, and writes them back.
 
-Gemma3ForCausalLM (the 270M and 1B checkpoints; the larger ones are Gemma3ForConditionalGeneration,
-image and text) also has the attention scale `query_pre_attn_scalar` and a tanh-GELU activation
-(`hidden_activation`). Gemma 2 (Gemma2ForCausalLM: 2B, 9B, 27B) has both too, slides every other
-layer (the even ones, unless `layer_types` says otherwise) on the full layers' RoPE, and soft-caps
-attention scores and final logits (`attn_logit_softcapping`, `final_logit_softcapping`: 50 and 30
-when left out; Gemma 3's may set them, absent there means none). The bidirectional variant is
-refused, not approximated.
+Gemma3ForCausalLM (the 270M and 1B checkpoints) also has the attention scale
+`query_pre_attn_scalar` and a tanh-GELU activation (`hidden_activation`). The 4B, 12B and 27B
+checkpoints are Gemma3ForConditionalGeneration (image and text): `text_config_of` reads their
+language model's config (its `text_config`, fields left out there at Gemma3TextConfig's defaults),
+whose weights load without the vision tower (`tensor_names.text_model_tensors`); such a model
+saves as the Gemma3ForCausalLM it is.
+
+Gemma 2 (Gemma2ForCausalLM: 2B, 9B, 27B) has the scalar and the activation too, slides every
+other layer (the even ones, unless `layer_types` says otherwise) on the full layers' RoPE, and
+soft-caps attention scores and final logits (`attn_logit_softcapping`, `final_logit_softcapping`:
+50 and 30 when left out; Gemma 3's may set them, absent there means none). The bidirectional
+variant is refused, not approximated.
 """
 
 from __future__ import annotations
@@ -37,6 +42,36 @@ GEMMAS = ("gemma2", "gemma3_text")
 _CAPS = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
          "gemma3_text": {"attn_logit_softcapping": None, "final_logit_softcapping": None}}
 """transformers' soft-caps where a config leaves them out (an explicit null: no cap)."""
+
+
+_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, num_hidden_layers=26, num_attention_heads=8)
+"""Gemma3TextConfig's defaults for the fields every config must otherwise give (Gemma 3's image-text
+configs leave those of the 4B checkpoint out: its sizes are the defaults)."""
+
+
+def is_image_text(data: dict[str, Any]) -> bool:
+    """Whether a config.json is Gemma 3's image-text one (model_type gemma3)."""
+    archs = data.get("architectures") or []
+    return data.get("model_type") == "gemma3" or "Gemma3ForConditionalGeneration" in archs
+
+
+def text_config_of(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """A Gemma 3 image-text config's language model as a Gemma3ForCausalLM config (the top level's
+    token ids and tie win, as transformers generates with them); any other config unchanged."""
+    if not is_image_text(data):
+        return data
+    text = data.get("text_config")
+    if text is None:
+        text = {}
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: text_config must be an object, got {text!r}")
+    if text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ConfigError(f"{where}: text_config.model_type {text['model_type']!r} is not supported "
+                          "(Gemma 3's language model is gemma3_text)")
+    top = {k: data[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings")
+           if data.get(k) is not None}
+    return {**_TEXT_DEFAULTS, **text, **top, "model_type": "gemma3_text",
+            "architectures": ["Gemma3ForCausalLM"]}
 
 
 def _positive(value, what: str, where: str) -> float:

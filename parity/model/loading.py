@@ -16,7 +16,8 @@ from ..hardware import check_device
 from .checkpoint import read_tensors
 from .decoder import DEFAULT_BLOCK_SIZE, Model
 from .families import config_from_hf, read_json
-from .tensor_names import file_name, tensors_from_files
+from .hybrid import is_image_text
+from .tensor_names import file_name, tensors_from_files, text_model_tensors
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -38,7 +39,10 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
     if dtype is None:
         dtype = checkpoint_dtype(raw.get("dtype") or raw.get("torch_dtype"))
     try:
-        tensors = tensors_from_files(config, read_tensors(path), str(path / "model.safetensors"))
+        tensors = read_tensors(path)
+        if is_image_text(raw):  # (Gemma 3 4B-27B: the language model, without the vision tower)
+            tensors = text_model_tensors(tensors, str(path / "model.safetensors"))
+        tensors = tensors_from_files(config, tensors, str(path / "model.safetensors"))
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
     indices = (n.split(".")[2] for n in tensors if n.startswith("model.layers."))

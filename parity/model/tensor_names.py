@@ -84,6 +84,27 @@ def _phi3_fuse(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, to
     return out
 
 
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                   "model.multi_modal_projector.")
+
+
+def text_model_tensors(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Gemma 3 image-text files' language-model tensors under a causal LM's names
+    (`language_model.model.*`, as transformers writes them, or `model.language_model.*`, as it
+    holds them, become `model.*`); the vision tower's and the projector's are left out."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.startswith(_IMAGE_PREFIXES):
+            continue
+        ours = next((new + name[len(old):] for old, new in _TEXT_PREFIXES if name.startswith(old)), name)
+        if ours in out:  # (one of the two would silently win)
+            raise ConfigError(f"{where}: tensor {ours} is stored under two names")
+        out[ours] = t
+    return out
+
+
 def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
                        where: str) -> dict[str, torch.Tensor]:
     """Checkpoint tensors under the model's own names: per-expert MoE weights are stacked, Phi-3's
