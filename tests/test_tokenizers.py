@@ -5,6 +5,7 @@ environments that prompt a model in its own format (tool markers spelled out as 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from parity.cli import main
 from parity.envs.math import MathEnv
 from parity.envs.tool import ToolEnv
 from parity.errors import InputError
-from parity.model.tokenizer import HFTokenizer
+from parity.model.tokenizer import HFTokenizer, copy_tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|eot_id|>",
            "<|start_header_id|>", "<|end_header_id|>"]
@@ -281,3 +282,22 @@ def test_chat_template_kwargs_reach_every_prompt_a_task_renders(bpe_dir, tmp_pat
     (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ParityError, match="chat_template_kwargs: the run's tokenizer has no chat template"):
         build_env(cfg, 512)
+
+
+def test_a_processors_chat_template_json_is_read_and_copied(tmp_path, bpe_dir):
+    """Image-text checkpoints (Gemma 3 4B-27B) may keep their template only in the processor's
+    `chat_template.json`: it is read when tokenizer_config.json has none (a template there, or a
+    `chat_template.jinja`, wins), and copied with the tokenizer."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copyfile(bpe_dir / "tokenizer.json", ckpt / "tokenizer.json")
+    config = json.loads((bpe_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    assert HFTokenizer(ckpt / "tokenizer.json").chat_template is None  # (the control)
+    (ckpt / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}!"}))
+    assert HFTokenizer(ckpt / "tokenizer.json").chat_template == "{{ messages[0]['content'] }}!"
+    copy_tokenizer(ckpt / "tokenizer.json", tmp_path)
+    assert HFTokenizer(tmp_path / "tokenizer.json").chat_template == "{{ messages[0]['content'] }}!"
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "own"}))
+    assert HFTokenizer(ckpt / "tokenizer.json").chat_template == "own"

@@ -136,11 +136,14 @@ def _read_json(path: Path) -> dict:
 
 def _chat_template(config: dict, directory: Path) -> str | None:
     """The default chat template: `chat_template.jinja`, else tokenizer_config.json's entry (a
-    string, or a list of named templates of which "default" is taken)."""
+    string, or a list of named templates of which "default" is taken), else the processor's
+    `chat_template.json` (image-text checkpoints such as Gemma 3 4B-27B keep it there)."""
     jinja = directory / "chat_template.jinja"
     if jinja.exists():
         return jinja.read_text()
     template = config.get("chat_template")
+    if template is None:
+        template = _read_json(directory / "chat_template.json").get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -148,7 +151,7 @@ def _chat_template(config: dict, directory: Path) -> str | None:
 
 
 COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+                   "chat_template.json", "generation_config.json")
 """What `HFTokenizer` reads beside a tokenizer.json (special tokens, the chat template, EOS ids)."""
 
 
