@@ -76,8 +76,9 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
     missing = sorted(set(expected) - set(tensors))
     if missing:
         untied = missing == ["lm_head.weight"] and "tie_word_embeddings" not in raw
-        raise CheckpointError(f"{weights_file}: missing tensor {file_name(config, missing[0])}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        named = list(dict.fromkeys(file_name(config, n) for n in missing))  # (as the file names them)
+        raise CheckpointError(f"{weights_file}: missing tensor {named[0]}"
+                              + (f" (and {len(named) - 1} more)" if len(named) > 1 else "")
                               + ("; config.json has no tie_word_embeddings, read as false" if untied else ""))
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
