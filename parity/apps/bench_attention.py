@@ -1,6 +1,7 @@
 """`parity bench attention`: decode attention over the paged KV cache, per schedule, side by side.
 
-One decode step's attention for one layer of a preset's shape (every sequence one query, all at
+One decode step's attention for one full layer of a preset's shape (its soft-cap and scale, as
+Gemma 2's, included; every sequence one query, all at
 the same context length, its pages scattered through the cache) timed four ways in one run,
 repetitions interleaved, medians: the aligned Triton kernel's walk (one program per sequence and
 KV head), its split schedule (one program per key split, then the merge kernel), what the aligned
@@ -69,10 +70,11 @@ def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: in
             q = randn(batch, 1, hq, d)
             q_pos = torch.full((batch, 1), context - 1, device=device)
             args = (q, k_cache, v_cache, tables, q_pos)
-            calls = {"walk": partial(ta.paged_attention, *args, schedule="walk"),
-                     "split": partial(ta.paged_attention, *args, schedule="split"),
-                     "auto": partial(ta.paged_attention, *args),
-                     "standard": partial(standard.paged_attention, *args)}
+            spec = dict(softcap=cfg.attn_logit_softcapping or 0.0, scale=cfg.attention_scale)  # (Gemma 2)
+            calls = {"walk": partial(ta.paged_attention, *args, schedule="walk", **spec),
+                     "split": partial(ta.paged_attention, *args, schedule="split", **spec),
+                     "auto": partial(ta.paged_attention, *args, **spec),
+                     "standard": partial(standard.paged_attention, *args, **spec)}
             outs: dict[str, torch.Tensor] = {}
             if progress:
                 progress(f"attention batch {batch} context {context}")
