@@ -255,6 +255,7 @@ def test_a_gemma3_checkpoint_in_the_hubs_layout_agrees_in_both_dtypes(tmp_path):
             other.load_state_dict(ours.state_dict())
             assert (parity.sequence_logprobs(other, [seq])[0] - ref).abs().max() > 1e-2, edit
     for key, value, culprit in (("final_logit_softcapping", -3.0, "final_logit_softcapping must be a"),
+                                ("attn_logit_softcapping", 50.0, "50.0 on Gemma 3 is not supported: transf"),
                                 ("hidden_activation", "gelu", "hidden_activation 'gelu' is not supported"),
                                 ("use_bidirectional_attention", True, "use_bidirectional_attention=true")):
         (tmp_path / "config.json").write_text(json.dumps({**GEMMA3_1B, key: value}))
@@ -306,6 +307,8 @@ def test_a_gemma2_checkpoint_in_the_hubs_layout_agrees_in_both_dtypes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(plain))
     c = parity.load_model(tmp_path).config
     assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, 30.0)
+    with pytest.raises(ConfigError, match="attn_logit_softcapping is not a field of gemma3_text"):
+        parity.ModelConfig.preset("tiny-gemma3", attn_logit_softcapping=50.0)  # (transformers ignores it)
     (tmp_path / "config.json").write_text(json.dumps({**GEMMA2_2B, "attn_logit_softcapping": "50"}))
     with pytest.raises(CheckpointError, match="attn_logit_softcapping must be a positive number"):
         parity.load_model(tmp_path)

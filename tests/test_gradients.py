@@ -64,12 +64,16 @@ def test_windowed_attention_gradients_match_autograd(dtype):
             assert torch.allclose(a.double(), b, atol=tol), (window, (a.double() - b).abs().max())
 
 
+@pytest.mark.parametrize("chunks", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_softcapped_attention_matches_transformers_formula_and_its_gradients(dtype):
+def test_softcapped_attention_matches_transformers_formula_and_its_gradients(dtype, chunks, monkeypatch):
     """Gemma 2's attention (scores times a scale of their own, capped to c tanh(s / c) before the
     mask), with and without a sliding window: the aligned forward (the pure-PyTorch path in
-    float64, the native kernel in float32/bfloat16) and its backward against autograd through
-    the textbook formula; the cap binds (uncapped attention is far off)."""
+    float64, the native kernel in float32/bfloat16) and its backward (eager, in query chunks when
+    the scores would be many: 3 chunks here) against autograd through the textbook formula; the
+    cap binds (uncapped attention is far off)."""
+    if chunks:
+        monkeypatch.setattr(functions, "EAGER_SCORES", 2 * 4 * 64 * 2)  # 2 query rows a chunk
     g = torch.Generator().manual_seed(4)
     q = torch.randn(2, 6, 4, 16, generator=g).mul(2).to(dtype).requires_grad_()
     k = torch.randn(2, 64, 2, 16, generator=g).to(dtype).requires_grad_()

@@ -110,8 +110,8 @@ class ModelConfig:
     """gemma2, gemma3_text: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None:
     head_dim, the usual 1 / sqrt(head_dim))."""
     attn_logit_softcapping: float | None = None
-    """gemma2, gemma3_text: attention scores s are capped to c * tanh(s / c) before the softmax,
-    c this value (Gemma 2: 50); None: not capped."""
+    """gemma2: attention scores s are capped to c * tanh(s / c) before the softmax, c this value
+    (Gemma 2: 50); None: not capped. (Gemma 3's config has the field, which transformers ignores.)"""
     final_logit_softcapping: float | None = None
     """gemma2, gemma3_text: the LM head's logits z are capped to c * tanh(z / c) (Gemma 2: 30),
     in the engine and the learner alike; None: not capped."""
@@ -229,7 +229,7 @@ class ModelConfig:
         local = {"gemma3_text": 1e4, "olmo3": self.rope_theta}.get(self.model_type)
         for name, default, own in (("query_pre_attn_scalar", float(self.head_dim), gemma),
                                    ("rope_local_base_freq", local, local is not None),
-                                   ("attn_logit_softcapping", None, gemma),
+                                   ("attn_logit_softcapping", None, self.model_type == "gemma2"),
                                    ("final_logit_softcapping", None, gemma)):
             value = getattr(self, name)
             if value is None:

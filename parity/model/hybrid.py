@@ -16,8 +16,9 @@ saves as the Gemma3ForCausalLM it is.
 Gemma 2 (Gemma2ForCausalLM: 2B, 9B, 27B) has the scalar and the activation too, slides every
 other layer (the even ones, unless `layer_types` says otherwise) on the full layers' RoPE, and
 soft-caps attention scores and final logits (`attn_logit_softcapping`, `final_logit_softcapping`:
-50 and 30 when left out; Gemma 3's may set them, absent there means none). The bidirectional
-variant is refused, not approximated.
+50 and 30 when left out; Gemma 3's may set the final one, absent there means none; its attention
+cap, which transformers ignores, is refused). The bidirectional variant is refused, not
+approximated.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ GEMMAS = ("gemma2", "gemma3_text")
 """The Gemma families (activation `hidden_activation`, query scalar, soft-caps)."""
 
 _CAPS = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
-         "gemma3_text": {"attn_logit_softcapping": None, "final_logit_softcapping": None}}
+         "gemma3_text": {"final_logit_softcapping": None}}  # (its attention cap: refused)
 """transformers' soft-caps where a config leaves them out (an explicit null: no cap)."""
 
 
@@ -85,7 +86,10 @@ def _pattern(pattern: int, layers: int) -> list[str]:
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
 
 
-def _gemma_checks(data: dict[str, Any], where: str) -> None:
+def _gemma_checks(data: dict[str, Any], model_type: str, where: str) -> None:
+    if model_type == "gemma3_text" and data.get("attn_logit_softcapping") is not None:
+        raise ConfigError(f"{where}: attn_logit_softcapping {data['attn_logit_softcapping']!r} on Gemma 3 is "
+                          "not supported: transformers' Gemma 3 ignores it, other servers may apply it")
     if data.get("use_bidirectional_attention"):
         raise ConfigError(f"{where}: use_bidirectional_attention=true is not supported (a causal LM only)")
     act = data.get("hidden_activation") or "gelu_pytorch_tanh"
@@ -154,7 +158,7 @@ def from_hf(data: dict[str, Any], model_type: str, where: str) -> dict[str, Any]
     """The `ModelConfig` fields of a gemma3_text or olmo3 config beyond the shared ones and the
     full layers' RoPE."""
     if model_type in GEMMAS:
-        _gemma_checks(data, where)
+        _gemma_checks(data, model_type, where)
     window = data.get("sliding_window", 4096)  # (every family's transformers default)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")

@@ -169,8 +169,10 @@ class ChunkedHead(torch.autograd.Function):
     is one product over all N positions (rounded once, no [vocab, hidden] accumulator), the hidden
     gradient sums the blocks' products in float32. With tied embeddings the weight's gradient is
     handed to the lookup's backward (`tied.py`), not returned. Soft-capped logits (`cap`, Gemma)
-    are capped by `soft_cap` in the forward; the backward recomputes the cap of its block and
-    multiplies the logits' gradient by the cap's derivative, 1 - tanh(z / c)^2."""
+    are capped by `soft_cap` in the forward; the backward caps its block by `soft_cap` too (in
+    bfloat16 a cap computed otherwise rounds otherwise: its softmax would not sum to 1 against the
+    forward's log-sum-exp) and multiplies the logits' gradient by the cap's derivative,
+    1 - tanh(z / c)^2."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, kernels, temperature: float, chunk: int,
@@ -185,6 +187,7 @@ class ChunkedHead(torch.autograd.Function):
                 entropy.append(_entropy(kernels, logits, temperature))
         ctx.save_for_backward(hidden, weight, targets, torch.cat(lse))
         ctx.temperature, ctx.block, ctx.tied, ctx.cap = temperature, chunk * len(weight), tied, cap
+        ctx.kernels = kernels
         return torch.cat(out)
 
     @staticmethod
@@ -200,9 +203,9 @@ class ChunkedHead(torch.autograd.Function):
         for v0 in range(0, len(weight), rows):
             w = weight[v0:v0 + rows]
             z = gemm_linear(hidden, w)
-            if ctx.cap is not None:
+            if ctx.cap is not None:  # capped as the forward capped (its roundings), differentiated exactly
                 tanh = torch.tanh(z.float() / ctx.cap)
-                z = (tanh * ctx.cap).to(z.dtype)
+                z = soft_cap(ctx.kernels, z, ctx.cap)
             p = z.float().div_(t).sub_(lse[:, None]).exp_()  # [N, block]
             g = p.mul_(scale[:, None]).neg_()
             mine = (targets >= v0) & (targets < v0 + len(w))

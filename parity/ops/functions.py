@@ -107,14 +107,27 @@ class AttentionFn(torch.autograd.Function):
             return (*_flash_backward(grad, *saved, window=ctx.spec["window"], scale=ctx.spec["scale"]),
                     *[None] * 5)
         q, k, v, q_pos = saved
+        acc = recompute_dtype(q)
+        # soft-capped attention recomputes eagerly, [B, Hq, rows, L] scores at a time: in query
+        # chunks, so long sequences do not hold a [B, Hq, M, L] tensor (SDPA needs no chunks)
+        bsz, m, hq, _ = q.shape
+        rows = m if not ctx.spec["softcap"] else max(1, EAGER_SCORES // max(1, bsz * hq * k.shape[1]))
         with torch.enable_grad():
-            acc = recompute_dtype(q)
-            qf = q.detach().to(acc).requires_grad_()
             kf = k.detach().to(acc).requires_grad_()
             vf = v.detach().to(acc).requires_grad_()
-            out = standard.attention(qf, kf, vf, q_pos, 0, **ctx.spec)
-            gq, gk, gv = torch.autograd.grad(out, (qf, kf, vf), grad.to(acc))
-        return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), *[None] * 5
+            gq, gk, gv = [], 0, 0
+            for m0 in range(0, m, rows):
+                qf = q[:, m0:m0 + rows].detach().to(acc).requires_grad_()
+                out = standard.attention(qf, kf, vf, q_pos[:, m0:m0 + rows], 0, **ctx.spec)
+                dq, dk, dv = torch.autograd.grad(out, (qf, kf, vf), grad[:, m0:m0 + rows].to(acc))
+                gq.append(dq)
+                gk, gv = gk + dk, gv + dv
+        return torch.cat(gq, 1).to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), *[None] * 5
+
+
+EAGER_SCORES = 1 << 24
+"""The most attention scores (16M: 64 MiB in float32) one query chunk of the soft-capped
+attention's eager backward computes at once."""
 
 
 def recompute_dtype(q: torch.Tensor) -> torch.dtype:
