@@ -45,6 +45,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..fields import check_fields
+from .config_checks import check_family_fields, check_moe, check_windows
 from .presets import PRESETS as _PRESETS
 from .rope import check_rope_scaling
 
@@ -52,8 +53,6 @@ MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral
                                 "gemma2", "gemma3_text", "olmo2", "olmo3", "phi3")
 """Decoder families parity builds."""
 
-LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
-"""Attention kinds a layer may have (`ModelConfig.layer_types`)."""
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 """Named model shapes `ModelConfig.preset` builds."""
@@ -187,61 +186,13 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.attention_bias=true is not supported for {self.model_type}")
         if self.model_type == "qwen2":
             self.attention_bias = True  # Qwen2's q/k/v projections always carry biases
-        self._check_windows()
-        self._check_family_fields()
+        check_windows(self)
+        check_family_fields(self)
         self.rope_scaling = check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         if self.model_type == "phi3" and self.rope_scaling is not None:  # (transformers' refuses them)
             raise ConfigError(f"ModelConfig.rope_scaling {self.rope_scaling['rope_type']!r} is not supported "
                               "for phi3: transformers' Phi-3 scales by longrope alone, which parity refuses")
-        self._check_moe()
-
-    def _check_windows(self) -> None:
-        window, types = self.sliding_window, self.layer_types
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ConfigError(f"ModelConfig.sliding_window must be a positive integer or None, "
-                              f"got {window!r}")
-        if window is not None and self.model_type in ("llama", "olmo2"):  # (transformers' have no window)
-            raise ConfigError(f"ModelConfig.sliding_window is not supported for {self.model_type}")
-        if window is None and self.model_type in ("gemma2", "gemma3_text", "olmo3"):  # (theirs always slide)
-            raise ConfigError(f"ModelConfig.sliding_window must be set for {self.model_type} (its "
-                              "transformers code always builds the sliding layers' mask)")
-        if types is None:
-            return
-        if not isinstance(types, (list, tuple)) or len(types) != self.num_hidden_layers:
-            raise ConfigError(f"ModelConfig.layer_types must list one type per layer "
-                              f"({self.num_hidden_layers}), got {types!r}")
-        bad = [t for t in types if t not in LAYER_TYPES]
-        if bad:
-            raise ConfigError(f"ModelConfig.layer_types: {bad[0]!r} is not one of {', '.join(LAYER_TYPES)}")
-        self.layer_types = list(types)
-        if "sliding_attention" in types and window is None:
-            raise ConfigError("ModelConfig.layer_types has sliding_attention layers but sliding_window "
-                              "is None")
-        full = window is not None and types[:1] == ["full_attention"]  # (saved, the window slides them all)
-        if self.model_type in ("mistral", "mixtral", "qwen3_moe", "phi3") and (len(set(types)) > 1 or full):
-            raise ConfigError(f"ModelConfig.layer_types: {self.model_type} layers all attend alike, and with "
-                              "sliding_window set all slide (set sliding_window None for full attention)")
-
-    def _check_family_fields(self) -> None:
-        """Gemma's query scalar and soft-caps, the sliding layers' RoPE base (Gemma 3, OLMo 3):
-        their defaults where left out, refused on the other families."""
-        gemma = self.gemma
-        local = {"gemma3_text": 1e4, "olmo3": self.rope_theta}.get(self.model_type)
-        for name, default, own in (("query_pre_attn_scalar", float(self.head_dim), gemma),
-                                   ("rope_local_base_freq", local, local is not None),
-                                   ("attn_logit_softcapping", None, self.model_type == "gemma2"),
-                                   ("final_logit_softcapping", None, gemma)):
-            value = getattr(self, name)
-            if value is None:
-                if own:
-                    setattr(self, name, default)
-            elif not own:
-                raise ConfigError(f"ModelConfig.{name} is not a field of {self.model_type}")
-            elif not 0 < value < math.inf:
-                raise ConfigError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
-        if gemma and not float(self.query_pre_attn_scalar).is_integer():  # (transformers 5 reads an int)
-            raise ConfigError(f"ModelConfig.query_pre_attn_scalar must be a whole number, "
-                              f"got {self.query_pre_attn_scalar!r}")
+        check_moe(self)
 
     # ------------------------------------------------------------------ family switches
     @property
@@ -296,32 +247,6 @@ class ModelConfig:
         if window is None or window >= self.max_position_embeddings:
             return 0
         return window if self.layer_window_type(layer) == "sliding_attention" else 0
-
-    def _check_moe(self) -> None:
-        if (self.shared_expert_intermediate_size > 0) != (self.model_type == "qwen2_moe"):
-            raise ConfigError(f"ModelConfig.shared_expert_intermediate_size must be a positive integer for "
-                              f"qwen2_moe and 0 otherwise, got {self.shared_expert_intermediate_size!r} "
-                              f"for {self.model_type}")
-        if not self.is_moe:
-            if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
-                raise ConfigError(f"ModelConfig.num_experts is set but model_type is {self.model_type!r}")
-            return
-        if self.model_type == "mixtral":  # every layer a mixture, its top-k weights renormalised
-            if self.decoder_sparse_step != 1 or self.mlp_only_layers or not self.norm_topk_prob:
-                raise ConfigError("ModelConfig: mixtral has a mixture in every layer (decoder_sparse_step 1, "
-                                  "no mlp_only_layers) and renormalises its top-k (norm_topk_prob true)")
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
-            value = getattr(self, name)
-            if value <= 0:
-                raise ConfigError(f"ModelConfig.{name} must be a positive integer for {self.model_type}, "
-                                  f"got {value!r}")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ConfigError(f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
-                              f"num_experts={self.num_experts}")
-        layers = range(self.num_hidden_layers)
-        bad = [i for i in self.mlp_only_layers if i not in layers]
-        if bad:
-            raise ConfigError(f"ModelConfig.mlp_only_layers: {bad[0]!r} is not a layer index")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -20,7 +20,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from . import hybrid
-from .config import LAYER_TYPES, MODEL_TYPES, ModelConfig
+from .config import MODEL_TYPES, ModelConfig
+from .config_checks import LAYER_TYPES
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
