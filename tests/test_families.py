@@ -1,5 +1,5 @@
 """Bring your own checkpoint: Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama 3, Mistral, Mixtral, Gemma 2
-and 3, OLMo 2 and 3, Phi-3 checkpoints made by `transformers` itself load with log-probs within 1e-4
+and 3, OLMo 2 and 3, Phi-3, SmolLM3 checkpoints made by `transformers` itself load with log-probs within 1e-4
 of transformers';
 parity's own saves load in transformers; what parity does not honour is a one-line error; MoE
 routing is batch-invariant and identical on both sides with aligned kernels, and flips with
@@ -48,6 +48,9 @@ def hf_config(family: str, tied: bool = False, **over):
                                             **kw})
     if family == "phi3":  # fused qkv_proj and gate_up_proj in its files
         return transformers.Phi3Config(**{"eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1, **kw})
+    if family == "smollm3":  # layer 2 without RoPE (NoPE: every fourth layer in the 3B)
+        return transformers.SmolLM3Config(**{"no_rope_layers": [1, 1, 0], "rope_theta": 5e6,
+                                             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     if family == "olmo2":
         return transformers.Olmo2Config(**{"eos_token_id": 2, **kw})
     if family == "olmo3":  # sliding layers 0 and 2 (8 keys), the full one YaRN-scaled (OLMo 3's long context)
@@ -88,7 +91,7 @@ def hf_logprobs(model, seq):
 
 
 FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe", "gemma2",
-            "gemma3_text", "olmo2", "olmo3", "phi3"]
+            "gemma3_text", "olmo2", "olmo3", "phi3", "smollm3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -108,7 +111,7 @@ def test_a_transformers_checkpoint_loads_and_agrees(tmp_path, family, tied):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-qwen2", "tiny-llama", "tiny-mistral",
                                     "tiny-mixtral", "tiny-qwen2-moe", "tiny-gemma2", "tiny-gemma3",
-                                    "tiny-olmo2", "tiny-olmo3", "tiny-phi3"])
+                                    "tiny-olmo2", "tiny-olmo3", "tiny-phi3", "tiny-smollm3"])
 def test_parity_saves_what_transformers_loads(tmp_path, preset):
     model = parity.Model(parity.ModelConfig.preset(preset, tie_word_embeddings=False), seed=1)
     model.reset_parameters(1, 0.08)
@@ -193,6 +196,7 @@ def test_qwen3s_yarn_recipe_serves_131072_tokens():
     ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8), [1, 1, 1]),  # (transformers 5: all)
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=3), [1, 0, 1]),  # even
     ("phi3", dict(sliding_window=8), [1, 1, 1]),  # Phi-3-mini/medium-4k: every layer (window 2047)
+    ("smollm3", dict(use_sliding_window=True, sliding_window=8), [0, 0, 1]),  # its NoPE layer
 ])
 def test_sliding_window_layers_agree_with_transformers_past_the_window(tmp_path, family, edit, slides):
     """Sliding-window attention (was: refused, or a Mistral's context cut to its window), read per
@@ -501,6 +505,31 @@ def test_phi3s_rope_scalings_and_a_window_its_layers_ignore_are_refused(tmp_path
         with pytest.raises(ConfigError, match="attend alike, and with sliding_window set all slide"):
             parity.ModelConfig.preset(preset, layer_types=["full_attention"] * 2)
     assert parity.ModelConfig.preset("tiny-phi3", layer_types=["sliding_attention"] * 2).layer_window(1) == 40
+
+
+def test_smollm3s_nope_layers_are_read_checked_and_matter(tmp_path):
+    """SmolLM3's NoPE layers (no RoPE at all) from `no_rope_layers`, or every `no_rope_layer_interval`
+    -th layer as transformers derives them; the control: the same weights with every layer rotating
+    are more than 0.01 nats off; a bad list is a one-line error."""
+    hf = hf_model("smollm3")
+    hf.save_pretrained(tmp_path)
+    ours = parity.load_model(tmp_path, dtype=torch.float32)
+    assert ours.config.no_rope_layers == [1, 1, 0] and not ours.config.layer_rope(2)
+    seq = torch.arange(1, 90, 3) % 128
+    with torch.no_grad():
+        ref = hf_logprobs(hf, seq)
+        rotating = parity.Model(dataclasses.replace(ours.config, no_rope_layers=[1, 1, 1]), seed=None)
+        rotating.load_state_dict(ours.state_dict())
+        assert (parity.sequence_logprobs(rotating, [seq])[0] - ref).abs().max() > 1e-2
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["no_rope_layers"]
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "no_rope_layer_interval": 2}))
+    assert parity.load_model(tmp_path).config.no_rope_layers == [1, 0, 1]
+    for kw, culprit in ((dict(model_type="qwen3", no_rope_layers=[1, 0]), "not a field of qwen3"),
+                        (dict(model_type="smollm3", no_rope_layers=[1, 2]), "must list 1 .RoPE. or 0"),
+                        (dict(model_type="smollm3", no_rope_layers=[1]), "each of the 2 layers")):
+        with pytest.raises(ConfigError, match=culprit):
+            parity.ModelConfig.preset("tiny", **kw)
 
 
 def test_a_window_no_sequence_outgrows_is_full_attention(tmp_path):

@@ -16,6 +16,7 @@ One decoder definition serves every family; they differ in a few switches:
 | olmo2      | whole q/k| no         | SwiGLU              | default               |
 | olmo3      | whole q/k| no         | SwiGLU              | sliding layers unscaled |
 | phi3       | no       | no         | SwiGLU              | default               |
+| smollm3    | no       | no         | SwiGLU              | none on NoPE layers   |
 
 Gemma 3 (text: Gemma3ForCausalLM, the 270M and 1B checkpoints) also scales its embeddings by
 sqrt(hidden_size), stores every RMSNorm weight as an offset from 1 (applied as `1 + w` in float32),
@@ -29,6 +30,9 @@ four, their RoPE never scaled. Gemma's and OLMo's norms multiply by their weight
 round once, as transformers computes them. Gemma 2 is Gemma 3's block without q/k norms, its
 sliding layers on the same RoPE as the full ones, and it soft-caps attention scores and the final
 logits: c * tanh(x / c) (`attn_logit_softcapping`, `final_logit_softcapping`).
+
+SmolLM3 rotates only the layers `no_rope_layers` marks 1 (every fourth layer has no position
+encoding at all: NoPE); when it slides, the NoPE layers do.
 
 Any family may scale RoPE (`linear`, `llama3` or `yarn`: `rope.py`), as transformers allows.
 
@@ -50,7 +54,7 @@ from .presets import PRESETS as _PRESETS
 from .rope import check_rope_scaling
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "mixtral", "qwen2_moe",
-                                "gemma2", "gemma3_text", "olmo2", "olmo3", "phi3")
+                                "gemma2", "gemma3_text", "olmo2", "olmo3", "phi3", "smollm3")
 """Decoder families parity builds."""
 
 
@@ -117,6 +121,9 @@ class ModelConfig:
     rope_local_base_freq: float | None = None
     """gemma3_text, olmo3: the RoPE base of the sliding layers, which rotate unscaled (`rope_theta`
     and `rope_scaling` are the full layers'); None: 10000 (Gemma), `rope_theta` (OLMo 3)."""
+    no_rope_layers: list[int] | None = None
+    """smollm3: per layer, 1 where it rotates q and k (RoPE), 0 where it has no position encoding
+    (NoPE); None: transformers' default, every fourth layer NoPE."""
     num_experts: int = 0
     """qwen3_moe, mixtral (HF num_local_experts): experts per MoE layer."""
     num_experts_per_tok: int = 0
@@ -233,6 +240,10 @@ class ModelConfig:
         whose base is `rope_local_base_freq` and whose RoPE is never scaled (even when the bases
         are equal)."""
         return self.rope_local_base_freq is not None and self.layer_window_type(layer) == "sliding_attention"
+
+    def layer_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k (all but SmolLM3's NoPE layers)."""
+        return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
 
     def layer_window_type(self, layer: int) -> str:
         """'sliding_attention' or 'full_attention', as `layer_types` (or its default) says."""

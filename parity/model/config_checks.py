@@ -43,8 +43,19 @@ def check_windows(cfg: Any) -> None:
 
 
 def check_family_fields(cfg: Any) -> None:
-    """Gemma's query scalar and soft-caps, the sliding layers' RoPE base (Gemma 3, OLMo 3):
-    their defaults where left out, refused on the other families."""
+    """Gemma's query scalar and soft-caps, the sliding layers' RoPE base (Gemma 3, OLMo 3),
+    SmolLM3's NoPE layers: their defaults where left out, refused on the other families."""
+    nope = cfg.no_rope_layers
+    if cfg.model_type == "smollm3" and nope is None:  # (transformers' default: every 4th layer NoPE)
+        cfg.no_rope_layers = nope = [int((i + 1) % 4 != 0) for i in range(cfg.num_hidden_layers)]
+    if nope is not None:
+        if cfg.model_type != "smollm3":
+            raise ConfigError(f"ModelConfig.no_rope_layers is not a field of {cfg.model_type}")
+        if not isinstance(nope, (list, tuple)) or len(nope) != cfg.num_hidden_layers \
+                or any(isinstance(x, bool) or x not in (0, 1) for x in nope):
+            raise ConfigError(f"ModelConfig.no_rope_layers must list 1 (RoPE) or 0 (NoPE) for each of the "
+                              f"{cfg.num_hidden_layers} layers, got {nope!r}")
+        cfg.no_rope_layers = [int(x) for x in nope]
     gemma = cfg.gemma
     local = {"gemma3_text": 1e4, "olmo3": cfg.rope_theta}.get(cfg.model_type)
     for name, default, own in (("query_pre_attn_scalar", float(cfg.head_dim), gemma),

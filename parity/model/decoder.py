@@ -305,7 +305,7 @@ class Model(nn.Module):
             elif cfg.qk_norm:
                 q = norm(q, att.q_norm.weight, rope, cfg.query_scale)
                 k = norm(k, att.k_norm.weight, rope)
-            else:
+            elif cfg.layer_rope(i):  # (SmolLM3's NoPE layers: no position encoding)
                 q, k = K.rope(q, *rope), K.rope(k, *rope)
             # row `t` (a padding row, or an appended zero row) serves as the gather pad target:
             # of q where the query layout is padded, of k and v in the dense (learner) layout

@@ -27,7 +27,7 @@ ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"
                  "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Gemma3ForCausalLM": "gemma3_text", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                 "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2"}
+                 "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "SmolLM3ForCausalLM": "smollm3"}
 log = logging.getLogger(__name__)
 
 _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a config.json leaves out
@@ -48,6 +48,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a 
                   intermediate_size=11008),
     "phi3": dict(max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=32000,
                  intermediate_size=8192),
+    "smollm3": dict(max_position_embeddings=32768, num_key_value_heads=4, bos_token_id=128000,
+                    eos_token_id=128001, tie_word_embeddings=True, intermediate_size=11008),
     "olmo3": dict(max_position_embeddings=2048, rope_theta=500000.0, rms_norm_eps=1e-5, eos_token_id=50279,
                   intermediate_size=11008),
 }  # (else: rope_theta 1e4, rms_norm_eps 1e-6, num_key_value_heads num_attention_heads, no bos/eos)
@@ -91,7 +93,7 @@ def _model_type(data: dict, where: str) -> str:
 
 
 _NUMBERS = ("rope_theta", "rms_norm_eps", "router_aux_loss_coef")
-_LISTS = ("architectures", "layer_types", "mlp_only_layers")
+_LISTS = ("architectures", "layer_types", "mlp_only_layers", "no_rope_layers")
 
 
 def _check_types(data: dict, where: str) -> None:
@@ -173,7 +175,8 @@ def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
     Mixtral and Phi-3 slide every layer when a window is set (absent: 4096 for Mistral, none else);
     the Qwen families only with `use_sliding_window`: Qwen3-MoE every layer; Qwen2/Qwen3 the layers
     `layer_types` names, else those from `max_window_layers` on; Qwen2-MoE likewise, else the even
-    layers below `max_window_layers`."""
+    layers below `max_window_layers`; SmolLM3 likewise the layers `layer_types` names, else its
+    NoPE layers."""
     types, layers = data.get("layer_types"), data["num_hidden_layers"]
     if types is not None:  # (transformers checks them whether or not any layer slides)
         bad = [t for t in types if t not in LAYER_TYPES]
@@ -198,6 +201,9 @@ def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
         if isinstance(first, bool) or not isinstance(first, int):
             raise ConfigError(f"{where}: max_window_layers must be an integer, got {first!r}")
         slides = (lambda i: i % 2 == 0 and i < first) if model_type == "qwen2_moe" else (lambda i: i >= first)
+        if model_type == "smollm3":
+            nope = fields["no_rope_layers"]
+            slides = lambda i: not nope[i]  # noqa: E731
         types = ["sliding_attention" if slides(i) else "full_attention" for i in range(layers)]
     fields["layer_types"] = types
 
@@ -212,6 +218,18 @@ def _phi3_rope(data: dict, where: str) -> None:
             raise ConfigError(f"{where}: {key} of type {kind!r} on Phi-3 is not supported: transformers "
                               "reads Phi-3's scalings as longrope (su and yarn renamed to it), which "
                               "switches RoPE tables by sequence length; parity refuses it")
+
+
+def _nope_layers(data: dict, where: str) -> list:
+    """SmolLM3's per-layer RoPE switches as transformers reads them: `no_rope_layers`, else a NoPE
+    layer every `no_rope_layer_interval` (4) layers."""
+    nope = data.get("no_rope_layers")
+    if nope is not None:
+        return nope
+    interval, layers = data.get("no_rope_layer_interval", 4), data["num_hidden_layers"]
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ConfigError(f"{where}: no_rope_layer_interval must be a positive integer, got {interval!r}")
+    return [int((i + 1) % interval != 0) for i in range(layers if isinstance(layers, int) else 0)]
 
 
 def _yarn_context(scaling: dict) -> int | None:
@@ -269,6 +287,8 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                      "tokens (max_position_embeddings %s in the file)", where, scaling["factor"],
                      scaling["original_max_position_embeddings"], context, file_context)
             fields["max_position_embeddings"] = context
+    if model_type == "smollm3":  # (before the windows, which follow its NoPE layers)
+        fields["no_rope_layers"] = _nope_layers(data, str(where))
     if model_type in hybrid.FAMILIES:
         fields.update(hybrid.from_hf(data, model_type, str(where)))
     else:
@@ -299,7 +319,8 @@ _WRITTEN = {*_SHARED, *hybrid.WRITTEN, "model_type", "architectures", "hidden_ac
             "qkv_bias", "dtype", "rope_scaling", "rope_parameters", "use_sliding_window", "sliding_window",
             "layer_types",
             "mlp_bias", *_MOE, "num_local_experts", "norm_topk_prob", "decoder_sparse_step",
-            "mlp_only_layers", "router_aux_loss_coef", "torch_dtype", "transformers_version"}
+            "mlp_only_layers", "router_aux_loss_coef", "torch_dtype", "transformers_version",
+            "no_rope_layers", "no_rope_layer_interval"}
 """HF fields `config_to_hf` writes itself (not carried in `extra`)."""
 
 
@@ -321,13 +342,15 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     elif cfg.model_type != "qwen2":
         out["attention_bias"] = False
     types = cfg.layer_types or ["sliding_attention"] * cfg.num_hidden_layers  # (None: all, with a window)
-    if cfg.model_type.startswith("qwen"):
+    if cfg.model_type == "smollm3":
+        out["no_rope_layers"] = list(cfg.no_rope_layers)
+    if cfg.model_type.startswith("qwen") or cfg.model_type == "smollm3":
         out["use_sliding_window"] = cfg.sliding_window is not None and "sliding_attention" in types
         if out["use_sliding_window"]:
             out["sliding_window"] = cfg.sliding_window
             if cfg.model_type != "qwen3_moe":  # (which slides every layer)
                 out["layer_types"] = types
-    if cfg.model_type in ("llama", "mistral"):
+    if cfg.model_type in ("llama", "mistral", "smollm3"):
         out["mlp_bias"] = False
     if cfg.model_type in ("mistral", "mixtral", "phi3"):
         out["sliding_window"] = cfg.sliding_window  # (null written out: absent reads as 4096)

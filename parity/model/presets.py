@@ -37,6 +37,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen2-moe": dict(_TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
                            moe_intermediate_size=32, shared_expert_intermediate_size=48),
     "tiny-phi3": dict(_TINY, model_type="phi3", sliding_window=40, tie_word_embeddings=False),  # (as Phi-3)
+    "tiny-smollm3": dict(_TINY, model_type="smollm3", rope_theta=5e6, no_rope_layers=[1, 0]),  # (NoPE: 1)
     "tiny-olmo2": dict(_TINY, model_type="olmo2", rope_theta=500000.0, tie_word_embeddings=False),
     "tiny-olmo3": dict(_TINY, model_type="olmo3", rope_theta=500000.0, rope_local_base_freq=500000.0,
                        sliding_window=24, layer_types=["sliding_attention", "full_attention"],
