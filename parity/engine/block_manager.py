@@ -4,21 +4,30 @@ The engine's scheduler and the model-level `Decoder` both allocate through it. B
 aligned attention kernel's key-block size, so paging never changes a value. Block 0 of the cache
 is a shared all-zero pad block and is never handed out; freed blocks are zeroed (`on_release`), so
 no stale, possibly non-finite value outlives its sequence.
+
+A cache with a window group (`KVCache`: a model's sliding layers in blocks of their own) has one
+manager per group behind `KVPages`; the window group's `trim` gives back, as a sequence advances,
+the blocks every later query's window has passed (their table entries become the pad block).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int,
-                 on_release: Callable[[list[int]], None] | None = None):
+                 on_release: Callable[[list[int]], None] | None = None, window: int = 0):
         self.block_size = block_size
         self.on_release = on_release  # called with freed block ids (the cache zeroes them)
         self.num_blocks = num_blocks
+        self.window = window
+        """Blocks whose keys lie wholly before the window of a sequence's next query are trimmed
+        (0: never, the full layers' blocks)."""
         self.free: list[int] = list(range(num_blocks, 0, -1))
         self.tables: dict[int, list[int]] = {}
+        self.trimmed: dict[int, int] = {}  # per sequence: how many leading entries trim cleared
 
     @property
     def capacity_tokens(self) -> int:
@@ -39,6 +48,20 @@ class BlockManager:
             table.append(self.free.pop())
         return table
 
+    def trim(self, seq_id: int, start: int) -> None:
+        """With a window: free `seq_id`'s blocks whose keys no query at position `start` or later
+        sees (every key j <= start - window), their entries pointed at the pad block."""
+        table = self.tables.get(seq_id)
+        if not self.window or not table:
+            return
+        first = min(len(table), max(0, start - self.window + 1) // self.block_size)
+        done = self.trimmed.get(seq_id, 0)  # (entries before it are the pad block already)
+        if first > done:
+            dead = [b for b in table[done:first] if b]
+            table[done:first] = [0] * (first - done)
+            self.trimmed[seq_id] = first
+            self._give_back(dead)
+
     def table(self, seq_id: int) -> list[int]:
         return self.tables[seq_id]
 
@@ -46,7 +69,85 @@ class BlockManager:
         return seq_id in self.tables
 
     def release(self, seq_id: int) -> None:
-        blocks = self.tables.pop(seq_id, [])
+        self.trimmed.pop(seq_id, None)
+        self._give_back([b for b in self.tables.pop(seq_id, []) if b])  # (trimmed entries: the pad block)
+
+    def _give_back(self, blocks: list[int]) -> None:
         if self.on_release is not None:
             self.on_release(blocks)
         self.free.extend(reversed(blocks))
+
+
+class KVPages:
+    """The block managers of a `KVCache`'s groups as one: a sequence grows, and is released, in
+    every group at once; `table` is its block table (one list), or with a window group the tuple
+    of its tables, in group order (what `ForwardBatch.build` takes)."""
+
+    def __init__(self, cache):
+        self.block_size = cache.block_size
+        self.groups = [BlockManager(n, cache.block_size, partial(cache.zero_blocks, group=g), window=w)
+                       for g, (n, w) in enumerate(zip(cache.group_blocks, cache.windows))]
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The longest sequence the cache holds (the full layers' blocks; a window group is sized
+        to hold every running sequence's window: `memory.plan_cache`)."""
+        return self.groups[0].capacity_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        """The full layers' allocatable blocks (every layer's, with one group)."""
+        return self.groups[0].num_blocks
+
+    @property
+    def tables(self) -> dict[int, list[int]]:
+        """The full layers' block tables (every layer's, with one group)."""
+        return self.groups[0].tables
+
+    @property
+    def free(self) -> list[int]:
+        """The full layers' free blocks (every layer's, with one group)."""
+        return self.groups[0].free
+
+    @property
+    def free_blocks(self) -> list[int]:
+        """Free blocks per group."""
+        return [len(g.free) for g in self.groups]
+
+    def blocks_needed(self, seq_id: int, length: int) -> list[int]:
+        """More blocks per group `seq_id` needs to hold `length` tokens."""
+        return [g.blocks_needed(seq_id, length) for g in self.groups]
+
+    def holds(self, seq_id: int, length: int) -> bool:
+        """Whether `seq_id`'s blocks hold `length` tokens already (every group's table has the
+        same number of entries)."""
+        return len(self.groups[0].tables.get(seq_id, ())) * self.block_size >= length
+
+    def room(self, seq_id: int) -> int:
+        """The longest `seq_id` could grow to with the blocks free now."""
+        return min(len(g.tables.get(seq_id, ())) + len(g.free) for g in self.groups) * self.block_size
+
+    def can_grow(self, seq_id: int, length: int) -> bool:
+        return all(g.can_grow(seq_id, length) for g in self.groups)
+
+    def grow(self, seq_id: int, length: int):
+        for g in self.groups:
+            g.grow(seq_id, length)
+        return self.table(seq_id)
+
+    def trim(self, seq_id: int, start: int) -> None:
+        """Free the window groups' blocks no query of `seq_id` from position `start` on sees."""
+        for g in self.groups[1:]:
+            g.trim(seq_id, start)
+
+    def table(self, seq_id: int):
+        if len(self.groups) == 1:
+            return self.groups[0].tables[seq_id]
+        return tuple(g.tables[seq_id] for g in self.groups)
+
+    def owns(self, seq_id: int) -> bool:
+        return self.groups[0].owns(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        for g in self.groups:
+            g.release(seq_id)

@@ -17,7 +17,6 @@ import torch
 
 from ..errors import InputError
 from ..model.logprobs import as_token_tensor, check_model
-from .block_manager import BlockManager
 from .model_runner import ModelRunner
 
 
@@ -32,8 +31,10 @@ class Decoder:
             raise InputError(f"Decoder max_tokens must be a positive integer, got {max_tokens!r}")
         self.model = model
         num_blocks = -(-max_tokens // model.block_size)
-        self.runner = ModelRunner(model, num_blocks, graphs)
-        self.blocks = BlockManager(num_blocks, model.block_size, on_release=self.runner.cache.zero_blocks)
+        # (a model with full and sliding layers: the sliding ones in blocks of their own, as many,
+        # trimmed behind each sequence's window as in the engine)
+        self.runner = ModelRunner(model, num_blocks, graphs, window_blocks=num_blocks)
+        self.blocks = self.runner.pages
         self.lengths: dict[int, int] = {}
 
     @property
@@ -62,10 +63,13 @@ class Decoder:
                 raise InputError(f"sequence {s}: length {st + t.numel()} exceeds "
                                  f"max_position_embeddings={limit}")
             self.model.check_tokens(t, f"sequence {s}")
-        need = sum(self.blocks.blocks_needed(s, st + t.numel()) for s, t, st in zip(ids, toks, starts))
-        if need > len(self.blocks.free):
-            raise InputError(f"KV cache full: this step needs {need} more blocks, "
-                             f"{len(self.blocks.free)} are free (raise max_tokens)")
+        for s, st in zip(ids, starts):
+            self.blocks.trim(s, st)
+        needs = [self.blocks.blocks_needed(s, st + t.numel()) for s, t, st in zip(ids, toks, starts)]
+        for need, free in zip(map(sum, zip(*needs)), self.blocks.free_blocks):
+            if need > free:
+                raise InputError(f"KV cache full: this step needs {need} more blocks, "
+                                 f"{free} are free (raise max_tokens)")
         tables = [self.blocks.grow(s, st + t.numel()) for s, t, st in zip(ids, toks, starts)]
         counts = [t.numel() for t in toks]
         if self.runner.graphs is not None and all(c == 1 for c in counts):  # a decode step: a graph?

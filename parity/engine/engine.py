@@ -24,9 +24,8 @@ import torch
 from ..errors import InputError
 from ..model.kv_cache import KVCache
 from ..model.logprobs import check_model, token_list
-from .block_manager import BlockManager
 from .calls import decode_failed, one_thread, repeats, sampling_params
-from .memory import DEFAULT_KV_CACHE_MEMORY, memory_budget
+from .memory import DEFAULT_KV_CACHE_MEMORY, plan_cache
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import CacheFull, Scheduler
@@ -61,23 +60,19 @@ class Engine:
                              f"got {type(tokenizer).__name__}")
         self.model = model
         self.tokenizer = tokenizer
-        bs = model.block_size
-        per_token = KVCache.bytes_per_token(model.config, model.dtype)
-        if kv_cache_tokens is None:
-            budget = memory_budget(kv_cache_memory, model.device)
-            wanted = max_num_seqs * min(model.config.max_position_embeddings, 2048)
-            kv_cache_tokens = min(wanted, budget // per_token // bs * bs)
-            if kv_cache_tokens < bs:
-                raise InputError(f"kv_cache_memory: {budget:,} bytes hold no cache block of this model "
-                                 f"({bs} tokens x {per_token:,} bytes); raise it")
-        num_blocks = max(1, -(-kv_cache_tokens // bs))
-        self.cache_info = {"tokens": num_blocks * bs, "bytes": num_blocks * bs * per_token,
-                           "full_length_seqs": num_blocks * bs // model.config.max_position_embeddings}
-        """The cache's capacity: tokens, bytes, and how many sequences of max_position_embeddings
-        tokens it holds at once."""
+        bs, cfg = model.block_size, model.config
+        num_blocks, window_blocks = plan_cache(model, kv_cache_tokens, kv_cache_memory, max_num_seqs,
+                                               max_num_batched_tokens)
+        size = KVCache.bytes_for(cfg, model.dtype, bs, num_blocks, window_blocks)
+        size -= KVCache.bytes_for(cfg, model.dtype, bs, 0, None if window_blocks is None else 0)
+        self.cache_info = {"tokens": num_blocks * bs, "bytes": size, "window_blocks": window_blocks,
+                           "full_length_seqs": num_blocks * bs // cfg.max_position_embeddings}
+        """The cache's capacity: tokens, bytes (the pad and scratch blocks aside), the sliding
+        layers' own blocks (None: every layer in the same blocks), and how many sequences of
+        max_position_embeddings tokens it holds at once."""
         log.debug("engine: %s", self.describe_cache())
-        self.runner = ModelRunner(model, num_blocks, graphs)
-        self.blocks = BlockManager(num_blocks, bs, on_release=self.runner.cache.zero_blocks)
+        self.runner = ModelRunner(model, num_blocks, graphs, window_blocks)
+        self.blocks = self.runner.pages
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler(model, seed)
         # the model's end-of-sequence ids, and those the tokenizer's directory adds (generation_config)
@@ -95,8 +90,11 @@ class Engine:
     def describe_cache(self) -> str:
         """The cache's capacity in one line (what the commands print at start-up)."""
         c = self.cache_info
+        window = "" if c["window_blocks"] is None else (
+            f"; sliding layers in {c['window_blocks'] * self.model.block_size:,} tokens of their own, "
+            "each sequence's window")
         return (f"KV cache {c['tokens']:,} tokens ({c['full_length_seqs']} sequences at the full "
-                f"{self.model.config.max_position_embeddings:,}), {c['bytes'] / 2**20:,.1f} MiB")
+                f"{self.model.config.max_position_embeddings:,}), {c['bytes'] / 2**20:,.1f} MiB{window}")
 
     # ------------------------------------------------------------------ requests
     def _check_tokens(self, tokens: Seq[int], what: str) -> list[int]:

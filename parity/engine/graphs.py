@@ -102,28 +102,38 @@ class _Captured:
 
     def __init__(self, model, cache, bsz: int, width: int):
         dev = model.device
-        self.bsz, self.width = bsz, width
-        # packed layout: input_ids [B] | positions [B] | slots [B] | q_pos [B] | tables [B * W]
-        self.packed = torch.zeros(4 * bsz + bsz * width, dtype=torch.long, device=dev)
-        ids, pos, slots, q_pos = (self.packed[i * bsz:(i + 1) * bsz] for i in range(4))
+        self.bsz, self.width, self.groups = bsz, width, cache.num_groups
+        # packed layout: input_ids [B] | positions [B] | q_pos [B] | then per cache group (a window
+        # group: the sliding layers' own blocks) slots [B] | tables [B * W]
+        g = self.groups
+        self.packed = torch.zeros((3 + g) * bsz + g * bsz * width, dtype=torch.long, device=dev)
+        ids, pos, q_pos, *slots = (self.packed[i * bsz:(i + 1) * bsz] for i in range(3 + g))
+        at, size = (3 + g) * bsz, bsz * width
+        tables = [self.packed[at + j * size:at + (j + 1) * size].view(bsz, width) for j in range(g)]
         rows = torch.arange(bsz, device=dev)
         self.batch = ForwardBatch(ids, pos, rows.view(bsz, 1), q_pos.view(bsz, 1), rows, [1] * bsz,
-                                  width * model.block_size,
-                                  block_tables=self.packed[4 * bsz:].view(bsz, width), slots=slots)
-        self.packed.copy_(self.pack(cache.scratch_slot))
+                                  width * model.block_size, block_tables=tables[0], slots=slots[0])
+        if g > 1:
+            self.batch.window_tables, self.batch.window_slots = tables[1], slots[1]
+        self.scratch = cache.scratch_slots
+        self.packed.copy_(self.pack())
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
-    def pack(self, scratch: int, tokens: list[int] = (), positions: list[int] = (),
-             slots: list[int] = (), table: list[int] = ()) -> torch.Tensor:
-        """The packed inputs (CPU) of a step whose first rows are these sequences (`table`: their
-        rows of the block table, `width` each, flattened); the rest are padding rows: token 0 at
-        position 0, the scratch slot, query position -1, tables of the pad block. No arguments:
-        an all-padding step."""
+    def pack(self, tokens: list[int] = (), positions: list[int] = (), slots: list[list[int]] = (),
+             tables: list[list[int]] = ()) -> torch.Tensor:
+        """The packed inputs (CPU) of a step whose first rows are these sequences (per group, their
+        `slots` and `tables`: their rows of the block table, `width` each, flattened); the rest are
+        padding rows: token 0 at position 0, the scratch slot, query position -1, tables of the
+        pad block. No arguments: an all-padding step."""
         pad, width = self.bsz - len(tokens), self.width
-        packed = array.array("q", [*tokens, *[0] * pad, *positions, *[0] * pad, *slots, *[scratch] * pad,
-                                   *positions, *[-1] * pad, *table, *[0] * (pad * width)])
-        return torch.frombuffer(packed, dtype=torch.long)  # 3x faster than torch.tensor(list)
+        slots, tables = slots or [[]] * self.groups, tables or [[]] * self.groups
+        values = [*tokens, *[0] * pad, *positions, *[0] * pad, *positions, *[-1] * pad]
+        for s, scratch in zip(slots, self.scratch):
+            values += [*s, *[scratch] * pad]
+        for t in tables:
+            values += [*t, *[0] * (pad * width)]
+        return torch.frombuffer(array.array("q", values), dtype=torch.long)  # 3x faster than torch.tensor
 
 
 class DecodeGraphs:
@@ -151,7 +161,7 @@ class DecodeGraphs:
         """What a captured graph baked in: the backend and the storage of every weight (`.to()`
         and `share_projection_storage` move weights to new storage; in-place updates do not)."""
         kernels, m = self.model.kernels, self.model
-        return (kernels.name, kernels.impl, [p.data_ptr() for p in self._params], self.cache.k.data_ptr(),
+        return (kernels.name, kernels.impl, [p.data_ptr() for p in self._params], self.cache.storage(),
                 m.rope_cos.data_ptr(), m.rope_sin.data_ptr(), [t.data_ptr() for t in m.local_rope or ()])
 
     def _on_device(self):
@@ -217,13 +227,15 @@ class DecodeGraphs:
                 log.warning("decode graphs off, steps run eagerly: capture failed (%s)", self.failed)
                 return None
             self.graphs[(bsz, width)] = entry
-        slots, table = [], []
-        for t, p in zip(tables, positions):  # plain lists: a Python loop over tensors costs ms
+        groups = entry.groups
+        slots, flat = [[] for _ in range(groups)], [[] for _ in range(groups)]
+        for own, p in zip(tables, positions):  # plain lists: a Python loop over tensors costs ms
             used = p // bs + 1
-            slots.append(t[p // bs] * bs + p % bs)
-            table += t[:used]
-            table += [0] * (width - used)
-        entry.packed.copy_(entry.pack(self.cache.scratch_slot, tokens, positions, slots, table))
+            for g, t in enumerate(own if groups > 1 else (own,)):  # (a window group: a pair of tables)
+                slots[g].append(t[p // bs] * bs + p % bs)
+                flat[g] += t[:used]
+                flat[g] += [0] * (width - used)
+        entry.packed.copy_(entry.pack(tokens, positions, slots, flat))
         self.replays += 1
         if entry.graph is None:  # emulation: the same static step, run eagerly
             with torch.no_grad():

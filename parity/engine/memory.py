@@ -1,6 +1,7 @@
 """Memory budgets: how much the KV cache may take, as a fraction of the memory available now on
 the cache's device (a GPU's free memory, or the host's) or a size in bytes ('4GiB', '512MiB',
-0.25), read the same way from configs, the CLI and the API."""
+0.25), read the same way from configs, the CLI and the API; and how the engine's cache spends its
+budget (`plan_cache`: the full layers' blocks, and a sliding-window model's window group)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import torch
 
 from ..errors import InputError
+from ..model import KVCache
 
 DEFAULT_KV_CACHE_MEMORY = 0.25
 """The KV cache's default budget: this fraction of the memory available on the model's device
@@ -61,3 +63,29 @@ def memory_budget(value: float | int | str, device: torch.device | str | None = 
     the host's when None) or bytes (> 1)."""
     value = memory_size(value)
     return int(value * available_memory(device)) if value <= 1 else int(value)
+
+
+def plan_cache(model, kv_cache_tokens: int | None, kv_cache_memory, max_num_seqs: int,
+               max_num_batched_tokens: int) -> tuple[int, int | None]:
+    """(blocks, window blocks) of the engine's KV cache. The blocks hold `kv_cache_tokens` tokens
+    of every full layer (by default as many as the budget affords, up to `max_num_seqs` sequences
+    of min(context, 2048) tokens). A model with full and sliding layers keeps its sliding layers
+    in a window group (`KVCache`): blocks for every running sequence's window and one step's new
+    tokens, at most as many as the full layers' (None: one group, every layer in the blocks)."""
+    cfg, bs = model.config, model.block_size
+    groups = KVCache.layer_groups(cfg, 1, 1)
+    per_full = KVCache.bytes_per_token(cfg, model.dtype, len(groups[0][1]))
+    window = groups[1][0] if len(groups) > 1 else 0
+    per_window = KVCache.bytes_per_token(cfg, model.dtype, len(groups[1][1])) if window else 0
+    need = max_num_seqs * (-(-window // bs) + 2) + -(-max_num_batched_tokens // bs) if window else 0
+    if kv_cache_tokens is None:
+        budget = memory_budget(kv_cache_memory, model.device)
+        wanted = max_num_seqs * min(cfg.max_position_embeddings, 2048)
+        kv_cache_tokens = min(wanted, max(0, budget - need * bs * per_window) // per_full // bs * bs)
+        if window and kv_cache_tokens < need * bs:  # (a budget too small to spare: one size for both)
+            kv_cache_tokens = min(wanted, budget // (per_full + per_window) // bs * bs)
+        if kv_cache_tokens < bs:
+            raise InputError(f"kv_cache_memory: {budget:,} bytes hold no cache block of this model "
+                             f"({bs} tokens x {per_full + per_window:,} bytes); raise it")
+    num_blocks = max(1, -(-kv_cache_tokens // bs))
+    return num_blocks, (min(num_blocks, need) if window else None)

@@ -15,24 +15,28 @@ import torch
 
 from ..errors import InputError
 from ..model import ForwardBatch, KVCache
-from .block_manager import BlockManager
+from .block_manager import KVPages
 from .graphs import DecodeGraphs, mode_for
 from .memory import available_memory
 from .sequence import Sequence as Request
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, graphs: str = "auto"):
+    def __init__(self, model, num_blocks: int, graphs: str = "auto", window_blocks: int | None = None):
         """`graphs`: 'auto' (decode steps as CUDA graphs on a GPU, for dense models), 'off', or
-        'emulate' (the graphs' static padded step run eagerly: tests on a CPU)."""
+        'emulate' (the graphs' static padded step run eagerly: tests on a CPU). `window_blocks`:
+        the sliding layers' own blocks (`KVCache`), for a model with full and sliding layers."""
         self.model = model
-        size = num_blocks * model.block_size * KVCache.bytes_per_token(model.config, model.dtype)
+        size = KVCache.bytes_for(model.config, model.dtype, model.block_size, num_blocks, window_blocks)
         free = available_memory(model.device)
         if size > free:  # (was the allocator's own error, or the out-of-memory killer)
             tokens = num_blocks * model.block_size
             raise InputError(f"a KV cache of {tokens:,} tokens takes {size / 2**30:,.1f} GiB; "
                              f"{free / 2**30:,.1f} GiB are available on {model.device}")
-        self.cache = KVCache(model.config, num_blocks, model.block_size, model.dtype, model.device)
+        self.cache = KVCache(model.config, num_blocks, model.block_size, model.dtype, model.device,
+                             window_blocks)
+        self.pages = KVPages(self.cache)
+        """The cache's block managers (the engine's and the Decoder's one allocator)."""
         mode = mode_for(model, graphs)
         self.graphs = DecodeGraphs(model, self.cache, mode) if mode else None
 
@@ -54,7 +58,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, batch: list[tuple[Request, int]],
-            blocks: BlockManager) -> tuple[list[Request], torch.Tensor, torch.Tensor | None]:
+            blocks: KVPages) -> tuple[list[Request], torch.Tensor, torch.Tensor | None]:
         """Feed each scheduled request its next `n` tokens; return the requests whose pending
         tokens are now all in the cache (they sample next), their last-token logits [N, V] and,
         for MoE models, the experts their last token was routed to [N, moe layers, k]."""

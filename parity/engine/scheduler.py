@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from operator import attrgetter
 
-from .block_manager import BlockManager
+from .block_manager import KVPages
 from .sequence import Sequence, Status
 
 _ARRIVAL = attrgetter("arrival")
@@ -32,7 +32,7 @@ class CacheFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: KVPages, max_num_seqs: int, max_num_batched_tokens: int):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -100,19 +100,19 @@ class Scheduler:
         """This step's (sequence, number of new tokens to feed) pairs."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
-        tables, block_size = self.blocks.tables, self.blocks.block_size
+        for seq in self.running:  # (a sliding layer's blocks behind every later query's window)
+            self.blocks.trim(seq.request_id, seq.num_computed)
         for seq in sorted(self.running, key=_ARRIVAL):
             pending = len(seq.token_ids) - seq.num_computed
             if seq.status is not Status.RUNNING or pending == 0 or budget == 0:
                 continue
             n = min(pending, budget)
-            if len(tables.get(seq.request_id, ())) * block_size >= seq.num_computed + n:
+            if self.blocks.holds(seq.request_id, seq.num_computed + n):
                 batch.append((seq, n))  # its blocks hold the new tokens already (most decode steps)
                 budget -= n
                 continue
             if not self._make_room(seq, seq.num_computed + n):
-                owned = len(self.blocks.tables.get(seq.request_id, ()))
-                room = (owned + len(self.blocks.free)) * self.blocks.block_size - seq.num_computed
+                room = self.blocks.room(seq.request_id) - seq.num_computed
                 if room >= 1:
                     n = min(n, room)  # feed what fits now
                 elif len(self.running) == 1:
@@ -130,6 +130,7 @@ class Scheduler:
             if seq is None:  # a drain waits: only turns already started go on
                 break
             n = min(seq.num_pending, budget)
+            self.blocks.trim(seq.request_id, seq.num_computed)  # (a continued turn's cache)
             if not self.blocks.can_grow(seq.request_id, seq.num_computed + n):
                 victims = self._cached_idle(seq)
                 if victims:

@@ -26,6 +26,8 @@ class ForwardBatch:
     k_index: torch.Tensor | None = None  # dense: [B, L] index into packed tokens (pad -> T)
     block_tables: torch.Tensor | None = None  # cache: [B, L // block] block ids (pad -> 0)
     slots: torch.Tensor | None = None  # cache: [T] flat cache slot of each new token
+    window_tables: torch.Tensor | None = None  # cache with a window group: its tables, as block_tables
+    window_slots: torch.Tensor | None = None  # ... and its slots, as slots
 
     @property
     def num_tokens(self) -> int:
@@ -49,7 +51,8 @@ class ForwardBatch:
         """Lay out `new_tokens[b]` at positions `start_positions[b]...` of sequence b.
 
         Without `block_tables` every start must be 0 (dense). With them, sequence b's cache
-        blocks are `block_tables[b]` (enough for its full context after this forward).
+        blocks are `block_tables[b]` (enough for its full context after this forward), or a
+        (full layers', sliding layers') pair of tables for a cache with a window group.
         """
         n = len(new_tokens)  # (mismatched lengths were IndexErrors inside)
         if not n or len(start_positions) != n or (block_tables is not None and len(block_tables) != n):
@@ -88,15 +91,20 @@ class ForwardBatch:
             batch.k_index = torch.where(kvalid, offsets.view(bsz, 1) + kcols.view(1, -1), total)
             return batch
         nblk = key_len // block_size
-        flat: list[int] = []  # the padded table as one list: a tensor per row costs ~5 us each
-        for b, blocks in enumerate(block_tables):
-            need = -(-ctx[b] // block_size)
-            if len(blocks) < need:
-                raise ValueError(f"sequence {b} needs {need} cache blocks, has {len(blocks)}")
-            row = blocks[:need]
-            flat += row.tolist() if isinstance(row, torch.Tensor) else list(row)
-            flat += [0] * (nblk - need)
-        table = torch.tensor(flat, dtype=torch.long).view(bsz, nblk)
-        batch.block_tables = table
-        batch.slots = table[seq_of_tok, positions // block_size] * block_size + positions % block_size
+        grouped = isinstance(block_tables[0], tuple)
+        out = []
+        for group in zip(*block_tables) if grouped else [block_tables]:
+            flat: list[int] = []  # the padded table as one list: a tensor per row costs ~5 us each
+            for b, blocks in enumerate(group):
+                need = -(-ctx[b] // block_size)
+                if len(blocks) < need:
+                    raise ValueError(f"sequence {b} needs {need} cache blocks, has {len(blocks)}")
+                row = blocks[:need]
+                flat += row.tolist() if isinstance(row, torch.Tensor) else list(row)
+                flat += [0] * (nblk - need)
+            table = torch.tensor(flat, dtype=torch.long).view(bsz, nblk)
+            out += [table, table[seq_of_tok, positions // block_size] * block_size + positions % block_size]
+        batch.block_tables, batch.slots = out[:2]
+        if grouped:
+            batch.window_tables, batch.window_slots = out[2:4]
         return batch

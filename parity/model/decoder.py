@@ -284,9 +284,15 @@ class Model(nn.Module):
         k_index = batch.k_index
         padded = bsz * m > t  # the [B, M] query layout has padding slots (they point at row t)
         q_pos = batch.q_pos.to(K.index_dtype)  # converted once here, not in every layer's kernel
-        if cache is not None:
-            tables = batch.block_tables.to(K.index_dtype)
-            where = cache.locate(batch.slots)
+        if cache is not None:  # per cache group (a window group: the sliding layers' own blocks)
+            tables = [batch.block_tables.to(K.index_dtype)]
+            where = [cache.locate(batch.slots)]
+            if batch.window_tables is not None:
+                tables.append(batch.window_tables.to(K.index_dtype))
+                where.append(cache.locate(batch.window_slots))
+            if len(tables) != cache.num_groups:
+                raise ValueError(f"a KV cache of {cache.num_groups} block groups needs as many tables per "
+                                 f"sequence, got {len(tables)}")
         def run_layer(i: int, x: torch.Tensor):
             layer = self.model.layers[i]
             att, mlp = layer.self_attn, layer.mlp
@@ -320,8 +326,9 @@ class Model(nn.Module):
             if cache is None:
                 o = K.attention(q_pad, k[k_index], v[k_index], q_pos, self.block_size, **spec)
             else:
-                cache.write(i, where, k[:t], v[:t])  # new keys enter the cache first
-                o = K.paged_attention(q_pad, cache.k[i], cache.v[i], tables, q_pos, **spec)
+                group = cache.group_of[i]
+                cache.write(i, where[group], k[:t], v[:t])  # new keys enter the cache first
+                o = K.paged_attention(q_pad, cache.k[i], cache.v[i], tables[group], q_pos, **spec)
             o = o.reshape(bsz * m, hq * d)  # back to packed [T, Hq*D]
             if padded:
                 o = o[batch.out_index]
