@@ -221,6 +221,27 @@ def test_sliding_window_layers_agree_with_transformers_past_the_window(tmp_path,
     assert torch.allclose(hf_logprobs(back, seqs[0]), slid[0], atol=1e-5)
 
 
+def _agrees_in_both_dtypes(path, edits) -> parity.Model:
+    """The checkpoint at `path` (float32) within 1e-5 of transformers' log-probs, in bfloat16 no
+    further from that reference than transformers' own bfloat16 forward (x1.5); the same weights
+    under each edit of the config more than 0.01 nats off (the controls). Returns the model."""
+    ours = parity.load_model(path, dtype=torch.float32)
+    seq = torch.arange(1, 90, 3) % 128
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ref = hf_logprobs(hf, seq)
+        assert torch.allclose(parity.sequence_logprobs(ours, [seq])[0], ref, atol=1e-5)
+        ours16 = parity.load_model(path, dtype=torch.bfloat16)
+        hf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        theirs = (hf_logprobs(hf16, seq) - ref).abs().max()
+        assert (parity.sequence_logprobs(ours16, [seq])[0] - ref).abs().max() <= 1.5 * theirs
+        for edit in edits:
+            other = parity.Model(dataclasses.replace(ours.config, **edit), dtype=torch.float32, seed=None)
+            other.load_state_dict(ours.state_dict())
+            assert (parity.sequence_logprobs(other, [seq])[0] - ref).abs().max() > 1e-2, edit
+    return ours
+
+
 GEMMA3_1B = {  # google/gemma-3-1b-it's config.json (transformers 4.50 wrote it), at a tiny size
     "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": None,
     "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
@@ -241,23 +262,10 @@ def test_a_gemma3_checkpoint_in_the_hubs_layout_agrees_in_both_dtypes(tmp_path):
     hf = hf_model("gemma3_text", tied=True, num_key_value_heads=1, query_pre_attn_scalar=16)
     hf.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3_1B))
-    ours = parity.load_model(tmp_path, dtype=torch.float32)
-    c = ours.config
+    c = _agrees_in_both_dtypes(tmp_path, (dict(layer_types=["full_attention"] * 3),
+                                          dict(rope_local_base_freq=1e6))).config
     assert (c.layer_types[:2], c.rope_local_base_freq, c.eos_token_id) == (
         ["sliding_attention", "full_attention"], 1e4, [1, 106])
-    seq = torch.arange(1, 90, 3) % 128
-    with torch.no_grad():
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-        ref = hf_logprobs(hf, seq)
-        assert torch.allclose(parity.sequence_logprobs(ours, [seq])[0], ref, atol=1e-5)
-        ours16 = parity.load_model(tmp_path, dtype=torch.bfloat16)
-        hf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-        theirs = (hf_logprobs(hf16, seq) - ref).abs().max()
-        assert (parity.sequence_logprobs(ours16, [seq])[0] - ref).abs().max() <= 1.5 * theirs
-        for edit in (dict(layer_types=["full_attention"] * 3), dict(rope_local_base_freq=1e6)):
-            other = parity.Model(dataclasses.replace(c, **edit), dtype=torch.float32, seed=None)
-            other.load_state_dict(ours.state_dict())
-            assert (parity.sequence_logprobs(other, [seq])[0] - ref).abs().max() > 1e-2, edit
     for key, value, culprit in (("final_logit_softcapping", -3.0, "final_logit_softcapping must be a"),
                                 ("attn_logit_softcapping", 50.0, "50.0 on Gemma 3 is not supported: transf"),
                                 ("hidden_activation", "gelu", "hidden_activation 'gelu' is not supported"),
@@ -289,24 +297,12 @@ def test_a_gemma2_checkpoint_in_the_hubs_layout_agrees_in_both_dtypes(tmp_path):
     hf = hf_model("gemma2", tied=True)
     hf.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(GEMMA2_2B))
-    ours = parity.load_model(tmp_path, dtype=torch.float32)
-    c = ours.config
+    c = _agrees_in_both_dtypes(tmp_path, (dict(attn_logit_softcapping=None),
+                                          dict(final_logit_softcapping=None),
+                                          dict(layer_types=["full_attention"] * 3),
+                                          dict(query_pre_attn_scalar=16.0))).config
     assert (c.layer_types, c.attn_logit_softcapping, c.final_logit_softcapping, c.rope_local_base_freq) == (
         ["sliding_attention", "full_attention", "sliding_attention"], 0.5, 1.0, None)
-    seq = torch.arange(1, 90, 3) % 128
-    with torch.no_grad():
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-        ref = hf_logprobs(hf, seq)
-        assert torch.allclose(parity.sequence_logprobs(ours, [seq])[0], ref, atol=1e-5)
-        ours16 = parity.load_model(tmp_path, dtype=torch.bfloat16)
-        hf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-        theirs = (hf_logprobs(hf16, seq) - ref).abs().max()
-        assert (parity.sequence_logprobs(ours16, [seq])[0] - ref).abs().max() <= 1.5 * theirs
-        for edit in (dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None),
-                     dict(layer_types=["full_attention"] * 3), dict(query_pre_attn_scalar=16.0)):
-            other = parity.Model(dataclasses.replace(c, **edit), dtype=torch.float32, seed=None)
-            other.load_state_dict(ours.state_dict())
-            assert (parity.sequence_logprobs(other, [seq])[0] - ref).abs().max() > 1e-2, edit
     plain = {k: v for k, v in GEMMA2_2B.items() if not k.endswith("softcapping")}
     (tmp_path / "config.json").write_text(json.dumps(plain))
     c = parity.load_model(tmp_path).config
