@@ -53,7 +53,11 @@ class ModelRunner:
         """Sequence i's `new_tokens[i]` at positions `starts[i]...`, its keys in blocks
         `tables[i]` (already grown to hold them); returns the final hidden states [T, H] of all
         new tokens, packed in order."""
-        fb = ForwardBatch.build(list(new_tokens), list(starts), self.model.block_size, list(tables))
+        tables = list(tables)
+        window = None
+        if self.cache.num_groups > 1:  # ((full layers' table, sliding layers' table) per sequence)
+            tables, window = [t[0] for t in tables], [t[1] for t in tables]
+        fb = ForwardBatch.build(list(new_tokens), list(starts), self.model.block_size, tables, window)
         return self.model(fb, self.cache)
 
     @torch.no_grad()

@@ -154,6 +154,7 @@ class Scheduler:
         if pause:
             seq.status = Status.PAUSED
             self.paused[seq.request_id] = seq
+            self.blocks.trim(seq.request_id, seq.num_computed)  # (idle: a window's blocks at most)
         else:
             seq.status = Status.FINISHED
             self.blocks.release(seq.request_id)

@@ -47,12 +47,13 @@ class ForwardBatch:
         start_positions: Sequence[int],
         block_size: int,
         block_tables: Sequence[Sequence[int]] | None = None,
+        window_tables: Sequence[Sequence[int]] | None = None,
     ) -> ForwardBatch:
         """Lay out `new_tokens[b]` at positions `start_positions[b]...` of sequence b.
 
         Without `block_tables` every start must be 0 (dense). With them, sequence b's cache
-        blocks are `block_tables[b]` (enough for its full context after this forward), or a
-        (full layers', sliding layers') pair of tables for a cache with a window group.
+        blocks are `block_tables[b]` (enough for its full context after this forward); a cache
+        with a window group (`KVCache`) takes the sliding layers' tables too, `window_tables`.
         """
         n = len(new_tokens)  # (mismatched lengths were IndexErrors inside)
         if not n or len(start_positions) != n or (block_tables is not None and len(block_tables) != n):
@@ -91,9 +92,8 @@ class ForwardBatch:
             batch.k_index = torch.where(kvalid, offsets.view(bsz, 1) + kcols.view(1, -1), total)
             return batch
         nblk = key_len // block_size
-        grouped = isinstance(block_tables[0], tuple)
         out = []
-        for group in zip(*block_tables) if grouped else [block_tables]:
+        for group in [block_tables] if window_tables is None else [block_tables, window_tables]:
             flat: list[int] = []  # the padded table as one list: a tensor per row costs ~5 us each
             for b, blocks in enumerate(group):
                 need = -(-ctx[b] // block_size)
@@ -105,6 +105,6 @@ class ForwardBatch:
             table = torch.tensor(flat, dtype=torch.long).view(bsz, nblk)
             out += [table, table[seq_of_tok, positions // block_size] * block_size + positions % block_size]
         batch.block_tables, batch.slots = out[:2]
-        if grouped:
+        if window_tables is not None:
             batch.window_tables, batch.window_slots = out[2:4]
         return batch

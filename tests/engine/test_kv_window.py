@@ -106,3 +106,25 @@ def test_decode_graphs_and_the_decoder_trim_with_the_same_bits():
     dec.extend({0: [7]})  # (trimmed as the next forward starts: position 100 sees keys 77..100)
     window = dec.blocks.groups[1].tables[0]
     assert window[:2] == [0, 0] and all(window[2:])  # (positions 0..63 are behind every later window)
+
+
+def test_a_paused_session_keeps_a_window_of_blocks_and_tables_stay_plain_sequences():
+    """(2026-12-06 review) A multi-turn request paused right after a long prefill kept that whole
+    prefill's sliding blocks (7 of a 14-block window group: idle sessions were preempted while the
+    full layers had room); it is trimmed as it pauses. And a block-table row given as a tuple is
+    one table again (it was read as a pair of group tables: a TypeError)."""
+    model = cached_model("tiny-gemma3", "aligned", "float32", 6, 0.1)
+    eng = parity.Engine(model, max_num_seqs=2, max_num_batched_tokens=256, kv_cache_tokens=32 * 40)
+    rid = eng.add_request(list(range(1, 120)) * 2, SamplingParams(max_tokens=1, temperature=0.0),
+                          multi_turn=True)
+    while eng.has_unfinished():
+        eng.step()
+    held = sum(1 for b in eng.blocks.groups[1].tables[rid] if b)
+    assert held <= -(-model.config.sliding_window // model.block_size) + 1, held  # (was 7)
+    eng.continue_request(rid, [7, 8, 9])  # (its next turn on the trimmed cache)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert [(o.request_id, o.error, eng.scheduler.num_preemptions) for o in outs] == [(rid, None, 0)]
+    batch = parity.model.ForwardBatch.build([[1, 2, 3]], [0], 32, [(1,)])
+    assert batch.block_tables.tolist() == [[1]] and batch.window_tables is None
