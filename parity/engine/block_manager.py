@@ -83,16 +83,22 @@ class KVPages:
     every group at once; `table` is its block table (one list), or with a window group the tuple
     of its tables, in group order (what `ForwardBatch.build` takes)."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, max_tokens: int = 1 << 62):
         self.block_size = cache.block_size
+        self.max_tokens = max_tokens
+        """The longest sequence the model takes (max_position_embeddings)."""
         self.groups = [BlockManager(n, cache.block_size, partial(cache.zero_blocks, group=g), window=w)
                        for g, (n, w) in enumerate(zip(cache.group_blocks, cache.windows))]
 
     @property
     def capacity_tokens(self) -> int:
-        """The longest sequence the cache holds (the full layers' blocks; a window group is sized
-        to hold every running sequence's window: `memory.plan_cache`)."""
-        return self.groups[0].capacity_tokens
+        """The longest sequence the cache holds: the full layers' blocks (a window group is sized
+        to hold every running sequence's window: `memory.plan_cache`); with every layer sliding,
+        any length, once the blocks hold a window and a block more."""
+        first = self.groups[0]
+        if first.window and first.num_blocks >= -(-first.window // self.block_size) + 2:
+            return self.max_tokens
+        return first.capacity_tokens
 
     @property
     def num_blocks(self) -> int:
@@ -137,7 +143,7 @@ class KVPages:
 
     def trim(self, seq_id: int, start: int) -> None:
         """Free the window groups' blocks no query of `seq_id` from position `start` on sees."""
-        for g in self.groups[1:]:
+        for g in self.groups:
             g.trim(seq_id, start)
 
     def table(self, seq_id: int):

@@ -25,7 +25,7 @@ from ..errors import InputError
 from ..model.kv_cache import KVCache
 from ..model.logprobs import check_model, token_list
 from .calls import decode_failed, one_thread, repeats, sampling_params
-from .memory import DEFAULT_KV_CACHE_MEMORY, plan_cache
+from .memory import DEFAULT_KV_CACHE_MEMORY, describe_cache, plan_cache
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import CacheFull, Scheduler
@@ -66,10 +66,12 @@ class Engine:
         size = KVCache.bytes_for(cfg, model.dtype, bs, num_blocks, window_blocks)
         size -= KVCache.bytes_for(cfg, model.dtype, bs, 0, None if window_blocks is None else 0)
         self.cache_info = {"tokens": num_blocks * bs, "bytes": size, "window_blocks": window_blocks,
-                           "full_length_seqs": num_blocks * bs // cfg.max_position_embeddings}
+                           "full_length_seqs": num_blocks * bs // cfg.max_position_embeddings,
+                           "every_layer_slides": KVCache.layer_groups(cfg, 1, window_blocks)[0][0]}
         """The cache's capacity: tokens, bytes (the pad and scratch blocks aside), the sliding
-        layers' own blocks (None: every layer in the same blocks), and how many sequences of
-        max_position_embeddings tokens it holds at once."""
+        layers' own blocks (None: every layer in the same blocks), how many sequences of
+        max_position_embeddings tokens it holds at once, and the window when every layer slides
+        (each sequence then holds its window, whatever its length; else 0)."""
         log.debug("engine: %s", self.describe_cache())
         self.runner = ModelRunner(model, num_blocks, graphs, window_blocks)
         self.blocks = self.runner.pages
@@ -89,12 +91,8 @@ class Engine:
 
     def describe_cache(self) -> str:
         """The cache's capacity in one line (what the commands print at start-up)."""
-        c = self.cache_info
-        window = "" if c["window_blocks"] is None else (
-            f"; sliding layers in {c['window_blocks'] * self.model.block_size:,} tokens of their own, "
-            "each sequence's window")
-        return (f"KV cache {c['tokens']:,} tokens ({c['full_length_seqs']} sequences at the full "
-                f"{self.model.config.max_position_embeddings:,}), {c['bytes'] / 2**20:,.1f} MiB{window}")
+        m = self.model
+        return describe_cache(self.cache_info, m.config.max_position_embeddings, m.block_size)
 
     # ------------------------------------------------------------------ requests
     def _check_tokens(self, tokens: Seq[int], what: str) -> list[int]:

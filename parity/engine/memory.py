@@ -71,9 +71,22 @@ def plan_cache(model, kv_cache_tokens: int | None, kv_cache_memory, max_num_seqs
     of every full layer (by default as many as the budget affords, up to `max_num_seqs` sequences
     of min(context, 2048) tokens). A model with full and sliding layers keeps its sliding layers
     in a window group (`KVCache`): blocks for every running sequence's window and one step's new
-    tokens, at most as many as the full layers' (None: one group, every layer in the blocks)."""
+    tokens, at most as many as the full layers' (None: one group, every layer in the blocks). A
+    model whose every layer slides is all window group: (blocks, blocks), those windows' blocks
+    (`kv_cache_tokens` or the budget may cap them)."""
     cfg, bs = model.config, model.block_size
     groups = KVCache.layer_groups(cfg, 1, 1)
+    if groups[0][0]:  # every layer slides
+        window = groups[0][0]
+        need = max_num_seqs * (-(-window // bs) + 2) + -(-max_num_batched_tokens // bs)
+        if kv_cache_tokens is None:
+            per_block = KVCache.bytes_per_token(cfg, model.dtype) * bs
+            kv_cache_tokens = memory_budget(kv_cache_memory, model.device) // per_block * bs
+            if kv_cache_tokens < bs:
+                raise InputError(f"kv_cache_memory holds no cache block of this model ({per_block:,} "
+                                 "bytes a block); raise it")
+        blocks = max(1, min(need, -(-kv_cache_tokens // bs)))
+        return blocks, blocks
     per_full = KVCache.bytes_per_token(cfg, model.dtype, len(groups[0][1]))
     window = groups[1][0] if len(groups) > 1 else 0
     per_window = KVCache.bytes_per_token(cfg, model.dtype, len(groups[1][1])) if window else 0
@@ -89,3 +102,17 @@ def plan_cache(model, kv_cache_tokens: int | None, kv_cache_memory, max_num_seqs
                              f"({bs} tokens x {per_full + per_window:,} bytes); raise it")
     num_blocks = max(1, -(-kv_cache_tokens // bs))
     return num_blocks, (min(num_blocks, need) if window else None)
+
+
+def describe_cache(info: dict, max_position: int, block_size: int) -> str:
+    """An engine's `cache_info` in one line (what the commands print at start-up)."""
+    size = f"{info['bytes'] / 2**20:,.1f} MiB"
+    if info["every_layer_slides"]:
+        return (f"KV cache {info['tokens']:,} tokens, {size}: every layer slides over "
+                f"{info['every_layer_slides']:,} keys, so a sequence of any length up to {max_position:,} "
+                "holds its window")
+    window = "" if info["window_blocks"] is None else (
+        f"; sliding layers in {info['window_blocks'] * block_size:,} tokens of their own, each "
+        "sequence's window")
+    return (f"KV cache {info['tokens']:,} tokens ({info['full_length_seqs']} sequences at the full "
+            f"{max_position:,}), {size}{window}")

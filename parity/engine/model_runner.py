@@ -35,7 +35,7 @@ class ModelRunner:
                              f"{free / 2**30:,.1f} GiB are available on {model.device}")
         self.cache = KVCache(model.config, num_blocks, model.block_size, model.dtype, model.device,
                              window_blocks)
-        self.pages = KVPages(self.cache)
+        self.pages = KVPages(self.cache, model.config.max_position_embeddings)
         """The cache's block managers (the engine's and the Decoder's one allocator)."""
         mode = mode_for(model, graphs)
         self.graphs = DecodeGraphs(model, self.cache, mode) if mode else None

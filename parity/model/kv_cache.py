@@ -10,7 +10,8 @@ gets which blocks, preemption) belongs to the engine's `BlockManager`, the packa
 A model with both full and sliding-window layers (Gemma 2 and 3, OLMo 3, ...) may keep its sliding
 layers in a *window group* of their own (`window_blocks`): blocks of its own numbering, which a
 sequence gives back once every later query's window has passed them (`BlockManager.trim`), so a
-sliding layer holds about a window of keys per sequence, not the whole context. A sequence then
+sliding layer holds about a window of keys per sequence, not the whole context. A model whose
+every layer slides is one such group. A sequence then
 has one block table per group; a trimmed entry names the pad block, which the kernels read (if
 at all) only as keys before the window, masked: the same bits as the keys that were there.
 """
@@ -62,11 +63,14 @@ class KVCache:
                      window_blocks: int | None) -> list[tuple[int, list[int], int]]:
         """(window, layers, blocks) per group: every layer in one, or with `window_blocks` (and
         both full and sliding layers) the full layers, then the sliding ones in blocks of their own.
-        A model whose every layer slides keeps one group (its blocks are not trimmed)."""
+        A model whose every layer slides has one group, of `window_blocks`, trimmed behind the
+        window (Mistral v0.1, Phi-3-mini)."""
         layers = config.num_hidden_layers
         windows = [config.layer_window(i) for i in range(layers)]
         full = [i for i in range(layers) if not windows[i]]
-        if window_blocks is None or not full or len(full) == layers:
+        if window_blocks is not None and not full:
+            return [(max(windows), list(range(layers)), window_blocks)]
+        if window_blocks is None or len(full) == layers:
             return [(0, list(range(layers)), num_blocks)]
         sliding = [i for i in range(layers) if windows[i]]
         return [(0, full, num_blocks), (max(windows), sliding, window_blocks)]

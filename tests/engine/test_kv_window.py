@@ -3,10 +3,11 @@
 Gemma 2/3, OLMo 3 and the like mix full layers with sliding ones; the engine keeps the sliding
 layers in blocks of their own (`KVCache`'s window group), sized for every running sequence's window
 (`memory.plan_cache`), and a sequence gives those blocks back as its window passes them
-(`BlockManager.trim`). Proofs: the same tokens and log-probs, bit for bit, as with every layer in
-one numbering (the control that trimming happened: each sequence held at most a window's blocks in
-the window group while its context grew several windows long), the learner's log-probs equal the
-engine's, and under cache pressure (preemption in both groups) nothing changes either.
+(`BlockManager.trim`); a model whose every layer slides is all window group. Proofs: the same
+tokens and log-probs, bit for bit, as with every layer in one numbering (the control that trimming
+happened: each sequence held at most a window's blocks in the window group while its context grew
+several windows long), the learner's log-probs equal the engine's, and under cache pressure
+(preemption in both groups) nothing changes either.
 """
 
 from __future__ import annotations
@@ -59,6 +60,25 @@ def test_sliding_layers_give_back_blocks_behind_the_window_and_keep_the_bits(pre
     monkeypatch.setattr(parity.engine.engine, "plan_cache", lambda *a: (memory.plan_cache(*a)[0], None))
     whole, one, _ = _run(model, prompts, params)  # every layer in one numbering, nothing trimmed
     assert one.runner.cache.num_groups == 1
+    for a, b in zip(outs, whole):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_a_model_whose_every_layer_slides_holds_only_windows(monkeypatch):
+    """Mistral v0.1 / Phi-3-mini-like (every layer slides over 40 keys): one window group, so a
+    sequence of any length holds at most a window's blocks, and the engine's capacity is the
+    context; the same tokens and log-probs as a cache that keeps every position."""
+    model = cached_model("tiny-mistral", "aligned", "float32", 3, 0.1)
+    window, bs = model.config.sliding_window, model.block_size
+    prompts, params = _workload(3)
+    outs, eng, most = _run(model, prompts, params)
+    assert eng.runner.cache.windows == [window] and eng.blocks.capacity_tokens == 512
+    assert "every layer slides over 40 keys" in eng.describe_cache()
+    assert max(len(o.full_token_ids) for o in outs) > 3 * window and most[0] <= -(-window // bs) + 2
+    assert check_outputs(model, outs, params) == 0
+    monkeypatch.setattr(parity.engine.engine, "plan_cache", lambda *a: (64, None))  # every position kept
+    whole, one, _ = _run(model, prompts, params)
+    assert one.runner.cache.windows == [0]
     for a, b in zip(outs, whole):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
