@@ -358,6 +358,15 @@ def test_a_gemma3_image_text_checkpoint_loads_its_language_model(tmp_path):
     assert type(back).__name__ == "Gemma3ForCausalLM"
     with torch.no_grad():
         assert torch.allclose(hf_logprobs(back, seq), ref, atol=1e-5)
+    # (review) the image-text model applies no soft-cap its text_config names, and ties by default
+    capped = {**hub, "text_config": {**hub["text_config"], "final_logit_softcapping": 1.0,
+                                     "tie_word_embeddings": False}}
+    (tmp_path / "config.json").write_text(json.dumps(capped))
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = parity.load_model(tmp_path)
+    assert (ours.config.final_logit_softcapping, ours.config.tie_word_embeddings) == (None, True)
+    with torch.no_grad():
+        assert torch.allclose(parity.sequence_logprobs(ours, [seq])[0], hf_logprobs(hf, seq), atol=1e-5)
     (tmp_path / "config.json").write_text(json.dumps({**hub, "text_config": {**hub["text_config"],
                                                                              "model_type": "siglip"}}))
     with pytest.raises(CheckpointError, match="text_config.model_type 'siglip' is not supported"):
@@ -521,6 +530,17 @@ def test_smollm3s_nope_layers_are_read_checked_and_matter(tmp_path):
     del raw["no_rope_layers"]
     (tmp_path / "config.json").write_text(json.dumps({**raw, "no_rope_layer_interval": 2}))
     assert parity.load_model(tmp_path).config.no_rope_layers == [1, 0, 1]
+    from parity.model.families import config_from_hf  # (review) transformers' reading of other configs:
+    base = dict(COMMON, model_type="smollm3", no_rope_layers=[1, 1, 0], bos_token_id=1, eos_token_id=2)
+    assert config_from_hf(base).rope_theta == 2e6  # SmolLM3Config's default (was 1e4: 0.23 nats)
+    assert config_from_hf({**base, "no_rope_layers": [1, 1, 0, 1]}).no_rope_layers == [1, 1, 0]  # its first
+    slide = dict(base, use_sliding_window=True, sliding_window=8, max_window_layers=None)  # (unread)
+    assert [config_from_hf(slide).layer_window(i) for i in range(3)] == [0, 0, 8]
+    for bad, culprit in ((dict(slide, no_rope_layers=[1, 0]), "no_rope_layers lists 2 layers"),
+                         (dict(base, sliding_window=8, layer_types=["sliding_attention"] * 3),
+                          "use_sliding_window is false: transformers' eager and SDPA attention slide")):
+        with pytest.raises(ConfigError, match=culprit):
+            config_from_hf(bad)
     for kw, culprit in ((dict(model_type="qwen3", no_rope_layers=[1, 0]), "not a field of qwen3"),
                         (dict(model_type="smollm3", no_rope_layers=[1, 2]), "must list 1 .RoPE. or 0"),
                         (dict(model_type="smollm3", no_rope_layers=[1]), "each of the 2 layers")):

@@ -287,7 +287,8 @@ def test_chat_template_kwargs_reach_every_prompt_a_task_renders(bpe_dir, tmp_pat
 def test_a_processors_chat_template_json_is_read_and_copied(tmp_path, bpe_dir):
     """Image-text checkpoints (Gemma 3 4B-27B) may keep their template only in the processor's
     `chat_template.json`: it is read when tokenizer_config.json has none (a template there, or a
-    `chat_template.jinja`, wins), and copied with the tokenizer."""
+    `chat_template.jinja`, wins), and copied with the tokenizer, also as the `chat_template.jinja`
+    transformers' tokenizer reads."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     shutil.copyfile(bpe_dir / "tokenizer.json", ckpt / "tokenizer.json")
@@ -299,5 +300,8 @@ def test_a_processors_chat_template_json_is_read_and_copied(tmp_path, bpe_dir):
     assert HFTokenizer(ckpt / "tokenizer.json").chat_template == "{{ messages[0]['content'] }}!"
     copy_tokenizer(ckpt / "tokenizer.json", tmp_path)
     assert HFTokenizer(tmp_path / "tokenizer.json").chat_template == "{{ messages[0]['content'] }}!"
+    # (review) ... and as chat_template.jinja, which transformers' tokenizer reads (not the processor's file)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert theirs.chat_template == "{{ messages[0]['content'] }}!"
     (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "own"}))
     assert HFTokenizer(ckpt / "tokenizer.json").chat_template == "own"

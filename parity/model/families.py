@@ -49,7 +49,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a 
     "phi3": dict(max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=32000,
                  intermediate_size=8192),
     "smollm3": dict(max_position_embeddings=32768, num_key_value_heads=4, bos_token_id=128000,
-                    eos_token_id=128001, tie_word_embeddings=True, intermediate_size=11008),
+                    eos_token_id=128001, tie_word_embeddings=True, intermediate_size=11008, rope_theta=2e6),
     "olmo3": dict(max_position_embeddings=2048, rope_theta=500000.0, rms_norm_eps=1e-5, eos_token_id=50279,
                   intermediate_size=11008),
 }  # (else: rope_theta 1e4, rms_norm_eps 1e-6, num_key_value_heads num_attention_heads, no bos/eos)
@@ -197,7 +197,7 @@ def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
     if model_type in ("mistral", "mixtral", "qwen3_moe", "phi3"):
         return  # every layer
     if types is None and isinstance(layers, int):
-        first = data.get("max_window_layers", 28)  # (transformers' default)
+        first = data.get("max_window_layers", 28) if model_type != "smollm3" else 0  # (transformers' default)
         if isinstance(first, bool) or not isinstance(first, int):
             raise ConfigError(f"{where}: max_window_layers must be an integer, got {first!r}")
         slides = (lambda i: i % 2 == 0 and i < first) if model_type == "qwen2_moe" else (lambda i: i >= first)
@@ -223,10 +223,13 @@ def _phi3_rope(data: dict, where: str) -> None:
 def _nope_layers(data: dict, where: str) -> list:
     """SmolLM3's per-layer RoPE switches as transformers reads them: `no_rope_layers`, else a NoPE
     layer every `no_rope_layer_interval` (4) layers."""
-    nope = data.get("no_rope_layers")
-    if nope is not None:
-        return nope
-    interval, layers = data.get("no_rope_layer_interval", 4), data["num_hidden_layers"]
+    nope, layers = data.get("no_rope_layers"), data["num_hidden_layers"]
+    if nope is not None:  # (transformers reads the first num_hidden_layers of a longer list)
+        if isinstance(layers, int) and len(nope) < layers:
+            raise ConfigError(f"{where}: no_rope_layers lists {len(nope)} layers, num_hidden_layers is "
+                              f"{layers}")
+        return nope[:layers] if isinstance(layers, int) else nope
+    interval = data.get("no_rope_layer_interval", 4)
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ConfigError(f"{where}: no_rope_layer_interval must be a positive integer, got {interval!r}")
     return [int((i + 1) % interval != 0) for i in range(layers if isinstance(layers, int) else 0)]
@@ -289,6 +292,11 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
             fields["max_position_embeddings"] = context
     if model_type == "smollm3":  # (before the windows, which follow its NoPE layers)
         fields["no_rope_layers"] = _nope_layers(data, str(where))
+        types = data.get("layer_types") or []
+        if "sliding_attention" in types and data.get("sliding_window") and not data.get("use_sliding_window"):
+            raise ConfigError(f"{where}: layer_types names sliding layers but use_sliding_window is false: "
+                              "transformers' eager and SDPA attention slide them, its flash attention does "
+                              "not; set use_sliding_window")
     if model_type in hybrid.FAMILIES:
         fields.update(hybrid.from_hf(data, model_type, str(where)))
     else:

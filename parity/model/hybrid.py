@@ -58,7 +58,9 @@ def is_image_text(data: dict[str, Any]) -> bool:
 
 def text_config_of(data: dict[str, Any], where: str) -> dict[str, Any]:
     """A Gemma 3 image-text config's language model as a Gemma3ForCausalLM config (the top level's
-    token ids and tie win, as transformers generates with them); any other config unchanged."""
+    token ids and tie win, as transformers generates with them; its tie defaults to true there,
+    as transformers 5 reads it); any other config unchanged. The image-text model applies neither
+    soft-cap its `text_config` may name, so neither is read."""
     if not is_image_text(data):
         return data
     text = data.get("text_config")
@@ -71,8 +73,9 @@ def text_config_of(data: dict[str, Any], where: str) -> dict[str, Any]:
                           "(Gemma 3's language model is gemma3_text)")
     top = {k: data[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings")
            if data.get(k) is not None}
-    return {**_TEXT_DEFAULTS, **text, **top, "model_type": "gemma3_text",
-            "architectures": ["Gemma3ForCausalLM"]}
+    return {**_TEXT_DEFAULTS, **text, "tie_word_embeddings": True, **top, "model_type": "gemma3_text",
+            "architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": None,
+            "final_logit_softcapping": None}
 
 
 def _positive(value, what: str, where: str) -> float:

@@ -157,11 +157,18 @@ COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_tem
 
 def copy_tokenizer(path: Path, directory: Path) -> None:
     """Copy a tokenizer.json and its companion files into `directory` (where none is yet), so a
-    tokenizer read from there is the same: its chat template and EOS ids included."""
+    tokenizer read from there is the same: its chat template and EOS ids included. A template only
+    a processor's `chat_template.json` held is written as `chat_template.jinja` too, which
+    transformers' tokenizer reads (it ignores the processor's file)."""
     for name in ("tokenizer.json", *COMPANION_FILES):
         source = Path(path) if name == "tokenizer.json" else Path(path).parent / name
         if source.is_file() and not (Path(directory) / name).exists():
             shutil.copyfile(source, Path(directory) / name)
+    directory = Path(directory)
+    jinja, own = directory / "chat_template.jinja", _read_json(directory / "tokenizer_config.json")
+    template = _chat_template(own, directory)
+    if template is not None and not jinja.exists() and own.get("chat_template") is None:
+        jinja.write_text(template)
 
 
 _OTHER_FORMATS = ("tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
