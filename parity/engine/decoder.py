@@ -1,6 +1,6 @@
 """`Decoder`: the model-level decode API — prefill, chunks and one-token steps over a paged cache.
 
-It drives the engine's own `ModelRunner` and `BlockManager` (no scheduler, no sampler): the
+It drives the engine's own `ModelRunner` and its `KVPages` (no scheduler, no sampler): the
 caller decides which tokens each sequence gets next. `parity check`'s prefill/decode case and the
 kernel benchmark use it, so they exercise exactly the engine's KV path.
 

@@ -2,7 +2,7 @@
 
 The engine feeds it scheduled sequences (`run`), the model-level `Decoder` feeds it raw token
 chunks (`forward`); both go through the same `ForwardBatch` layout, the same KV cache and the
-block tables of the same `BlockManager`, so `parity check` and the engine exercise one path.
+block tables of the same `KVPages`, so `parity check` and the engine exercise one path.
 A decode step (every sequence one new token) is replayed from a CUDA graph when the model is on
 a GPU (`graphs.py`); anything else, and any step a graph cannot serve, runs eagerly.
 """
