@@ -104,8 +104,8 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / DEMO_MARK).touch()
     log.info("%s", controller.task_description)
-    log.info("%s REINFORCE Zero, %s kernels, policy lag %d, %d steps x %d episodes (run dir %s)",
-             "asynchronous" if cfg.max_policy_lag else "synchronous", cfg.model.kernels,
+    log.info("%s %s, %s kernels, policy lag %d, %d steps x %d episodes (run dir %s)",
+             "asynchronous" if cfg.max_policy_lag else "synchronous", objective_name(cfg), cfg.model.kernels,
              cfg.max_policy_lag, cfg.steps, cfg.rollout.batch_size, cfg.run_dir)
     bar = Progress("train", cfg.steps, every=5)
     try:
@@ -114,7 +114,14 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
         bar.close()
     write_report(cfg.run_dir)
     return {"metrics": metrics, "summary": demo_rows(metrics), "base": str(base),
-            "seconds": time.perf_counter() - t0, "run_dir": cfg.run_dir, "max_policy_lag": cfg.max_policy_lag}
+            "seconds": time.perf_counter() - t0, "objective": objective_name(cfg), "run_dir": cfg.run_dir,
+            "max_policy_lag": cfg.max_policy_lag}
+
+
+def objective_name(cfg) -> str:
+    """The objective as the demo names it ('REINFORCE Zero', or `--set learner.loss=...`'s name)."""
+    loss = cfg.learner.loss
+    return "REINFORCE Zero" if loss == "reinforce_zero" else loss
 
 
 def main(args) -> int:
@@ -125,7 +132,7 @@ def main(args) -> int:
     result = run_demo(opts, args.set or [])
     print()
     mode = "async" if result["max_policy_lag"] else "synchronous"
-    print(table([f"parity demo: tool-use task, {mode} REINFORCE Zero", "value"],
+    print(table([f"parity demo: tool-use task, {mode} {result['objective']}", "value"],
                 [list(r) for r in result["summary"]]))
     run_dir = result["run_dir"]
     print(f"done in {result['seconds']:.0f} s: {run_dir}/report.md, {run_dir}/report.png, "

@@ -14,8 +14,11 @@ from ..errors import ConfigError
 from ..fields import check_fields
 from ..model.logprobs import MIN_TEMPERATURE
 
-LOSS_NAMES: tuple[str, ...] = ("reinforce_zero", "tis", "icepop", "mis", "seq_gate", "ppo_clip", "on_policy")
+LOSS_NAMES: tuple[str, ...] = (
+    "reinforce_zero", "tis", "icepop", "mis", "seq_gate", "ppo_clip", "gspo", "cispo", "on_policy")
 """Objectives the learner can optimise."""
+AGGREGATIONS: tuple[str, ...] = ("response", "token", "constant")
+"""How an objective weighs the batch's tokens (`LossConfig.aggregation`)."""
 HEAD_CHUNK_ELEMENTS = 1 << 26
 """`head_chunk_tokens = 0`: an LM-head chunk holds at most this many logits."""
 
@@ -43,15 +46,50 @@ class LossConfig:
     gate_max_k3: float = 1.0
     """seq_gate: ... or when its mean k3 = w − 1 − log w exceeds this."""
     ppo_eps: float = 0.2
-    """ppo_clip: the ratio is clipped to [1 − ε, 1 + ε]."""
+    """ppo_clip: the ratio is clipped to [1 − ε, 1 + ε_high]."""
+    ppo_eps_high: float = 0.0
+    """ppo_clip: ε_high, the upper clip (DAPO's clip-higher: 0.28 with ε = 0.2); 0 = ppo_eps."""
+    ppo_dual_clip: float = 0.0
+    """ppo_clip: dual clip c > 1: a token of negative advantage whose ratio exceeds c contributes
+    the constant c·A and no gradient (0 = off: the min is unbounded above for A < 0)."""
     ppo_std_adv: bool = False
-    """ppo_clip: divide advantages by the group's reward std (GRPO)."""
+    """ppo_clip and gspo: divide advantages by the group's reward std (GRPO's and GSPO's advantage)."""
+    gspo_eps_low: float = 3e-4
+    """gspo: the sequence ratio is clipped to [1 − ε_low, 1 + ε_high] (the GSPO paper's 3e-4 and
+    4e-4: a length-normalised ratio moves far less than a token's)."""
+    gspo_eps_high: float = 4e-4
+    """gspo: ε_high (see gspo_eps_low)."""
+    cispo_eps_low: float = 1.0
+    """cispo: the detached weight is clipped to [1 − ε_low, 1 + ε_high]; 1.0 = no floor (as
+    MiniMax-M1 ran it: only ε_high tuned)."""
+    cispo_eps_high: float = 0.28
+    """cispo: ε_high (see cispo_eps_low)."""
+    aggregation: str = "response"
+    """How tokens weigh in the batch's loss, for every objective. 'response': tokens averaged
+    within a response, responses averaged, −(1/N) Σ_i (1/|y_i|) Σ_t (REINFORCE Zero's); 'token':
+    every sampled token of the batch weighs the same, −(1/Σ_i |y_i|) Σ_i Σ_t (DAPO's token-level
+    loss); 'constant': −(1/(N·norm_tokens)) Σ_i Σ_t, a fixed normaliser (Dr. GRPO's)."""
+    norm_tokens: int = 0
+    """aggregation 'constant': the normaliser's token count (in a TrainConfig, 0 = the run's
+    rollout.max_tokens; a Learner built alone needs it set)."""
 
     def __post_init__(self) -> None:
         check_fields(self, finite=True)
-        for name in ("tis_cap", "mis_cap", "icepop_high", "gate_high", "gate_max_k3", "ppo_eps"):
+        for name in ("tis_cap", "mis_cap", "icepop_high", "gate_high", "gate_max_k3", "ppo_eps",
+                     "gspo_eps_low", "gspo_eps_high", "cispo_eps_low", "cispo_eps_high"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.ppo_eps_high < 0:
+            raise ConfigError(f"LossConfig.ppo_eps_high must be >= 0 (0 = ppo_eps), "
+                              f"got {self.ppo_eps_high!r}")
+        if self.ppo_dual_clip and not self.ppo_dual_clip > 1 + (self.ppo_eps_high or self.ppo_eps):
+            raise ConfigError(f"LossConfig.ppo_dual_clip must be 0 (off) or above the upper clip "
+                              f"1 + ε_high, got {self.ppo_dual_clip!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"LossConfig.aggregation must be one of {', '.join(AGGREGATIONS)}, "
+                              f"got {self.aggregation!r}")
+        if self.norm_tokens < 0:
+            raise ConfigError(f"LossConfig.norm_tokens must be >= 0, got {self.norm_tokens!r}")
         if not 0 <= self.icepop_low < self.icepop_high:
             raise ConfigError("LossConfig.icepop_low must be in [0, icepop_high)")
         if self.mis_level not in ("token", "sequence"):
@@ -65,8 +103,8 @@ class LearnerConfig:
     """Optimisation and diagnostics settings; validated on construction."""
 
     loss: str = "reinforce_zero"
-    """Objective: reinforce_zero, tis, icepop, mis, seq_gate, ppo_clip or on_policy (no importance
-    weight: with max_policy_lag > 0, the uncorrected baseline, biased by the lag)."""
+    """Objective: reinforce_zero, tis, icepop, mis, seq_gate, ppo_clip, gspo, cispo or on_policy (no
+    importance weight: with max_policy_lag > 0, the uncorrected baseline, biased by the lag)."""
     lr: float = 1e-4
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0

@@ -34,7 +34,7 @@ from ..metrics.diagnostics import (
 from ..model import scored_routing, sequence_logprobs
 from ..model.logprobs import check_sequence
 from .grad_norm import clip_gradients
-from .losses import get_loss, group_advantages, load_balancing_loss
+from .losses import get_loss, group_advantages, load_balancing_loss, micro_batch_share
 from .trajectory import TrajectoryBatch, pad_routing
 
 log = logging.getLogger(__name__)
@@ -258,21 +258,20 @@ class Learner:
         batch.check_versions(self.version, self.config.max_policy_lag)
         cfg, t0 = self.config, time.perf_counter()
         self.last_kernel_delta = None  # set by this step's decomposition, if it runs
-        adv_std = cfg.loss == "ppo_clip" and cfg.loss_config.ppo_std_adv
+        adv_std = cfg.loss in ("ppo_clip", "gspo") and cfg.loss_config.ppo_std_adv
         adv = group_advantages(batch.rewards, batch.group_ids, normalize_std=adv_std, included=batch.included)
-        bsz = len(batch)
         self.check_whole()
         for i, seq in enumerate(batch.sequences):  # all of them, before a first backward (an error in
             check_sequence(self.model, seq, f"response {i}")  # a later micro-batch left gradients)
         try:
             with torch.enable_grad():  # (under a caller's no_grad: an error deep in autograd)
-                return self._step(batch, adv, bsz, t0)
+                return self._step(batch, adv, t0)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # (nothing half-accumulated reaches a later step)
             self.model.zero_grad(set_to_none=True)
             raise
 
-    def _step(self, batch: TrajectoryBatch, adv: torch.Tensor, bsz: int, t0: float) -> dict[str, float]:
+    def _step(self, batch: TrajectoryBatch, adv: torch.Tensor, t0: float) -> dict[str, float]:
         cfg = self.config
         lps, entropies, losses, routes, extra, ratios = [], [], [], [], {}, {}
         aux_coef = cfg.router_aux_loss_coef if self.model.config.is_moe else 0.0
@@ -285,6 +284,7 @@ class Learner:
             routes += scored_routing(self.model, sub.sequences) or []
             lp_pad = sub.pad(lp)
             loss, stats = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config)
+            share = micro_batch_share(cfg.loss_config, sub.mask, batch.mask)  # of responses, or of tokens
             for k, (num, den) in stats.items():  # fractions of the whole batch: sums, divided below
                 num0, den0 = ratios.get(k, (0.0, 0.0))
                 ratios[k] = (num0 + num, den0 + den)
@@ -293,10 +293,10 @@ class Learner:
                                           self.model.config.num_experts_per_tok)
                 loss = loss + aux_coef * aux
                 extra["train/router_aux_loss"] = extra.get("train/router_aux_loss", 0.0) + \
-                    float(aux.detach()) * len(idx) / bsz
-            (loss * (len(idx) / bsz)).backward()
+                    float(aux.detach()) * share
+            (loss * share).backward()
             self._accumulate()
-            losses.append(float(loss.detach()) * len(idx) / bsz)
+            losses.append(float(loss.detach()) * share)
             lps += [x.detach() for x in lp]
             entropies += ent
         extra.update({k: num / den if den else 0.0 for k, (num, den) in ratios.items()})

@@ -2,12 +2,14 @@
 
 Notation: μ the rollout policy, π the learner, per token w = π/μ = exp(lp − rollout_lp), A_i the
 advantage of response i, |y_i| its number of sampled (masked-in) tokens, N the number of
-responses. Every loss has the shape L = −(1/N) Σ_i (1/|y_i|) Σ_t f_it, tokens averaged within a
-response, responses averaged in the batch. Inputs are padded [B, L] tensors: `logprobs` (learner,
-differentiable), `rollout_logprobs`, `mask` (1 on sampled tokens) and `advantages` [B].
-Each returns (loss, stats): stats map `loss/...` keys to (numerator, denominator) pairs of floats,
-which the learner sums over micro-batches before dividing, so a fraction is the whole batch's
-whatever the micro-batching.
+responses. Every loss has the shape L = −(1/N) Σ_i (1/|y_i|) Σ_t f_it A_i, tokens averaged within a
+response, responses averaged in the batch (`LossConfig.aggregation = "response"`; "token" divides
+Σ_i Σ_t by the batch's Σ_i |y_i| instead, "constant" by N·norm_tokens: `_objective`). Inputs are
+padded [B, L] tensors: `logprobs` (learner, differentiable), `rollout_logprobs`, `mask` (1 on
+sampled tokens) and `advantages` [B]. Each returns (loss, stats): stats map `loss/...` keys to
+(numerator, denominator) pairs of floats, which the learner sums over micro-batches before
+dividing, so a fraction is the whole batch's whatever the micro-batching; a micro-batch's loss
+counts for `micro_batch_share` of the batch's.
 
 A token that an objective drops (a zero advantage, a mask, a gate, a binding clip) contributes
 exactly 0 to the loss and its gradient even when its weight overflows (log w > 88 in float32):
@@ -67,11 +69,31 @@ def _response_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum(1) / mask.sum(1)
 
 
-def _objective(per_token: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-    """−(1/N) Σ_i A_i (1/|y_i|) Σ_t per_token_it — shared by every loss so that identical
-    per-token values give bit-identical gradients. N is the whole batch, as the formula has it:
-    responses with A = 0 or left out (engine errors) count, so they shrink the step."""
-    return -(_response_mean(per_token, mask) * adv).mean()
+def _objective(per_token: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
+               cfg: LossConfig) -> torch.Tensor:
+    """−(1/N) Σ_i A_i (1/|y_i|) Σ_t per_token_it (aggregation 'response'; 'token': −(1/Σ_i |y_i|)
+    Σ_i A_i Σ_t per_token_it, 'constant': −(1/(N·norm_tokens)) Σ_i A_i Σ_t per_token_it) — shared
+    by every loss so that identical per-token values give bit-identical gradients. N and Σ |y_i|
+    are the micro-batch's here (`micro_batch_share` weighs it in the batch): responses with A = 0
+    or left out (engine errors) count, so they shrink the step."""
+    if cfg.aggregation == "response":
+        return -(_response_mean(per_token, mask) * adv).mean()
+    sums = (per_token * mask).sum(1) * adv
+    if cfg.aggregation == "token":
+        return -sums.sum() / mask.sum().clamp(min=1)
+    if not cfg.norm_tokens:
+        raise ConfigError("LossConfig.aggregation = 'constant' needs norm_tokens > 0 (a TrainConfig sets it "
+                          "from rollout.max_tokens)")
+    return -sums.mean() / cfg.norm_tokens
+
+
+def micro_batch_share(cfg: LossConfig, sub_mask: torch.Tensor, batch_mask: torch.Tensor) -> float:
+    """The weight of a micro-batch's loss (a mean over its own responses, or its own tokens) in
+    the batch's: its share of the responses, or under aggregation 'token' of the sampled tokens,
+    so that the micro-batches' weighted sum is the batch's loss whatever the micro-batching."""
+    if cfg.aggregation == "token":
+        return float(sub_mask.sum()) / max(1.0, float(batch_mask.sum()))
+    return sub_mask.shape[0] / batch_mask.shape[0]
 
 
 def _weights(log_w: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -94,12 +116,12 @@ def reinforce_zero(lp, rollout_lp, mask, adv, cfg: LossConfig):
     """L = −(1/N) Σ_i (1/|y_i|) Σ_t w_it A_i, w unclipped: gradient w·A·∇log π. No gates. A
     live token whose log w passes ~88 makes the loss inf, and the learner skips that step."""
     log_w, live = _log_weights(lp, rollout_lp, mask, adv)
-    return _objective(_weights(log_w, live), mask, adv), {}
+    return _objective(_weights(log_w, live), mask, adv, cfg), {}
 
 
 def on_policy(lp, rollout_lp, mask, adv, cfg: LossConfig):
     """Plain REINFORCE: L = −(1/N) Σ_i (1/|y_i|) Σ_t log π_it A_i (no importance weight)."""
-    return _objective(lp, mask, adv), {}
+    return _objective(lp, mask, adv, cfg), {}
 
 
 def tis(lp, rollout_lp, mask, adv, cfg: LossConfig):
@@ -108,7 +130,7 @@ def tis(lp, rollout_lp, mask, adv, cfg: LossConfig):
     w = torch.exp(log_w.detach())  # no gradient flows through it: inf is clamped to C
     capped = torch.clamp(w, max=cfg.tis_cap)
     frac = _ratio(((w > cfg.tis_cap).float() * mask).sum(), mask)
-    return _objective(capped * lp, mask, adv), {"loss/frac_truncated": frac}
+    return _objective(capped * lp, mask, adv, cfg), {"loss/frac_truncated": frac}
 
 
 def icepop(lp, rollout_lp, mask, adv, cfg: LossConfig):
@@ -117,7 +139,7 @@ def icepop(lp, rollout_lp, mask, adv, cfg: LossConfig):
     w_all = torch.exp(log_w.detach())
     keep = (w_all >= cfg.icepop_low) & (w_all <= cfg.icepop_high)
     frac = _ratio(((~keep).float() * mask).sum(), mask)
-    return _objective(_weights(log_w, live & keep) * keep, mask, adv), {"loss/frac_masked": frac}
+    return _objective(_weights(log_w, live & keep) * keep, mask, adv, cfg), {"loss/frac_masked": frac}
 
 
 def mis(lp, rollout_lp, mask, adv, cfg: LossConfig):
@@ -129,13 +151,13 @@ def mis(lp, rollout_lp, mask, adv, cfg: LossConfig):
     if cfg.mis_level == "token":
         keep = torch.exp(log_w.detach()) <= cfg.mis_cap
         frac = _ratio(((~keep).float() * mask).sum(), mask)
-        return _objective(_weights(log_w, live & keep) * keep, mask, adv), {"loss/frac_masked": frac}
+        return _objective(_weights(log_w, live & keep) * keep, mask, adv, cfg), {"loss/frac_masked": frac}
     with torch.no_grad():
         rho = torch.exp((log_w * mask).sum(1))  # inf when it overflows: masked, never multiplied
         keep = rho <= cfg.mis_cap
         rho = torch.where(keep, rho, torch.zeros_like(rho))
     rejected = (float((~keep).sum()), float(keep.numel()))
-    return _objective(lp * rho.unsqueeze(1), mask, adv * keep.float()), {"loss/frac_rejected": rejected}
+    return _objective(lp * rho.unsqueeze(1), mask, adv * keep.float(), cfg), {"loss/frac_rejected": rejected}
 
 
 def seq_gate(lp, rollout_lp, mask, adv, cfg: LossConfig):
@@ -149,30 +171,69 @@ def seq_gate(lp, rollout_lp, mask, adv, cfg: LossConfig):
         gate = (seq_ratio >= cfg.gate_low) & (seq_ratio <= cfg.gate_high) & (k3 <= cfg.gate_max_k3)
     w = _weights(log_w, live & gate.unsqueeze(1))
     rejected = (float((~gate).sum()), float(gate.numel()))
-    return _objective(w, mask, adv * gate.float()), {"loss/frac_rejected": rejected}
+    return _objective(w, mask, adv * gate.float(), cfg), {"loss/frac_rejected": rejected}
 
 
 def ppo_clip(lp, rollout_lp, mask, adv, cfg: LossConfig):
     """GRPO-style PPO clip on the ratio to the rollout policy:
-    L = −(1/N) Σ_i (1/|y_i|) Σ_t min(w_it A_i, clip(w_it, 1 − ε, 1 + ε) A_i). `loss/frac_clipped`
-    is the share of tokens whose w lies outside [1 − ε, 1 + ε], whether or not the min takes the
-    clipped term there; with A < 0 the min is unbounded above (no dual clip)."""
+    L = −(1/N) Σ_i (1/|y_i|) Σ_t min(w_it A_i, clip(w_it, 1 − ε, 1 + ε_high) A_i), ε_high =
+    `ppo_eps_high` or ε (DAPO's clip-higher when larger). `loss/frac_clipped` is the share of tokens
+    whose w lies outside [1 − ε, 1 + ε_high], whether or not the min takes the clipped term there.
+    With A < 0 the min is unbounded above unless `ppo_dual_clip` c is set: then a token with A < 0
+    and w > c contributes c·A and no gradient (`loss/frac_dual_clipped`)."""
     log_w, live = _log_weights(lp, rollout_lp, mask, adv)
     a = adv.unsqueeze(1)
     with torch.no_grad():
         w_all = torch.exp(log_w)
-        clipped = torch.clamp(w_all, 1 - cfg.ppo_eps, 1 + cfg.ppo_eps)
+        clipped = torch.clamp(w_all, 1 - cfg.ppo_eps, 1 + (cfg.ppo_eps_high or cfg.ppo_eps))
+        outside = w_all != clipped
         binds = clipped * a < w_all * a  # the min takes the clipped term: no gradient
+        if cfg.ppo_dual_clip:  # the max with c·A takes the constant: no gradient either
+            floor = (a < 0) & (w_all > cfg.ppo_dual_clip)
+            clipped = torch.where(floor, torch.full_like(w_all, cfg.ppo_dual_clip), clipped)
+            binds = binds | floor
     w = _weights(log_w, live & ~binds)
     per_token = torch.where(binds, clipped * a, w * a)
-    frac = _ratio(((w_all != clipped).float() * mask).sum(), mask)
+    stats = {"loss/frac_clipped": _ratio((outside.float() * mask).sum(), mask)}
+    if cfg.ppo_dual_clip:
+        stats["loss/frac_dual_clipped"] = _ratio((floor.float() * mask).sum(), mask)
     ones = torch.ones_like(adv)
-    return _objective(per_token, mask, ones), {"loss/frac_clipped": frac}
+    return _objective(per_token, mask, ones, cfg), stats
+
+
+def gspo(lp, rollout_lp, mask, adv, cfg: LossConfig):
+    """GSPO: one length-normalised ratio per response, s_i = exp((1/|y_i|) Σ_t log w_it), clipped:
+    L = −(1/N) Σ_i min(s_i A_i, clip(s_i, 1 − ε_low, 1 + ε_high) A_i) (gradient, unclipped,
+    s_i A_i (1/|y_i|) Σ_t ∇log π_it). Each of response i's tokens carries s_i, so under aggregation
+    'response' its term is the formula's; 'token' weighs a response by its length.
+    `loss/frac_clipped` is the share of responses whose s lies outside the band."""
+    log_w, live = _log_weights(lp, rollout_lp, mask, adv)
+    a = adv.unsqueeze(1)
+    log_s = _response_mean(log_w, mask).unsqueeze(1)  # [B, 1], differentiable
+    with torch.no_grad():
+        s_all = torch.exp(log_s)
+        clipped = torch.clamp(s_all, 1 - cfg.gspo_eps_low, 1 + cfg.gspo_eps_high)
+        binds = clipped * a < s_all * a  # [B, 1]: the min takes the clipped term, no gradient
+    s = _weights(log_s.expand_as(log_w), live & ~binds)
+    per_token = torch.where(binds, clipped * a, s * a)
+    outside = (float((s_all != clipped).sum()), float(len(adv)))
+    return _objective(per_token, mask, torch.ones_like(adv), cfg), {"loss/frac_clipped": outside}
+
+
+def cispo(lp, rollout_lp, mask, adv, cfg: LossConfig):
+    """CISPO: the clipped weight, detached, scales the policy gradient of every token (none is
+    dropped, unlike ppo_clip's):
+    L = −(1/N) Σ_i (1/|y_i|) Σ_t sg(clip(w_it, 1 − ε_low, 1 + ε_high)) log π_it A_i.
+    `loss/frac_clipped` is the share of tokens whose w lies outside the band."""
+    w = torch.exp(((lp - rollout_lp) * mask).detach())  # no gradient flows through it: inf is clamped
+    clipped = torch.clamp(w, 1 - cfg.cispo_eps_low, 1 + cfg.cispo_eps_high)
+    frac = _ratio(((w != clipped).float() * mask).sum(), mask)
+    return _objective(clipped * lp, mask, adv, cfg), {"loss/frac_clipped": frac}
 
 
 LOSSES: dict[str, Callable] = {
     "reinforce_zero": reinforce_zero, "tis": tis, "icepop": icepop, "mis": mis,
-    "seq_gate": seq_gate, "ppo_clip": ppo_clip, "on_policy": on_policy,
+    "seq_gate": seq_gate, "ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo, "on_policy": on_policy,
 }
 assert tuple(LOSSES) == LOSS_NAMES, "config.learner.LOSS_NAMES must list every objective"
 

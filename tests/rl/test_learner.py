@@ -79,7 +79,9 @@ def test_a_top_k_sample_is_weighted_against_the_distribution_it_was_drawn_from()
 @pytest.mark.parametrize("loss, key, cfg", [("tis", "frac_truncated", {"tis_cap": 1.0}),
                                              ("icepop", "frac_masked", {"icepop_low": 0.99}),
                                              ("mis", "frac_masked", {"mis_cap": 1.01}),
-                                             ("ppo_clip", "frac_clipped", {"ppo_eps": 0.01})])
+                                             ("ppo_clip", "frac_clipped", {"ppo_eps": 0.01}),
+                                             ("cispo", "frac_clipped", {"cispo_eps_low": 0.01,
+                                                                        "cispo_eps_high": 0.01})])
 def test_loss_fractions_are_the_whole_batchs_whatever_the_micro_batches(loss, key, cfg):
     """A token fraction is Σ tokens counted / Σ tokens over the batch: averaging the micro-batches'
     fractions by response count gave 0.0645, 0.0634 and 0.0536 for one batch at 12, 5 and 1."""
@@ -88,13 +90,42 @@ def test_loss_fractions_are_the_whole_batchs_whatever_the_micro_batches(loss, ke
     w = torch.exp(learner_lp - batch.rollout_logprobs)
     bound = {"tis": lambda: w > 1.0, "icepop": lambda: (w < 0.99) | (w > 5.0),
              "mis": lambda: w > 1.01,
-             "ppo_clip": lambda: (w < 0.99) | (w > 1.01)}[loss]()
+             "ppo_clip": lambda: (w < 0.99) | (w > 1.01), "cispo": lambda: (w < 0.99) | (w > 1.01)}[loss]()
     expected = float((bound.float() * batch.mask).sum()) / float(batch.mask.sum())
     assert 0 < expected < 1
     for mb in (len(batch), 5, 1):
         config = LearnerConfig(loss=loss, micro_batch_size=mb, loss_config=LossConfig(**cfg),
                                decompose_every=0)
         assert Learner(model(seed=4), config).step(batch)[f"loss/{key}"] == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "constant"])
+def test_token_level_losses_are_the_whole_batchs_whatever_the_micro_batches(aggregation):
+    """Under aggregation 'token' a micro-batch's loss (its own token mean) counts for its share of
+    the batch's tokens, not of its responses: the step's loss and gradient norm are the batch's
+    token mean at every micro-batch size, responses of 2 to 12 tokens. The control: weighed by
+    response count, micro-batches of one give another loss."""
+    m = model(seed=5)
+    prompts = [[1 + g, 2 + g, 3 + g] for g in range(3) for _ in range(4)]
+    params = [SamplingParams(max_tokens=2 + 5 * (k % 3), seed=k) for k in range(12)]
+    outs = parity.Engine(m, max_num_seqs=8).generate(prompts, params)
+    batch = TrajectoryBatch([Trajectory.from_output(o, float(o.token_ids[-1] % 2), i // 4)
+                             for i, o in enumerate(outs)])
+    assert len(set(batch.mask.sum(1).tolist())) == 3
+    losses = LossConfig(aggregation=aggregation, norm_tokens=16)
+    with torch.no_grad():
+        lp = batch.pad(parity.sequence_logprobs(model(seed=6), batch.sequences))
+    adv = group_advantages(batch.rewards, batch.group_ids)
+    loss = lambda i, j: float(get_loss("reinforce_zero")(  # noqa: E731
+        lp[i:j], batch.rollout_logprobs[i:j], batch.mask[i:j], adv[i:j], losses)[0])
+    steps = {}
+    for mb in (len(batch), 5, 1):
+        config = LearnerConfig(micro_batch_size=mb, loss_config=losses, decompose_every=0)
+        steps[mb] = Learner(model(seed=6), config).step(batch)
+        assert steps[mb]["train/loss"] == pytest.approx(loss(0, 12), rel=1e-5, abs=1e-9)
+        assert steps[mb]["train/grad_norm"] == pytest.approx(steps[len(batch)]["train/grad_norm"], rel=1e-4)
+    if aggregation == "token":  # the control: each micro-batch of one weighed 1/12, as a response
+        assert abs(sum(loss(i, i + 1) for i in range(12)) / 12 - loss(0, 12)) > 1e-3 * abs(loss(0, 12))
 
 
 def _train_with_lag(kernels, dtype="float32", lags=(0, 1, 2, 3)):

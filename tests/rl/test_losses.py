@@ -163,13 +163,14 @@ def test_a_group_of_equal_rewards_has_exactly_zero_advantages():
 
 
 @pytest.mark.parametrize("name,cfg", [("reinforce_zero", {}), ("tis", {}), ("icepop", {}), ("mis", {}),
-                                      ("mis", {"mis_level": "sequence"}), ("seq_gate", {}), ("ppo_clip", {})])
+                                      ("mis", {"mis_level": "sequence"}), ("seq_gate", {}), ("ppo_clip", {}),
+                                      ("ppo_clip", {"ppo_dual_clip": 3.0}), ("gspo", {}), ("cispo", {})])
 def test_a_dropped_token_whose_weight_overflows_adds_exactly_nothing(name, cfg):
     """Token 0 was sampled at log-prob −95 (w = e^94: inf in float32). Each objective drops it
     (reinforce_zero: its response has advantage 0; icepop and mis mask, seq_gate and sequence-level
-    mis reject its response, ppo_clip clips)
-    or caps it (tis: weight C): the loss and gradient stay finite and that token's gradient is
-    exactly 0 (tis: −C·A/(|y|·N)), instead of inf * 0 = NaN skipping the whole step."""
+    mis reject its response, ppo_clip and gspo clip)
+    or caps it (tis: weight C, cispo: 1 + ε_high): the loss and gradient stay finite and that
+    token's gradient is exactly 0 (tis: −C·A/(|y|·N)), instead of inf * 0 = NaN skipping the step."""
     lp = torch.tensor([[-1.0, -0.5, -1.0], [-0.2, -0.3, -0.4]], requires_grad=True)
     rollout_lp = torch.tensor([[-95.0, -0.5, -1.0], [-0.2, -0.2, -0.5]])
     adv = torch.tensor([0.0 if name == "reinforce_zero" else 1.0, -1.0])
@@ -177,7 +178,8 @@ def test_a_dropped_token_whose_weight_overflows_adds_exactly_nothing(name, cfg):
     loss, _ = get_loss(name)(lp, rollout_lp, torch.ones(2, 3), adv, LossConfig(**cfg))
     loss.backward()
     assert math.isfinite(float(loss.detach())) and torch.isfinite(lp.grad).all(), (loss, lp.grad)
-    assert lp.grad[0, 0] == (-LossConfig().tis_cap / 3 / 2 if name == "tis" else 0)
+    cap = {"tis": LossConfig().tis_cap, "cispo": 1 + LossConfig().cispo_eps_high}.get(name, 0.0)
+    assert lp.grad[0, 0] == torch.tensor(-cap / 3 / 2)
     assert lp.grad[1].abs().sum() > 0
 
 
@@ -190,6 +192,12 @@ def test_unknown_loss_and_bad_config():
         LossConfig(mis_level="seq")
     with pytest.raises(ConfigError, match="mis_cap must be > 0"):
         LossConfig(mis_cap=0.0)
+    with pytest.raises(ConfigError, match="aggregation must be one of response, token, constant"):
+        LossConfig(aggregation="seq-mean-token-sum")
+    with pytest.raises(ConfigError, match="ppo_dual_clip must be 0 .off. or above the upper clip"):
+        LossConfig(ppo_dual_clip=1.1)
+    with pytest.raises(ConfigError, match="gspo_eps_low must be > 0"):
+        LossConfig(gspo_eps_low=-1e-4)
 
 
 def test_k3_sees_one_ulp_gaps():
@@ -204,3 +212,86 @@ def test_k3_sees_one_ulp_gaps():
     d = float(near[0, 0].double() - lp[0, 0].double())
     assert k3 > 0 and math.isclose(k3, d * d / 2, rel_tol=1e-6)
     assert mismatch_stats(lp, lp.clone(), mask)["mismatch/k3"] == 0.0
+
+
+def test_ppo_clip_higher_and_dual_clip():
+    """DAPO's clip-higher (ε_high = 0.28 > ε = 0.2) and the dual clip at c = 1.5: the token of
+    response 1 (A < 0) at w = 2.01 contributes c·A and no gradient, where the plain min would have
+    let its unbounded w·A through (the control: without the dual clip its gradient is not 0)."""
+    eps, high, c = 0.2, 0.28, 1.5
+    value, grad, stats = run("ppo_clip", ppo_eps=eps, ppo_eps_high=high, ppo_dual_clip=c)
+    value_h, grad_h = 0.0, [[0.0] * 3 for _ in range(2)]
+    for i in range(2):
+        n = sum(MASK[i])
+        for t in range(3):
+            if not MASK[i][t]:
+                continue
+            r, a = w(i, t), ADV[i]
+            clipped = min(max(r, 1 - eps), 1 + high)
+            term, slope = (r * a, r * a) if r * a <= clipped * a else (clipped * a, 0.0)
+            if a < 0 and r > c:
+                term, slope = c * a, 0.0
+            value_h += -term / n / N
+            grad_h[i][t] = -slope / n / N
+    close(value, value_h)
+    grads_close(grad, grad_h)
+    assert grad[1][0] == 0 and run("ppo_clip", ppo_eps=eps, ppo_eps_high=high)[1][1][0] != 0
+    assert frac(stats["loss/frac_dual_clipped"]) == pytest.approx(1 / 5)
+    outside = sum(1 for i in range(2) for t in range(3) if MASK[i][t] and not 1 - eps <= w(i, t) <= 1 + high)
+    assert frac(stats["loss/frac_clipped"]) == pytest.approx(outside / 5)
+    assert w(0, 0) < 1 + high and w(0, 0) > 1 + eps  # clip-higher lets token (0, 0) through: the control
+    assert run("ppo_clip", ppo_eps=eps)[1][0][0] == 0 and grad[0][0] != 0
+
+
+def test_gspo_clips_the_length_normalised_sequence_ratio():
+    """s_0 = e^(-0.2/3) = 0.94 with A > 0 keeps its gradient, s_0·A/|y_0| on each token; s_1 = e^-0.65
+    with A < 0 is clipped to 1 − 3e-4 (no gradient): both outcomes at the paper's ε."""
+    value, grad, stats = run("gspo")
+    s = [math.exp(sum(LP[i][t] - RLP[i][t] for t in range(3) if MASK[i][t]) / sum(MASK[i])) for i in range(2)]
+    clipped = [min(max(x, 1 - 3e-4), 1 + 4e-4) for x in s]
+    terms = [min(s[i] * ADV[i], clipped[i] * ADV[i]) for i in range(2)]
+    binds = [clipped[i] * ADV[i] < s[i] * ADV[i] for i in range(2)]
+    assert binds == [False, True]
+    close(value, -sum(terms) / N)
+    g = [[0.0 if binds[i] or not MASK[i][t] else -ADV[i] * s[i] / sum(MASK[i]) / N for t in range(3)]
+         for i in range(2)]
+    grads_close(grad, g)
+    assert frac(stats["loss/frac_clipped"]) == pytest.approx(1.0)  # both ratios lie outside the band
+
+
+def test_cispo_scales_every_token_by_its_clipped_detached_weight():
+    """No floor by default (ε_low = 1): w = 0.14 keeps its weight; ε_low = 0.2 raises it to 0.8.
+    Unlike ppo_clip, a clipped token keeps a gradient (the clipped weight's)."""
+    for low in (1.0, 0.2):
+        value, grad, stats = run("cispo", cispo_eps_low=low, cispo_eps_high=0.1)
+        weight = lambda i, t, low=low: min(max(w(i, t), 1 - low), 1.1)  # noqa: E731
+        v, g = hand(lambda i, t, weight=weight: weight(i, t) * LP[i][t], weight)
+        close(value, v)
+        grads_close(grad, g)
+        outside = sum(1 for i in range(2) for t in range(3) if MASK[i][t] and weight(i, t) != w(i, t))
+        assert frac(stats["loss/frac_clipped"]) == pytest.approx(outside / 5) and outside > 0
+        assert all(x != 0 for i in range(2) for t, x in enumerate(grad[i]) if MASK[i][t])
+
+
+@pytest.mark.parametrize("aggregation", ["token", "constant"])
+def test_token_and_constant_aggregation(aggregation):
+    """'token': every sampled token of the batch weighs 1/Σ|y_i| (DAPO); 'constant': 1/(N·norm_tokens)
+    (Dr. GRPO). Response 1 is shorter, so both differ from the per-response mean (the control)."""
+    value, grad, _ = run("reinforce_zero", aggregation=aggregation, norm_tokens=4)
+    scale = 1 / 5 if aggregation == "token" else 1 / (N * 4)
+    v = -sum(ADV[i] * w(i, t) * scale for i in range(2) for t in range(3) if MASK[i][t])
+    g = [[-ADV[i] * w(i, t) * scale if MASK[i][t] else 0.0 for t in range(3)] for i in range(2)]
+    close(value, v)
+    grads_close(grad, g)
+    assert abs(value - run("reinforce_zero")[0]) > 1e-3
+    with pytest.raises(ConfigError, match="needs norm_tokens > 0"):
+        run("reinforce_zero", aggregation="constant")
+
+
+def test_a_run_normalises_constant_aggregation_by_its_generation_budget():
+    from parity.config import load_config
+    key = 'learner.loss_config.aggregation="constant"'
+    assert load_config(None, [key, "rollout.max_tokens=24"]).learner.loss_config.norm_tokens == 24
+    given = load_config(None, [key, "learner.loss_config.norm_tokens=100"])
+    assert given.learner.loss_config.norm_tokens == 100
+    assert load_config(None, ["rollout.max_tokens=24"]).learner.loss_config.norm_tokens == 0  # 'response'
