@@ -19,6 +19,8 @@ LOSS_NAMES: tuple[str, ...] = (
 """Objectives the learner can optimise."""
 AGGREGATIONS: tuple[str, ...] = ("response", "token", "constant")
 """How an objective weighs the batch's tokens (`LossConfig.aggregation`)."""
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+"""Per-token estimates of the KL penalty to the reference policy (`LearnerConfig.kl_estimator`)."""
 HEAD_CHUNK_ELEMENTS = 1 << 26
 """`head_chunk_tokens = 0`: an LM-head chunk holds at most this many logits."""
 
@@ -154,6 +156,16 @@ class LearnerConfig:
     the sampled token's rollout probability (`mechanism/...` metrics; `parity study` turns it on)."""
     router_aux_loss_coef: float = 0.0
     """MoE models: weight of the router's load-balancing loss added to the objective (0 = off)."""
+    kl_coef: float = 0.0
+    """β: adds β·KL(π ‖ π_ref) to the objective, estimated on each sampled token (`kl_estimator`)
+    and aggregated as the objective is (`loss_config.aggregation`); π_ref is the policy the learner
+    started from, kept frozen beside it (one more copy of the weights; a run's checkpoints carry
+    it, so a resume keeps the run's reference). 0 = off, as REINFORCE Zero and most recent
+    recipes run (GRPO's original β: 0.04)."""
+    kl_estimator: str = "k3"
+    """kl_coef: the per-token estimate of KL(π ‖ π_ref) from d = log π_ref − log π: 'k1' −d, 'k2'
+    d²/2, 'k3' e^d − d − 1 (GRPO's: never negative; d clamped to ±20 so one token cannot overflow
+    it). Tokens were sampled by the rollout policy, not π: at a lag the estimate is off by that much."""
     dump_dir: str | None = None
     """Where a batch that produced a NaN/inf loss or gradient is saved (None = not saved)."""
     loss_config: LossConfig = field(default_factory=LossConfig)
@@ -192,5 +204,10 @@ class LearnerConfig:
             raise ConfigError(f"LearnerConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.router_aux_loss_coef < 0:
             raise ConfigError("LearnerConfig.router_aux_loss_coef must be >= 0")
+        if self.kl_coef < 0:
+            raise ConfigError(f"LearnerConfig.kl_coef must be >= 0, got {self.kl_coef!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"LearnerConfig.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, "
+                              f"got {self.kl_estimator!r}")
         if self.weight_decay < 0:
             raise ConfigError("LearnerConfig.weight_decay must be >= 0")

@@ -2,8 +2,8 @@
 
 `checkpoint-<step>/` holds the model (HF layout, compute dtype), `trainer_state.pt` (optimizer,
 schedule, policy version, float32 master weights, the weight versions a restarted rollout worker
-could still need, the batches already sampled for later steps, RNG state) and `manifest.json`
-with a SHA-256 per file, written last.
+could still need, the batches already sampled for later steps, RNG state, the KL penalty's
+reference weights) and `manifest.json` with a SHA-256 per file, written last.
 A directory without a valid manifest, or whose files do not match it, is refused whole.
 """
 
@@ -30,6 +30,7 @@ from ..fields import is_file_spec
 from ..model.tokenizer import copy_tokenizer
 from .faults import checkpoint_fault
 from .learner import Learner
+from .reference import restore_reference
 from .trajectory import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -138,11 +139,11 @@ def _changed(saved: dict, now: dict) -> list[str]:
 
 def _trainer_state(step: int, learner: Learner, separate: bool, ready: list | None,
                    sampled_under: dict | None) -> dict:
-    return {"sampled_under": sampled_under,
-        "step": step, "version": learner.version, "steps": learner.steps,
+    return {"sampled_under": sampled_under, "step": step, "version": learner.version, "steps": learner.steps,
         "optimizer": learner.optimizer.state_dict(), "scheduler": learner.scheduler.state_dict(),
         "master": [m.detach() for m in learner.master] if separate else None,
         "history": learner.history, "torch_rng": torch.get_rng_state(),
+        "reference": learner.reference.state_dict() if learner.reference is not None else None,  # kl_coef
         "ready": [b.to_dict() for b in ready or []],  # plain data: loads with weights_only
     }
 
@@ -314,8 +315,7 @@ def verify(path: Path) -> dict:
         data = json.loads(manifest.read_text())
         files = dict(data["files"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointError(f"{path}: missing or unreadable manifest.json "
-                              f"(incomplete checkpoint)") from None
+        raise CheckpointError(f"{path}: no readable manifest.json (an incomplete checkpoint)") from None
     for name, digest in files.items():
         f = path / name
         if not f.exists():
@@ -379,10 +379,10 @@ def load(path: Path, cfg):
                     m.copy_(saved)
         learner.version, learner.steps = int(state["version"]), int(state["steps"])
         learner.history = dict(state["history"])
+        restore_reference(learner.reference, state.get("reference"), path)  # the run's own π_ref
         torch.set_rng_state(state["torch_rng"])
         step = int(state["step"])
-        named = re.fullmatch(r"checkpoint-(\d+)", path.name)
-        if named and int(named.group(1)) != step:
+        if (named := re.fullmatch(r"checkpoint-(\d+)", path.name)) and int(named.group(1)) != step:
             raise CheckpointError(f"{path} holds step {step}: not this run's {path.name} (copied in?)")
         ready = [RolloutBatch.from_dict(b) for b in state.get("ready", [])]
         changed = _changed(state.get("sampled_under") or {}, sampling_fields(cfg)) \

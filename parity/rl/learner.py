@@ -34,24 +34,11 @@ from ..metrics.diagnostics import (
 from ..model import scored_routing, sequence_logprobs
 from ..model.logprobs import check_sequence
 from .grad_norm import clip_gradients
-from .losses import get_loss, group_advantages, load_balancing_loss, micro_batch_share
-from .trajectory import TrajectoryBatch, pad_routing
+from .losses import get_loss, group_advantages, kl_penalty, load_balancing_loss, micro_batch_share
+from .reference import ReferencePolicy
+from .trajectory import TrajectoryBatch, micro_batches, pad_routing
 
 log = logging.getLogger(__name__)
-
-
-def micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -> list[list[int]]:
-    """Consecutive groups of sequence indices, each of at most `max_seqs` sequences and (when
-    `max_tokens` > 0) at most `max_tokens` tokens; a sequence longer than `max_tokens` goes alone."""
-    groups: list[list[int]] = []
-    tokens = 0
-    for i, n in enumerate(lengths):
-        if not groups or len(groups[-1]) == max_seqs or (max_tokens and tokens + n > max_tokens):
-            groups.append([])
-            tokens = 0
-        groups[-1].append(i)
-        tokens += n
-    return groups
 
 
 class Learner:
@@ -73,6 +60,7 @@ class Learner:
         self.compute_dtype = dtype_from_name(dtype_name(model.dtype) if auto else cfg.compute_dtype, what)
         self.model = model.to(self.compute_dtype)
         self.loss_fn = get_loss(cfg.loss)
+        self.reference = ReferencePolicy(self.model) if cfg.kl_coef else None  # π_ref: the weights now
         params = list(self.model.parameters())
         self.master = params if self.compute_dtype == torch.float32 else \
             [p.detach().float().clone().requires_grad_() for p in params]
@@ -285,6 +273,11 @@ class Learner:
             lp_pad = sub.pad(lp)
             loss, stats = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config)
             share = micro_batch_share(cfg.loss_config, sub.mask, batch.mask)  # of responses, or of tokens
+            if self.reference is not None:  # β·KL(π ‖ π_ref) on this micro-batch's sampled tokens
+                ref_lp = self.reference.logprobs(sub, cfg)
+                kl = kl_penalty(lp_pad, ref_lp, sub.mask, cfg.loss_config, cfg.kl_estimator)
+                loss = loss + cfg.kl_coef * kl
+                extra["train/kl_ref"] = extra.get("train/kl_ref", 0.0) + float(kl.detach()) * share
             for k, (num, den) in stats.items():  # fractions of the whole batch: sums, divided below
                 num0, den0 = ratios.get(k, (0.0, 0.0))
                 ratios[k] = (num0 + num, den0 + den)

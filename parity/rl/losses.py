@@ -96,6 +96,29 @@ def micro_batch_share(cfg: LossConfig, sub_mask: torch.Tensor, batch_mask: torch
     return sub_mask.shape[0] / batch_mask.shape[0]
 
 
+KL_CLAMP = 20.0
+"""k3's log-ratio d = log π_ref − log π is clamped to ±KL_CLAMP (e^20: no float32 overflow)."""
+
+
+def kl_penalty(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, cfg: LossConfig,
+               estimator: str) -> torch.Tensor:
+    """KL(π ‖ π_ref) estimated per sampled token from d = ref_lp − lp ('k1' −d, 'k2' d²/2, 'k3'
+    e^d − d − 1, computed as expm1(d) − d so that a d of 1e-8 is not lost to cancellation) and
+    aggregated over tokens and responses as the objective is (`cfg.aggregation`); differentiable
+    in `lp`. Exactly 0 where the two log-probs are equal."""
+    d = (ref_lp - lp) * mask
+    if estimator == "k1":
+        per_token = -d
+    elif estimator == "k2":
+        per_token = d * d / 2
+    elif estimator == "k3":
+        d = d.clamp(-KL_CLAMP, KL_CLAMP)
+        per_token = torch.expm1(d) - d
+    else:
+        raise ConfigError(f"unknown KL estimator {estimator!r}: expected k1, k2 or k3")
+    return -_objective(per_token, mask, torch.ones(lp.shape[0], dtype=lp.dtype, device=lp.device), cfg)
+
+
 def _weights(log_w: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     """exp(log w) on the `live` tokens, exactly 1 elsewhere (its gradient there exactly 0)."""
     return torch.exp(torch.where(live, log_w, torch.zeros_like(log_w)))

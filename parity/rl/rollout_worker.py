@@ -34,8 +34,7 @@ from ..envs.base import Env, Episode, Turn
 from ..errors import InputError
 from ..metrics.summary import env_metrics
 from ..model import sequence_logprobs
-from .learner import micro_batches
-from .trajectory import RolloutBatch, Trajectory
+from .trajectory import RolloutBatch, Trajectory, micro_batches
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ that sampled each token (so the learner can split its gap without keeping old we
 the engine `cache_versions`: per token the version of the oldest keys/values its forward read
 (older than its own version when an in-flight update kept the cache: no single version's
 weights sampled such a token, so the decomposition leaves it out of the kernel figures).
-`TrajectoryBatch` pads them into tensors over the scored positions 1..n-1.
+`TrajectoryBatch` pads them into tensors over the scored positions 1..n-1; `micro_batches` cuts a
+batch into the learner's (and the worker's scoring) micro-batches.
 """
 
 from __future__ import annotations
@@ -244,3 +245,17 @@ class RolloutBatch:
         fields = dict(data)
         fields["trajectories"] = [Trajectory(**t) for t in fields["trajectories"]]
         return RolloutBatch(**fields)
+
+
+def micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -> list[list[int]]:
+    """Consecutive groups of sequence indices, each of at most `max_seqs` sequences and (when
+    `max_tokens` > 0) at most `max_tokens` tokens; a sequence longer than `max_tokens` goes alone."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if not groups or len(groups[-1]) == max_seqs or (max_tokens and tokens + n > max_tokens):
+            groups.append([])
+            tokens = 0
+        groups[-1].append(i)
+        tokens += n
+    return groups

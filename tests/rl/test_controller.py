@@ -114,10 +114,14 @@ def test_a_config_changed_after_construction_is_checked_again_when_the_run_start
 
 
 def test_interrupt_and_resume_match_an_uninterrupted_run(tmp_path):
-    # (a warm-up and a cosine decay: the learning-rate schedule's state is part of what resumes)
+    # (a warm-up and a cosine decay: the learning-rate schedule's state is part of what resumes; a
+    # KL penalty: its reference policy too, the run's first weights, not the resumed ones)
     args = ("steps=6", "max_policy_lag=2", "deterministic=true", "model.dtype=\"bfloat16\"",
-            "learner.warmup_steps=2", "learner.schedule=\"cosine\"", "learner.total_steps=6")
+            "learner.warmup_steps=2", "learner.schedule=\"cosine\"", "learner.total_steps=6",
+            "learner.kl_coef=0.05", "seed=1")  # (seed 1: the weights move before the interrupt)
     whole = Controller(config(tmp_path / "whole", *args)).run()
+    kl = [m["train/kl_ref"] for m in whole]
+    assert kl[0] == 0.0 and kl[2] > 0  # π = π_ref at version 0, not after the updates (the control)
     first = Controller(config(tmp_path / "cut", *args))
 
     def ctrl_c(step, metrics):

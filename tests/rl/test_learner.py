@@ -128,6 +128,29 @@ def test_token_level_losses_are_the_whole_batchs_whatever_the_micro_batches(aggr
         assert abs(sum(loss(i, i + 1) for i in range(12)) / 12 - loss(0, 12)) > 1e-3 * abs(loss(0, 12))
 
 
+def test_kl_penalty_starts_at_exactly_zero_and_a_resume_needs_its_reference(tmp_path):
+    """At version 0 the reference (the learner's starting weights on the same kernels) scores the
+    batch bit for bit as the learner does: the k3 penalty and its gradient are exactly 0, so the
+    first step's weights equal a step without it. After an update the penalty is > 0 and the
+    steps part; a reference on the standard kernels is off at version 0 already (the controls).
+    A checkpoint without a reference cannot resume a KL run."""
+    from parity.errors import CheckpointError
+    from parity.rl.reference import restore_reference
+    batch = rollout(parity.Engine(model(seed=7), max_num_seqs=8), seed=7)
+    with_kl = Learner(model(seed=7), LearnerConfig(kl_coef=0.5, lr=3e-3, decompose_every=0))
+    plain = Learner(model(seed=7), LearnerConfig(lr=3e-3, decompose_every=0))
+    assert with_kl.step(batch)["train/kl_ref"] == 0.0 and "train/kl_ref" not in plain.step(batch)
+    assert all(torch.equal(a, b) for a, b in zip(with_kl.model.parameters(), plain.model.parameters()))
+    assert with_kl.step(batch)["train/kl_ref"] > 0
+    plain.step(batch)
+    other = Learner(model(seed=7), LearnerConfig(kl_coef=0.5, kl_estimator="k1", decompose_every=0))
+    other.reference.model.set_kernels("standard")  # the control: a reference on other kernels is not 0
+    assert other.step(batch)["train/kl_ref"] != 0
+    assert not all(torch.equal(a, b) for a, b in zip(with_kl.model.parameters(), plain.model.parameters()))
+    with pytest.raises(CheckpointError, match="saved by a run without a KL penalty"):
+        restore_reference(with_kl.reference, None, tmp_path / "checkpoint-3")
+
+
 def _train_with_lag(kernels, dtype="float32", lags=(0, 1, 2, 3)):
     """Generate a batch at each version, then train on batches that are `lag` versions old."""
     m = model(kernels, getattr(torch, dtype), seed=2)

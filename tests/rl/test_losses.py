@@ -295,3 +295,25 @@ def test_a_run_normalises_constant_aggregation_by_its_generation_budget():
     given = load_config(None, [key, "learner.loss_config.norm_tokens=100"])
     assert given.learner.loss_config.norm_tokens == 100
     assert load_config(None, ["rollout.max_tokens=24"]).learner.loss_config.norm_tokens == 0  # 'response'
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_penalty_to_the_reference(estimator):
+    """β's term: per token k(d), d = log π_ref − log π, averaged as the objective averages; its
+    gradient in log π: 1 (k1), −d (k2), 1 − e^d (k3). Exactly 0 where π = π_ref."""
+    from parity.rl.losses import kl_penalty
+    lp = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
+    ref, mask = torch.tensor(RLP, dtype=torch.float64), torch.tensor(MASK, dtype=torch.float64)
+    value = kl_penalty(lp, ref, mask, LossConfig(), estimator)
+    value.backward()
+    k, dk = {"k1": (lambda d: -d, lambda d: 1.0), "k2": (lambda d: d * d / 2, lambda d: -d),
+             "k3": (lambda d: math.exp(d) - d - 1, lambda d: 1 - math.exp(d))}[estimator]
+    d = lambda i, t: RLP[i][t] - LP[i][t]  # noqa: E731
+    tokens = [(i, t) for i in range(2) for t in range(3) if MASK[i][t]]
+    close(float(value.detach()), sum(k(d(i, t)) / sum(MASK[i]) / N for i, t in tokens))
+    grads_close(lp.grad.tolist(), [[dk(d(i, t)) / sum(MASK[i]) / N if MASK[i][t] else 0.0 for t in range(3)]
+                                   for i in range(2)])
+    same = kl_penalty(ref.float(), ref.float(), mask.float(), LossConfig(), estimator)
+    assert torch.equal(same, torch.zeros(()))
+    far = kl_penalty(torch.full((1, 2), -200.0), torch.zeros(1, 2), torch.ones(1, 2), LossConfig(), estimator)
+    assert math.isfinite(float(far))  # (k3: d = 200 clamped to 20, e^200 is inf in float32)
