@@ -19,6 +19,8 @@ LOSS_NAMES: tuple[str, ...] = (
 """Objectives the learner can optimise."""
 AGGREGATIONS: tuple[str, ...] = ("response", "token", "constant")
 """How an objective weighs the batch's tokens (`LossConfig.aggregation`)."""
+STD_ADVANTAGE_LOSSES: tuple[str, ...] = ("ppo_clip", "gspo", "cispo")
+"""Objectives whose advantage may be divided by the group's reward std (`LossConfig.ppo_std_adv`)."""
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 """Per-token estimates of the KL penalty to the reference policy (`LearnerConfig.kl_estimator`)."""
 HEAD_CHUNK_ELEMENTS = 1 << 26
@@ -52,10 +54,11 @@ class LossConfig:
     ppo_eps_high: float = 0.0
     """ppo_clip: ε_high, the upper clip (DAPO's clip-higher: 0.28 with ε = 0.2); 0 = ppo_eps."""
     ppo_dual_clip: float = 0.0
-    """ppo_clip: dual clip c > 1: a token of negative advantage whose ratio exceeds c contributes
-    the constant c·A and no gradient (0 = off: the min is unbounded above for A < 0)."""
+    """ppo_clip: dual clip c > 1 (3 in its paper): a token of negative advantage whose ratio exceeds
+    c contributes the constant c·A and no gradient (0 = off: the min is unbounded above for A < 0)."""
     ppo_std_adv: bool = False
-    """ppo_clip and gspo: divide advantages by the group's reward std (GRPO's and GSPO's advantage)."""
+    """ppo_clip, gspo and cispo: divide advantages by the group's reward std (the advantage of GRPO,
+    GSPO and MiniMax-M1's CISPO); the other objectives refuse it."""
     gspo_eps_low: float = 3e-4
     """gspo: the sequence ratio is clipped to [1 − ε_low, 1 + ε_high] (the GSPO paper's 3e-4 and
     4e-4: a length-normalised ratio moves far less than a token's)."""
@@ -70,10 +73,12 @@ class LossConfig:
     """How tokens weigh in the batch's loss, for every objective. 'response': tokens averaged
     within a response, responses averaged, −(1/N) Σ_i (1/|y_i|) Σ_t (REINFORCE Zero's); 'token':
     every sampled token of the batch weighs the same, −(1/Σ_i |y_i|) Σ_i Σ_t (DAPO's token-level
-    loss); 'constant': −(1/(N·norm_tokens)) Σ_i Σ_t, a fixed normaliser (Dr. GRPO's)."""
+    loss, and the normalisation of MiniMax-M1's CISPO); 'constant': −(1/(N·norm_tokens)) Σ_i Σ_t, a
+    fixed normaliser (Dr. GRPO's)."""
     norm_tokens: int = 0
-    """aggregation 'constant': the normaliser's token count (in a TrainConfig, 0 = the run's
-    rollout.max_tokens; a Learner built alone needs it set)."""
+    """aggregation 'constant': the normaliser's token count, required there (Dr. GRPO: the
+    generation budget, the most tokens a response may sample: rollout.max_tokens per turn, times
+    the turns of a multi-turn task). It only scales the step, as the learning rate does."""
 
     def __post_init__(self) -> None:
         check_fields(self, finite=True)
@@ -84,14 +89,14 @@ class LossConfig:
         if self.ppo_eps_high < 0:
             raise ConfigError(f"LossConfig.ppo_eps_high must be >= 0 (0 = ppo_eps), "
                               f"got {self.ppo_eps_high!r}")
-        if self.ppo_dual_clip and not self.ppo_dual_clip > 1 + (self.ppo_eps_high or self.ppo_eps):
-            raise ConfigError(f"LossConfig.ppo_dual_clip must be 0 (off) or above the upper clip "
-                              f"1 + ε_high, got {self.ppo_dual_clip!r}")
+        if self.ppo_dual_clip and not self.ppo_dual_clip > 1:
+            raise ConfigError(f"LossConfig.ppo_dual_clip must be 0 (off) or > 1, got {self.ppo_dual_clip!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"LossConfig.aggregation must be one of {', '.join(AGGREGATIONS)}, "
                               f"got {self.aggregation!r}")
-        if self.norm_tokens < 0:
-            raise ConfigError(f"LossConfig.norm_tokens must be >= 0, got {self.norm_tokens!r}")
+        if self.norm_tokens < 0 or (self.aggregation == "constant" and not self.norm_tokens):
+            raise ConfigError(f"LossConfig.norm_tokens must be > 0 with aggregation 'constant' (Dr. GRPO's "
+                              f"normaliser: the most tokens a response may sample), got {self.norm_tokens!r}")
         if not 0 <= self.icepop_low < self.icepop_high:
             raise ConfigError("LossConfig.icepop_low must be in [0, icepop_high)")
         if self.mis_level not in ("token", "sequence"):
@@ -179,6 +184,9 @@ class LearnerConfig:
         check_fields(self, finite=True)
         if self.loss not in LOSS_NAMES:
             raise ConfigError(f"unknown loss {self.loss!r}: expected one of {', '.join(LOSS_NAMES)}")
+        if self.loss_config.ppo_std_adv and self.loss not in STD_ADVANTAGE_LOSSES:
+            raise ConfigError(f"LossConfig.ppo_std_adv applies to {', '.join(STD_ADVANTAGE_LOSSES)}, not to "
+                              f"loss {self.loss!r} (its advantage is the reward minus the group mean)")
         if not self.lr > 0:
             raise ConfigError(f"LearnerConfig.lr must be > 0, got {self.lr!r}")
         if self.schedule not in ("constant", "cosine"):

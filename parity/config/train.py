@@ -270,9 +270,6 @@ class TrainConfig:
         # the weights of every version a lagged sample may come from (a new object: never mutate
         # a LearnerConfig another TrainConfig may share)
         self.learner = dataclasses.replace(self.learner, **self.derived_learner_fields())
-        losses = self.learner.loss_config
-        if losses.aggregation == "constant" and not losses.norm_tokens:  # Dr. GRPO's: the generation budget
-            self.learner.loss_config = dataclasses.replace(losses, norm_tokens=self.rollout.max_tokens)
 
     def derived_learner_fields(self) -> dict:
         """The values of `DERIVED_LEARNER_FIELDS` for this run."""

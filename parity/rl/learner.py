@@ -246,7 +246,7 @@ class Learner:
         batch.check_versions(self.version, self.config.max_policy_lag)
         cfg, t0 = self.config, time.perf_counter()
         self.last_kernel_delta = None  # set by this step's decomposition, if it runs
-        adv_std = cfg.loss in ("ppo_clip", "gspo") and cfg.loss_config.ppo_std_adv
+        adv_std = cfg.loss_config.ppo_std_adv  # (LearnerConfig allows it only where it applies)
         adv = group_advantages(batch.rewards, batch.group_ids, normalize_std=adv_std, included=batch.included)
         self.check_whole()
         for i, seq in enumerate(batch.sequences):  # all of them, before a first backward (an error in
@@ -272,24 +272,24 @@ class Learner:
             routes += scored_routing(self.model, sub.sequences) or []
             lp_pad = sub.pad(lp)
             loss, stats = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config)
-            share = micro_batch_share(cfg.loss_config, sub.mask, batch.mask)  # of responses, or of tokens
+            part, whole = micro_batch_share(cfg.loss_config, sub.mask, batch.mask)  # responses or tokens
             if self.reference is not None:  # β·KL(π ‖ π_ref) on this micro-batch's sampled tokens
                 ref_lp = self.reference.logprobs(sub, cfg)
                 kl = kl_penalty(lp_pad, ref_lp, sub.mask, cfg.loss_config, cfg.kl_estimator)
                 loss = loss + cfg.kl_coef * kl
-                extra["train/kl_ref"] = extra.get("train/kl_ref", 0.0) + float(kl.detach()) * share
+                extra["train/kl_ref"] = extra.get("train/kl_ref", 0.0) + float(kl.detach()) * part / whole
             for k, (num, den) in stats.items():  # fractions of the whole batch: sums, divided below
                 num0, den0 = ratios.get(k, (0.0, 0.0))
                 ratios[k] = (num0 + num, den0 + den)
-            if aux_coef:  # the router's load-balancing loss over this micro-batch's tokens, weighted
-                aux = load_balancing_loss(self.model.last_router_logits,  # as the objective weighs it
-                                          self.model.config.num_experts_per_tok)
-                loss = loss + aux_coef * aux
+            if aux_coef:  # the router's load-balancing loss over this micro-batch's positions, weighed by
+                aux = load_balancing_loss(self.model.last_router_logits,  # its share of the responses
+                                          self.model.config.num_experts_per_tok)  # (x 1.0 under 'response')
+                loss = loss + aux_coef * aux * (len(idx) / len(batch) / (part / whole) if part else 0.0)
                 extra["train/router_aux_loss"] = extra.get("train/router_aux_loss", 0.0) + \
-                    float(aux.detach()) * share
-            (loss * share).backward()
+                    float(aux.detach()) * len(idx) / len(batch)
+            (loss * (part / whole)).backward()
             self._accumulate()
-            losses.append(float(loss.detach()) * share)
+            losses.append(float(loss.detach()) * part / whole)
             lps += [x.detach() for x in lp]
             entropies += ent
         extra.update({k: num / den if den else 0.0 for k, (num, den) in ratios.items()})

@@ -64,9 +64,15 @@ def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int) -> torch.
     return logits.shape[1] * (share * probs.mean(0)).sum()
 
 
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values` on masked-in tokens, exactly 0 elsewhere, whatever a padded position holds (inf or
+    NaN times a mask of 0 is NaN; the learner pads with 0, a caller of these functions may not)."""
+    return torch.where(mask > 0, values, torch.zeros_like(values))
+
+
 def _response_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(1/|y_i|) Σ_t values_it over masked-in tokens, per response. [B, L] -> [B]"""
-    return (values * mask).sum(1) / mask.sum(1)
+    return _masked(values, mask).sum(1) / mask.sum(1)
 
 
 def _objective(per_token: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
@@ -78,22 +84,20 @@ def _objective(per_token: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
     or left out (engine errors) count, so they shrink the step."""
     if cfg.aggregation == "response":
         return -(_response_mean(per_token, mask) * adv).mean()
-    sums = (per_token * mask).sum(1) * adv
+    sums = _masked(per_token, mask).sum(1) * adv
     if cfg.aggregation == "token":
         return -sums.sum() / mask.sum().clamp(min=1)
-    if not cfg.norm_tokens:
-        raise ConfigError("LossConfig.aggregation = 'constant' needs norm_tokens > 0 (a TrainConfig sets it "
-                          "from rollout.max_tokens)")
-    return -sums.mean() / cfg.norm_tokens
+    return -sums.mean() / cfg.norm_tokens  # ('constant': LossConfig requires norm_tokens > 0)
 
 
-def micro_batch_share(cfg: LossConfig, sub_mask: torch.Tensor, batch_mask: torch.Tensor) -> float:
+def micro_batch_share(cfg: LossConfig, sub_mask: torch.Tensor, batch_mask: torch.Tensor) -> tuple[int, int]:
     """The weight of a micro-batch's loss (a mean over its own responses, or its own tokens) in
-    the batch's: its share of the responses, or under aggregation 'token' of the sampled tokens,
-    so that the micro-batches' weighted sum is the batch's loss whatever the micro-batching."""
+    the batch's, as (part, whole): its share of the responses, or under aggregation 'token' of the
+    sampled tokens, so that the micro-batches' weighted sum is the batch's loss whatever the
+    micro-batching."""
     if cfg.aggregation == "token":
-        return float(sub_mask.sum()) / max(1.0, float(batch_mask.sum()))
-    return sub_mask.shape[0] / batch_mask.shape[0]
+        return int(sub_mask.sum()), max(1, int(batch_mask.sum()))
+    return sub_mask.shape[0], batch_mask.shape[0]
 
 
 KL_CLAMP = 20.0
@@ -106,7 +110,7 @@ def kl_penalty(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, cfg: 
     e^d − d − 1, computed as expm1(d) − d so that a d of 1e-8 is not lost to cancellation) and
     aggregated over tokens and responses as the objective is (`cfg.aggregation`); differentiable
     in `lp`. Exactly 0 where the two log-probs are equal."""
-    d = (ref_lp - lp) * mask
+    d = _masked(ref_lp - lp, mask)
     if estimator == "k1":
         per_token = -d
     elif estimator == "k2":
@@ -128,7 +132,7 @@ def _log_weights(lp, rollout_lp, mask, adv) -> tuple[torch.Tensor, torch.Tensor]
     """(log w, live): log w = (lp − rollout_lp) on sampled tokens, 0 elsewhere; live marks the
     sampled tokens of responses with a non-zero advantage (the others contribute 0 whatever w)."""
     live = (mask > 0) & (adv != 0).unsqueeze(1)
-    return (lp - rollout_lp) * mask, live
+    return _masked(lp - rollout_lp, mask), live
 
 
 def _ratio(count: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
@@ -229,7 +233,7 @@ def gspo(lp, rollout_lp, mask, adv, cfg: LossConfig):
     L = −(1/N) Σ_i min(s_i A_i, clip(s_i, 1 − ε_low, 1 + ε_high) A_i) (gradient, unclipped,
     s_i A_i (1/|y_i|) Σ_t ∇log π_it). Each of response i's tokens carries s_i, so under aggregation
     'response' its term is the formula's; 'token' weighs a response by its length.
-    `loss/frac_clipped` is the share of responses whose s lies outside the band."""
+    `loss/frac_clipped_responses` is the share of responses whose s lies outside the band."""
     log_w, live = _log_weights(lp, rollout_lp, mask, adv)
     a = adv.unsqueeze(1)
     log_s = _response_mean(log_w, mask).unsqueeze(1)  # [B, 1], differentiable
@@ -240,7 +244,7 @@ def gspo(lp, rollout_lp, mask, adv, cfg: LossConfig):
     s = _weights(log_s.expand_as(log_w), live & ~binds)
     per_token = torch.where(binds, clipped * a, s * a)
     outside = (float((s_all != clipped).sum()), float(len(adv)))
-    return _objective(per_token, mask, torch.ones_like(adv), cfg), {"loss/frac_clipped": outside}
+    return _objective(per_token, mask, torch.ones_like(adv), cfg), {"loss/frac_clipped_responses": outside}
 
 
 def cispo(lp, rollout_lp, mask, adv, cfg: LossConfig):
@@ -248,7 +252,7 @@ def cispo(lp, rollout_lp, mask, adv, cfg: LossConfig):
     dropped, unlike ppo_clip's):
     L = −(1/N) Σ_i (1/|y_i|) Σ_t sg(clip(w_it, 1 − ε_low, 1 + ε_high)) log π_it A_i.
     `loss/frac_clipped` is the share of tokens whose w lies outside the band."""
-    w = torch.exp(((lp - rollout_lp) * mask).detach())  # no gradient flows through it: inf is clamped
+    w = torch.exp(_masked(lp - rollout_lp, mask).detach())  # no gradient flows through it: inf is clamped
     clipped = torch.clamp(w, 1 - cfg.cispo_eps_low, 1 + cfg.cispo_eps_high)
     frac = _ratio(((w != clipped).float() * mask).sum(), mask)
     return _objective(clipped * lp, mask, adv, cfg), {"loss/frac_clipped": frac}
