@@ -119,9 +119,10 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
 
 
 def objective_name(cfg) -> str:
-    """The objective as the demo names it ('REINFORCE Zero', or `--set learner.loss=...`'s name)."""
-    loss = cfg.learner.loss
-    return "REINFORCE Zero" if loss == "reinforce_zero" else loss
+    """The objective as the demo names it ('REINFORCE Zero', or `--set learner.loss=...`'s name),
+    with its KL penalty when `learner.kl_coef` is set."""
+    loss, beta = cfg.learner.loss, cfg.learner.kl_coef
+    return ("REINFORCE Zero" if loss == "reinforce_zero" else loss) + (f" + {beta:g}·KL" if beta else "")
 
 
 def main(args) -> int:
