@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.apps.study import DEFAULT_GRID, load_study
+from parity.apps.study_grid import DEFAULT_GRID, load_study
 from parity.cli import main
 from parity.errors import ConfigError
 from parity.metrics.summary import row_figures
@@ -222,6 +222,12 @@ def test_study_runs_at_the_base_policies_level_and_math_uses_base_math(tmp_path)
     cfg = run_config(study, study.runs[2], 1)
     assert cfg.task.name == "custom" and cfg.task.env.endswith("/my_env.py:MyEnv")
     assert cfg.task.options == {"level": 2} and cfg.max_policy_lag == 64 and cfg.seed == 1
+    # a row's own training keys (an objective's parameters) over the [train] table, that row alone
+    study = load_study("configs/study_objectives.toml")
+    cells = {run.name: run_config(study, run, 0) for run in study.runs}
+    assert cells["fixed-64-dapo"].learner.loss_config.ppo_eps_high == 0.28
+    assert cells["fixed-64-dapo"].learner.loss_config.aggregation == "token"
+    assert cells["fixed-64-gspo"].learner.loss_config.aggregation == "response"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -230,6 +236,11 @@ def test_study_runs_at_the_base_policies_level_and_math_uses_base_math(tmp_path)
     ("train = 5", "study train: expected a [train] table of config keys, got 5"),
     ("out_dir = 5", "study.out_dir must be a directory path, got 5"),
     ("[[runs]]\nname = [1]", "study runs: name must be a non-empty string, got [1]"),
+    ('[[runs]]\nname = "a"\ntrain = {"learner.loss" = "tis"}',
+     "study run 'a': train sets learner.loss, which comes from the row's loss"),
+    ('[[runs]]\nname = "a"\ntrain = 3', "study run 'a': train must be a table of training keys, got 3"),
+    ('[[runs]]\nname = "a"\ntrain = {"learner.loss_config.ppo_eps" = -1}',
+     "study run a: LossConfig.ppo_eps must be > 0"),
 ])
 def test_a_study_config_of_the_wrong_types_is_one_line(tmp_path, text, message):
     """Each was a traceback (a repeated seed counted a seed twice) before a review of 2026-12-05."""
