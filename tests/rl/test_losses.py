@@ -128,9 +128,9 @@ def test_seq_gate_rejects_whole_responses():
     assert 0 < sum(gate) < 2  # the example exercises both outcomes
 
 
-def test_ppo_clip():
-    eps = 0.2
-    value, grad, stats = run("ppo_clip", ppo_eps=eps)
+def ppo_hand(eps, high, dual=None):
+    """value and gradient of −(1/N) Σ_i (1/|y_i|) Σ_t min(w A, clip(w, 1 − eps, 1 + high) A), with
+    the dual clip's c·A (no gradient) for A < 0 and w > c when `dual` is given."""
     value_h, grad_h = 0.0, [[0.0] * 3 for _ in range(2)]
     for i in range(2):
         n = sum(MASK[i])
@@ -138,9 +138,18 @@ def test_ppo_clip():
             if not MASK[i][t]:
                 continue
             r, a = w(i, t), ADV[i]
-            clipped = min(max(r, 1 - eps), 1 + eps)
-            value_h += -min(r * a, clipped * a) / n / N
-            grad_h[i][t] = -(r * a if r * a <= clipped * a else 0.0) / n / N
+            clipped = min(max(r, 1 - eps), 1 + high)
+            term, slope = (r * a, r * a) if r * a <= clipped * a else (clipped * a, 0.0)
+            if dual is not None and a < 0 and r > dual:
+                term, slope = dual * a, 0.0
+            value_h += -term / n / N
+            grad_h[i][t] = -slope / n / N
+    return value_h, grad_h
+
+
+def test_ppo_clip():
+    value, grad, _ = run("ppo_clip", ppo_eps=0.2)
+    value_h, grad_h = ppo_hand(0.2, 0.2)
     close(value, value_h)
     grads_close(grad, grad_h)
 
@@ -226,19 +235,7 @@ def test_ppo_clip_higher_and_dual_clip():
     let its unbounded w·A through (the control: without the dual clip its gradient is not 0)."""
     eps, high, c = 0.2, 0.28, 1.5
     value, grad, stats = run("ppo_clip", ppo_eps=eps, ppo_eps_high=high, ppo_dual_clip=c)
-    value_h, grad_h = 0.0, [[0.0] * 3 for _ in range(2)]
-    for i in range(2):
-        n = sum(MASK[i])
-        for t in range(3):
-            if not MASK[i][t]:
-                continue
-            r, a = w(i, t), ADV[i]
-            clipped = min(max(r, 1 - eps), 1 + high)
-            term, slope = (r * a, r * a) if r * a <= clipped * a else (clipped * a, 0.0)
-            if a < 0 and r > c:
-                term, slope = c * a, 0.0
-            value_h += -term / n / N
-            grad_h[i][t] = -slope / n / N
+    value_h, grad_h = ppo_hand(eps, high, c)
     close(value, value_h)
     grads_close(grad, grad_h)
     assert grad[1][0] == 0 and run("ppo_clip", ppo_eps=eps, ppo_eps_high=high)[1][1][0] != 0
