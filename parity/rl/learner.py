@@ -35,7 +35,7 @@ from ..model import scored_routing, sequence_logprobs
 from ..model.logprobs import check_sequence
 from .grad_norm import clip_gradients
 from .losses import get_loss, group_advantages, kl_penalty, load_balancing_loss, micro_batch_share
-from .reference import ReferencePolicy
+from .reference import ReferencePolicy, cpu_copy
 from .trajectory import TrajectoryBatch, micro_batches, pad_routing
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class Learner:
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         # kept on the CPU whatever the model's device: versions are shipped and checkpointed from here
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return cpu_copy(self.model)
 
     def publish(self) -> tuple[dict[str, torch.Tensor], int]:
         """The current weights (in the compute dtype the engine runs) and their version."""

@@ -15,6 +15,12 @@ from ..model import sequence_logprobs
 from .trajectory import TrajectoryBatch
 
 
+def cpu_copy(model) -> dict[str, torch.Tensor]:
+    """A copy of `model`'s state dict on the CPU, whatever its device (the learner's kept versions,
+    the reference's checkpointed weights)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
 class ReferencePolicy:
     """π_ref: `logprobs(batch, learner_config)` scores a (micro-)batch as the learner does, without grad."""
 
@@ -24,7 +30,7 @@ class ReferencePolicy:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Its weights, on the CPU (what a checkpoint stores)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return cpu_copy(self.model)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
