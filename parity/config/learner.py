@@ -15,11 +15,14 @@ from ..fields import check_fields
 from ..model.logprobs import MIN_TEMPERATURE
 
 LOSS_NAMES: tuple[str, ...] = (
-    "reinforce_zero", "tis", "icepop", "mis", "seq_gate", "ppo_clip", "gspo", "cispo", "on_policy")
+    "reinforce_zero", "tis", "icepop", "mis", "seq_gate", "ppo_clip", "decoupled_ppo", "gspo", "cispo",
+    "on_policy")
 """Objectives the learner can optimise."""
+PROXIMAL_LOSSES: tuple[str, ...] = ("decoupled_ppo",)
+"""Objectives that take the proximal policy's log-probs (the learner before this batch's updates)."""
 AGGREGATIONS: tuple[str, ...] = ("response", "token", "constant")
 """How an objective weighs the batch's tokens (`LossConfig.aggregation`)."""
-STD_ADVANTAGE_LOSSES: tuple[str, ...] = ("ppo_clip", "gspo", "cispo")
+STD_ADVANTAGE_LOSSES: tuple[str, ...] = ("ppo_clip", "decoupled_ppo", "gspo", "cispo")
 """Objectives whose advantage may be divided by the group's reward std (`LossConfig.ppo_std_adv`)."""
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 """Per-token estimates of the KL penalty to the reference policy (`LearnerConfig.kl_estimator`)."""
@@ -50,15 +53,20 @@ class LossConfig:
     gate_max_k3: float = 1.0
     """seq_gate: ... or when its mean k3 = w − 1 − log w exceeds this."""
     ppo_eps: float = 0.2
-    """ppo_clip: the ratio is clipped to [1 − ε, 1 + ε_high]."""
+    """ppo_clip and decoupled_ppo: the ratio is clipped to [1 − ε, 1 + ε_high]."""
     ppo_eps_high: float = 0.0
-    """ppo_clip: ε_high, the upper clip (DAPO's clip-higher: 0.28 with ε = 0.2); 0 = ppo_eps."""
+    """ppo_clip and decoupled_ppo: ε_high, the upper clip (DAPO's clip-higher: 0.28 with ε = 0.2);
+    0 = ppo_eps."""
     ppo_dual_clip: float = 0.0
-    """ppo_clip: dual clip c > 1 (3 in its paper): a token of negative advantage whose ratio exceeds
-    c contributes the constant c·A and no gradient (0 = off: the min is unbounded above for A < 0)."""
+    """ppo_clip and decoupled_ppo: dual clip c > 1 (3 in its paper): a token of negative advantage
+    whose ratio exceeds c contributes the constant c·A and no gradient (0 = off: the min is
+    unbounded above for A < 0)."""
+    behav_cap: float = 0.0
+    """decoupled_ppo: a token whose behaviour weight π_prox/μ exceeds this is masked out (AReaL's
+    behav_imp_weight_cap); 0 = no cap, every token keeps its full weight."""
     ppo_std_adv: bool = False
-    """ppo_clip, gspo and cispo: divide advantages by the group's reward std (the advantage of GRPO,
-    GSPO and MiniMax-M1's CISPO); the other objectives refuse it."""
+    """ppo_clip, decoupled_ppo, gspo and cispo: divide advantages by the group's reward std (the
+    advantage of GRPO, AReaL, GSPO and MiniMax-M1's CISPO); the other objectives refuse it."""
     gspo_eps_low: float = 3e-4
     """gspo: the sequence ratio is clipped to [1 − ε_low, 1 + ε_high] (the GSPO paper's 3e-4 and
     4e-4: a length-normalised ratio moves far less than a token's)."""
@@ -89,6 +97,8 @@ class LossConfig:
         if self.ppo_eps_high < 0:
             raise ConfigError(f"LossConfig.ppo_eps_high must be >= 0 (0 = ppo_eps), "
                               f"got {self.ppo_eps_high!r}")
+        if self.behav_cap < 0 or 0 < self.behav_cap <= 1:
+            raise ConfigError(f"LossConfig.behav_cap must be 0 (no cap) or > 1, got {self.behav_cap!r}")
         if self.ppo_dual_clip and not self.ppo_dual_clip > 1:
             raise ConfigError(f"LossConfig.ppo_dual_clip must be 0 (off) or > 1, got {self.ppo_dual_clip!r}")
         if self.aggregation not in AGGREGATIONS:
@@ -110,8 +120,9 @@ class LearnerConfig:
     """Optimisation and diagnostics settings; validated on construction."""
 
     loss: str = "reinforce_zero"
-    """Objective: reinforce_zero, tis, icepop, mis, seq_gate, ppo_clip, gspo, cispo or on_policy (no
-    importance weight: with max_policy_lag > 0, the uncorrected baseline, biased by the lag)."""
+    """Objective: reinforce_zero, tis, icepop, mis, seq_gate, ppo_clip, decoupled_ppo, gspo, cispo or
+    on_policy (no importance weight: with max_policy_lag > 0, the uncorrected baseline, biased by the
+    lag)."""
     lr: float = 1e-4
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0
@@ -126,6 +137,15 @@ class LearnerConfig:
     """Length of the cosine schedule."""
     max_grad_norm: float = 1.0
     """Gradient-norm clipping threshold (the norm before clipping is logged)."""
+    mini_batches: int = 1
+    """Optimizer updates per pass over a batch: the batch is cut, in order, into this many
+    mini-batches of (nearly) equal response counts, each one AdamW step (PPO's mini-batches; 1 =
+    one update per batch, as REINFORCE Zero runs). A batch still publishes one policy version, so
+    the lag counts batches, and the learning-rate schedule steps once per batch."""
+    epochs: int = 1
+    """Passes over each batch (PPO's epochs), the same mini-batches in the same order each time.
+    With mini_batches × epochs > 1 the learner first runs the batch once without gradients at the
+    weights it starts from: π_prox of decoupled_ppo, and the log-probs the diagnostics report."""
     micro_batch_size: int = 8
     """Responses per forward/backward; gradients accumulate over micro-batches."""
     micro_batch_tokens: int = 0
@@ -198,8 +218,9 @@ class LearnerConfig:
             raise ConfigError("LearnerConfig.head_chunk_tokens must be >= 0 (0 = auto)")
         if self.micro_batch_tokens < 0:
             raise ConfigError("LearnerConfig.micro_batch_tokens must be >= 0 (0 = no token cap)")
-        if self.micro_batch_size < 1 or self.total_steps < 1:
-            raise ConfigError("LearnerConfig.micro_batch_size and total_steps must be >= 1")
+        for name in ("micro_batch_size", "total_steps", "mini_batches", "epochs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"LearnerConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         if not self.max_grad_norm > 0:
             raise ConfigError("LearnerConfig.max_grad_norm must be > 0")
         if self.compute_dtype != "auto" and self.compute_dtype not in COMPUTE_DTYPES:

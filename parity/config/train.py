@@ -263,6 +263,10 @@ class TrainConfig:
             if self.task.prompt_len >= positions:
                 raise ConfigError(f"task.prompt_len ({self.task.prompt_len}) leaves no room to generate: "
                                   f"model.preset {self.model.preset!r} holds {positions} positions")
+        parts, responses = self.learner.mini_batches, self.rollout.batch_size
+        if parts > responses:
+            raise ConfigError(f"learner.mini_batches ({parts}) must be at most the responses of a batch "
+                              f"(rollout.prompts_per_step x group_size = {responses})")
         if self.deterministic and self.rollout.weight_update == "inflight":
             raise ConfigError("deterministic = true needs rollout.weight_update = 'drain' "
                               "(in-flight updates land at wall-clock-dependent tokens)")

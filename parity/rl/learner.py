@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..config.learner import LearnerConfig
+from ..config.learner import PROXIMAL_LOSSES, LearnerConfig
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import ConfigError, InputError, ParityError
 from ..metrics.diagnostics import (
@@ -33,12 +33,18 @@ from ..metrics.diagnostics import (
 )
 from ..model import scored_routing, sequence_logprobs
 from ..model.logprobs import check_sequence
+from .decompose import decompose
 from .grad_norm import clip_gradients
 from .losses import get_loss, group_advantages, kl_penalty, load_balancing_loss, micro_batch_share
 from .reference import ReferencePolicy, cpu_copy
 from .trajectory import TrajectoryBatch, micro_batches, pad_routing
 
 log = logging.getLogger(__name__)
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as one line, for `Learner.torn`."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}"
 
 
 class Learner:
@@ -148,79 +154,8 @@ class Learner:
 
     def decompose(self, batch: TrajectoryBatch, learner_lp: torch.Tensor,
                   learner_routing: torch.Tensor | None = None) -> dict[str, float]:
-        """Split learner(θ_now) − rollout(θ_old) per token into kernel mismatch
-        learner(θ_old) − rollout(θ_old) and weight lag learner(θ_now) − learner(θ_old), with θ_old
-        the weights that sampled the token; reported overall and per lag bucket. learner(θ_old) is
-        this step's own log-prob for tokens of the current version, else the rollout worker's
-        `sampled_learner_logprobs` (the learner path run where θ_old was loaded), else computed
-        here from a kept version; tokens with none of the three are left out
-        (`mismatch/decomposed_frac` says how many were split), and so are tokens sampled over an
-        older version's keys/values (in-flight updates): no θ_old alone sampled those, so their
-        gap is reported apart (`mismatch/stale_cache_frac`, `mismatch/stale_cache_max_abs`:
-        |learner(θ of the token's version) − rollout|). For MoE models also the share of
-        sampled tokens routed to a different expert set by the learner at θ_old
-        (`mismatch/routing_flip_frac`, a kernel mismatch too)."""
-        stats: dict[str, float] = {}
-        stale = batch.stale_cache
-        mask = batch.mask.bool() & ~stale
-        lp_old = batch.sampled_learner_logprobs.clone()
-        now = mask & (batch.versions == self.version)  # this step's weights: already computed
-        lp_old[now] = learner_lp[now]
-        flips = routed = 0
-
-        def count_flips(sel, mine, rollout):
-            nonlocal flips, routed
-            have = sel & (rollout[..., 0, 0] >= 0)
-            a, b = mine[have].sort(-1).values, rollout[have].sort(-1).values
-            flips += int((a != b).flatten(1).any(1).sum())
-            routed += int(have.sum())
-
-        if learner_routing is not None and batch.routing is not None:
-            count_flips(now, learner_routing, batch.routing)
-        todo = mask & lp_old.isnan()
-        for v in batch.versions[todo].unique().tolist():
-            if v not in self.history:
-                continue  # neither scored by the worker nor kept here
-            rows = (todo & (batch.versions == v)).any(1).nonzero().flatten().tolist()
-            sub = batch.select(rows, validate=False)
-            width = sub.mask.shape[1]
-            if sub.routing is not None:
-                lp_v, route_v = self.logprobs(sub, version=v, routing=True)
-            else:
-                lp_v, route_v = self.logprobs(sub, version=v), None
-            sel = todo[rows][:, :width] & (sub.versions == v)
-            block = lp_old[rows][:, :width]
-            block[sel] = lp_v[sel]
-            lp_old[rows, :width] = block
-            if route_v is not None:
-                count_flips(sel, route_v, sub.routing)
-        covered = mask & ~lp_old.isnan()
-        kernel = (lp_old - batch.rollout_logprobs).masked_fill(~covered, 0.0)
-        lag_part = (learner_lp - lp_old).masked_fill(~covered, 0.0)
-        for v in batch.versions[covered].unique().tolist():
-            sel = covered & (batch.versions == v)
-            bucket = self.version - v
-            stats[f"mismatch/kernel_max_abs/lag_{bucket}"] = float(kernel[sel].abs().max())
-            stats[f"mismatch/weight_lag_mean_abs/lag_{bucket}"] = float(lag_part[sel].abs().mean())
-        self.last_kernel_delta = kernel.masked_fill(~covered, float("nan"))  # for the mechanism buckets
-        if stale.any():
-            stats["mismatch/stale_cache_frac"] = float(stale.sum() / batch.mask.sum())
-            have = stale & ~batch.sampled_learner_logprobs.isnan()
-            have_now = stale & (batch.versions == self.version)
-            gap = torch.where(have_now, learner_lp, batch.sampled_learner_logprobs) - batch.rollout_logprobs
-            if (have | have_now).any():
-                stats["mismatch/stale_cache_max_abs"] = float(gap[have | have_now].abs().max())
-        if covered.any():
-            stats["mismatch/kernel_max_abs"] = float(kernel[covered].abs().max())
-            stats["mismatch/kernel_mean_abs"] = float(kernel[covered].abs().mean())
-            d = kernel[covered].double()  # rollout-to-learner KL (k3) at the version that sampled
-            stats["mismatch/kernel_k3"] = float((torch.expm1(d) - d).mean())
-            stats["mismatch/weight_lag_max_abs"] = float(lag_part[covered].abs().max())
-            stats["mismatch/weight_lag_mean_abs"] = float(lag_part[covered].abs().mean())
-            stats["mismatch/decomposed_frac"] = float(covered.sum() / batch.mask.sum())
-        if routed:
-            stats["mismatch/routing_flip_frac"] = flips / routed
-        return stats
+        """The kernel/lag split of the gap at the pre-update log-probs `learner_lp` (`decompose.py`)."""
+        return decompose(self, batch, learner_lp, learner_routing)
 
     # ------------------------------------------------------------------ step
     def _accumulate(self) -> None:
@@ -259,9 +194,26 @@ class Learner:
             self.model.zero_grad(set_to_none=True)
             raise
 
-    def _step(self, batch: TrajectoryBatch, adv: torch.Tensor, t0: float) -> dict[str, float]:
+    def _forward(self, batch: TrajectoryBatch):
+        """The batch at the current weights without gradients, micro-batched as a step is: padded
+        log-probs, padded entropies and routing (None but for MoE)."""
+        cfg, lps, ents, routes = self.config, [], [], []
+        with torch.no_grad():
+            for idx in micro_batches([len(x) for x in batch.sequences], cfg.micro_batch_size,
+                                     cfg.micro_batch_tokens):
+                seqs = [batch.sequences[j] for j in idx]
+                lp, ent = sequence_logprobs(self.model, seqs, cfg.temperature, return_entropy=True,
+                                            head_chunk=cfg.head_rows(self.model.config.vocab_size))
+                lps, ents, routes = lps + lp, ents + ent, routes + (scored_routing(self.model, seqs) or [])
+        return batch.pad(lps), batch.pad(ents), pad_routing(batch, routes)
+
+    def _backward(self, batch: TrajectoryBatch, adv: torch.Tensor, prox_lp: torch.Tensor | None,
+                  ratios: dict, extra: dict):
+        """Forward and backward of one mini-batch over its micro-batches, the gradients summed
+        into the master weights; returns its loss and its (padded log-probs, entropies, routing).
+        The objective's stats are summed into `ratios`, penalties into `extra`."""
         cfg = self.config
-        lps, entropies, losses, routes, extra, ratios = [], [], [], [], {}, {}
+        lps, entropies, losses, routes = [], [], [], []
         aux_coef = cfg.router_aux_loss_coef if self.model.config.is_moe else 0.0
         for idx in micro_batches([len(x) for x in batch.sequences], cfg.micro_batch_size,
                                  cfg.micro_batch_tokens):
@@ -271,7 +223,11 @@ class Learner:
                                         recompute=cfg.activation_checkpointing)
             routes += scored_routing(self.model, sub.sequences) or []
             lp_pad = sub.pad(lp)
-            loss, stats = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config)
+            prox = {}
+            if cfg.loss in PROXIMAL_LOSSES:  # π_prox: the weights before this batch's first update
+                prox["prox_lp"] = None if prox_lp is None else prox_lp[idx][:, :lp_pad.shape[1]]
+            loss, stats = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config,
+                                       **prox)
             part, whole = micro_batch_share(cfg.loss_config, sub.mask, batch.mask)  # responses or tokens
             if self.reference is not None:  # β·KL(π ‖ π_ref) on this micro-batch's sampled tokens
                 ref_lp = self.reference.logprobs(sub, cfg)
@@ -292,47 +248,81 @@ class Learner:
             losses.append(float(loss.detach()) * part / whole)
             lps += [x.detach() for x in lp]
             entropies += ent
-        extra.update({k: num / den if den else 0.0 for k, (num, den) in ratios.items()})
-        learner_lp = batch.pad(lps)
-        learner_routing = pad_routing(batch, routes)
-        loss_value = sum(losses)
-        grads = [p.grad for p in self.master]
-        finite = math.isfinite(loss_value) and all(g is None or bool(torch.isfinite(g).all()) for g in grads)
-        metrics: dict[str, float] = {"train/loss": loss_value, "train/step": float(self.steps),
-                                     "train/lr": float(self.scheduler.get_last_lr()[0])}
-        if not finite:  # skip: the same weights are published again under the next version
-            self.optimizer.zero_grad(set_to_none=True)
-            self.model.zero_grad(set_to_none=True)
-            metrics["train/skipped_nonfinite"] = 1.0
-            self.last_dump = self._dump(batch)
-            self._advance_version()
-            metrics["train/policy_version"] = float(self.version)
-            return metrics
+        return sum(losses), (batch.pad(lps), batch.pad(entropies), pad_routing(batch, routes))
+
+    def _diagnostics(self, batch: TrajectoryBatch, before) -> dict[str, float]:
+        """What the step reports about the weights it starts from, `before` = their (log-probs,
+        entropies, routing): computed before any update, so whatever fails here leaves the
+        learner as it was."""
+        cfg, (learner_lp, entropies, routing) = self.config, before
+        metrics: dict[str, float] = {}
         if cfg.decompose_every and self.steps % cfg.decompose_every == 0:
-            metrics.update(self.decompose(batch, learner_lp, learner_routing))  # pre-update weights
-        grad_norm = clip_gradients(self.master, cfg.max_grad_norm)
-        metrics["train/grad_norm"] = float(grad_norm)  # before clipping
-        # diagnostics are about the weights that computed this step's loss (before the update),
-        # and computed before it: whatever fails here leaves the learner as it was
+            metrics.update(self.decompose(batch, learner_lp, routing))
         metrics.update(mismatch_stats(learner_lp, batch.rollout_logprobs, batch.mask))
         metrics.update(importance_weight_stats(learner_lp, batch.rollout_logprobs, batch.mask))
         if cfg.mechanism:
-            metrics.update(bucketed_stats(batch.rollout_logprobs, batch.mask,
-                                          self.last_kernel_delta, learner_lp))
+            metrics.update(bucketed_stats(batch.rollout_logprobs, batch.mask, self.last_kernel_delta,
+                                          learner_lp))
         metrics.update(lag_stats(batch.versions, batch.mask, self.version))
-        metrics.update(response_stats(batch.mask, batch.rewards, batch.pad(entropies)))
-        metrics.update(extra)
+        metrics.update(response_stats(batch.mask, batch.rewards, entropies))
         if not batch.included.all():  # responses the objective left out (engine errors)
             metrics["train/excluded_frac"] = float(1 - batch.included.float().mean())
-        self._update()
+        return metrics
+
+    def _step(self, batch: TrajectoryBatch, adv: torch.Tensor, t0: float) -> dict[str, float]:
+        cfg = self.config
+        chunks = [c.tolist() for c in torch.arange(len(batch)).tensor_split(cfg.mini_batches) if len(c)]
+        passes = [idx for _ in range(cfg.epochs) for idx in chunks]
+        metrics: dict[str, float] = {"train/step": float(self.steps),
+                                     "train/lr": float(self.scheduler.get_last_lr()[0])}
+        prox_lp = None
+        if len(passes) > 1:  # π_prox, and the diagnostics, at the weights before the first update
+            before = self._forward(batch)
+            prox_lp = before[0]
+            metrics.update(self._diagnostics(batch, before))
+        losses, norms, ratios, extra, skipped, updates = [], [], {}, {}, 0, 0
+        try:
+            for idx in passes:
+                whole = len(passes) == 1
+                sub = batch if whole else batch.select(idx, validate=False)
+                loss, after = self._backward(sub, adv if whole else adv[idx],
+                                             None if whole else prox_lp[idx], ratios, extra)
+                losses.append(loss)
+                grads = [p.grad for p in self.master if p.grad is not None]
+                if not (math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)):
+                    self.optimizer.zero_grad(set_to_none=True)  # skipped: these weights stay as they are
+                    self.model.zero_grad(set_to_none=True)
+                    skipped += 1
+                    continue
+                if whole:
+                    metrics.update(self._diagnostics(batch, after))
+                norms.append(float(clip_gradients(self.master, cfg.max_grad_norm)))  # before clipping
+                self._optimizer_step()
+                updates += 1
+            if skipped:  # the same weights are published again under the next version if all were
+                metrics["train/skipped_nonfinite"] = float(skipped)
+                self.last_dump = self._dump(batch)
+            self._advance_version()
+        except BaseException as exc:
+            if updates:  # the weights moved: a retry would apply those updates twice
+                self.torn = self.torn or _reason(exc)
+            raise
+        metrics["train/loss"] = sum(losses) / len(losses)
+        metrics.update({k: v / len(passes) for k, v in extra.items()})
+        metrics.update({k: num / den if den else 0.0 for k, (num, den) in ratios.items()})
+        if norms:
+            metrics["train/grad_norm"] = sum(norms) / len(norms)  # before clipping; mean over updates
+        if len(passes) > 1:
+            metrics["train/updates"] = float(updates)
+            if norms:
+                metrics["train/grad_norm_max"] = max(norms)
         metrics["train/policy_version"] = float(self.version)
         metrics["time/train_s"] = time.perf_counter() - t0
         return metrics
 
-    def _update(self) -> None:
-        """The optimizer step, the master weights' copy into the model and the new version: all
-        of it, or the learner is marked `torn` (a retry would have applied the update twice, and
-        published the old weights as the new version's)."""
+    def _optimizer_step(self) -> None:
+        """One optimizer step and the master weights' copy into the model: all of it, or the
+        learner is marked `torn` (a retry would have applied the update twice)."""
         try:
             self.optimizer.step()
             self._check_finite_weights()
@@ -343,9 +333,8 @@ class Learner:
                     for m, p in zip(self.master, self.model.parameters()):
                         p.copy_(m)
             self.model.invalidate_fused()  # (the fused optimizer leaves version counters as they were)
-            self._advance_version()
         except BaseException as exc:
-            self.torn = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}"
+            self.torn = _reason(exc)
             raise
 
     def _check_finite_weights(self) -> None:

@@ -201,6 +201,28 @@ def seq_gate(lp, rollout_lp, mask, adv, cfg: LossConfig):
     return _objective(w, mask, adv * gate.float(), cfg), {"loss/frac_rejected": rejected}
 
 
+def _surrogate(log_r, live, mask, adv, cfg: LossConfig):
+    """PPO's clipped surrogate per token, min(r A, clip(r, 1 − ε, 1 + ε_high) A) (with the dual
+    clip's floor), as f with term = f·A: f = r where the min takes r A (r from log r, 0 off the
+    sampled tokens), else the clipped constant, with no gradient. Returns f and the stats. (A is
+    left to `_objective`, so that where no clip binds the terms are REINFORCE Zero's bits.)"""
+    a = adv.unsqueeze(1)
+    with torch.no_grad():
+        r_all = torch.exp(log_r)
+        clipped = torch.clamp(r_all, 1 - cfg.ppo_eps, 1 + (cfg.ppo_eps_high or cfg.ppo_eps))
+        outside = r_all != clipped
+        binds = clipped * a < r_all * a  # the min takes the clipped term: no gradient
+        if cfg.ppo_dual_clip:  # the max with c·A takes the constant: no gradient either
+            floor = (a < 0) & (r_all > cfg.ppo_dual_clip)
+            clipped = torch.where(floor, torch.full_like(r_all, cfg.ppo_dual_clip), clipped)
+            binds = binds | floor
+    r = _weights(log_r, live & ~binds)
+    stats = {"loss/frac_clipped": _ratio((outside.float() * mask).sum(), mask)}
+    if cfg.ppo_dual_clip:
+        stats["loss/frac_dual_clipped"] = _ratio((floor.float() * mask).sum(), mask)
+    return torch.where(binds, clipped, r), stats
+
+
 def ppo_clip(lp, rollout_lp, mask, adv, cfg: LossConfig):
     """GRPO-style PPO clip on the ratio to the rollout policy:
     L = −(1/N) Σ_i (1/|y_i|) Σ_t min(w_it A_i, clip(w_it, 1 − ε, 1 + ε_high) A_i), ε_high =
@@ -209,23 +231,29 @@ def ppo_clip(lp, rollout_lp, mask, adv, cfg: LossConfig):
     With A < 0 the min is unbounded above unless `ppo_dual_clip` c is set: then a token with A < 0
     and w > c contributes c·A and no gradient (`loss/frac_dual_clipped`)."""
     log_w, live = _log_weights(lp, rollout_lp, mask, adv)
-    a = adv.unsqueeze(1)
-    with torch.no_grad():
-        w_all = torch.exp(log_w)
-        clipped = torch.clamp(w_all, 1 - cfg.ppo_eps, 1 + (cfg.ppo_eps_high or cfg.ppo_eps))
-        outside = w_all != clipped
-        binds = clipped * a < w_all * a  # the min takes the clipped term: no gradient
-        if cfg.ppo_dual_clip:  # the max with c·A takes the constant: no gradient either
-            floor = (a < 0) & (w_all > cfg.ppo_dual_clip)
-            clipped = torch.where(floor, torch.full_like(w_all, cfg.ppo_dual_clip), clipped)
-            binds = binds | floor
-    w = _weights(log_w, live & ~binds)
-    per_token = torch.where(binds, clipped * a, w * a)
-    stats = {"loss/frac_clipped": _ratio((outside.float() * mask).sum(), mask)}
-    if cfg.ppo_dual_clip:
-        stats["loss/frac_dual_clipped"] = _ratio((floor.float() * mask).sum(), mask)
-    ones = torch.ones_like(adv)
-    return _objective(per_token, mask, ones, cfg), stats
+    per_token, stats = _surrogate(log_w, live, mask, adv, cfg)
+    return _objective(per_token, mask, adv, cfg), stats
+
+
+def decoupled_ppo(lp, rollout_lp, mask, adv, cfg: LossConfig, prox_lp=None):
+    """AReaL's decoupled PPO: the clip is around a proximal policy π_prox (the learner's weights
+    before this batch's first update), the behaviour policy μ is corrected by a detached weight:
+    L = −(1/N) Σ_i (1/|y_i|) Σ_t sg(b_it) min(r_it A_i, clip(r_it, 1 − ε, 1 + ε_high) A_i), with
+    b = π_prox/μ and r = π/π_prox (`ppo_eps`, `ppo_eps_high`, `ppo_dual_clip` as in ppo_clip). With
+    `behav_cap` C > 0 a token whose b exceeds C is masked out (`loss/frac_behav_masked`).
+    `prox_lp` None: π_prox is π itself (one update per batch: r = 1, the clip never binds, and the
+    gradient is b·A·∇log π, REINFORCE Zero's)."""
+    prox = lp.detach() if prox_lp is None else prox_lp
+    log_b, live = _log_weights(prox, rollout_lp, mask, adv)
+    log_r = _masked(lp - prox, mask)
+    stats = {}
+    if cfg.behav_cap:
+        keep = torch.exp(log_b) <= cfg.behav_cap
+        stats["loss/frac_behav_masked"] = _ratio(((~keep).float() * mask).sum(), mask)
+        live = live & keep
+    per_token, clip_stats = _surrogate(log_r, live, mask, adv, cfg)
+    per_token = torch.where(live, _weights(log_b, live) * per_token, torch.zeros_like(per_token))
+    return _objective(per_token, mask, adv, cfg), {**clip_stats, **stats}
 
 
 def gspo(lp, rollout_lp, mask, adv, cfg: LossConfig):
@@ -260,7 +288,8 @@ def cispo(lp, rollout_lp, mask, adv, cfg: LossConfig):
 
 LOSSES: dict[str, Callable] = {
     "reinforce_zero": reinforce_zero, "tis": tis, "icepop": icepop, "mis": mis,
-    "seq_gate": seq_gate, "ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo, "on_policy": on_policy,
+    "seq_gate": seq_gate, "ppo_clip": ppo_clip, "decoupled_ppo": decoupled_ppo, "gspo": gspo, "cispo": cispo,
+    "on_policy": on_policy,
 }
 assert tuple(LOSSES) == LOSS_NAMES, "config.learner.LOSS_NAMES must list every objective"
 

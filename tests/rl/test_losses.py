@@ -174,11 +174,12 @@ def test_a_group_of_equal_rewards_has_exactly_zero_advantages():
 
 @pytest.mark.parametrize("name,cfg", [("reinforce_zero", {}), ("tis", {}), ("icepop", {}), ("mis", {}),
                                       ("mis", {"mis_level": "sequence"}), ("seq_gate", {}), ("ppo_clip", {}),
-                                      ("ppo_clip", {"ppo_dual_clip": 3.0}), ("gspo", {}), ("cispo", {})])
+                                      ("ppo_clip", {"ppo_dual_clip": 3.0}), ("gspo", {}), ("cispo", {}),
+                                      ("decoupled_ppo", {"behav_cap": 2.0})])
 def test_a_dropped_token_whose_weight_overflows_adds_exactly_nothing(name, cfg):
     """Token 0 was sampled at log-prob −95 (w = e^94: inf in float32). Each objective drops it
     (reinforce_zero: its response has advantage 0; icepop and mis mask, seq_gate and sequence-level
-    mis reject its response, ppo_clip and gspo clip)
+    mis reject its response, ppo_clip and gspo clip, decoupled_ppo's behav_cap masks)
     or caps it (tis: weight C, cispo: 1 + ε_high): the loss and gradient stay finite and that
     token's gradient is exactly 0 (tis: −C·A/(|y|·N)), instead of inf * 0 = NaN skipping the step."""
     lp = torch.tensor([[-1.0, -0.5, -1.0], [-0.2, -0.3, -0.4]], requires_grad=True)
@@ -208,7 +209,8 @@ def test_unknown_loss_and_bad_config():
         LossConfig(ppo_dual_clip=1.0)
     with pytest.raises(ConfigError, match="norm_tokens must be > 0 with aggregation 'constant'"):
         LossConfig(aggregation="constant")
-    with pytest.raises(ConfigError, match="ppo_std_adv applies to ppo_clip, gspo, cispo, not to loss 'tis'"):
+    with pytest.raises(ConfigError, match="ppo_std_adv applies to ppo_clip, decoupled_ppo, gspo, cispo, "
+                                          "not to loss 'tis'"):
         LearnerConfig(loss="tis", loss_config=LossConfig(ppo_std_adv=True))
     LearnerConfig(loss="cispo", loss_config=LossConfig(ppo_std_adv=True))
     with pytest.raises(ConfigError, match="gspo_eps_low must be > 0"):
@@ -328,3 +330,63 @@ def test_kl_penalty_to_the_reference(estimator):
     assert torch.equal(same, torch.zeros(()))
     far = kl_penalty(torch.full((1, 2), -200.0), torch.zeros(1, 2), torch.ones(1, 2), LossConfig(), estimator)
     assert math.isfinite(float(far))  # (k3: d = 200 clamped to 20, e^200 is inf in float32)
+
+
+PROX = [[-0.9, -0.8, -2.0], [-0.4, -1.5, 0.0]]
+
+
+def run_decoupled(prox, **cfg):
+    lp = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
+    f64 = dict(dtype=torch.float64)
+    loss, stats = get_loss("decoupled_ppo")(
+        lp, torch.tensor(RLP, **f64), torch.tensor(MASK, **f64), torch.tensor(ADV, **f64), LossConfig(**cfg),
+        prox_lp=None if prox is None else torch.tensor(prox, **f64))
+    loss.backward()
+    return float(loss.detach()), lp.grad.tolist(), stats
+
+
+def test_decoupled_ppo_clips_around_the_proximal_policy():
+    """AReaL's objective: sg(b)·min(r A, clip(r) A) with b = π_prox/μ and r = π/π_prox. The example
+    has a token whose r is clipped (no gradient) and one whose b is masked by behav_cap, and the
+    clip is around π_prox, not μ: ppo_clip on the same tokens gives another value (the control)."""
+    eps, cap = 0.2, 1.5
+    b = lambda i, t: math.exp(PROX[i][t] - RLP[i][t])  # noqa: E731
+    r = lambda i, t: math.exp(LP[i][t] - PROX[i][t])  # noqa: E731
+    value_h, grad_h, clipped_n, masked_n = 0.0, [[0.0] * 3 for _ in range(2)], 0, 0
+    for i in range(2):
+        for t in range(3):
+            if not MASK[i][t]:
+                continue
+            a, n = ADV[i], sum(MASK[i])
+            clipped = min(max(r(i, t), 1 - eps), 1 + eps)
+            clipped_n += clipped != r(i, t)
+            if b(i, t) > cap:
+                masked_n += 1
+                continue
+            term, slope = (r(i, t) * a, r(i, t) * a) if r(i, t) * a <= clipped * a else (clipped * a, 0.0)
+            value_h += -b(i, t) * term / n / N
+            grad_h[i][t] = -b(i, t) * slope / n / N
+    assert clipped_n > 0 and masked_n == 1  # both outcomes
+    value, grad, stats = run_decoupled(PROX, ppo_eps=eps, behav_cap=cap)
+    close(value, value_h)
+    grads_close(grad, grad_h)
+    assert frac(stats["loss/frac_clipped"]) == pytest.approx(clipped_n / 5)
+    assert frac(stats["loss/frac_behav_masked"]) == pytest.approx(1 / 5)
+    assert abs(run("ppo_clip", ppo_eps=eps)[0] - run_decoupled(PROX, ppo_eps=eps)[0]) > 1e-3
+
+
+def test_decoupled_ppo_with_one_update_per_batch_is_reinforce_zero():
+    """No proximal policy given (one update per batch: π_prox = π): r = 1, the clip never binds,
+    and value and gradient are REINFORCE Zero's, bit for bit in float32; a proximal policy other
+    than π changes the gradient (the control)."""
+    lp = torch.tensor(LP, requires_grad=True)
+    args = (torch.tensor(RLP), torch.tensor(MASK, dtype=torch.float32), torch.tensor(ADV), LossConfig())
+    out = {}
+    for name in ("reinforce_zero", "decoupled_ppo"):
+        lp.grad = None
+        loss, _ = get_loss(name)(lp, *args)
+        loss.backward()
+        out[name] = (loss.detach(), lp.grad.clone())
+    assert torch.equal(out["reinforce_zero"][0], out["decoupled_ppo"][0])
+    assert torch.equal(out["reinforce_zero"][1], out["decoupled_ppo"][1])
+    assert run_decoupled(None)[1] != run_decoupled(PROX)[1]

@@ -1,0 +1,91 @@
+"""The decomposition of the rollout-to-learner gap into kernel mismatch and weight lag.
+
+Per sampled token, learner(θ_now) − rollout(θ_old) = [learner(θ_old) − rollout(θ_old)] (kernel
+mismatch: the same weights and tokens on two code paths; exactly 0 on aligned kernels) +
+[learner(θ_now) − learner(θ_old)] (weight lag, which importance sampling corrects), with θ_old the
+weights that sampled the token. The learner calls `decompose` with its pre-update log-probs
+every `decompose_every` steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .trajectory import TrajectoryBatch
+
+
+def decompose(learner, batch: TrajectoryBatch, learner_lp: torch.Tensor,
+              learner_routing: torch.Tensor | None = None) -> dict[str, float]:
+    """Split learner(θ_now) − rollout(θ_old) per token into kernel mismatch
+    learner(θ_old) − rollout(θ_old) and weight lag learner(θ_now) − learner(θ_old), with θ_old
+    the weights that sampled the token; reported overall and per lag bucket. learner(θ_old) is
+    this step's own log-prob for tokens of the current version, else the rollout worker's
+    `sampled_learner_logprobs` (the learner path run where θ_old was loaded), else computed
+    here from a kept version; tokens with none of the three are left out
+    (`mismatch/decomposed_frac` says how many were split), and so are tokens sampled over an
+    older version's keys/values (in-flight updates): no θ_old alone sampled those, so their
+    gap is reported apart (`mismatch/stale_cache_frac`, `mismatch/stale_cache_max_abs`:
+    |learner(θ of the token's version) − rollout|). For MoE models also the share of
+    sampled tokens routed to a different expert set by the learner at θ_old
+    (`mismatch/routing_flip_frac`, a kernel mismatch too)."""
+    stats: dict[str, float] = {}
+    stale = batch.stale_cache
+    mask = batch.mask.bool() & ~stale
+    lp_old = batch.sampled_learner_logprobs.clone()
+    now = mask & (batch.versions == learner.version)  # this step's weights: already computed
+    lp_old[now] = learner_lp[now]
+    flips = routed = 0
+
+    def count_flips(sel, mine, rollout):
+        nonlocal flips, routed
+        have = sel & (rollout[..., 0, 0] >= 0)
+        a, b = mine[have].sort(-1).values, rollout[have].sort(-1).values
+        flips += int((a != b).flatten(1).any(1).sum())
+        routed += int(have.sum())
+
+    if learner_routing is not None and batch.routing is not None:
+        count_flips(now, learner_routing, batch.routing)
+    todo = mask & lp_old.isnan()
+    for v in batch.versions[todo].unique().tolist():
+        if v not in learner.history:
+            continue  # neither scored by the worker nor kept here
+        rows = (todo & (batch.versions == v)).any(1).nonzero().flatten().tolist()
+        sub = batch.select(rows, validate=False)
+        width = sub.mask.shape[1]
+        if sub.routing is not None:
+            lp_v, route_v = learner.logprobs(sub, version=v, routing=True)
+        else:
+            lp_v, route_v = learner.logprobs(sub, version=v), None
+        sel = todo[rows][:, :width] & (sub.versions == v)
+        block = lp_old[rows][:, :width]
+        block[sel] = lp_v[sel]
+        lp_old[rows, :width] = block
+        if route_v is not None:
+            count_flips(sel, route_v, sub.routing)
+    covered = mask & ~lp_old.isnan()
+    kernel = (lp_old - batch.rollout_logprobs).masked_fill(~covered, 0.0)
+    lag_part = (learner_lp - lp_old).masked_fill(~covered, 0.0)
+    for v in batch.versions[covered].unique().tolist():
+        sel = covered & (batch.versions == v)
+        bucket = learner.version - v
+        stats[f"mismatch/kernel_max_abs/lag_{bucket}"] = float(kernel[sel].abs().max())
+        stats[f"mismatch/weight_lag_mean_abs/lag_{bucket}"] = float(lag_part[sel].abs().mean())
+    learner.last_kernel_delta = kernel.masked_fill(~covered, float("nan"))  # for the mechanism buckets
+    if stale.any():
+        stats["mismatch/stale_cache_frac"] = float(stale.sum() / batch.mask.sum())
+        have = stale & ~batch.sampled_learner_logprobs.isnan()
+        have_now = stale & (batch.versions == learner.version)
+        gap = torch.where(have_now, learner_lp, batch.sampled_learner_logprobs) - batch.rollout_logprobs
+        if (have | have_now).any():
+            stats["mismatch/stale_cache_max_abs"] = float(gap[have | have_now].abs().max())
+    if covered.any():
+        stats["mismatch/kernel_max_abs"] = float(kernel[covered].abs().max())
+        stats["mismatch/kernel_mean_abs"] = float(kernel[covered].abs().mean())
+        d = kernel[covered].double()  # rollout-to-learner KL (k3) at the version that sampled
+        stats["mismatch/kernel_k3"] = float((torch.expm1(d) - d).mean())
+        stats["mismatch/weight_lag_max_abs"] = float(lag_part[covered].abs().max())
+        stats["mismatch/weight_lag_mean_abs"] = float(lag_part[covered].abs().mean())
+        stats["mismatch/decomposed_frac"] = float(covered.sum() / batch.mask.sum())
+    if routed:
+        stats["mismatch/routing_flip_frac"] = flips / routed
+    return stats

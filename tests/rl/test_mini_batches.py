@@ -1,0 +1,172 @@
+"""Several optimizer updates per batch (PPO's mini-batches and epochs) and AReaL's decoupled PPO
+around the proximal policy the batch started from: what an update does, what a batch publishes,
+and what a failure part-way leaves."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import parity
+from parity.config import load_config
+from parity.rl import Learner, LearnerConfig, TrajectoryBatch
+from parity.rl import learner as learner_module
+from parity.rl.controller import Controller
+
+from .test_controller import BASE
+from .test_learner import model, rollout
+
+SEED = 8
+
+
+def batch_of_four_groups():
+    return rollout(parity.Engine(model(seed=SEED), max_num_seqs=8), n_groups=4, group_size=3, seed=SEED)
+
+
+def learner(**cfg):
+    base = dict(lr=1e-2, micro_batch_size=4, decompose_every=0, max_policy_lag=8)
+    return Learner(model(seed=SEED), LearnerConfig(**{**base, **cfg}))
+
+
+@pytest.mark.parametrize("mini_batches, epochs", [(2, 1), (1, 2), (2, 2)])
+def test_a_batch_cut_into_mini_batches_trains_as_that_many_batches_would(mini_batches, epochs):
+    """mini_batches × epochs AdamW steps on one batch leave the weights, bit for bit, where that
+    many one-update steps on the mini-batches in turn leave them (each mini-batch two whole groups,
+    so their advantages agree), yet publish one version and step the schedule once. The control:
+    one update on the whole batch lands elsewhere."""
+    batch = batch_of_four_groups()
+    halves = [list(range(6)), list(range(6, 12))] if mini_batches == 2 else [list(range(12))]
+    many = learner(mini_batches=mini_batches, epochs=epochs)
+    metrics = many.step(batch)
+    assert metrics["train/updates"] == mini_batches * epochs and many.version == 1
+    assert many.scheduler.last_epoch == 1
+    assert all(s["step"] == mini_batches * epochs for s in many.optimizer.state.values())
+    assert metrics["train/grad_norm_max"] >= metrics["train/grad_norm"] > 0
+    one_each = learner()
+    for _ in range(epochs):
+        for idx in halves:
+            one_each.step(batch.select(idx))
+    assert all(torch.equal(a, b) for a, b in zip(many.master, one_each.master))
+    once = learner()
+    once.step(batch)
+    assert not all(torch.equal(a, b) for a, b in zip(many.master, once.master))
+    assert "train/updates" not in once.step(batch)  # one update per batch reports as before
+
+
+def test_decoupled_ppo_takes_its_first_update_as_reinforce_zero_and_clips_around_the_start_after():
+    """π_prox is the learner before the batch's first update, scored without gradients: on aligned
+    kernels it is the first update's own log-probs bit for bit, so r = 1 there and that update is
+    REINFORCE Zero's exactly (with one update per batch, every update is). Later updates clip
+    r = π/π_prox, which REINFORCE Zero never does (the control: the weights part after update 1).
+    (The standard kernels' control for batch-composition invariance is in tests/parity/test_bitwise.py.)"""
+    batch = batch_of_four_groups()
+    seen = {}
+    real = Learner._optimizer_step
+
+    def record(self):
+        real(self)
+        seen.setdefault(self.config.loss, []).append([m.detach().clone() for m in self.master])
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Learner, "_optimizer_step", record)
+    try:
+        decoupled = learner(loss="decoupled_ppo", mini_batches=2, epochs=2, lr=5e-2)
+        metrics = decoupled.step(batch)
+        learner(loss="reinforce_zero", mini_batches=2, epochs=2, lr=5e-2).step(batch)
+    finally:
+        mp.undo()
+    first = zip(seen["decoupled_ppo"][0], seen["reinforce_zero"][0])
+    assert all(torch.equal(a, b) for a, b in first)
+    assert not all(torch.equal(a, b) for a, b in zip(seen["decoupled_ppo"][-1], seen["reinforce_zero"][-1]))
+    assert metrics["loss/frac_clipped"] > 0
+    assert metrics["mismatch/max_abs"] == 0.0  # reported at the weights the batch started from
+    one = {name: learner(loss=name) for name in ("decoupled_ppo", "reinforce_zero")}
+    for x in one.values():
+        x.step(batch)
+    assert all(torch.equal(a, b) for a, b in zip(one["decoupled_ppo"].master, one["reinforce_zero"].master))
+
+
+def test_a_mini_batch_whose_loss_overflows_skips_only_its_own_update(tmp_path):
+    """A response whose rollout log-prob is −200 on a live token makes its mini-batch's loss inf
+    under REINFORCE Zero: that update is skipped and the batch saved; the other mini-batch's
+    update lands and the version advances once."""
+    batch = batch_of_four_groups()
+    bad = batch.trajectories[7]  # (group 2: its advantage is not 0)
+    lps = list(bad.rollout_logprobs)
+    lps[next(i for i, m in enumerate(bad.loss_mask) if m)] = -200.0
+    trajectories = list(batch.trajectories)
+    trajectories[7] = dataclasses.replace(bad, rollout_logprobs=lps)
+    batch = TrajectoryBatch(trajectories)
+    x = learner(mini_batches=2, dump_dir=str(tmp_path))
+    before = [m.detach().clone() for m in x.master]
+    metrics = x.step(batch)
+    assert metrics["train/skipped_nonfinite"] == 1.0 and metrics["train/updates"] == 1.0
+    assert not math.isfinite(metrics["train/loss"])
+    assert x.version == 1 and x.last_dump and torch.load(x.last_dump)
+    assert not all(torch.equal(a, b) for a, b in zip(before, x.master))
+    assert all(s["step"] == 1 for s in x.optimizer.state.values())
+
+
+def test_a_failure_before_the_first_update_changes_nothing_and_after_it_tears_the_learner(monkeypatch):
+    """A failure in the proximal forward or the diagnostics leaves the learner as it was (the retry
+    matches an unfailed step bit for bit); one after the first of several updates has moved the
+    weights, so the learner is torn and refuses to go on."""
+    batch = batch_of_four_groups()
+    clean, failed = learner(mini_batches=2), learner(mini_batches=2)
+    clean.step(batch)
+    real_stats, calls = learner_module.response_stats, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("injected")
+        return real_stats(*args)
+
+    monkeypatch.setattr(learner_module, "response_stats", flaky)
+    with pytest.raises(MemoryError):
+        failed.step(batch)
+    assert failed.torn is None and failed.version == 0
+    failed.step(batch)
+    assert all(torch.equal(a, b) for a, b in zip(failed.master, clean.master))
+    real_backward, passes = Learner._backward, []
+
+    def second_fails(self, *args):
+        passes.append(1)
+        if len(passes) == 2:
+            raise MemoryError("second mini-batch")
+        return real_backward(self, *args)
+
+    monkeypatch.setattr(Learner, "_backward", second_fails)
+    with pytest.raises(MemoryError):
+        failed.step(batch)
+    assert failed.torn == "MemoryError: second mini-batch" and failed.version == 1
+    with pytest.raises(parity.ParityError, match="failed part-way"):
+        failed.publish()
+
+
+def test_an_async_run_with_several_updates_per_batch_keeps_its_lag_bound_and_exact_kernels(tmp_path):
+    """The trainer end to end with decoupled_ppo, 2 mini-batches and 2 epochs at lag 1: every step
+    makes 4 updates and publishes one version, the lag bound holds and the kernel mismatch at the
+    version that sampled each token is exactly 0."""
+    cfg = load_config(None, BASE + [f"run_dir=\"{tmp_path}\"", "steps=4", "max_policy_lag=1",
+                                    "learner.loss=\"decoupled_ppo\"", "learner.mini_batches=2",
+                                    "learner.epochs=2"])
+    metrics = Controller(cfg).run()
+    assert [m["step"] for m in metrics] == list(range(4))
+    assert all(m["train/updates"] == 4 and m["lag/max"] <= 1 for m in metrics)
+    assert all(m["mismatch/kernel_max_abs"] == 0.0 for m in metrics)
+    assert metrics[-1]["train/policy_version"] == 4
+
+
+def test_bad_mini_batch_settings_are_one_line_errors(tmp_path):
+    message = r"learner.mini_batches \(5\) must be at most the responses of a batch \(.* = 4\)"
+    with pytest.raises(parity.ConfigError, match=message):
+        load_config(None, BASE + [f"run_dir=\"{tmp_path}\"", "learner.mini_batches=5"])
+    for field in ("mini_batches", "epochs"):
+        with pytest.raises(parity.ConfigError, match=f"LearnerConfig.{field} must be >= 1, got 0"):
+            LearnerConfig(**{field: 0})
+    with pytest.raises(parity.ConfigError, match=r"behav_cap must be 0 \(no cap\) or > 1, got 0.5"):
+        parity.rl.LossConfig(behav_cap=0.5)
