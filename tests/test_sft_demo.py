@@ -140,9 +140,11 @@ def test_cli_demo_runs_end_to_end(base, tmp_path, capsys, monkeypatch):
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity: error:")]
     assert len(err) == 1 and "holds checkpoint-5 of another command's run" in err[0] and "--run-dir" in err[0]
     assert (other / "checkpoint-5").is_dir()
-    for run_dir, extra in ((run, []), (other, ["--overwrite"])):
+    several = ["--set", "learner.loss=\"decoupled_ppo\"", "--set", "learner.mini_batches=2"]
+    for run_dir, extra in ((run, []), (other, ["--overwrite", *several])):
         assert main(["demo", "--run-dir", str(run_dir), *small, *extra]) == 0, capsys.readouterr().err
         assert [p.name for p in sorted(run_dir.glob("checkpoint-*"))] == ["checkpoint-1"]
+    assert "async decoupled_ppo, 2 updates per batch" in capsys.readouterr().out  # (the demo names it)
     # also in the default run dir (runs/demo): a `parity train` run there was deleted unasked
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "demo" / "checkpoint-5").mkdir(parents=True)

@@ -120,9 +120,11 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
 
 def objective_name(cfg) -> str:
     """The objective as the demo names it ('REINFORCE Zero', or `--set learner.loss=...`'s name),
-    with its KL penalty when `learner.kl_coef` is set."""
+    with its KL penalty when `learner.kl_coef` is set and its updates per batch when more than one."""
     loss, beta = cfg.learner.loss, cfg.learner.kl_coef
-    return ("REINFORCE Zero" if loss == "reinforce_zero" else loss) + (f" + {beta:g}·KL" if beta else "")
+    updates = cfg.learner.mini_batches * cfg.learner.epochs
+    return ("REINFORCE Zero" if loss == "reinforce_zero" else loss) + (f" + {beta:g}·KL" if beta else "") + \
+        (f", {updates} updates per batch" if updates > 1 else "")
 
 
 def main(args) -> int:
