@@ -24,6 +24,19 @@ def model(kernels="aligned", dtype=torch.float32, seed=0, preset="tiny"):
     return m.to(dtype)
 
 
+def fail_on_call(monkeypatch, owner, name: str, n: int, error: BaseException) -> None:
+    """`owner.name` raises `error` on its n-th call and works as before on every other."""
+    real, calls = getattr(owner, name), []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, flaky)
+
+
 def rollout(engine, n_groups=3, group_size=4, max_tokens=12, seed=0):
     """Sample groups of responses; reward: fraction of even tokens (something to learn)."""
     prompts, params = [], []
@@ -429,16 +442,7 @@ def test_a_step_that_fails_before_the_update_changes_nothing_and_one_during_it_i
     cfg = LearnerConfig(lr=1e-2, decompose_every=0, compute_dtype="auto")
     clean, failed = Learner(model(dtype=dtype, seed=5), cfg), Learner(model(dtype=dtype, seed=5), cfg)
     clean.step(batch)
-    real = learner_module.response_stats
-    calls = []
-
-    def flaky(*args):
-        calls.append(1)
-        if len(calls) == 1:
-            raise MemoryError("injected")
-        return real(*args)
-
-    monkeypatch.setattr(learner_module, "response_stats", flaky)
+    fail_on_call(monkeypatch, learner_module, "response_stats", 1, MemoryError("injected"))
     with pytest.raises(MemoryError):
         failed.step(batch)
     assert failed.version == 0 and failed.torn is None

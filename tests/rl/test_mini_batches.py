@@ -17,7 +17,7 @@ from parity.rl import learner as learner_module
 from parity.rl.controller import Controller
 
 from .test_controller import BASE
-from .test_learner import model, rollout
+from .test_learner import fail_on_call, model, rollout
 
 SEED = 8
 
@@ -56,7 +56,8 @@ def test_a_batch_cut_into_mini_batches_trains_as_that_many_batches_would(mini_ba
     assert "train/updates" not in once.step(batch)  # one update per batch reports as before
 
 
-def test_decoupled_ppo_takes_its_first_update_as_reinforce_zero_and_clips_around_the_start_after():
+def test_decoupled_ppo_takes_its_first_update_as_reinforce_zero_and_clips_around_the_start_after(
+        monkeypatch):
     """π_prox is the learner before the batch's first update, scored without gradients: on aligned
     kernels it is the first update's own log-probs bit for bit, so r = 1 there and that update is
     REINFORCE Zero's exactly (with one update per batch, every update is). Later updates clip
@@ -70,14 +71,9 @@ def test_decoupled_ppo_takes_its_first_update_as_reinforce_zero_and_clips_around
         real(self)
         seen.setdefault(self.config.loss, []).append([m.detach().clone() for m in self.master])
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(Learner, "_optimizer_step", record)
-    try:
-        decoupled = learner(loss="decoupled_ppo", mini_batches=2, epochs=2, lr=5e-2)
-        metrics = decoupled.step(batch)
-        learner(loss="reinforce_zero", mini_batches=2, epochs=2, lr=5e-2).step(batch)
-    finally:
-        mp.undo()
+    monkeypatch.setattr(Learner, "_optimizer_step", record)
+    metrics = learner(loss="decoupled_ppo", mini_batches=2, epochs=2, lr=5e-2).step(batch)
+    learner(loss="reinforce_zero", mini_batches=2, epochs=2, lr=5e-2).step(batch)
     first = zip(seen["decoupled_ppo"][0], seen["reinforce_zero"][0])
     assert all(torch.equal(a, b) for a, b in first)
     assert not all(torch.equal(a, b) for a, b in zip(seen["decoupled_ppo"][-1], seen["reinforce_zero"][-1]))
@@ -117,29 +113,13 @@ def test_a_failure_before_the_first_update_changes_nothing_and_after_it_tears_th
     batch = batch_of_four_groups()
     clean, failed = learner(mini_batches=2), learner(mini_batches=2)
     clean.step(batch)
-    real_stats, calls = learner_module.response_stats, []
-
-    def flaky(*args):
-        calls.append(1)
-        if len(calls) == 1:
-            raise MemoryError("injected")
-        return real_stats(*args)
-
-    monkeypatch.setattr(learner_module, "response_stats", flaky)
+    fail_on_call(monkeypatch, learner_module, "response_stats", 1, MemoryError("injected"))
     with pytest.raises(MemoryError):
         failed.step(batch)
     assert failed.torn is None and failed.version == 0
     failed.step(batch)
     assert all(torch.equal(a, b) for a, b in zip(failed.master, clean.master))
-    real_backward, passes = Learner._backward, []
-
-    def second_fails(self, *args):
-        passes.append(1)
-        if len(passes) == 2:
-            raise MemoryError("second mini-batch")
-        return real_backward(self, *args)
-
-    monkeypatch.setattr(Learner, "_backward", second_fails)
+    fail_on_call(monkeypatch, Learner, "_backward", 2, MemoryError("second mini-batch"))
     with pytest.raises(MemoryError):
         failed.step(batch)
     assert failed.torn == "MemoryError: second mini-batch" and failed.version == 1
