@@ -140,17 +140,22 @@ class Learner:
         """Learner log-probs [B, L] (no grad) under the weights of `version` (default current);
         with `routing`, also the experts of every scored position [B, L, moe layers, k] (MoE)."""
         model = self._model_at(self.version if version is None else version)
-        mb = micro_batch_size or self.config.micro_batch_size
-        out, routes = [], []
-        all_seqs = batch.sequences
+        lp, _, routes = self._score(model, batch, micro_batch_size or self.config.micro_batch_size, False)
+        return (lp, routes) if routing else lp
+
+    def _score(self, model, batch: TrajectoryBatch, micro_batch_size: int, entropy: bool):
+        """`batch` under `model` without gradients, micro-batched: padded log-probs, padded
+        entropies (with `entropy`, else None) and routing (None but for MoE)."""
+        cfg, lps, ents, routes, all_seqs = self.config, [], [], [], batch.sequences
         with torch.no_grad():
-            for idx in micro_batches([len(x) for x in all_seqs], mb, self.config.micro_batch_tokens):
+            for idx in micro_batches([len(x) for x in all_seqs], micro_batch_size, cfg.micro_batch_tokens):
                 seqs = [all_seqs[j] for j in idx]
-                out += sequence_logprobs(model, seqs, self.config.temperature,
-                                         head_chunk=self.config.head_rows(model.config.vocab_size))
+                out = sequence_logprobs(model, seqs, cfg.temperature, return_entropy=entropy,
+                                        head_chunk=cfg.head_rows(model.config.vocab_size))
+                lps += out[0] if entropy else out
+                ents += out[1] if entropy else []
                 routes += scored_routing(model, seqs) or []
-        lp = batch.pad(out)
-        return (lp, pad_routing(batch, routes)) if routing else lp
+        return batch.pad(lps), batch.pad(ents) if entropy else None, pad_routing(batch, routes)
 
     def decompose(self, batch: TrajectoryBatch, learner_lp: torch.Tensor,
                   learner_routing: torch.Tensor | None = None) -> dict[str, float]:
@@ -193,19 +198,6 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)  # (nothing half-accumulated reaches a later step)
             self.model.zero_grad(set_to_none=True)
             raise
-
-    def _forward(self, batch: TrajectoryBatch):
-        """The batch at the current weights without gradients, micro-batched as a step is: padded
-        log-probs, padded entropies and routing (None but for MoE)."""
-        cfg, lps, ents, routes = self.config, [], [], []
-        with torch.no_grad():
-            for idx in micro_batches([len(x) for x in batch.sequences], cfg.micro_batch_size,
-                                     cfg.micro_batch_tokens):
-                seqs = [batch.sequences[j] for j in idx]
-                lp, ent = sequence_logprobs(self.model, seqs, cfg.temperature, return_entropy=True,
-                                            head_chunk=cfg.head_rows(self.model.config.vocab_size))
-                lps, ents, routes = lps + lp, ents + ent, routes + (scored_routing(self.model, seqs) or [])
-        return batch.pad(lps), batch.pad(ents), pad_routing(batch, routes)
 
     def _backward(self, batch: TrajectoryBatch, adv: torch.Tensor, prox_lp: torch.Tensor | None,
                   ratios: dict, extra: dict):
@@ -277,7 +269,7 @@ class Learner:
                                      "train/lr": float(self.scheduler.get_last_lr()[0])}
         prox_lp = None
         if len(passes) > 1:  # π_prox, and the diagnostics, at the weights before the first update
-            before = self._forward(batch)
+            before = self._score(self.model, batch, cfg.micro_batch_size, True)
             prox_lp = before[0]
             metrics.update(self._diagnostics(batch, before))
         losses, norms, ratios, extra, skipped, updates = [], [], {}, {}, 0, 0
