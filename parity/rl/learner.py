@@ -2,7 +2,9 @@
 
 One `step(batch)`: learner log-probs by `sequence_logprobs` over micro-batches (gradients
 accumulated), the loss, the gradient norm before clipping, clipping, AdamW with a warm-up
-schedule, then a new `policy_version` published in the dtype the engine computes in. With
+schedule (once per mini-batch and epoch when `mini_batches` × `epochs` > 1, after a no-grad pass
+that scores the batch at the weights it starts from), then a new `policy_version` published in
+the dtype the engine computes in. With
 `compute_dtype = "bfloat16"` the model runs in bfloat16 while float32 master weights take the
 optimizer step. The decomposition of the rollout-to-learner gap into kernel mismatch and weight
 lag needs the learner path at the weights that sampled each token: the rollout worker computes it
@@ -179,8 +181,9 @@ class Learner:
                     p.grad = None
 
     def step(self, batch: TrajectoryBatch) -> dict[str, float]:
-        """One optimizer step on `batch`; returns its metrics. A NaN/inf loss or gradient skips
-        the update (weights untouched), saves the batch to `dump_dir`, and says so."""
+        """One optimizer step on `batch` (`mini_batches` × `epochs` of them, one per mini-batch)
+        and one new version; returns its metrics. A NaN/inf loss or gradient skips its update
+        (weights untouched), saves the batch to `dump_dir`, and says so."""
         if not isinstance(batch, TrajectoryBatch):  # (a list of Trajectory was an AttributeError)
             raise InputError(f"Learner.step takes a TrajectoryBatch, got {type(batch).__name__}")
         batch.check_versions(self.version, self.config.max_policy_lag)
@@ -273,9 +276,9 @@ class Learner:
             prox_lp = before[0]
             metrics.update(self._diagnostics(batch, before))
         losses, norms, ratios, extra, skipped, updates = [], [], {}, {}, 0, 0
+        whole = len(passes) == 1
         try:
             for idx in passes:
-                whole = len(passes) == 1
                 sub = batch if whole else batch.select(idx, validate=False)
                 loss, after = self._backward(sub, adv if whole else adv[idx],
                                              None if whole else prox_lp[idx], ratios, extra)
