@@ -228,6 +228,10 @@ def test_study_runs_at_the_base_policies_level_and_math_uses_base_math(tmp_path)
     assert cells["fixed-64-dapo"].learner.loss_config.ppo_eps_high == 0.28
     assert cells["fixed-64-dapo"].learner.loss_config.aggregation == "token"
     assert cells["fixed-64-gspo"].learner.loss_config.aggregation == "response"
+    study = load_study("configs/study_updates.toml")  # several updates per batch
+    cells = {run.name: run_config(study, run, 0) for run in study.runs}
+    assert [(c.learner.loss, c.learner.mini_batches) for c in cells.values()] == \
+        [("reinforce_zero", 4), ("decoupled_ppo", 4)]
 
 
 @pytest.mark.parametrize("text, message", [
