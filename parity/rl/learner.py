@@ -205,8 +205,11 @@ class Learner:
     def _backward(self, batch: TrajectoryBatch, adv: torch.Tensor, prox_lp: torch.Tensor | None,
                   ratios: dict, extra: dict):
         """Forward and backward of one mini-batch over its micro-batches, the gradients summed
-        into the master weights; returns its loss and its (padded log-probs, entropies, routing).
-        The objective's stats are summed into `ratios`, penalties into `extra`."""
+        into the master weights; returns its loss and, when it is the whole batch's one update
+        (`prox_lp` None), its (padded log-probs, entropies, routing) for the diagnostics (else None:
+        the proximal pass gave them). The objective's stats are summed into `ratios`, penalties
+        into `extra`."""
+        keep = prox_lp is None
         cfg = self.config
         lps, entropies, losses, routes = [], [], [], []
         aux_coef = cfg.router_aux_loss_coef if self.model.config.is_moe else 0.0
@@ -216,7 +219,8 @@ class Learner:
             lp, ent = sequence_logprobs(self.model, sub.sequences, cfg.temperature, return_entropy=True,
                                         head_chunk=cfg.head_rows(self.model.config.vocab_size),
                                         recompute=cfg.activation_checkpointing)
-            routes += scored_routing(self.model, sub.sequences) or []
+            if keep:
+                routes += scored_routing(self.model, sub.sequences) or []
             lp_pad = sub.pad(lp)
             prox = {}
             if cfg.loss in PROXIMAL_LOSSES:  # π_prox: the weights before this batch's first update
@@ -241,9 +245,11 @@ class Learner:
             (loss * (part / whole)).backward()
             self._accumulate()
             losses.append(float(loss.detach()) * part / whole)
-            lps += [x.detach() for x in lp]
-            entropies += ent
-        return sum(losses), (batch.pad(lps), batch.pad(entropies), pad_routing(batch, routes))
+            if keep:
+                lps += [x.detach() for x in lp]
+                entropies += ent
+        after = (batch.pad(lps), batch.pad(entropies), pad_routing(batch, routes)) if keep else None
+        return sum(losses), after
 
     def _diagnostics(self, batch: TrajectoryBatch, before) -> dict[str, float]:
         """What the step reports about the weights it starts from, `before` = their (log-probs,
