@@ -15,7 +15,7 @@ One decoder definition serves every family; they differ in a few switches:
 | gemma3_text| yes      | no         | GeGLU (tanh GELU)   | local / global bases  |
 | olmo2      | whole q/k| no         | SwiGLU              | default               |
 | olmo3      | whole q/k| no         | SwiGLU              | sliding layers unscaled |
-| phi3       | no       | no         | SwiGLU              | default               |
+| phi3       | no       | no         | SwiGLU              | longrope, partial     |
 | smollm3    | no       | no         | SwiGLU              | none on NoPE layers   |
 
 Gemma 3 (text: Gemma3ForCausalLM, the 270M and 1B checkpoints) also scales its embeddings by
@@ -34,7 +34,9 @@ logits: c * tanh(x / c) (`attn_logit_softcapping`, `final_logit_softcapping`).
 SmolLM3 rotates only the layers `no_rope_layers` marks 1 (every fourth layer has no position
 encoding at all: NoPE); when it slides, the NoPE layers do.
 
-Any family may scale RoPE (`linear`, `llama3` or `yarn`: `rope.py`), as transformers allows.
+Any family but Phi-3 may scale RoPE (`linear`, `llama3` or `yarn`: `rope.py`), as transformers
+allows; Phi-3 scales by `longrope` alone, and may rotate only part of each head
+(`partial_rotary_factor`, Phi-4-mini).
 
 Reading a Hugging Face `config.json` (and refusing what parity does not honour) is
 `families.config_from_hf`; writing one is `families.config_to_hf`.
@@ -86,6 +88,9 @@ class ModelConfig:
     """Epsilon inside every RMSNorm."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
+    partial_rotary_factor: float = 1.0
+    """phi3 (Phi-4-mini: 0.75): the share of each head's dimensions RoPE rotates, the first
+    int(head_dim * factor); the rest pass through (`rope.py`). 1: every dimension."""
     tie_word_embeddings: bool = True
     """Share the input embedding matrix with the LM head."""
     bos_token_id: int | None = None
@@ -98,10 +103,12 @@ class ModelConfig:
     attention_bias: bool = False
     """q/k/v projections have biases (always for qwen2; qwen2_moe's `qkv_bias`; unsupported elsewhere)."""
     rope_scaling: dict[str, Any] | None = None
-    """RoPE frequency scaling, HF names: None, or {"rope_type": "linear" | "llama3" | "yarn", "factor",
-    ...} with the fields `rope.py` lists (llama3: low/high_freq_factor and
+    """RoPE frequency scaling, HF names: None, or {"rope_type": "linear" | "llama3" | "yarn" |
+    "longrope", "factor", ...} with the fields `rope.py` lists (llama3: low/high_freq_factor and
     original_max_position_embeddings; yarn: original_max_position_embeddings, optional
-    attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate)."""
+    attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate; longrope, phi3
+    only: short_factor and long_factor, one per rotated pair, original_max_position_embeddings,
+    optional factor and attention_factor)."""
     sliding_window: int | None = None
     """The attention window of the sliding layers (HF `sliding_window`): a query there attends to its
     last `sliding_window` positions, itself included. None: every layer attends to the whole prefix."""
@@ -195,10 +202,26 @@ class ModelConfig:
             self.attention_bias = True  # Qwen2's q/k/v projections always carry biases
         check_windows(self)
         check_family_fields(self)
-        self.rope_scaling = check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
-        if self.model_type == "phi3" and self.rope_scaling is not None:  # (transformers' refuses them)
-            raise ConfigError(f"ModelConfig.rope_scaling {self.rope_scaling['rope_type']!r} is not supported "
-                              "for phi3: transformers' Phi-3 scales by longrope alone, which parity refuses")
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ConfigError(f"ModelConfig.partial_rotary_factor must be in (0, 1], got {f!r}")
+        if f != 1 and self.model_type != "phi3":
+            raise ConfigError(f"ModelConfig.partial_rotary_factor {f!r} is not supported for "
+                              f"{self.model_type}: transformers rotates every head dimension there "
+                              "(Phi-3's code alone rotates part)")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ConfigError(f"ModelConfig.partial_rotary_factor {f!r} rotates {self.rotary_dim} of "
+                              f"head_dim={self.head_dim} dimensions: that must be even and at least 2")
+        rs = self.rope_scaling
+        kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
+        if self.model_type == "phi3" and kind not in (None, "longrope"):  # (transformers' refuses them)
+            raise ConfigError(f"ModelConfig.rope_scaling {kind!r} is not supported for phi3: transformers' "
+                              "Phi-3 scales by longrope alone")
+        if kind == "longrope" and self.model_type != "phi3":
+            raise ConfigError(f"ModelConfig.rope_scaling 'longrope' is not supported for {self.model_type}: "
+                              "parity honours longrope on phi3 (Phi-3 128k, Phi-3.5, Phi-4-mini), where "
+                              "transformers 4 and 5 read it alike")
+        self.rope_scaling = check_rope_scaling(rs, self.max_position_embeddings, self.rotary_dim // 2)
         check_moe(self)
 
     # ------------------------------------------------------------------ family switches
@@ -260,6 +283,11 @@ class ModelConfig:
         return window if self.layer_window_type(layer) == "sliding_attention" else 0
 
     # ------------------------------------------------------------------ derived
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions RoPE rotates (transformers' int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     @property
     def eos_token_ids(self) -> list[int]:
         """Every end-of-sequence id (the engine stops on any)."""

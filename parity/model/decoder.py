@@ -2,8 +2,9 @@
 
 Qwen3 (q/k norm), Qwen3-MoE (q/k norm, mixture-of-experts blocks, `moe.py`), Qwen2 (q/k/v biases),
 Qwen2-MoE, Llama 3, Mistral and Mixtral differ only in the switches of their `ModelConfig`; RoPE and
-its scalings (llama3, YaRN, linear) are fixed tables from `rope.py`. Parameter names are Hugging
-Face's (`model.layers.0.self_attn.q_proj.weight`, ...; MoE experts stacked as in transformers 5).
+its scalings (llama3, YaRN, linear, longrope; partial rotary) are fixed tables from `rope.py`.
+Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...; MoE experts
+stacked as in transformers 5).
 Every reduction goes through the `Kernels` bundle chosen at construction (`aligned` or `standard`);
 the model code does not know which one it runs on. A forward also leaves each MoE layer's routing
 behind (`last_routing`, `last_router_logits`) for the engine to record and the learner to compare.
@@ -84,7 +85,8 @@ class Model(nn.Module):
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         # RoPE tables in float32 (plain attributes, so `.to(dtype)` leaves them alone)
         self.rope_cos, self.rope_sin = rope_tables(config.head_dim, config.rope_theta,
-                                                   config.max_position_embeddings, config.rope_scaling)
+                                                   config.max_position_embeddings, config.rope_scaling,
+                                                   config.rotary_dim)
         self.local_rope = None  # Gemma's and OLMo 3's sliding layers: their own base, never scaled
         if any(config.local_rope(i) for i in range(config.num_hidden_layers)):
             self.local_rope = rope_tables(config.head_dim, config.rope_local_base_freq,

@@ -14,12 +14,11 @@ Tensor names between checkpoint files and the model are `tensor_names.py`'s.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from . import hybrid
+from . import hf_rope, hybrid
 from .config import MODEL_TYPES, ModelConfig
 from .config_checks import LAYER_TYPES
 
@@ -28,7 +27,6 @@ ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Gemma3ForCausalLM": "gemma3_text", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                  "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "SmolLM3ForCausalLM": "smollm3"}
-log = logging.getLogger(__name__)
 
 _DEFAULTS: dict[str, dict[str, Any]] = {  # transformers' defaults for fields a config.json leaves out
     "qwen3": dict(max_position_embeddings=32768, num_key_value_heads=32),
@@ -117,59 +115,6 @@ def _check_types(data: dict, where: str) -> None:
         raise ConfigError(f"{where}: rope_parameters must be an object, got {data['rope_parameters']!r}")
 
 
-def _number(value, what: str, where: str):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ConfigError(f"{where}: {what} must be a number, got {value!r}")
-    return value
-
-
-def _rope(data: dict, where: str, default_theta: float) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) as transformers reads them from either layout: 4.x
-    (`rope_theta`, `rope_scaling`) or 5.x (`rope_parameters`). A legacy `rope_scaling` wins over
-    `rope_parameters` in both versions; with `rope_parameters` alone 5.x takes its theta over a
-    top-level one, which 4.x would read: values the two versions would read differently are
-    refused, never guessed."""
-    params = data.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:  # per layer type (5.x)
-        params = params["full_attention"]
-        if not isinstance(params, dict):
-            raise ConfigError(f"{where}: rope_parameters.full_attention must be an object, got {params!r}")
-    top = data.get("rope_theta")
-    scaling = data.get("rope_scaling") or None  # ({} is absent, as transformers reads it)
-    if scaling is not None and not isinstance(scaling, dict):
-        raise ConfigError(f"{where}: rope_scaling must be an object, got {scaling!r}")
-    if scaling is not None:  # 4.x and 5.x: rope_parameters unread
-        own = _number(scaling.get("rope_theta"), "rope_scaling.rope_theta", where)
-        if own is not None and top is not None and float(own) != float(top):
-            raise ConfigError(f"{where}: rope_theta {top} and rope_scaling.rope_theta {own} disagree "
-                              "(transformers 4 reads the first, 5 the second): remove one")
-        theta = top if top is not None else own
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    elif isinstance(params, dict):
-        theta = _number(params.get("rope_theta"), "rope_parameters.rope_theta", where)
-        if theta is not None and top is not None and float(theta) != float(top):
-            raise ConfigError(f"{where}: rope_theta {top} and rope_parameters.rope_theta {theta} disagree "
-                              "(transformers 4 reads the first, 5 the second): remove one")
-        theta = top if theta is None else theta
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = top
-    theta = default_theta if theta is None else theta
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        if scaling.get("partial_rotary_factor") not in (None, 1, 1.0):  # (5.x keeps it here too)
-            raise ConfigError(f"{where}: partial_rotary_factor {scaling['partial_rotary_factor']!r} is not "
-                              "supported (parity rotates every head dimension)")
-        scaling = None
-    context = _number(data.get("original_max_position_embeddings"), "original_max_position_embeddings", where)
-    if scaling is not None and context is not None:  # (5.x: the top-level one wins; 4.x reads the inner)
-        inner = scaling.get("original_max_position_embeddings")
-        if inner is not None and inner != context:
-            raise ConfigError(f"{where}: original_max_position_embeddings {context} and the RoPE scaling's "
-                              f"{inner} disagree (transformers 5 reads the first, 4 the second): remove one")
-        scaling = {**scaling, "original_max_position_embeddings": context}
-    return theta, scaling
-
-
 def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
     """`sliding_window` and `layer_types` as transformers reads the family's config: Mistral,
     Mixtral and Phi-3 slide every layer when a window is set (absent: 4096 for Mistral, none else);
@@ -208,18 +153,6 @@ def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
     fields["layer_types"] = types
 
 
-def _phi3_rope(data: dict, where: str) -> None:
-    """Phi-3's transformers code reads every RoPE scaling as longrope (`su` and `yarn` renamed to
-    it) and refuses the other types: any scaling but the default is refused here, by its name."""
-    for key in ("rope_scaling", "rope_parameters"):
-        scaling = data.get(key)
-        kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else None
-        if kind not in (None, "default"):
-            raise ConfigError(f"{where}: {key} of type {kind!r} on Phi-3 is not supported: transformers "
-                              "reads Phi-3's scalings as longrope (su and yarn renamed to it), which "
-                              "switches RoPE tables by sequence length; parity refuses it")
-
-
 def _nope_layers(data: dict, where: str) -> list:
     """SmolLM3's per-layer RoPE switches as transformers reads them: `no_rope_layers`, else a NoPE
     layer every `no_rope_layer_interval` (4) layers."""
@@ -233,16 +166,6 @@ def _nope_layers(data: dict, where: str) -> list:
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ConfigError(f"{where}: no_rope_layer_interval must be a positive integer, got {interval!r}")
     return [int((i + 1) % interval != 0) for i in range(layers if isinstance(layers, int) else 0)]
-
-
-def _yarn_context(scaling: dict) -> int | None:
-    """The context a YaRN scaling extends to, as vLLM serves it: `original_max_position_embeddings
-    * factor` (Qwen3's recipe: 131072); None for values `ModelConfig` refuses."""
-    factor, context = scaling.get("factor"), scaling.get("original_max_position_embeddings")
-    numbers = [v for v in (factor, context) if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if len(numbers) < 2 or not all(0 < v < float("inf") for v in numbers):
-        return None
-    return min(int(context * factor), 1 << 23)  # (ModelConfig's longest context)
 
 
 def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> ModelConfig:
@@ -261,16 +184,10 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
                           "load a dequantized (float32/bfloat16/float16) checkpoint")
     if model_type not in hybrid.GEMMAS and data.get("hidden_act", "silu") not in ("silu", "swish"):  # (same)
         raise ConfigError(f"{where}: hidden_act {data['hidden_act']!r} is not supported (only 'silu')")
-    if data.get("partial_rotary_factor") not in (None, 1, 1.0):  # (was kept in `extra`, rotated in full)
-        raise ConfigError(f"{where}: partial_rotary_factor {data['partial_rotary_factor']!r} is not "
-                          "supported (parity rotates every head dimension)")
     if data.get("mlp_bias"):
         raise ConfigError(f"{where}: mlp_bias=true is not supported")
     if model_type != "qwen2" and data.get("attention_bias"):
         raise ConfigError(f"{where}: attention_bias=true is not supported for {model_type}")
-    if model_type == "phi3":
-        _phi3_rope(data, str(where))
-    theta, scaling = _rope(data, where, _DEFAULTS[model_type].get("rope_theta", 10000.0))
     fields = {k: data[k] for k in _SHARED if data.get(k) is not None and k != "rope_theta"}
     if model_type == "qwen3" and "head_dim" not in data:
         fields["head_dim"] = 128  # transformers' Qwen3Config default (not hidden/heads; null means that)
@@ -280,16 +197,8 @@ def config_from_hf(data: dict[str, Any], where: Path | str = "config.json") -> M
     fields.setdefault("max_position_embeddings", defaults["max_position_embeddings"])
     fields.setdefault("tie_word_embeddings", False)  # every supported family's default
     fields.setdefault("intermediate_size", data.get("moe_intermediate_size", 1))
-    fields.update(model_type=model_type, rope_theta=float(theta), rope_scaling=scaling)
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
-        # (transformers fills the original context in so: before it is extended below)
-        scaling.setdefault("original_max_position_embeddings", fields["max_position_embeddings"])
-        context, file_context = _yarn_context(scaling), fields["max_position_embeddings"]
-        if context is not None and isinstance(file_context, int) and context > file_context:
-            log.info("%s: YaRN factor %s over original_max_position_embeddings %s: a context of %d "
-                     "tokens (max_position_embeddings %s in the file)", where, scaling["factor"],
-                     scaling["original_max_position_embeddings"], context, file_context)
-            fields["max_position_embeddings"] = context
+    fields["model_type"] = model_type
+    hf_rope.rope_fields(data, fields, str(where), defaults.get("rope_theta", 10000.0))
     if model_type == "smollm3":  # (before the windows, which follow its NoPE layers)
         fields["no_rope_layers"] = _nope_layers(data, str(where))
         types = data.get("layer_types") or []
@@ -328,7 +237,7 @@ _WRITTEN = {*_SHARED, *hybrid.WRITTEN, "model_type", "architectures", "hidden_ac
             "layer_types",
             "mlp_bias", *_MOE, "num_local_experts", "norm_topk_prob", "decoder_sparse_step",
             "mlp_only_layers", "router_aux_loss_coef", "torch_dtype", "transformers_version",
-            "no_rope_layers", "no_rope_layer_interval"}
+            "no_rope_layers", "no_rope_layer_interval", "partial_rotary_factor"}
 """HF fields `config_to_hf` writes itself (not carried in `extra`)."""
 
 
@@ -362,6 +271,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out["mlp_bias"] = False
     if cfg.model_type in ("mistral", "mixtral", "phi3"):
         out["sliding_window"] = cfg.sliding_window  # (null written out: absent reads as 4096)
+    if cfg.model_type == "phi3":
+        out.update(hf_rope.phi3_to_hf(cfg))
     if cfg.model_type == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    intermediate_size=cfg.moe_intermediate_size, router_aux_loss_coef=cfg.router_aux_loss_coef)

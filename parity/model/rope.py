@@ -13,9 +13,23 @@ rollout and learner read the same rows. Scalings (`ModelConfig.rope_scaling`, HF
   (default `0.1 ln(factor) + 1`, or the ratio of the two `mscale`s), which scales attention logits
   by its square.
 
-`dynamic` NTK and `longrope` are refused: both switch frequencies by the longest sequence in the
-forward, so a token's log-prob would depend on what it is batched with — the very mismatch parity
-removes.
+- `longrope` (Phi-3 128k, Phi-3.5, Phi-4-mini): each pair's frequency divided by its own factor,
+  `long_factor` or `short_factor`, cos and sin multiplied by `attention_factor` (default
+  `sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`, factor the context's ratio to
+  the original). transformers picks the set per forward, long when the forward's longest position
+  passes `original_max_position_embeddings`; that would make a token's log-prob depend on its
+  batch, so parity picks once per model, as vLLM picks once per server from its context: long when
+  `max_position_embeddings` exceeds the original context, short otherwise.
+
+`dynamic` NTK is refused: it switches frequencies by the longest sequence in the forward, so a
+token's log-prob would depend on what it is batched with — the very mismatch parity removes.
+
+Partial rotary embeddings (Phi-4-mini: `partial_rotary_factor` 0.75) rotate the first `rotary_dim`
+dimensions of each head and pass the rest through. parity's kernels rotate whole heads, pairing
+dimension i with i + head_dim / 2; `rotary_order` reorders each head's q and k dimensions (on load,
+undone on save: `tensor_names.py`) so that the rotated pairs sit where the kernels pair them and the
+passed-through ones meet angle 0 (cos exactly 1, sin 0: x * 1 + y * 0 is x, bit for bit). Attention
+scores are sums over the same products in another order.
 """
 
 from __future__ import annotations
@@ -31,8 +45,9 @@ _REQUIRED: dict[str, tuple[str, ...]] = {  # per type; other keys are read as tr
     "linear": ("factor",),
     "llama3": ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("original_max_position_embeddings",),  # (and its two lists of factors)
 }
-_BATCH_DEPENDENT = ("dynamic", "longrope")
+_BATCH_DEPENDENT = ("dynamic",)
 
 
 def _positive(rs: dict[str, Any], key: str) -> float:
@@ -42,9 +57,39 @@ def _positive(rs: dict[str, Any], key: str) -> float:
     return value
 
 
-def check_rope_scaling(rs: dict[str, Any] | None, max_position_embeddings: int) -> dict[str, Any] | None:
+def _factors(rs: dict[str, Any], key: str, pairs: int) -> None:
+    value = rs.get(key)
+    if (not isinstance(value, list) or len(value) != pairs
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+                       for v in value)):
+        shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)
+        raise ConfigError(f"ModelConfig.rope_scaling.{key} must list {pairs} positive finite numbers "
+                          f"(one per rotated pair), got {shown if len(shown) < 60 else shown[:57] + '...'}")
+
+
+def _longrope(out: dict[str, Any], max_position_embeddings: int, pairs: int) -> None:
+    """longrope's fields checked; its attention factor written out, so that a context capped
+    later (or a transformers version that derives it otherwise) keeps the model's."""
+    if out["original_max_position_embeddings"] < 2:  # (its log divides the attention factor's)
+        raise ConfigError("ModelConfig.rope_scaling.original_max_position_embeddings must be at least 2 for "
+                          f"longrope, got {out['original_max_position_embeddings']!r}")
+    for key in ("short_factor", "long_factor"):
+        _factors(out, key, pairs)
+    if out.get("factor") is not None:
+        _positive(out, "factor")
+    if out.get("attention_factor") is not None:
+        _positive(out, "attention_factor")
+        return
+    original = out["original_max_position_embeddings"]
+    factor = out.get("factor") or max_position_embeddings / original
+    out["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def check_rope_scaling(rs: dict[str, Any] | None, max_position_embeddings: int,
+                       pairs: int | None = None) -> dict[str, Any] | None:
     """`rs` validated and normalised (`rope_type` spelled out; YaRN's context filled in as
-    transformers fills it), or a one-line ConfigError naming the field."""
+    transformers fills it; longrope's attention factor written out, its lists `pairs` long, the
+    rotated pairs of a head), or a one-line ConfigError naming the field."""
     if rs is None:
         return None
     if not isinstance(rs, dict):
@@ -57,8 +102,8 @@ def check_rope_scaling(rs: dict[str, Any] | None, max_position_embeddings: int) 
         raise ConfigError(f"ModelConfig.rope_scaling of type {kind!r} is not supported "
                           f"(parity honours {', '.join(repr(k) for k in _REQUIRED)})")
     if rs.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise ConfigError(f"ModelConfig.rope_scaling.partial_rotary_factor {rs['partial_rotary_factor']!r} "
-                          "is not supported (parity rotates every head dimension)")
+        raise ConfigError(f"ModelConfig.rope_scaling.partial_rotary_factor {rs['partial_rotary_factor']!r}: "
+                          "set ModelConfig.partial_rotary_factor instead")
     out = {k: v for k, v in rs.items() if k != "type"}
     out["rope_type"] = kind
     if kind == "yarn":
@@ -73,6 +118,9 @@ def check_rope_scaling(rs: dict[str, Any] | None, max_position_embeddings: int) 
                               f"got {out['truncate']!r}")
     for key in _REQUIRED[kind]:
         _positive(out, key)
+    if kind == "longrope":
+        short = out.get("short_factor")
+        _longrope(out, max_position_embeddings, pairs or (len(short) if isinstance(short, list) else 0))
     if kind == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
         raise ConfigError("ModelConfig.rope_scaling.high_freq_factor must exceed low_freq_factor")
     return out
@@ -106,8 +154,8 @@ def _yarn(inv_freq: torch.Tensor, rs: dict[str, Any], d: int, theta: float) -> t
 
 
 def attention_factor(rs: dict[str, Any] | None) -> float:
-    """YaRN's cos/sin multiplier (1 for every other scaling)."""
-    if rs is None or rs["rope_type"] != "yarn":
+    """YaRN's and longrope's cos/sin multiplier (1 for every other scaling)."""
+    if rs is None or rs["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if rs.get("attention_factor") is not None:
         return float(rs["attention_factor"])
@@ -119,12 +167,22 @@ def attention_factor(rs: dict[str, Any] | None) -> float:
     return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
-def inverse_frequencies(head_dim: int, theta: float, rs: dict[str, Any] | None) -> torch.Tensor:
-    """The per-pair rotation frequencies [head_dim / 2] (float64), scaled as `rs` says."""
-    d = head_dim
+def long_factors(rs: dict[str, Any], positions: int) -> bool:
+    """Whether a longrope model of `positions` positions rotates by its long factors (see above)."""
+    return positions > rs["original_max_position_embeddings"]
+
+
+def inverse_frequencies(rotary_dim: int, theta: float, rs: dict[str, Any] | None,
+                        positions: int = 0) -> torch.Tensor:
+    """The per-pair rotation frequencies [rotary_dim / 2] (float64), scaled as `rs` says (longrope:
+    for a model of `positions` positions)."""
+    d = rotary_dim
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     if rs is None:
         return inv_freq
+    if rs["rope_type"] == "longrope":
+        key = "long_factor" if long_factors(rs, positions) else "short_factor"
+        return inv_freq / torch.tensor(rs[key], dtype=torch.float64)
     if rs["rope_type"] == "linear":
         return inv_freq / rs["factor"]
     if rs["rope_type"] == "llama3":
@@ -132,11 +190,28 @@ def inverse_frequencies(head_dim: int, theta: float, rs: dict[str, Any] | None) 
     return _yarn(inv_freq, rs, d, theta)
 
 
-def rope_tables(head_dim: int, theta: float, positions: int,
-                rs: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order parity keeps a head's q and k dimensions in, as indices into the file's order: the
+    first halves of the rotated and the passed-through dimensions, then their second halves, so
+    that the kernels' pairs (i, i + head_dim / 2) are the rotated pairs (i, i + rotary_dim / 2)
+    or two passed-through dimensions. The identity when every dimension rotates."""
+    r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat([torch.arange(r), rotary_dim + torch.arange(p), r + torch.arange(r),
+                      rotary_dim + p + torch.arange(p)])
+
+
+def rope_tables(head_dim: int, theta: float, positions: int, rs: dict[str, Any] | None,
+                rotary_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each [positions, head_dim] float32, rotate-half layout (a ModelConfig's
-    head_dim, rope_theta, max_position_embeddings and rope_scaling, checked)."""
-    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inverse_frequencies(head_dim, theta, rs)
-    angles = torch.cat([angles, angles], dim=-1)
-    scale = attention_factor(rs)
+    head_dim, rope_theta, max_position_embeddings, rope_scaling and rotary_dim, checked); with
+    fewer rotated dimensions than head_dim, in `rotary_order`, the passed-through pairs at angle 0
+    and unscaled (cos 1, sin 0)."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    inv_freq = inverse_frequencies(rotary_dim, theta, rs, positions)
+    still = (head_dim - rotary_dim) // 2
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq
+    angles = torch.cat([angles, angles.new_zeros(positions, still)], dim=-1)
+    scale = torch.cat([torch.full((rotary_dim // 2,), attention_factor(rs), dtype=torch.float64),
+                       torch.ones(still, dtype=torch.float64)])
+    angles, scale = torch.cat([angles, angles], dim=-1), torch.cat([scale, scale])
     return (angles.cos() * scale).float(), (angles.sin() * scale).float()

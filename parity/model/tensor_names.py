@@ -4,6 +4,9 @@ Phi-3's files fuse each layer's q/k/v projections (`self_attn.qkv_proj`) and its
 (`mlp.gate_up_proj`); parity cuts them apart on load and fuses them again on save (row blocks of
 one weight: exact both ways).
 
+A head that RoPE rotates only in part (Phi-4-mini) keeps its q and k dimensions in memory in
+`rope.rotary_order` (rows of q_proj and k_proj reordered on load, put back on save: exact).
+
 Checkpoint files name MoE experts one by one (`mlp.experts.<e>.gate_proj.weight`, as on the Hub;
 Mixtral's under `block_sparse_moe` as w1/w3/w2); in memory parity keeps each layer's experts
 stacked (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I], as
@@ -19,6 +22,7 @@ import torch
 
 from ..errors import ConfigError
 from .config import ModelConfig
+from .rope import rotary_order
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MIXTRAL = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
@@ -84,6 +88,24 @@ def _phi3_fuse(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, to
     return out
 
 
+_QK = re.compile(r"\.self_attn\.[qk]_proj\.weight$")
+
+
+def _rotary_rows(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+                 to_files: bool) -> dict[str, torch.Tensor]:
+    """Each head's q and k rows into `rotary_order` (or back, `to_files`) when only part rotates."""
+    d = cfg.head_dim
+    if cfg.rotary_dim == d:
+        return tensors
+    order = rotary_order(d, cfg.rotary_dim)
+    order = torch.argsort(order) if to_files else order
+    out = dict(tensors)
+    for name, t in tensors.items():
+        if _QK.search(name) and t.dim() == 2 and t.shape[0] % d == 0:  # (else: a shape error on load)
+            out[name] = t.reshape(t.shape[0] // d, d, t.shape[1])[:, order].reshape(t.shape)
+    return out
+
+
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 _IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
@@ -110,7 +132,7 @@ def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
     """Checkpoint tensors under the model's own names: per-expert MoE weights are stacked, Phi-3's
     fused projections cut apart."""
     if cfg.model_type == "phi3":
-        return _phi3_split(cfg, tensors, where)
+        return _rotary_rows(cfg, _phi3_split(cfg, tensors, where), to_files=False)
     if not cfg.is_moe:
         return tensors
     if cfg.model_type == "mixtral":
@@ -153,7 +175,7 @@ def tensors_from_files(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
 def tensors_to_files(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's tensors under the checkpoint names the Hub and `transformers` use."""
     if cfg.model_type == "phi3":
-        return _phi3_fuse(cfg, state)
+        return _phi3_fuse(cfg, _rotary_rows(cfg, state, to_files=True))
     if not cfg.is_moe:
         return state
     out, inter = {}, cfg.moe_intermediate_size
