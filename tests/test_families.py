@@ -485,23 +485,41 @@ def test_phi3s_fused_projections_are_cut_on_load_and_fused_on_save(tmp_path):
             parity.load_model(tmp_path)
 
 
-def test_phi3s_rope_scalings_and_a_window_its_layers_ignore_are_refused(tmp_path):
+def test_phi3s_scalings_are_read_as_transformers_reads_them_and_a_window_its_layers_ignore_is_refused(
+        tmp_path):
     """(2026-12-06 review) transformers reads every Phi-3 RoPE scaling as longrope (`yarn` and
-    `su` renamed to it; 0.67 nats off where parity computed YaRN) and refuses the other types, so
-    parity refuses them by name, in a config.json and a ModelConfig alike. A Mistral-like family
-    whose `layer_types` says full everywhere beside a window ran full attention but saved the
-    window, which transformers then applies on every layer (1.2 nats apart): refused."""
+    `su` renamed to it; parity once computed YaRN, 0.67 nats off) and refuses the other types:
+    parity reads `yarn` and `su` as longrope and refuses the others by name, in a config.json and a
+    ModelConfig alike; longrope's original context is the top-level one (transformers' Phi-3 reads
+    no other), and a `factor` the two transformers versions would read differently is refused. A
+    Mistral-like family whose `layer_types` says full everywhere beside a window ran full
+    attention but saved the window, which transformers then applies on every layer (1.2 nats
+    apart): refused."""
     hf_model("phi3").save_pretrained(tmp_path)
     base = json.loads((tmp_path / "config.json").read_text())
     base.pop("rope_parameters", None)
     factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
-    for scaling in ({"type": "yarn", "factor": 4.0, **factors}, {"rope_type": "su", **factors},
-                    {"rope_type": "linear", "factor": 2.0}):
+    for scaling in ({"type": "yarn", **factors}, {"rope_type": "su", **factors}):
         for key in ("rope_scaling", "rope_parameters"):
             (tmp_path / "config.json").write_text(json.dumps({**base, key: scaling}))
-            kind = scaling.get("rope_type", scaling.get("type"))
-            with pytest.raises(CheckpointError, match=f"{key} of type '{kind}' on Phi-3 is not supported"):
-                parity.load_model(tmp_path)
+            assert parity.load_model(tmp_path).config.rope_scaling["rope_type"] == "longrope"
+    for key, scaling, culprit in (
+            ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling of type 'linear' on Phi-3"),
+            ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters of type 'dynamic'"),
+            ("rope_scaling", {"type": "yarn", "factor": 4.0, **factors},  # (4.x: 256 / 4096; 5.x: 4)
+             r"factor 4.0 is not max_position_embeddings / original_max_position_embeddings = 0.0625"),
+            ("rope_scaling", {"type": "longrope", **factors, "short_factor": [1.0] * 6},
+             "short_factor must list 8 positive finite numbers"),
+            ("rope_scaling", {"type": "longrope", **factors, "long_factor": [1.0] * 7 + [-1]},
+             "long_factor must list 8 positive finite numbers")):
+        (tmp_path / "config.json").write_text(json.dumps({**base, key: scaling}))
+        with pytest.raises(CheckpointError, match=culprit):
+            parity.load_model(tmp_path)
+    top = {k: v for k, v in base.items() if k != "original_max_position_embeddings"}
+    inner = {"rope_type": "longrope", **factors, "original_max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps({**top, "rope_scaling": inner}))
+    with pytest.raises(CheckpointError, match="original_max_position_embeddings 64 is not what transformers'"):
+        parity.load_model(tmp_path)  # (transformers' Phi-3 would read 4096, its default)
     (tmp_path / "config.json").write_text(json.dumps({**base, "rope_scaling": {"rope_type": "default"}}))
     assert parity.load_model(tmp_path).config.rope_scaling is None
     with pytest.raises(ConfigError, match="'linear' is not supported for phi3"):
@@ -510,6 +528,95 @@ def test_phi3s_rope_scalings_and_a_window_its_layers_ignore_are_refused(tmp_path
         with pytest.raises(ConfigError, match="attend alike, and with sliding_window set all slide"):
             parity.ModelConfig.preset(preset, layer_types=["full_attention"] * 2)
     assert parity.ModelConfig.preset("tiny-phi3", layer_types=["sliding_attention"] * 2).layer_window(1) == 40
+
+
+PHI4_ROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+             "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}  # (Phi-4-mini's kind: 6 of 8 pairs rotate)
+PHI35_ROPE = {"type": "su", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+              "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 40.0, 50.0]}  # (Phi-3-128k's spelling)
+
+
+@pytest.mark.parametrize("partial, scaling, original", [
+    (0.75, PHI4_ROPE, 16),  # Phi-4-mini: longrope and a quarter of each head unrotated, long factors
+    (0.5, None, None),  # partial rotary alone
+    (1.0, PHI35_ROPE, 16),  # Phi-3-mini-128k, Phi-3.5-mini: every dimension rotates
+    (1.0, dict(PHI35_ROPE, attention_factor=1.2), 256),  # a context within the original: short factors
+])
+def test_phi3s_longrope_and_partial_rotary_agree_with_transformers_both_ways(tmp_path, partial, scaling,
+                                                                             original):
+    """Phi-3.5's and Phi-4-mini's RoPE (they were refused): longrope's factors on one table per model
+    (long when the context passes the original one, as vLLM picks them; transformers picks per
+    forward, so the sequence here passes 16 positions when the factors are long), its attention
+    factor, and partial rotary embeddings, which parity runs on whole-head kernels by reordering
+    each head's q/k dimensions on load. Log-probs within 1e-4 of transformers'; the save holds the
+    file's tensors bit for bit in the file's order and transformers reads it as the same model; the
+    controls, the same weights with every dimension rotated or the other factors, are far off."""
+    from safetensors.torch import load_file
+
+    over = {"partial_rotary_factor": partial}
+    if scaling is not None:
+        over["rope_scaling"] = dict(scaling)
+    if original is not None:
+        over["original_max_position_embeddings"] = original
+    hf = hf_model("phi3", **over)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = parity.load_model(tmp_path / "hf", dtype=torch.float32)
+    assert ours.config.rotary_dim == int(16 * partial)
+    seq = torch.arange(1, 120, 3)  # 40 tokens: past 16 positions
+    with torch.no_grad():
+        lp = parity.sequence_logprobs(ours, [seq])[0]
+        ref = hf_logprobs(hf, seq)
+        assert torch.allclose(lp, ref, atol=1e-4), (lp - ref).abs().max()
+        ours.save_pretrained(tmp_path / "ours")
+        saved, theirs = load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "hf" /
+                                                                                       "model.safetensors")
+        assert all(torch.equal(saved[n], t) for n, t in theirs.items())
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+        assert torch.allclose(hf_logprobs(back.eval(), seq), ref, atol=1e-5)
+        again = parity.load_model(tmp_path / "ours").config
+        assert (again.rope_scaling, again.partial_rotary_factor) == (ours.config.rope_scaling, partial)
+        if scaling is None:  # control: every dimension rotated, in the file's order
+            other = dataclasses.replace(ours.config, partial_rotary_factor=1.0)
+        else:  # control: the other set of factors
+            swapped = dict(ours.config.rope_scaling, short_factor=scaling["long_factor"],
+                           long_factor=scaling["short_factor"])
+            other = dataclasses.replace(ours.config, rope_scaling=swapped)
+        model = parity.Model(other, dtype=torch.float32)
+        model.load_state_dict(ours.state_dict())
+        assert (parity.sequence_logprobs(model, [seq])[0] - ref).abs().max() > 1e-2
+
+
+def test_a_context_within_longropes_original_takes_the_short_factors(tmp_path):
+    """`load_model(context=...)` and a run's `model.context` (vLLM's max_model_len) cap the
+    positions served; within longrope's original context the short factors are taken, as
+    transformers takes them on short sequences (the default, the whole context, takes the long
+    ones: the control, far off). The attention factor stays the full context's, written out, so
+    the capped model's save loads in transformers as the same model."""
+    from parity.config import config_from_dict
+    from parity.rl.build import build_model
+
+    hf = hf_model("phi3", partial_rotary_factor=0.75, rope_scaling=dict(PHI4_ROPE),
+                  original_max_position_embeddings=16)
+    hf.save_pretrained(tmp_path / "hf")
+    seq = torch.arange(1, 40, 3)  # 13 tokens: within 16, where transformers takes the short factors
+    full = parity.load_model(tmp_path / "hf", dtype=torch.float32)
+    capped = parity.load_model(tmp_path / "hf", dtype=torch.float32, context=16)
+    assert capped.config.max_position_embeddings == 16
+    assert capped.config.rope_scaling == full.config.rope_scaling  # (attention factor included)
+    with torch.no_grad():
+        ref = hf_logprobs(hf, seq)
+        assert torch.allclose(parity.sequence_logprobs(capped, [seq])[0], ref, atol=1e-4)
+        assert (parity.sequence_logprobs(full, [seq])[0] - ref).abs().max() > 1e-2  # the long factors
+        capped.save_pretrained(tmp_path / "capped")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "capped", dtype=torch.float32)
+        assert torch.allclose(hf_logprobs(back.eval(), seq), ref, atol=1e-5)
+    for bad, culprit in ((257, "a context of 257 positions exceeds the model's max_position_embeddings"),
+                         (1, "at least 2 positions")):
+        with pytest.raises(CheckpointError, match=culprit):
+            parity.load_model(tmp_path / "hf", context=bad)
+    cfg = config_from_dict({"model": {"checkpoint": str(tmp_path / "hf"), "context": 16}})
+    assert build_model(cfg).config.max_position_embeddings == 16
+    assert build_model(config_from_dict({"model": {"context": 100}})).config.max_position_embeddings == 100
 
 
 def test_smollm3s_nope_layers_are_read_checked_and_matter(tmp_path):
@@ -651,7 +758,7 @@ def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):
     (dict(architectures=["Qwen2ForSequenceClassification"]), "Qwen2ForSequenceClassification"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "'dynamic' is not supported: it rescales"),
-    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "'longrope' is not supported: it rescales"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "'longrope' is not supported for qwen2"),
     (dict(rope_scaling={"rope_type": "su"}), "'su' is not supported .parity honours 'linear', 'llama3'"),
     (dict(rope_scaling={"rope_type": "yarn"}), "rope_scaling.factor must be a positive finite number"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.0}), "attention_factor"),

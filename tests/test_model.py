@@ -18,6 +18,15 @@ from parity import CheckpointError, ConfigError, InputError
     (dict(head_dim=7), "head_dim"),
     (dict(rms_norm_eps=-1.0), "rms_norm_eps"),
     (dict(eos_token_id=10_000), "eos_token_id"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported for qwen3"),
+    (dict(model_type="phi3", partial_rotary_factor=0.1), "rotates 1 of head_dim=16 dimensions"),
+    (dict(model_type="phi3", partial_rotary_factor=1.5), r"partial_rotary_factor must be in \(0, 1\]"),
+    (dict(model_type="phi3", rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 64,
+                                           "short_factor": [1.0] * 8, "long_factor": "x"}),
+     "long_factor must list 8 positive finite numbers"),
+    (dict(model_type="phi3", rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 1,
+                                           "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}),
+     "original_max_position_embeddings must be at least 2"),
 ])
 def test_inconsistent_config_names_the_field(fields, culprit):
     with pytest.raises(ConfigError, match=culprit):

@@ -62,7 +62,7 @@ def main(args) -> int:
     check_unseen(cfg)
     if not args.model and args.config:
         print(f"parity: evaluating {cfg.model.checkpoint}", file=sys.stderr if args.json else sys.stdout)
-    model = load_model(cfg.model.checkpoint, kernels=cfg.model.kernels)
+    model = load_model(cfg.model.checkpoint, kernels=cfg.model.kernels, context=cfg.model.context)
     env = build_env(cfg, model.config.vocab_size)
     print(f"parity: {env.describe()}", file=sys.stderr if args.json else sys.stdout, flush=True)
     t0 = time.perf_counter()

@@ -71,6 +71,11 @@ class ModelSection:
     device: str = "cpu"
     """Where the engine and the learner compute: 'cpu', 'cuda' or 'cuda:N'. On CUDA the aligned
     kernels are the Triton ones; versions, batches and checkpoints stay on the CPU either way."""
+    context: int | None = None
+    """The longest sequence (prompt + completion) the run serves, as vLLM's max_model_len: caps the
+    model's max_position_embeddings (and what its checkpoints save). A longrope model (Phi-3.5,
+    Phi-4-mini) takes its short factors within its original context (4096), as transformers does
+    on short sequences. None: the model's whole context."""
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="model")
@@ -84,6 +89,8 @@ class ModelSection:
             raise ConfigError(f"model.preset must be one of {', '.join(PRESET_NAMES)}, got {self.preset!r}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"model.seed must be in 0..2**63-1, got {self.seed}")
+        if self.context is not None and self.context < 2:
+            raise ConfigError(f"model.context must be at least 2 positions (or unset), got {self.context}")
 
 
 @dataclass
@@ -260,6 +267,7 @@ class TrainConfig:
         if self.task.name == "target_tokens" and not self.model.checkpoint:  # (the rollout worker's
             # error named neither the key nor the preset)
             positions = ModelConfig.preset(self.model.preset).max_position_embeddings
+            positions = min(positions, self.model.context or positions)
             if self.task.prompt_len >= positions:
                 raise ConfigError(f"task.prompt_len ({self.task.prompt_len}) leaves no room to generate: "
                                   f"model.preset {self.model.preset!r} holds {positions} positions")

@@ -329,6 +329,19 @@ class ModelConfig:
         return 2 * macs
 
     # ------------------------------------------------------------------ construction
+    def with_context(self, context: int | None) -> ModelConfig:
+        """This config serving at most `context` positions (vLLM's max_model_len; None: all of
+        them): max_position_embeddings capped, so a longrope model takes its short factors within
+        its original context; what RoPE scalings derive from the full context stays."""
+        if context is None:
+            return self
+        if isinstance(context, bool) or not isinstance(context, int) or not 2 <= context:
+            raise ConfigError(f"the context must be an integer of at least 2 positions, got {context!r}")
+        if context > self.max_position_embeddings:
+            raise ConfigError(f"a context of {context:,} positions exceeds the model's "
+                              f"max_position_embeddings ({self.max_position_embeddings:,})")
+        return dataclasses.replace(self, max_position_embeddings=context)
+
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A named preset (`PRESET_NAMES`), optionally with fields overridden."""

@@ -23,16 +23,18 @@ _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | None = None,
-               block_size: int | None = None, device: torch.device | str | None = None):
+               block_size: int | None = None, device: torch.device | str | None = None,
+               context: int | None = None):
     """Load a `parity` or Hugging Face checkpoint directory of a supported family onto `device`
-    (default the CPU; the weights are checked on the CPU, then moved)."""
+    (default the CPU; the weights are checked on the CPU, then moved), serving at most `context`
+    positions when given (`ModelConfig.with_context`)."""
     path = Path(path)
     if not path.is_dir():
         why = "not a directory (a checkpoint is a directory of config.json and model.safetensors)" \
             if path.exists() else "checkpoint directory not found"
         raise CheckpointError(f"{path}: {why}")
     try:
-        config = config_from_hf(read_json(path / "config.json"), path / "config.json")
+        config = config_from_hf(read_json(path / "config.json"), path / "config.json").with_context(context)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
     raw = json.loads((path / "config.json").read_text())

@@ -36,7 +36,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                         attn_logit_softcapping=1.0, final_logit_softcapping=2.0),  # (bind at test scales)
     "tiny-qwen2-moe": dict(_TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
                            moe_intermediate_size=32, shared_expert_intermediate_size=48),
-    "tiny-phi3": dict(_TINY, model_type="phi3", sliding_window=40, tie_word_embeddings=False),  # (as Phi-3)
+    # Phi-3's window, Phi-4-mini's partial rotary (12 of 16 dimensions) and longrope (long factors:
+    # the context passes the original 4 positions, so transformers takes them too on any test sequence)
+    "tiny-phi3": dict(_TINY, model_type="phi3", sliding_window=40, tie_word_embeddings=False,
+                      partial_rotary_factor=0.75, rope_scaling={
+                          "rope_type": "longrope", "original_max_position_embeddings": 4,
+                          "short_factor": [1.0, 1.02, 1.1, 1.3, 1.7, 2.4],
+                          "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}),
     "tiny-smollm3": dict(_TINY, model_type="smollm3", rope_theta=5e6, no_rope_layers=[1, 0]),  # (NoPE: 1)
     "tiny-olmo2": dict(_TINY, model_type="olmo2", rope_theta=500000.0, tie_word_embeddings=False),
     "tiny-olmo3": dict(_TINY, model_type="olmo3", rope_theta=500000.0, rope_local_base_freq=500000.0,

@@ -30,9 +30,10 @@ def build_model(cfg: TrainConfig) -> Model:
     dtype = dtype_from_name(cfg.model.dtype, "model.dtype")
     path = checkpoint_dir(cfg)
     if path:
-        return load_model(path, kernels=cfg.model.kernels, dtype=dtype, device=cfg.model.device)
-    return Model(ModelConfig.preset(cfg.model.preset), kernels=cfg.model.kernels, dtype=dtype,
-                 seed=cfg.model.seed, device=cfg.model.device)
+        return load_model(path, kernels=cfg.model.kernels, dtype=dtype, device=cfg.model.device,
+                          context=cfg.model.context)
+    config = ModelConfig.preset(cfg.model.preset).with_context(cfg.model.context)
+    return Model(config, kernels=cfg.model.kernels, dtype=dtype, seed=cfg.model.seed, device=cfg.model.device)
 
 
 def model_skeleton(cfg: TrainConfig, config: ModelConfig) -> Model:

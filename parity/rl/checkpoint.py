@@ -357,7 +357,7 @@ def load(path: Path, cfg):
 
     verify(path)
     model = load_model(path, kernels=cfg.model.kernels, dtype=dtype_from_name(cfg.learner.compute_dtype),
-                       device=cfg.model.device)
+                       device=cfg.model.device, context=cfg.model.context)
     _check_belongs(path, cfg, model)
     where = path / "trainer_state.pt"
     try:
