@@ -310,13 +310,14 @@ def test_model_log_probs_are_invariant_across_kv_splits(triton_impl):
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-mixtral", "tiny-qwen2-moe", "tiny-llama", "tiny-qwen2",
-                                    "tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-olmo3"])
+                                    "tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-olmo3", "tiny-phi3"])
 def test_moe_routing_and_the_other_families_are_invariant(triton_impl, preset):
     """Routing (Qwen3-MoE; Mixtral: renormalised, no q/k norm; Qwen2-MoE's shared expert) and the
     families without q/k norm, whose RoPE is the plain op beside the Triton kernels (Llama's
-    llama3 tables, Qwen2's YaRN); Mistral's, Gemma's and OLMo 3's sliding windows (9 keys here, so they
-    bind); Gemma 2's soft-capped scores and logits."""
-    sliding = ("tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-olmo3")
+    llama3 tables, Qwen2's YaRN, Phi-3's longrope over partly rotated heads); Mistral's, Gemma's,
+    OLMo 3's and Phi-3's sliding windows (9 keys here, so they bind); Gemma 2's soft-capped scores
+    and logits."""
+    sliding = ("tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-olmo3", "tiny-phi3")
     over = {"sliding_window": 9} if preset in sliding else {}
     if preset in sliding[1:]:  # (both layers: a sliding one, its own RoPE, a full one)
         over.update(num_hidden_layers=2)
