@@ -232,6 +232,7 @@ def test_study_runs_at_the_base_policies_level_and_math_uses_base_math(tmp_path)
     cells = {run.name: run_config(study, run, 0) for run in study.runs}
     assert [(c.learner.loss, c.learner.mini_batches) for c in cells.values()] == \
         [("reinforce_zero", 4), ("decoupled_ppo", 4), ("decoupled_ppo", 4), ("reinforce_zero", 4)]
+    assert not any(c.learner.shuffle for c in cells.values())  # (as docs/results.md measured them)
     assert cells["fixed-64-decoupled-4up-cap5"].learner.loss_config.behav_cap == 5.0
     assert cells["fixed-64-4up-lr-quarter"].learner.lr == 1.25e-5
 

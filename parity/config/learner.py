@@ -138,14 +138,19 @@ class LearnerConfig:
     max_grad_norm: float = 1.0
     """Gradient-norm clipping threshold (the norm before clipping is logged)."""
     mini_batches: int = 1
-    """Optimizer updates per pass over a batch: the batch is cut, in order, into this many
-    mini-batches of (nearly) equal response counts, each one AdamW step (PPO's mini-batches; 1 =
-    one update per batch, as REINFORCE Zero runs). A batch still publishes one policy version, so
-    the lag counts batches, and the learning-rate schedule steps once per batch."""
+    """Optimizer updates per pass over a batch: the batch is cut into this many mini-batches of
+    (nearly) equal response counts, each one AdamW step (PPO's mini-batches; 1 = one update per
+    batch, as REINFORCE Zero runs). A batch still publishes one policy version, so the lag counts
+    batches, and the learning-rate schedule steps once per batch."""
     epochs: int = 1
-    """Passes over each batch (PPO's epochs), the same mini-batches in the same order each time.
-    With mini_batches × epochs > 1 the learner first runs the batch once without gradients at the
-    weights it starts from: π_prox of decoupled_ppo, and the log-probs the diagnostics report."""
+    """Passes over each batch (PPO's epochs). With mini_batches × epochs > 1 the learner first
+    runs the batch once without gradients at the weights it starts from: π_prox of decoupled_ppo,
+    and the log-probs the diagnostics report."""
+    shuffle: bool = True
+    """With several mini-batches: deal the batch's responses into them in a new random order each
+    epoch (as PPO implementations do), drawn from the learner's step and the epoch, so a resumed
+    run deals the same; False: cut in order, the same mini-batches every epoch. Advantages are the
+    whole batch's either way (computed before the cut)."""
     micro_batch_size: int = 8
     """Responses per forward/backward; gradients accumulate over micro-batches."""
     micro_batch_tokens: int = 0

@@ -2,9 +2,10 @@
 
 One `step(batch)`: learner log-probs by `sequence_logprobs` over micro-batches (gradients
 accumulated), the loss, the gradient norm before clipping, clipping, AdamW with a warm-up
-schedule (once per mini-batch and epoch when `mini_batches` × `epochs` > 1, after a no-grad pass
-that scores the batch at the weights it starts from), then a new `policy_version` published in
-the dtype the engine computes in. With
+schedule (once per mini-batch and epoch when `mini_batches` × `epochs` > 1, the responses dealt
+into mini-batches anew each epoch unless `shuffle` is off, after a no-grad pass that scores the
+batch at the weights it starts from), then a new `policy_version` published in the dtype the
+engine computes in. With
 `compute_dtype = "bfloat16"` the model runs in bfloat16 while float32 master weights take the
 optimizer step. The decomposition of the rollout-to-learner gap into kernel mismatch and weight
 lag needs the learner path at the weights that sampled each token: the rollout worker computes it
@@ -270,10 +271,19 @@ class Learner:
             metrics["train/excluded_frac"] = float(1 - batch.included.float().mean())
         return metrics
 
+    def _passes(self, n: int) -> list[list[int]]:
+        """The response indices of each update, epoch after epoch (`LearnerConfig.shuffle`)."""
+        cfg, out = self.config, []
+        for epoch in range(cfg.epochs):
+            order = torch.arange(n)
+            if cfg.shuffle and cfg.mini_batches > 1:  # (a resumed run deals the same)
+                order = torch.randperm(n, generator=torch.Generator().manual_seed(self.steps * 65537 + epoch))
+            out += [sorted(c.tolist()) for c in order.tensor_split(cfg.mini_batches) if len(c)]
+        return out
+
     def _step(self, batch: TrajectoryBatch, adv: torch.Tensor, t0: float) -> dict[str, float]:
         cfg = self.config
-        chunks = [c.tolist() for c in torch.arange(len(batch)).tensor_split(cfg.mini_batches) if len(c)]
-        passes = [idx for _ in range(cfg.epochs) for idx in chunks]
+        passes = self._passes(len(batch))
         metrics: dict[str, float] = {"train/step": float(self.steps),
                                      "train/lr": float(self.scheduler.get_last_lr()[0])}
         prox_lp = None

@@ -33,13 +33,13 @@ def learner(**cfg):
 
 @pytest.mark.parametrize("mini_batches, epochs", [(2, 1), (2, 2)])
 def test_a_batch_cut_into_mini_batches_trains_as_that_many_batches_would(mini_batches, epochs):
-    """mini_batches × epochs AdamW steps on one batch leave the weights, bit for bit, where that
-    many one-update steps on the mini-batches in turn leave them (each mini-batch two whole groups,
+    """mini_batches × epochs AdamW steps on one batch (cut in order: `shuffle` off) leave the
+    weights, bit for bit, where that many one-update steps on the mini-batches in turn leave them (each mini-batch two whole groups,
     so their advantages agree), yet publish one version and step the schedule once. The control:
     one update on the whole batch lands elsewhere."""
     batch = batch_of_four_groups()
     halves = [list(range(6)), list(range(6, 12))] if mini_batches == 2 else [list(range(12))]
-    many = learner(mini_batches=mini_batches, epochs=epochs)
+    many = learner(mini_batches=mini_batches, epochs=epochs, shuffle=False)
     metrics = many.step(batch)
     assert metrics["train/updates"] == mini_batches * epochs and many.version == 1
     assert many.scheduler.last_epoch == 1
@@ -54,6 +54,26 @@ def test_a_batch_cut_into_mini_batches_trains_as_that_many_batches_would(mini_ba
     once.step(batch)
     assert not all(torch.equal(a, b) for a, b in zip(many.master, once.master))
     assert "train/updates" not in once.step(batch)  # one update per batch reports as before
+
+
+def test_shuffled_mini_batches_are_dealt_anew_each_epoch_and_alike_on_a_rerun():
+    """`shuffle` (the default) deals the batch's responses into mini-batches in a new order each
+    epoch and each step, every response once per epoch; the deal comes from the learner's step,
+    so another learner at that step (a resumed run) deals alike and lands on the same weights bit
+    for bit. The control: cut in order, the weights land elsewhere."""
+    batch = batch_of_four_groups()
+    a = learner(mini_batches=2, epochs=2)
+    passes = a._passes(len(batch))
+    assert [sorted(passes[e] + passes[e + 1]) for e in (0, 2)] == [list(range(12))] * 2
+    assert passes[:2] != passes[2:] and passes[:2] != [list(range(6)), list(range(6, 12))]
+    assert a.step(batch)["train/updates"] == 4
+    assert a._passes(len(batch)) != passes  # the next step deals anew
+    b = learner(mini_batches=2, epochs=2)
+    b.step(batch)
+    assert all(torch.equal(x, y) for x, y in zip(a.master, b.master))
+    in_order = learner(mini_batches=2, epochs=2, shuffle=False)
+    in_order.step(batch)
+    assert not all(torch.equal(x, y) for x, y in zip(a.master, in_order.master))
 
 
 def test_decoupled_ppo_takes_its_first_update_as_reinforce_zero_and_clips_around_the_start_after(
