@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernels", default="aligned", choices=BACKENDS)
     g.add_argument("--dtype", default="float32")
     g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--context", type=int, help="the longest sequence served, as vLLM's --max-model-len "
+                   "(default: the model's; a longrope model takes its short factors within its original one)")
     g.add_argument("--kv-cache-memory", type=_memory, default=0.25,
                    help="KV cache budget: a fraction of available memory (0.25) or a size (512MiB, 4GiB)")
     g.add_argument("--json", action="store_true", help="token ids, log-probs and versions as JSON")

@@ -138,6 +138,8 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["generate", "--prompts-file", str(tmp_path / "bools.jsonl")], "must be a list of integers"),
         (["train", *toy, "--set", "rollout.heartbeat_timeout_s=nan"], "heartbeat_timeout_s must be >= 0"),
         (["train", *toy, "--set", "model.seed=99999999999999999999999"], "model.seed must be in 0..2**63-1"),
+        (["generate", "--prompt", "hi", "--context", "4000"], "a context of 4,000 positions exceeds the model"),
+        (["train", *toy, "--set", "model.context=1"], "model.context must be at least 2 positions"),
         (["train", "--set", 'model.preset="tiny"', "--set", f'run_dir="{nested}"'],
          "not-utf8.toml/sub cannot be used: Not a directory"),
         (["train", *toy, "--set", "learner.weight_decay=nan"], "weight_decay must be finite"),
@@ -347,6 +349,9 @@ def test_generate_json_records_logprobs_and_versions(tmp_path):
     for o in outs:
         assert len(o["token_ids"]) == len(o["logprobs"]) == len(o["policy_versions"]) == 5
         assert o["policy_versions"] == [0] * 5 and o["error"] is None
+    proc = run("generate", "--prompt-ids", "1,2,3", "--max-tokens", "50", "--json", "--context", "40")
+    assert proc.returncode == 0, proc.stderr  # a served context of 40 positions ends it at 37 tokens
+    assert [(len(o["token_ids"]), o["finish_reason"]) for o in json.loads(proc.stdout)] == [(37, "length")]
 
 
 def test_generate_bad_prompt_is_one_line():

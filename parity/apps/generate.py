@@ -126,10 +126,11 @@ def main(args) -> int:
     if names_recipe(args.model):  # a cached base policy of `parity sft` by name, as `parity eval` takes it
         args.model = str(get_base_policy(RECIPES[args.model]))
     if args.model:
-        model = load_model(args.model, kernels=args.kernels, dtype=dtype, device=args.device)
+        model = load_model(args.model, kernels=args.kernels, dtype=dtype, device=args.device,
+                           context=args.context)
     else:
-        model = Model(ModelConfig.preset(args.preset), kernels=args.kernels, dtype=dtype, seed=args.seed,
-                      device=args.device)
+        model = Model(ModelConfig.preset(args.preset).with_context(args.context), kernels=args.kernels,
+                      dtype=dtype, seed=args.seed, device=args.device)
     tokenizer = load_tokenizer(args.model, model.config.vocab_size)
     if getattr(args, "chat_kwarg", None):
         if not args.chat or not getattr(tokenizer, "chat_template", None):

@@ -36,8 +36,7 @@ def test_a_batch_cut_into_mini_batches_trains_as_that_many_batches_would(mini_ba
     """mini_batches × epochs AdamW steps on one batch (cut in order: `shuffle` off) leave the
     weights, bit for bit, where that many one-update steps on the mini-batches in turn leave them
     (each mini-batch two whole groups, so their advantages agree), yet publish one version and
-    step the schedule once. The control:
-    one update on the whole batch lands elsewhere."""
+    step the schedule once. The control: one update on the whole batch lands elsewhere."""
     batch = batch_of_four_groups()
     halves = [list(range(6)), list(range(6, 12))] if mini_batches == 2 else [list(range(12))]
     many = learner(mini_batches=mini_batches, epochs=epochs, shuffle=False)
