@@ -204,12 +204,12 @@ class Learner:
             raise
 
     def _backward(self, batch: TrajectoryBatch, adv: torch.Tensor, prox_lp: torch.Tensor | None,
-                  ratios: dict, extra: dict):
+                  ratios: dict, extra: dict, ref_lp: torch.Tensor | None = None):
         """Forward and backward of one mini-batch over its micro-batches, the gradients summed
         into the master weights; returns its loss and, when it is the whole batch's one update
         (`prox_lp` None), its (padded log-probs, entropies, routing) for the diagnostics (else None:
         the proximal pass gave them). The objective's stats are summed into `ratios`, penalties
-        into `extra`."""
+        into `extra`. `ref_lp`: the KL reference's padded log-probs, when scored once for every epoch."""
         keep = prox_lp is None
         cfg = self.config
         lps, entropies, losses, routes = [], [], [], []
@@ -229,9 +229,12 @@ class Learner:
             loss, stats = self.loss_fn(lp_pad, sub.rollout_logprobs, sub.mask, adv[idx], cfg.loss_config,
                                        **prox)
             part, whole = micro_batch_share(cfg.loss_config, sub.mask, batch.mask)  # responses or tokens
-            if self.reference is not None:  # β·KL(π ‖ π_ref) on this micro-batch's sampled tokens
-                ref_lp = self.reference.logprobs(sub, cfg)
-                kl = kl_penalty(lp_pad, ref_lp, sub.mask, cfg.loss_config, cfg.kl_estimator)
+            if self.reference is not None:  # β·KL(π ‖ π_ref) on this micro-batch's tokens
+                if ref_lp is None:
+                    ref = self.reference.logprobs(sub, cfg)
+                else:  # (scored once for every epoch)
+                    ref = ref_lp[idx][:, :lp_pad.shape[1]]
+                kl = kl_penalty(lp_pad, ref, sub.mask, cfg.loss_config, cfg.kl_estimator)
                 loss = loss + cfg.kl_coef * kl
                 extra["train/kl_ref"] = extra.get("train/kl_ref", 0.0) + float(kl.detach()) * part / whole
             for k, (num, den) in stats.items():  # fractions of the whole batch: sums, divided below
@@ -286,18 +289,20 @@ class Learner:
         passes = self._passes(len(batch))
         metrics: dict[str, float] = {"train/step": float(self.steps),
                                      "train/lr": float(self.scheduler.get_last_lr()[0])}
-        prox_lp = None
+        prox_lp = ref_lp = None
         if len(passes) > 1:  # π_prox, and the diagnostics, at the weights before the first update
             before = self._score(self.model, batch, cfg.micro_batch_size, True)
             prox_lp = before[0]
             metrics.update(self._diagnostics(batch, before))
+        if self.reference is not None and cfg.epochs > 1:  # (the same bits as per micro-batch, aligned)
+            ref_lp = self._score(self.reference.model, batch, cfg.micro_batch_size, False)[0]
         losses, norms, ratios, extra, skipped, updates = [], [], {}, {}, 0, 0
         whole = len(passes) == 1
         try:
             for idx in passes:
                 sub = batch if whole else batch.select(idx, validate=False)
-                loss, after = self._backward(sub, adv if whole else adv[idx],
-                                             None if whole else prox_lp[idx], ratios, extra)
+                loss, after = self._backward(sub, adv if whole else adv[idx], None if whole else prox_lp[idx],
+                                             ratios, extra, None if ref_lp is None else ref_lp[idx])
                 losses.append(loss)
                 grads = [p.grad for p in self.master if p.grad is not None]
                 if not (math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)):

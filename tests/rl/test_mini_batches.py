@@ -76,6 +76,32 @@ def test_shuffled_mini_batches_are_dealt_anew_each_epoch_and_alike_on_a_rerun():
     assert not all(torch.equal(x, y) for x, y in zip(a.master, in_order.master))
 
 
+def test_the_kl_reference_is_scored_once_for_every_epoch_with_the_same_bits(monkeypatch):
+    """With a KL penalty and several epochs the reference scores the batch once, not once per
+    epoch: on aligned kernels its log-probs are the per-micro-batch ones bit for bit, so the
+    weights land where scoring it every epoch leaves them (the control: no penalty, elsewhere)."""
+    from parity.rl.reference import ReferencePolicy
+
+    batch = batch_of_four_groups()
+    calls = []
+    real = ReferencePolicy.logprobs
+    monkeypatch.setattr(ReferencePolicy, "logprobs",
+                        lambda self, b, c: calls.append(len(b)) or real(self, b, c))
+    once = learner(mini_batches=2, epochs=3, kl_coef=0.5)
+    metrics = once.step(batch)
+    assert calls == [] and metrics["train/kl_ref"] > 0
+    every = learner(mini_batches=2, epochs=3, kl_coef=0.5)
+    score = Learner._score  # the reference unscored up front: scored per micro-batch, every epoch
+    monkeypatch.setattr(Learner, "_score", lambda self, model, *a: (
+        (None,) if self.reference and model is self.reference.model else score(self, model, *a)))
+    every.step(batch)
+    assert sum(calls) == 3 * len(batch)  # each response once per epoch
+    assert all(torch.equal(a, b) for a, b in zip(once.master, every.master))
+    plain = learner(mini_batches=2, epochs=3)
+    plain.step(batch)
+    assert not all(torch.equal(a, b) for a, b in zip(once.master, plain.master))
+
+
 def test_decoupled_ppo_takes_its_first_update_as_reinforce_zero_and_clips_around_the_start_after(
         monkeypatch):
     """π_prox is the learner before the batch's first update, scored without gradients: on aligned
