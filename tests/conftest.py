@@ -36,19 +36,6 @@ def _share_the_cores() -> None:
 
 _share_the_cores()
 
-_LONGEST_FIRST = ("tests/rl/test_ray.py", "tests/parity/test_triton.py", "tests/test_study.py",
-                  "tests/test_cli.py", "tests/rl/test_faults.py", "tests/rl/test_ray_nodes.py")
-"""The test files that take longest (2-3.5 min each on 2 cores), longest first."""
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Start the longest test files first. pytest-xdist's `--dist loadfile` hands files to the
-    workers in collection order, so tests/test_study.py, collected late, ran alone at the end with
-    the other core idle (the suite: 10:46 on 2 cores); with the long files first the short ones
-    fill in at the end. The order within a file is kept."""
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-
 
 @functools.lru_cache(maxsize=32)
 def cached_model(preset: str, kernels: str, dtype_name: str, seed: int, std: float):
