@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from parity.apps import sft
 from parity.cli import main
 
 
@@ -107,6 +108,8 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
     (tmp_path / "keep" / "notes.txt").write_text("mine")
     toy = ["--set", 'model.preset="tiny"', "--set", f'run_dir="{tmp_path / "run"}"']
     nested = tmp_path / "not-utf8.toml" / "sub"  # a run directory under a file
+    monkeypatch.setenv("PARITY_CACHE", str(tmp_path / "cache"))  # no base policy built: none may be
+    monkeypatch.setattr(sft, "train_sft", lambda *a, **k: pytest.fail("built the base policy first"))
     cases = [
         (["bench", "kernels", "--presets", ""], "got nothing"),
         (["check", "--cases", ","], "got nothing"),

@@ -100,6 +100,9 @@ class TaskSection:
             raise ConfigError(f"task.max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
         if self.heldout_size < 1 or self.max_tool_calls < 1:
             raise ConfigError("task.heldout_size and task.max_tool_calls must be >= 1")
+        top = {"tool": 3, "math": 5}.get(self.name)  # (checked here: `parity eval` built the base first)
+        if top and not 1 <= self.level <= top:
+            raise ConfigError(f"{self.name} task level must be 1..{top}, got {self.level}")
         if self.heldout_size > MAX_PROBLEMS:
             raise ConfigError(f"task.heldout_size must be at most {MAX_PROBLEMS:,}, "
                               f"got {self.heldout_size:,}")

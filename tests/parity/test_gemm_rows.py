@@ -179,11 +179,16 @@ def test_bf16_weights_widened_in_the_kernel_give_the_padded_products_rows(regime
             float_bias = None if bias is None else bias.float()
             assert torch.equal(native.gemv(x[:m], w, bias, kb),
                                native.gemv(x[:m].float(), w.float(), float_bias, kb)), m
-    assert all(torch.equal(native.gemv(x[:m], w, b, kb), exact[:m]) for m in (1, 8))
-    assert gemm._gemv_order_holds(k, torch.bfloat16), "the float32 route's order held, the bf16 one not"
     reference = partial(gemm_strict.forward, chunked=False) if regime == "strict" else common.gemm_linear
     full = reference(x, w, b)
     assert full.dtype == torch.bfloat16 and torch.equal(full, exact.bfloat16())
+    if not gemm._gemv_order_holds(k):  # (MKL on AVX-512 orders the library's K=193 and 1024 otherwise)
+        assert not gemm._gemv_order_holds(k, torch.bfloat16), "the bf16 probe passed a refused order"
+        for m in range(1, gemm.GEMV_ROWS + 1):  # then the padded product serves, and its rows hold
+            assert torch.equal(gemm.linear(x[:m], w, b), full[:m]), m
+        pytest.skip(f"this BLAS orders K={k} otherwise: the padded GEMM serves (checked)")
+    assert all(torch.equal(native.gemv(x[:m], w, b, kb), exact[:m]) for m in (1, 8))
+    assert gemm._gemv_order_holds(k, torch.bfloat16), "the float32 route's order held, the bf16 one not"
     for m in range(1, gemm.GEMV_ROWS + 1):
         assert torch.equal(gemm.linear(x[:m], w, b), full[:m]), m
     calls = []
