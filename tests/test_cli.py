@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from parity.apps import sft
+from parity.apps import sft, study  # noqa: F401 (study binds the real train_sft before a test patches it)
 from parity.cli import main
 
 
