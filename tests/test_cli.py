@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from parity.apps import sft, study  # noqa: F401 (study binds the real train_sft before a test patches it)
+from parity.apps import sft_child
 from parity.cli import main
 
 
@@ -109,7 +109,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
     toy = ["--set", 'model.preset="tiny"', "--set", f'run_dir="{tmp_path / "run"}"']
     nested = tmp_path / "not-utf8.toml" / "sub"  # a run directory under a file
     monkeypatch.setenv("PARITY_CACHE", str(tmp_path / "cache"))  # no base policy built: none may be
-    monkeypatch.setattr(sft, "train_sft", lambda *a, **k: pytest.fail("built the base policy first"))
+    monkeypatch.setattr(sft_child, "build", lambda *a, **k: pytest.fail("built the base policy first"))
     cases = [
         (["bench", "kernels", "--presets", ""], "got nothing"),
         (["check", "--cases", ","], "got nothing"),

@@ -20,7 +20,8 @@ The checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`, `sft.json`
 recipe and the measured held-out pass@1 per task) is cached under
 `~/.cache/parity/base/<recipe hash>/` (`PARITY_CACHE` moves it) and reused by `parity demo`.
 A training config may name it `model.checkpoint = "base"` (or "base-math"); `resolve_base`
-turns that into the directory (building it first) before the library sees the config.
+turns that into the directory (building it first) before the library sees the config. Builds
+run in a fresh process (`sft_child`: bits that do not hang on the asking process's thread state).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import os
 import random
 import shutil
 import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,8 +48,8 @@ from ..envs.math import MathTask, Problem, worked_answer
 from ..envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
 from ..errors import ConfigError, ParityError
 from ..metrics.summary import pass_at_1_text
-from . import sft_partial
-from .ui import Progress, table
+from . import sft_child, sft_partial
+from .ui import table
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +79,9 @@ class SFTConfig:
     """Share of demonstrations from the tool task; the rest are math problems."""
     tool_use: dict[str, float] = field(default_factory=lambda: {"mul": 0.7, "sum": 0.45})
     """Per problem kind, how often the demonstrator calls the tool (else it answers directly).
-    Sums at 0.45: the base still answers sums directly when greedy (RL's job is to change that),
-    but has seen enough sum calls to copy them. At 0.3 whether it could was a matter of rounding:
-    bases built on an AMD EPYC learned 49% -> 84% in the demo, on an Intel Xeon with AMX +3.5
-    points, their sum calls (seed 0 / 1) exact 43% / 1% of the time, the result copied after an
-    exact call 5% / 0%; at 0.45 the same Xeon's bases (seed 0 / 1) copy 93% / 70% of sum calls
-    exactly, and the demo learns 49.5% -> 98.5% and 45% -> 83%."""
+    Sums at 0.45: the base still answers sums directly when greedy (RL's job is to change that)
+    but has seen enough sum calls to copy them (at 0.3 an Intel Xeon's bases copied 43% / 1% of
+    them exactly, seeds 0 / 1, and its demo gained 3.5 points; at 0.45 93% / 70%, 49.5% -> 98.5%)."""
     retry_fraction: float = 0.05
     """Share of tool demonstrations whose first call has a syntax error, then a fixed retry."""
     tool_level: int = 1
@@ -338,14 +337,15 @@ answered directly, which this model size barely learns), 'base-math' for two-dig
 written as column sums, trained only part of the way so RL has signal."""
 
 
-def get_base_policy(cfg: SFTConfig | None = None, progress=None) -> Path:
-    """The cached base policy's directory, built first when it is not there yet."""
+def get_base_policy(cfg: SFTConfig | None = None) -> Path:
+    """The cached base policy's directory, built first (in a fresh process: `sft_child`) when it
+    is not there yet."""
     cfg = cfg or SFTConfig()
     path = base_dir(cfg)
     if is_built(path):
         return path
     log.info("building the base policy (once; cached in %s)", path)
-    train_sft(path, cfg, progress if progress is not None else sft_progress(cfg.steps))
+    sft_child.build(path, cfg)
     return path
 
 
@@ -360,22 +360,16 @@ def names_recipe(name: str | None) -> bool:
     return True
 
 
-def resolve_base(cfg: TrainConfig, progress=None) -> TrainConfig:
+def resolve_base(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with model.checkpoint = "base" (or another recipe name, `RECIPES`) replaced by that
     base policy's directory."""
     name = cfg.model.checkpoint
     if not names_recipe(name):
         return cfg
-    return with_overrides(cfg, {"model.checkpoint": str(get_base_policy(RECIPES[name], progress=progress))})
+    return with_overrides(cfg, {"model.checkpoint": str(get_base_policy(RECIPES[name]))})
 
 
 # --------------------------------------------------------------------------- the command
-def sft_progress(total: int):
-    """A progress callback for `train_sft`: a bar, or a line every 50 steps."""
-    bar = Progress("sft", total, every=50)
-    return lambda step, loss, elapsed: bar.update(step, f"loss {loss:.3f}  {elapsed:.0f}s")
-
-
 def main(args) -> int:
     """`parity sft`: train (or show) the base policy."""
     cfg = dataclasses.replace(RECIPES[args.recipe], seed=args.seed,
@@ -386,7 +380,7 @@ def main(args) -> int:
     else:
         check_out(out)  # (said it was training into a file, then refused)
         print(f"parity: training the base policy ({cfg.preset}, {cfg.steps} steps) into {out}", flush=True)
-        train_sft(out, cfg, sft_progress(cfg.steps), eval_problems=args.eval_problems)
+        sft_child.build(out, cfg, eval_problems=args.eval_problems)
     record = read_record(out)
     try:
         rows = [[name, pass_at_1_text(r), f"{r['eval/tool_calls']:.2f}"]
@@ -398,3 +392,9 @@ def main(args) -> int:
         print(table(["task", "held-out pass@1 (greedy)", "tool calls"], rows))
     print(f"trained in {record['train_s']:.0f} s; checkpoint: {out}")
     return 0
+
+
+if __name__ == "__main__":  # a build in a fresh process (`sft_child.build`): PARENT OUT CONFIG EVAL_PROBLEMS
+    _cfg = SFTConfig(**json.loads(sys.argv[3]))
+    sys.exit(sft_child.child(int(sys.argv[1]), lambda: train_sft(
+        sys.argv[2], _cfg, sft_child.progress_bar(_cfg.steps), eval_problems=int(sys.argv[4]))))
