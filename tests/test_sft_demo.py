@@ -329,30 +329,29 @@ def test_a_run_resumes_after_its_starting_checkpoint_went(base, tmp_path):
     assert run.env.describe() and run.start_step == 1
 
 
-def test_a_cached_base_does_not_hang_on_the_asking_processs_threads(tmp_path, monkeypatch):
+def test_a_cached_base_does_not_hang_on_the_asking_processs_threads(tmp_path, monkeypatch, capfd):
     """The base policy is built in a fresh process (`sft_child`), so a process on one thread (this
     pytest-xdist worker's share, OMP_NUM_THREADS included) or one that called set_num_threads gets
     the bits of a `parity sft` started in a clean shell. Control: the same build in this process,
     on one thread, gives other weights (PyTorch's CPU backward; on an Intel Xeon even after
-    set_num_threads(2) on two threads, which is not asserted here)."""
+    set_num_threads(2) on two threads, which is not asserted here). A build inside another command
+    shows its progress on stderr: `parity eval --json`'s stdout stays one JSON object."""
     import hashlib
 
     import torch
 
-    from parity.apps import sft_child
-    from parity.apps.sft import get_base_policy
+    from parity.apps import sft, sft_child
     from parity.errors import ParityError
 
     digest = lambda out: hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
     cfg = SFTConfig(steps=2, batch_size=4)
-    from parity.apps import sft
-
-    monkeypatch.setattr(sft, "base_dir", lambda cfg: tmp_path / "cache" / cfg.key())  # (not PARITY_CACHE:
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the child would build the native kernels again there)
+    # (the cache moved by hand, not by PARITY_CACHE: the child would build the native kernels again)
+    monkeypatch.setattr(sft, "base_dir", lambda c=None: tmp_path / "cache" / (c or RECIPES["base"]).key())
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        built = digest(get_base_policy(cfg))
+        built = digest(sft.get_base_policy(cfg))
         train_sft(tmp_path / "one", cfg, eval_problems=0)
     finally:
         torch.set_num_threads(threads)
@@ -363,3 +362,8 @@ def test_a_cached_base_does_not_hang_on_the_asking_processs_threads(tmp_path, mo
     (tmp_path / "file").write_text("x")  # the child's one-line error, raised here
     with pytest.raises(ParityError, match="file exists and is not a directory"):
         sft_child.build(tmp_path / "file", cfg, eval_problems=0)
+    monkeypatch.setitem(RECIPES, "base", SFTConfig(steps=1, batch_size=2))  # not built yet
+    capfd.readouterr()
+    assert main(["eval", "--n", "2", "-k", "0", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["eval/problems"] == 2 and "sft    1/1" in err

@@ -345,7 +345,7 @@ def get_base_policy(cfg: SFTConfig | None = None) -> Path:
     if is_built(path):
         return path
     log.info("building the base policy (once; cached in %s)", path)
-    sft_child.build(path, cfg)
+    sft_child.build(path, cfg, progress_on_stderr=True)  # (the asking command's stdout may be JSON)
     return path
 
 

@@ -33,14 +33,17 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 ERROR = "parity: error: "
 
 
-def build(out_dir: Path, cfg, eval_problems: int = 100) -> None:
-    """Train the base policy `cfg` (an `SFTConfig`) into `out_dir` in a child process; its progress
-    and log lines are this process's, its one-line error is raised here as a `ParityError`."""
+def build(out_dir: Path, cfg, eval_problems: int = 100, progress_on_stderr: bool = False) -> None:
+    """Train the base policy `cfg` (an `SFTConfig`) into `out_dir` in a child process; its log lines
+    are this process's, its one-line error is raised here as a `ParityError`. Its progress goes to
+    stdout (`parity sft`'s output), or with `progress_on_stderr` to stderr (a build inside another
+    command, whose stdout may be JSON)."""
     env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
     argv = [sys.executable, "-m", "parity.apps.sft", str(os.getpid()), str(out_dir),
             json.dumps(dataclasses.asdict(cfg)), str(eval_problems)]
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            errors="replace")
+    sys.stdout.flush()
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=2 if progress_on_stderr else None,
+                            stderr=subprocess.PIPE, text=True, errors="replace")
     errors: list[str] = []
     echo = threading.Thread(target=_echo, args=(proc.stderr, errors), daemon=True)
     echo.start()
