@@ -48,7 +48,8 @@ from ..metrics.summary import aggregate, row_figures, step_line, study_table_mar
 from ..ops.common import gemm_linear
 from ..rl import checkpoint
 from ..rl.controller import Controller
-from .sft import RECIPES, base_dir, is_built, resolve_base, train_sft
+from . import sft_child
+from .sft import RECIPES, base_dir, is_built, resolve_base
 from .study_grid import StudyConfig, load_study, run_config
 from .ui import Progress
 
@@ -144,8 +145,8 @@ def run_study(study: StudyConfig, progress: bool = True, train: bool = True) -> 
         if not is_built(quick_base):
             log.info("--quick: building a smoke base policy (10 SFT steps) in %s", quick_base)
             recipe = RECIPES["base-math" if study.task == "math" else "base"]
-            train_sft(quick_base, dataclasses.replace(recipe, steps=10, batch_size=8, warmup_steps=2),
-                      eval_problems=0)
+            sft_child.build(quick_base, dataclasses.replace(recipe, steps=10, batch_size=8, warmup_steps=2),
+                            eval_problems=0, progress_on_stderr=True)
         for run in study.runs:
             run_config(study, run, study.seeds[0])
     t0 = time.perf_counter()
