@@ -16,7 +16,8 @@ Where even the large GEMM's rows are not fixed (measured on an Intel Xeon with A
 GEMM at 2 threads orders a row by M and thread count for K >= 1024, and oneDNN's bf16 GEMM picks
 its kernel by M up to ~1,000 rows), the probe `_large_rows_hold` fails and GEMMs run *strict*
 (`gemm_strict.py`: one library thread per call, float32 padded to 16 rows and computed in K blocks
-(384 here) whose order is known, bf16 in 128-row calls); there too float32 products of up to
+(384 here) whose order is known, bf16 on AMX tiles in an order of our own where the CPU has them,
+else in 128-row calls); there too float32 products of up to
 `GEMV_ROWS` rows go to the matrix-vector kernel, in the strict order, where its probe confirms it.
 Never silently variant.
 """
@@ -51,6 +52,7 @@ _PROBE_SHAPES = ((64, 96), (256, 768), (1024, 1024), (1024, 3072))
 _quantum: dict[tuple[int, bool], int] = {}
 _strict: dict[bool, bool] = {}  # bf16 GEMM native -> strict mode
 _bf16_chunks_ok: bool | None = None  # whether `_bf16_chunks` passed its probe (None: not probed)
+_amx_ok: bool | None = None  # whether the AMX bf16 GEMM runs here and passed the probe (None: not asked)
 _LARGE_ROWS = (STRICT_ROWS, 17, 24, 37, 64, 100)
 """Row counts the large-GEMM probe compares with a 160-row GEMM (where MKL and oneDNN were seen
 to change a row's order: below 16 rows, at 33-36 and above, with M-dependent thread splits)."""
@@ -118,10 +120,30 @@ def _bf16_chunks_hold() -> bool:
     return _bf16_chunks_ok
 
 
+def _amx_holds() -> bool:
+    """Whether strict bf16 products run on AMX tiles here (`native.amx_linear`): built, granted the
+    tile state, and passing the large-GEMM probe (by its construction it should; checked anyway)."""
+    global _amx_ok
+    if not native.amx_ready():  # (asked each time: the native kernels can be switched off)
+        return False
+    if _amx_ok is None:
+        _amx_ok = _large_rows_hold(native.amx_linear, (torch.bfloat16,))
+    return _amx_ok
+
+
+def _strict_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """A strict product's path (`gemm_strict.PATHS`): bf16 on AMX tiles, else in 128-row calls,
+    where they pass their probes; otherwise float32."""
+    if not (x.dtype == torch.bfloat16 == weight.dtype and bf16_gemm_native()):
+        return "float32"
+    if (bias is None or bias.dtype == x.dtype) and _amx_holds():
+        return "amx"
+    return "chunks" if _bf16_chunks_hold() else "float32"
+
+
 def _strict_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The strict regime's GEMM (`gemm_strict.product`), bf16 in 128-row calls where they passed."""
-    chunked = x.dtype == torch.bfloat16 == weight.dtype and bf16_gemm_native() and _bf16_chunks_hold()
-    return gemm_strict.product(x, weight, bias, chunked)
+    """The strict regime's GEMM (`gemm_strict.product`) on its path (`_strict_path`)."""
+    return gemm_strict.product(x, weight, bias, _strict_path(x, weight, bias))
 
 
 def _probe_quantum() -> int:
@@ -211,6 +233,8 @@ def token_rows(m: int, dtype: torch.dtype) -> int:
     cannot take), else `gemm_rows(m)`, so that each GEMM is padded once per forward."""
     if _gemv_dtype(dtype) and m <= GEMV_ROWS and native.library() is not None:
         return m
+    if dtype == torch.bfloat16 and bf16_gemm_native() and strict() and _amx_holds():
+        return m  # (AMX products need no padding)
     return gemm_rows(m)
 
 
@@ -271,6 +295,8 @@ def describe() -> str:
     if mode:
         chunks = bf16_gemm_native() and _bf16_chunks_hold()
         bf16 = "bf16 in 128-row GEMMs (the last 64 where it fits)" if chunks else "bf16 in float32"
+        if bf16_gemm_native() and _amx_holds():
+            bf16 = "bf16 on AMX tiles in a fixed order (every M, both cores, no padding)"
         return (f"GEMMs strict: one thread per call, float32 padded to 16 rows in K blocks of "
                 f"{gemm_strict.kblock()}, {bf16}, large ones shared among threads (GEMM rows here "
                 f"depend on M or threads: the probe failed){gemv}")

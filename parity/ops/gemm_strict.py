@@ -9,7 +9,8 @@ larger K varied with N there), so the order of every element is known and the na
 matrix-vector kernel reproduces it for decode-sized products (`gemm.linear`). bf16 runs as
 GEMMs of 128 rows each (`STRICT_BF16_ROWS`: oneDNN picks its kernel by M; the last call 64 rows
 where its rows fit, `STRICT_BF16_TAIL`: the same kernel's bits) or, where that fails its probe,
-in float32 (bf16 values multiplied exactly, the sum rounded once). The cores share a product out
+in float32 (bf16 values multiplied exactly, the sum rounded once); on a CPU with AMX, bf16 runs
+instead on tiles in an order of our own (`native.amx_linear`, `PATHS`). The cores share a product out
 by column slices (fixed by the weight's shape) or row blocks. Under autograd the forward keeps
 these bits and the backward is ordinary multi-threaded math (`_StrictLinear`).
 """
@@ -210,15 +211,27 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return y[:rows].to(x.dtype)
 
 
+PATHS = ("float32", "chunks", "amx")
+"""A strict product's path (`gemm._strict_path` picks it): float32 (K blocks, padded rows), bf16
+in 128-row oneDNN calls (`forward(chunked=True)`), or bf16 on AMX tiles in an order of our own
+(`native.amx_linear`: every row's bits whatever M, no padding, both cores)."""
+
+
+def _compute(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, path: str) -> torch.Tensor:
+    if path == "amx":
+        return native.amx_linear(x, weight, bias)
+    return forward(x, weight, bias, chunked=path == "chunks")
+
+
 class _StrictLinear(torch.autograd.Function):
-    """The strict product under autograd: the forward's bits are `forward`'s, the backward is
+    """The strict product under autograd: the forward's bits are `_compute`'s, the backward is
     ordinary math on every thread (only forward log-probs must match the engine's)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, chunked):
+    def forward(ctx, x, weight, bias, path):
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return forward(x, weight, bias, chunked=chunked)
+        return _compute(x, weight, bias, path)
 
     @staticmethod
     def backward(ctx, grad):
@@ -229,8 +242,9 @@ class _StrictLinear(torch.autograd.Function):
         return gx, gw, gb, None
 
 
-def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunked: bool) -> torch.Tensor:
-    """The strict regime's GEMM (`forward`), through `_StrictLinear` when a gradient is due."""
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, path: str) -> torch.Tensor:
+    """The strict regime's GEMM on `path` (one of PATHS), through `_StrictLinear` when a gradient
+    is due."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _StrictLinear.apply(x, weight, bias, chunked)
-    return forward(x, weight, bias, chunked=chunked)
+        return _StrictLinear.apply(x, weight, bias, path)
+    return _compute(x, weight, bias, path)

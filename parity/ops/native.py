@@ -1,6 +1,7 @@
-"""Loader for the fixed-order C kernels (`csrc/aligned_kernels.c`), built on first use.
+"""Loader for the fixed-order C kernels (`csrc/aligned_kernels.c`, and `csrc/amx_gemm.c`: a bf16
+GEMM on AMX tiles where the CPU has them), built on first use.
 
-The C file is compiled with the machine's C compiler (`-O3 -march=native -ffp-contract=off
+The C files are compiled with the machine's C compiler (`-O3 -march=native -ffp-contract=off
 -fopenmp`) into a per-user cache keyed by the source, the flags and the CPU, and called through
 ctypes on float32 tensors. Set `PARITY_NATIVE=0` to use the pure-PyTorch aligned kernels
 instead; if no compiler is found parity falls back to them too. Either way both the engine and
@@ -24,6 +25,7 @@ import torch
 from .common import check_linear_args, score_scale
 
 _SRC = Path(__file__).with_name("csrc") / "aligned_kernels.c"
+_SOURCES = (_SRC, _SRC.with_name("amx_gemm.c"))
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
           "-fopenmp", "-shared",
           "-fPIC"]
@@ -51,16 +53,18 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found")
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + " ".join(_FLAGS).encode()
+                         + _cpu_signature().encode())
     out = _cache_dir() / f"aligned_kernels-{key.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_so = Path(tmp) / out.name
-            proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp_so), str(_SRC), "-lm"],
+            proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp_so), *map(str, _SOURCES), "-lm"],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"compiling {_SRC.name} failed: {proc.stderr.strip()[:200]}")
+                raise RuntimeError(f"compiling {' and '.join(src.name for src in _SOURCES)} failed: "
+                                   f"{proc.stderr.strip()[:200]}")
             os.replace(tmp_so, out)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(str(out))
     f, i64, p = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
@@ -79,6 +83,8 @@ def _build() -> ctypes.CDLL:
         getattr(lib, name).argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, f, ctypes.c_int]
     for name in ("parity_gemv_f32", "parity_gemv_bf16w"):
         getattr(lib, name).argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+    lib.parity_amx_ready.argtypes = []
+    lib.parity_amx_linear_bf16.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
     return lib
 
 
@@ -304,6 +310,31 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kc: i
     kernel = library().parity_gemv_f32 if weight.dtype == torch.float32 else library().parity_gemv_bf16w
     kernel(_ptr(x), _ptr(weight), None if bias is None else _ptr(bias), _ptr(out),
            m, k, weight.shape[0], kc, torch.get_num_threads())
+    return out
+
+
+def amx_ready() -> bool:
+    """Whether the AMX bf16 GEMM runs here: built (the compiler targets AMX-BF16) and the process
+    granted the tile state by Linux. PARITY_AMX=0 turns it off (to compare with the paths before)."""
+    lib = library() if os.environ.get("PARITY_AMX", "1") != "0" else None
+    return lib is not None and lib.parity_amx_ready() == 1
+
+
+def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` for bfloat16 x [M, K], weight [N, K], bias [N] on AMX tiles
+    (`csrc/amx_gemm.c`): every element one float32 sum over K chunks of 32 in ascending order, the
+    bias added and the sum rounded once, whatever M or the thread count. Returns bf16 [M, N]."""
+    check_linear_args(x, weight, bias)
+    bf16 = x.dtype == weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == x.dtype)
+    _need(x.dim() == 2 and bf16,
+          f"amx_linear: bf16 x [M, K] and weight, got {x.dtype} {tuple(x.shape)}, {weight.dtype}")
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    b = None if bias is None else _ptr(bias)
+    if library().parity_amx_linear_bf16(_ptr(x), _ptr(weight), b, _ptr(out), x.shape[0], x.shape[1],
+                                        weight.shape[0], torch.get_num_threads()):
+        raise MemoryError(f"amx_linear: no memory for the packed copies of a {tuple(x.shape)} product")
     return out
 
 

@@ -218,9 +218,13 @@ def test_control_another_blocking_differs_and_the_probe_falls_back(regime, monke
     assert torch.equal(gemm.linear(x[:1], w), full[:1])  # the padded GEMM serves instead
 
 
-@pytest.fixture(params=["bf16-chunks", "float32"])
+@pytest.fixture(params=["amx", "bf16-chunks", "float32"])
 def strict_gemms(monkeypatch, request):
     monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
+    if request.param == "amx" and not (hardware.bf16_gemm_native() and native.amx_ready()):
+        pytest.skip("no AMX tiles here: strict bf16 runs in 128-row calls or in float32")
+    if request.param != "amx":  # the paths a CPU without AMX takes
+        monkeypatch.setattr(gemm, "_amx_ok", False)
     if request.param == "float32":  # where the 128-row bf16 GEMMs fail their probe
         monkeypatch.setattr(gemm, "_bf16_chunks_ok", False)
     return request.param
@@ -228,11 +232,11 @@ def strict_gemms(monkeypatch, request):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_strict_gemms_give_every_row_count_the_same_rows(strict_gemms, threads, dtype):
-    """Strict mode (one MKL thread; float32 padded to 16 rows; bf16 in 128-row GEMMs, or in
-    float32), forced here on any machine: a row's bits do not depend on M (1-100), its offset
+    """Strict mode (one MKL thread; float32 padded to 16 rows; bf16 on AMX tiles, in 128-row GEMMs,
+    or in float32), forced here on any machine: a row's bits do not depend on M (1-100), its offset
     or the caller's thread count."""
-    if dtype == torch.float32 and strict_gemms == "float32":
-        pytest.skip("(the same float32 path as the other parameter)")
+    if dtype == torch.float32 and strict_gemms != "bf16-chunks":
+        pytest.skip("(the same float32 path as another parameter)")
     for k, n in ((1024, 1024), (2048, 151), (300, 40)):
         x, w = _data(k, n, dtype)
         x = torch.cat([x, x, x])[:130]

@@ -1,0 +1,221 @@
+/* A bfloat16 GEMM on AMX tiles whose per-element order is fixed whatever the row count.
+ *
+ * y[m, n] = bf16(sum_k x[m, k] * w[n, k] + bias[n]) for bf16 x [M, K], w [N, K] (nn.Linear's
+ * layout), bias [N] or none, y [M, N], all row-major. Tiles compute the transposed product: an A
+ * tile is 16 weight rows x 32 input positions, loaded in place (a row of w is contiguous), a B
+ * tile is 32 input positions x 16 rows of x, repacked in pairs (the layout TDPBF16PS reads), and a
+ * C tile is 16 outputs x 16 rows of float32 sums. Every output element is one float32 accumulator
+ * that TDPBF16PS adds its 32 products to, K chunk after K chunk from zero, in ascending order;
+ * then the bias is added and the sum rounded to bf16 once. That sequence is the same for a row of
+ * a 1-row product and of a 4,096-row one, for any thread count, and for whichever tile (and tile
+ * neighbours) holds the row: rows past M, inputs past K and outputs past N are zeros in padded
+ * copies, never a different instruction. Threads share whole 32-output pairs of blocks.
+ *
+ * Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere, and
+ * where the kernel refuses (Linux must grant the process the tile state), `parity_amx_ready`
+ * says 0 and parity keeps its other strict bf16 path.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define MCHUNK 256 /* rows of x whose packed tiles stay in cache while a thread walks its outputs */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* 1 if this process may use the tiles (asked of Linux once), else 0. */
+int parity_amx_ready(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+static void configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+static inline float widen(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return (f != f) ? (uint16_t)((bits >> 16) | 0x40u) : (uint16_t)rounded;
+}
+
+static void *zeroed(size_t bytes) {
+    bytes = (bytes + 63) / 64 * 64;
+    void *p = aligned_alloc(64, bytes ? bytes : 64);
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
+typedef struct {
+    const uint16_t *w, *wk, *wn;
+    int64_t k, kc, nb;
+} weights;
+
+/* Where the A tile of output block `b`, K chunk `c` lies (and its row stride in bytes): in place,
+ * or in a padded copy at the edges. (A tile register must be named by a constant: the caller
+ * loads.) */
+static inline const uint16_t *a_tile(const weights *W, int64_t b, int64_t c, int64_t *stride) {
+    if (W->wn && b == W->nb - 1) {
+        *stride = W->kc * 64;
+        return W->wn + c * 32;
+    }
+    if (W->wk && c == W->kc - 1) {
+        *stride = 64;
+        return W->wk + b * 512;
+    }
+    *stride = W->k * 2;
+    return W->w + b * 16 * W->k + c * 32;
+}
+
+/* Sums in `cbuf` (16 outputs x 16 rows) -> y, bias added, rounded once (to nearest even, as
+ * PyTorch rounds; NaN stays NaN): for each row j, column j of cbuf gathered into one vector. */
+static void emit(const float *cbuf, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
+                 int64_t b, int64_t mb) {
+    const int64_t width = n - b * 16 < 16 ? n - b * 16 : 16;
+    const __mmask16 cols = (__mmask16)((1u << width) - 1u);
+    const __m512i down = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48,
+                                          32, 16, 0);
+    __m512 bv = _mm512_setzero_ps();
+    if (bias)
+        bv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, bias + b * 16)), 16));
+    for (int j = 0; j < 16 && mb * 16 + j < m; j++) {
+        __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(down, _mm512_set1_epi32(j)), cbuf, 4);
+        if (bias) s = _mm512_add_ps(s, bv);
+        const __m512i bits = _mm512_castps_si512(s);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+        _mm256_mask_storeu_epi16(y + (mb * 16 + j) * n + b * 16, cols, _mm512_cvtepi32_epi16(r));
+    }
+}
+
+/* Output blocks b0 (and b0 + 1 if `two`) for row blocks mb0 (and mb0 + 1 if `two_m`). Tiles:
+ * 0-3 sums, 4-5 weights, 6-7 rows. */
+static void block(const weights *W, const uint16_t *xp, const uint16_t *bias, uint16_t *y, int64_t m,
+                  int64_t n, int64_t b0, int two, int64_t mb0, int two_m) {
+    float cbuf[256] __attribute__((aligned(64)));
+    const uint16_t *x0 = xp + mb0 * W->kc * 512, *x1 = x0 + W->kc * 512;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < W->kc; c++) {
+        int64_t s0, s1;
+        const uint16_t *a0 = a_tile(W, b0, c, &s0);
+        _tile_loadd(4, a0, s0);
+        _tile_loadd(6, x0 + c * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_m) {
+            _tile_loadd(7, x1 + c * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two) {
+            const uint16_t *a1 = a_tile(W, b0 + 1, c, &s1);
+            _tile_loadd(5, a1, s1);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_m) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, cbuf, 64);
+    emit(cbuf, bias, y, m, n, b0, mb0);
+    if (two_m) {
+        _tile_stored(1, cbuf, 64);
+        emit(cbuf, bias, y, m, n, b0, mb0 + 1);
+    }
+    if (two) {
+        _tile_stored(2, cbuf, 64);
+        emit(cbuf, bias, y, m, n, b0 + 1, mb0);
+        if (two_m) {
+            _tile_stored(3, cbuf, 64);
+            emit(cbuf, bias, y, m, n, b0 + 1, mb0 + 1);
+        }
+    }
+}
+
+/* Returns 0, or -1 where memory for the packed copies could not be had (nothing written). */
+int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                           int64_t m, int64_t k, int64_t n, int threads) {
+    if (m <= 0 || n <= 0) return 0;
+    const int64_t mblocks = (m + 15) / 16, kc = (k + 31) / 32, nb = (n + 15) / 16;
+    uint16_t *xp = zeroed((size_t)mblocks * kc * 512 * 2);
+    uint16_t *wk = k % 32 && n >= 16 ? zeroed((size_t)nb * 512 * 2) : NULL;
+    uint16_t *wn = n % 16 ? zeroed((size_t)16 * kc * 32 * 2) : NULL;
+    if (!xp || (k % 32 && n >= 16 && !wk) || (n % 16 && !wn)) {
+        free(xp), free(wk), free(wn);
+        return -1;
+    }
+    /* x in pairs: tile (mb, c), row r, column j = x[16 mb + j, 32 c + 2 r .. + 1] (one 32-bit pair) */
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t mb = 0; mb < mblocks; mb++)
+        for (int j = 0; j < 16 && mb * 16 + j < m; j++) {
+            const uint16_t *xr = x + (mb * 16 + j) * k;
+            uint16_t *dst = xp + mb * kc * 512;
+            for (int64_t c = 0; c < k / 32; c++) {
+                uint32_t pair[16], *to = (uint32_t *)(dst + c * 512) + j;
+                memcpy(pair, xr + c * 32, 64);
+                for (int r = 0; r < 16; r++) to[r * 16] = pair[r];
+            }
+            for (int64_t p = k / 32 * 32; p < k; p++) dst[(p / 32) * 512 + ((p % 32) / 2) * 32 + j * 2 + (p % 2)] = xr[p];
+        }
+    if (wk)  /* each output block's last, partial K chunk, zero-padded */
+        for (int64_t r = 0; r < (n / 16) * 16; r++)
+            memcpy(wk + r * 32, w + r * k + (kc - 1) * 32, (k % 32) * 2);
+    if (wn)  /* the last, partial output block, zero-padded in both directions */
+        for (int64_t r = nb * 16 - 16; r < n; r++) memcpy(wn + (r - (nb * 16 - 16)) * kc * 32, w + r * k, k * 2);
+    const weights W = {w, wk, wn, k, kc, nb};
+    const int64_t pairs = (nb + 1) / 2;
+    #pragma omp parallel num_threads(threads)
+    {
+        configure();
+        for (int64_t m0 = 0; m0 < mblocks; m0 += MCHUNK / 16) {
+            const int64_t m1 = m0 + MCHUNK / 16 < mblocks ? m0 + MCHUNK / 16 : mblocks;
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < pairs; p++)
+                for (int64_t mb = m0; mb < m1; mb += 2)
+                    block(&W, xp, bias, y, m, n, 2 * p, 2 * p + 1 < nb, mb, mb + 1 < m1);
+        }
+        _tile_release();
+    }
+    free(xp), free(wk), free(wn);
+    return 0;
+}
+
+#else
+int parity_amx_ready(void) { return 0; }
+
+int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                           int64_t m, int64_t k, int64_t n, int threads) {
+    (void)x, (void)w, (void)bias, (void)y, (void)m, (void)k, (void)n, (void)threads;
+    return -1;
+}
+#endif

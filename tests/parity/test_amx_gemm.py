@@ -1,0 +1,100 @@
+"""The AMX bf16 GEMM (`csrc/amx_gemm.c`): a row's bits whatever M, offset, thread count or edge.
+
+On a CPU with AMX tiles the strict regime's bf16 products run on our own tile kernel instead of
+oneDNN's (whose kernel, and so a row's bits, follows M). These tests run where the kernel does
+(AMX-BF16 and Linux granting the tile state) and skip elsewhere: the AMD and AVX2 machines of
+this project's kind never take the path. The control is the library's own bf16 GEMM on the same
+shapes, whose rows do change with M here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parity import hardware
+from parity.ops import gemm, native
+from tests.conftest import DEVICE
+
+pytestmark = pytest.mark.skipif(
+    DEVICE != "cpu" or not (hardware.bf16_gemm_native() and native.amx_ready()),
+    reason="no AMX tiles here (the kernel is built and used only on CPUs with AMX-BF16)")
+
+SHAPES = [(1024, 1024), (3072, 40), (100, 37), (96, 7), (64, 4), (48, 1000)]
+"""(K, N): whole tiles, and K or N (or both) past the last whole tile (the padded copies)."""
+
+ROWS = [*range(1, 18), 31, 32, 33, 37, 64, 100, 255, 256, 257]
+
+
+def _data(k: int, n: int, rows: int = 300, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed * 7919 + k + n)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    return x, torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_a_rows_bits_do_not_depend_on_m_offset_threads_or_edges(k, n):
+    """Every row of products of 1-257 rows at three offsets equals that row of a 300-row product
+    (which crosses the kernel's 256-row chunk), with and without bias, at 1 and 2 threads."""
+    x, w, b = _data(k, n)
+    before = torch.get_num_threads()
+    try:
+        for bias in (None, b):
+            torch.set_num_threads(2)
+            full = native.amx_linear(x, w, bias)
+            torch.set_num_threads(1)
+            assert torch.equal(native.amx_linear(x, w, bias), full), "thread count changed the bits"
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for m in ROWS:
+                    for off in {0, 13, 300 - m}:
+                        got = native.amx_linear(x[off:off + m], w, bias)
+                        assert torch.equal(got, full[off:off + m]), (k, n, m, off, threads, bias is None)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_control_the_librarys_bf16_rows_follow_m_here():
+    """The paths the kernel replaces: oneDNN's bf16 GEMM gives some row other bits in a product of
+    another size on this CPU (the reason strict mode exists), so the comparison above can fail."""
+    x, w, _ = _data(1024, 1024)
+    full = F.linear(x, w)
+    assert not all(torch.equal(F.linear(x[:m], w), full[:m]) for m in ROWS), \
+        "the library's bf16 rows matched at every M: the control cannot fail here"
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_the_products_are_the_float32_sums_rounded_once(k, n):
+    """Within bf16 rounding of the exact float32-accumulated product (a sum in another order moves
+    the last float32 bits, hence at most one bf16 step)."""
+    x, w, b = _data(k, n, rows=40)
+    got = native.amx_linear(x, w, b).float()
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert ((got - exact).abs() <= exact.abs() * 2 ** -7 + 1e-3).all()
+
+
+def test_strict_bf16_products_take_the_kernel_under_autograd_with_the_same_bits(monkeypatch):
+    """`gemm.linear` in the strict regime runs bf16 on the tiles, unpadded (`token_rows`), with the
+    forward's bits under autograd the same as without, and gradients of ordinary math."""
+    monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
+    assert gemm._amx_holds() and "AMX" in gemm.describe()
+    assert gemm.token_rows(1, torch.bfloat16) == 1
+    x, w, b = _data(1024, 96, rows=5)
+    plain = gemm.linear(x, w, b)
+    assert torch.equal(plain, native.amx_linear(x, w, b))
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = gemm.linear(xg, wg, b)
+    assert torch.equal(y.detach(), plain)
+    y.float().sum().backward()
+    assert torch.equal(xg.grad, torch.ones(5, 96).bfloat16().matmul(w))
+    assert wg.grad.shape == w.shape
+
+
+def test_bad_operands_are_a_one_line_error():
+    x, w, b = _data(64, 16, rows=3)
+    for args, words in (((x, w[:, :32]), "do not fit"), ((x.float(), w.float()), "bf16"),
+                        ((x, w, b[:5]), "do not fit"), ((x, w, b.float()), "bf16")):
+        with pytest.raises(ValueError, match=words) as err:
+            native.amx_linear(*args)
+        assert "\n" not in str(err.value)
