@@ -19,7 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
+    && defined(__linux__)
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
