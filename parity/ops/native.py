@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
 from .common import check_linear_args, score_scale
 
 _SRC = Path(__file__).with_name("csrc") / "aligned_kernels.c"
@@ -316,7 +317,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kc: i
 def amx_ready() -> bool:
     """Whether the AMX bf16 GEMM runs here: built (the compiler targets AMX-BF16) and the process
     granted the tile state by Linux. PARITY_AMX=0 turns it off (to compare with the paths before)."""
-    lib = library() if os.environ.get("PARITY_AMX", "1") != "0" else None
+    flag = os.environ.get("PARITY_AMX", "1")
+    if flag not in ("", "0", "1"):
+        raise ConfigError(f"PARITY_AMX must be 1 or 0, got {flag!r}")
+    lib = library() if flag != "0" else None
     return lib is not None and lib.parity_amx_ready() == 1
 
 

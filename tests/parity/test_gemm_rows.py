@@ -263,7 +263,7 @@ def test_control_a_gemm_whose_large_rows_depend_on_m_makes_gemms_strict(monkeypa
     assert gemm._large_rows_hold(gemm._strict_product)  # the strict regime passes it
 
 
-def test_the_strict_regime_can_be_forced_and_a_bad_setting_is_refused(monkeypatch):
+def test_the_strict_regime_and_the_amx_kernel_can_be_forced_and_a_bad_setting_is_refused(monkeypatch):
     from parity.errors import ConfigError
 
     for value, want in (("1", True), ("0", False)):
@@ -274,6 +274,11 @@ def test_the_strict_regime_can_be_forced_and_a_bad_setting_is_refused(monkeypatc
     monkeypatch.setenv("PARITY_GEMM_STRICT", "yes")
     with pytest.raises(ConfigError, match="PARITY_GEMM_STRICT must be 1 or 0, got 'yes'"):
         gemm.strict()
+    monkeypatch.setenv("PARITY_AMX", "0")  # (the AMX kernel: off, and a bad setting refused)
+    assert not native.amx_ready()
+    monkeypatch.setenv("PARITY_AMX", "on")
+    with pytest.raises(ConfigError, match="PARITY_AMX must be 1 or 0, got 'on'"):
+        native.amx_ready()
 
 
 @pytest.fixture

@@ -88,13 +88,18 @@ def test_head_chunks_keep_the_aligned_log_probs_bit_for_bit(preset, dtype, tied)
         assert torch.equal(lp2, lp) and torch.equal(ent2, ent)
         with torch.no_grad():
             assert torch.equal(torch.cat(sequence_logprobs(m, seqs, 0.9, head_chunk=head_chunk)), lp)
+        squares = [0.0, 0.0]  # (chunked, unchunked) squared distances to float64's, all parameters
         for name, g in grads.items():
             if exact is None:
                 assert float((grads2[name] - g).abs().max()) <= 1e-4 * float(g.abs().max()), name
                 continue
             ref = exact[name]
             error, plain_error = ((x.double() - ref).norm() / ref.norm() for x in (grads2[name], g))
-            assert error <= 1.1 * plain_error + 1e-6, name
+            # per parameter a bf16-noise margin (one token per chunk moved a q_norm's 2.2% to 2.4% once
+            # the forward's GEMMs ran on AMX tiles); over all parameters a tight one
+            assert error <= 1.25 * plain_error + 1e-6, name
+            squares = [s + float((x.double() - ref).norm()) ** 2 for s, x in zip(squares, (grads2[name], g))]
+        assert squares[0] <= 1.05 ** 2 * squares[1], (head_chunk, (squares[0] / squares[1]) ** 0.5)
 
 
 def test_head_chunks_with_capped_logits_keep_bfloat16_gradients_as_precise():
