@@ -327,18 +327,26 @@ def amx_ready() -> bool:
 def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for bfloat16 x [M, K], weight [N, K], bias [N] on AMX tiles
     (`csrc/amx_gemm.c`): every element one float32 sum over K chunks of 32 in ascending order, the
-    bias added and the sum rounded once, whatever M or the thread count. Returns bf16 [M, N]."""
+    bias added and the sum rounded once, whatever M or the thread count (denormals flushed, as the
+    tiles do). Returns bf16 [M, N]. Raises where `amx_ready()` is false."""
     check_linear_args(x, weight, bias)
     bf16 = x.dtype == weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == x.dtype)
     _need(x.dim() == 2 and bf16,
           f"amx_linear: bf16 x [M, K] and weight, got {x.dtype} {tuple(x.shape)}, {weight.dtype}")
+    _need(all(t.device.type == "cpu" for t in (x, weight) + (() if bias is None else (bias,))),
+          f"amx_linear: CPU tensors, got x on {x.device}, weight on {weight.device}")
+    if not amx_ready():  # (the first tile instruction without Linux's grant ends the process)
+        raise RuntimeError("amx_linear: no AMX tiles here (not built for this CPU, not granted, "
+                           "PARITY_AMX=0 or the native kernels off)")
     x, weight = x.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
     b = None if bias is None else _ptr(bias)
-    if library().parity_amx_linear_bf16(_ptr(x), _ptr(weight), b, _ptr(out), x.shape[0], x.shape[1],
-                                        weight.shape[0], torch.get_num_threads()):
-        raise MemoryError(f"amx_linear: no memory for the packed copies of a {tuple(x.shape)} product")
+    code = library().parity_amx_linear_bf16(_ptr(x), _ptr(weight), b, _ptr(out), x.shape[0], x.shape[1],
+                                            weight.shape[0], torch.get_num_threads())
+    if code:
+        raise MemoryError(f"amx_linear: no memory for the packed copies of a {tuple(x.shape)} product") \
+            if code == -1 else RuntimeError("amx_linear: the tiles may not be used in this process")
     return out
 
 

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.skipif(
     DEVICE != "cpu" or not (hardware.bf16_gemm_native() and native.amx_ready()),
     reason="no AMX tiles here (the kernel is built and used only on CPUs with AMX-BF16)")
 
-SHAPES = [(1024, 1024), (3072, 40), (100, 37), (96, 7), (64, 4), (48, 1000)]
-"""(K, N): whole tiles, and K or N (or both) past the last whole tile (the padded copies)."""
+SHAPES = [(1024, 1024), (3072, 40), (100, 37), (96, 7), (64, 4), (48, 1000), (100, 32), (7, 20)]
+"""(K, N): whole tiles, and K or N (or both) past the last whole tile (the padded copies), K below
+one chunk, N of one whole block and a part."""
 
 ROWS = [*range(1, 18), 31, 32, 33, 37, 64, 100, 255, 256, 257]
 
@@ -66,8 +67,8 @@ def test_control_the_librarys_bf16_rows_follow_m_here():
 
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_the_products_are_the_float32_sums_rounded_once(k, n):
-    """Within bf16 rounding of the exact float32-accumulated product (a sum in another order moves
-    the last float32 bits, hence at most one bf16 step)."""
+    """Within bf16 rounding of the exact product (a sum in another order moves the last float32
+    bits, hence at most one bf16 step; the tiles flush denormals, far below this tolerance)."""
     x, w, b = _data(k, n, rows=40)
     got = native.amx_linear(x, w, b).float()
     exact = F.linear(x.double(), w.double(), b.double())
@@ -89,6 +90,38 @@ def test_strict_bf16_products_take_the_kernel_under_autograd_with_the_same_bits(
     y.float().sum().backward()
     assert torch.equal(xg.grad, torch.ones(5, 96).bfloat16().matmul(w))
     assert wg.grad.shape == w.shape
+
+
+def test_a_callers_flush_to_zero_reaches_no_thread(monkeypatch):
+    """The bias add runs in the default floating-point mode on every thread: a caller that set
+    flush-to-zero (PyTorch's `set_flush_denormal`, on the calling thread only) changed the outputs
+    of the blocks it computed itself and not the workers' (1 thread: all 0x0000; 2 threads: half
+    0x0040), so the bits followed the thread count."""
+    x = torch.ones(1, 1).bfloat16()
+    w = torch.full((64, 1), 1.5 * 2.0 ** -126).bfloat16()
+    b = torch.full((64,), -(2.0 ** -126)).bfloat16()
+    before = torch.get_num_threads()
+    want = native.amx_linear(x, w, b)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("flush-to-zero cannot be set here")
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(native.amx_linear(x, w, b).view(torch.int16), want.view(torch.int16)), threads
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(before)
+
+
+def test_the_kernel_refuses_where_it_may_not_run_and_off_the_cpu(monkeypatch):
+    """Without Linux's grant the first tile instruction ends the process: the wrapper asks first
+    (here PARITY_AMX=0 stands for a machine without it) and refuses another device's tensors."""
+    x, w, _ = _data(64, 16, rows=3)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        native.amx_linear(x.to("meta"), w.to("meta"))
+    monkeypatch.setenv("PARITY_AMX", "0")
+    with pytest.raises(RuntimeError, match="no AMX tiles here"):
+        native.amx_linear(x, w)
 
 
 def test_bad_operands_are_a_one_line_error():

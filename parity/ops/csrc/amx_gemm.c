@@ -9,7 +9,10 @@
  * then the bias is added and the sum rounded to bf16 once. That sequence is the same for a row of
  * a 1-row product and of a 4,096-row one, for any thread count, and for whichever tile (and tile
  * neighbours) holds the row: rows past M, inputs past K and outputs past N are zeros in padded
- * copies, never a different instruction. Threads share whole 32-output pairs of blocks.
+ * copies, never a different instruction. Threads share whole 32-output pairs of blocks, each
+ * with the same floating-point mode (MXCSR set to its default for the call, so that a caller's
+ * flush-to-zero never reaches only some threads' bias adds). As TDPBF16PS does, denormal inputs
+ * count as zero and denormal sums are flushed: the same on every row, unlike PyTorch's sums.
  *
  * Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere, and
  * where the kernel refuses (Linux must grant the process the tile state), `parity_amx_ready`
@@ -52,20 +55,6 @@ static void configure(void) {
         c.rows[t] = 16;
     }
     _tile_loadconfig(&c);
-}
-
-static inline float widen(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t round_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    return (f != f) ? (uint16_t)((bits >> 16) | 0x40u) : (uint16_t)rounded;
 }
 
 static void *zeroed(size_t bytes) {
@@ -163,9 +152,11 @@ static void block(const weights *W, const uint16_t *xp, const uint16_t *bias, ui
     }
 }
 
-/* Returns 0, or -1 where memory for the packed copies could not be had (nothing written). */
+/* Returns 0, -1 where memory for the packed copies could not be had, or -2 where the tiles may
+ * not be used (`parity_amx_ready` says 0); nothing is written then. */
 int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                            int64_t m, int64_t k, int64_t n, int threads) {
+    if (!parity_amx_ready()) return -2;
     if (m <= 0 || n <= 0) return 0;
     const int64_t mblocks = (m + 15) / 16, kc = (k + 31) / 32, nb = (n + 15) / 16;
     uint16_t *xp = zeroed((size_t)mblocks * kc * 512 * 2);
@@ -197,6 +188,8 @@ int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t 
     const int64_t pairs = (nb + 1) / 2;
     #pragma omp parallel num_threads(threads)
     {
+        const unsigned int mode = _mm_getcsr();
+        _mm_setcsr(0x1F80);  /* round to nearest, no flush-to-zero, exceptions masked */
         configure();
         for (int64_t m0 = 0; m0 < mblocks; m0 += MCHUNK / 16) {
             const int64_t m1 = m0 + MCHUNK / 16 < mblocks ? m0 + MCHUNK / 16 : mblocks;
@@ -206,6 +199,7 @@ int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t 
                     block(&W, xp, bias, y, m, n, 2 * p, 2 * p + 1 < nb, mb, mb + 1 < m1);
         }
         _tile_release();
+        _mm_setcsr(mode);
     }
     free(xp), free(wk), free(wn);
     return 0;
@@ -217,6 +211,6 @@ int parity_amx_ready(void) { return 0; }
 int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                            int64_t m, int64_t k, int64_t n, int threads) {
     (void)x, (void)w, (void)bias, (void)y, (void)m, (void)k, (void)n, (void)threads;
-    return -1;
+    return -2;
 }
 #endif
