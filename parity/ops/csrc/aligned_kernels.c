@@ -15,6 +15,19 @@
 #define LANES 16
 #define F32_ID(v) (v)
 
+/* Every thread of a parallel region computes in the default float mode (round to nearest, no
+ * flush-to-zero) for the call and then gets its own back: MXCSR is per thread, and a caller's
+ * flush-to-zero (PyTorch's set_flush_denormal) reached only the rows the calling thread took, so a
+ * denormal's fate followed the thread count. FP_ENTER/FP_LEAVE open and close each region's body. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define FP_ENTER const unsigned int fp_mode_ = _mm_getcsr(); _mm_setcsr(0x1F80);
+#define FP_LEAVE _mm_setcsr(fp_mode_);
+#else
+#define FP_ENTER
+#define FP_LEAVE
+#endif
+
 /* exp(x): Cody-Waite reduction and a degree-6 polynomial, branch-free so loops vectorise.
  * Inputs below -87 give exactly 0; inputs above 88 are clamped. */
 static inline float fixed_exp(float x) {
@@ -119,6 +132,7 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
     const int64_t L = nblk * bs;                                                               \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
+        FP_ENTER                                                                               \
         float *scores = scratch((size_t)(L > 0 ? L : LANES));                               \
         _Pragma("omp for schedule(dynamic, 4)")                                                \
         for (int64_t row = 0; row < B * M * Hkv; row++) {                                      \
@@ -144,6 +158,7 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
+        FP_LEAVE                                                                               \
     }
 
 /* Per-thread scratch buffers, grown on demand and kept (no allocation per call). */
@@ -170,7 +185,8 @@ void parity_attention_bf16(ATTENTION_ARGS(uint16_t)) { ATTENTION_BODY(uint16_t, 
 
 /* Row log-sum-exp of z * inv_t for rows of length n, into lse[r] (z float32 or bfloat16). */
 #define ROW_LSE_BODY(LOAD)                                                                     \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
+    _Pragma("omp parallel num_threads(threads)")                                             \
+    { FP_ENTER _Pragma("omp for schedule(static)")                                           \
     for (int64_t r = 0; r < rows; r++) {                                                     \
         const __typeof__(z[0]) *zr = z + r * n;                                              \
         float peak = -INFINITY;                                                              \
@@ -187,7 +203,8 @@ void parity_attention_bf16(ATTENTION_ARGS(uint16_t)) { ATTENTION_BODY(uint16_t, 
         for (int w = LANES / 2; w > 0; w /= 2)                                               \
             for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];                        \
         lse[r] = peak + logf(acc[0]);                                                        \
-    }
+    }                                                                                        \
+    FP_LEAVE }
 
 void parity_row_lse(const float *z, float *lse, int64_t rows, int64_t n, float inv_t, int threads) {
     ROW_LSE_BODY(F32_ID)
@@ -202,7 +219,8 @@ void parity_row_lse_bf16(const uint16_t *z, float *lse, int64_t rows, int64_t n,
  * the statistics in float32. Row (o, i) starts at x + o*so + i*si (so q/k heads can be read
  * straight out of a fused QKV output); out is contiguous [outer, inner, n]. */
 #define RMS_BODY(LOAD, STORE, ROPE)                                                          \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+    _Pragma("omp parallel num_threads(threads)")                                           \
+    { FP_ENTER _Pragma("omp for schedule(static)")                                         \
     for (int64_t row = 0; row < outer * inner; row++) {                                    \
         const int64_t o = row / inner, i = row % inner;                                    \
         const int64_t base = o * so + i * si;                                              \
@@ -235,7 +253,8 @@ void parity_row_lse_bf16(const uint16_t *z, float *lse, int64_t rows, int64_t n,
             for (int64_t c = half; c < n; c++)                                             \
                 out[row * n + c] = STORE(y[c] * cr[c] + y[c - half] * sr[c]);              \
         }                                                                                  \
-    }
+    }                                                                                      \
+    FP_LEAVE }
 
 /* With cos_t/sin_t ([outer, n] float32 rows, per token) the normalised rows are also rotated
  * (RoPE on q/k heads: row (o, i) is head i of token o); n <= 512 then. */
@@ -255,22 +274,32 @@ void parity_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, i
  * with row stride ld (both halves of a fused gate/up output), out is contiguous. */
 void parity_silu_mul_f32(const float *g, const float *u, float *out, int64_t rows, int64_t cols,
                          int64_t ld, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++) {
-            const float x = g[r * ld + c];
-            out[r * cols + c] = x / (1.0f + fixed_exp(-x)) * u[r * ld + c];
-        }
+    #pragma omp parallel num_threads(threads)
+    {
+        FP_ENTER
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++) {
+                const float x = g[r * ld + c];
+                out[r * cols + c] = x / (1.0f + fixed_exp(-x)) * u[r * ld + c];
+            }
+        FP_LEAVE
+    }
 }
 
 void parity_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t rows,
                           int64_t cols, int64_t ld, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++) {
-            const float x = bf16_to_f32(g[r * ld + c]);
-            out[r * cols + c] = f32_to_bf16(x / (1.0f + fixed_exp(-x)) * bf16_to_f32(u[r * ld + c]));
-        }
+    #pragma omp parallel num_threads(threads)
+    {
+        FP_ENTER
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++) {
+                const float x = bf16_to_f32(g[r * ld + c]);
+                out[r * cols + c] = f32_to_bf16(x / (1.0f + fixed_exp(-x)) * bf16_to_f32(u[r * ld + c]));
+            }
+        FP_LEAVE
+    }
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -282,7 +311,8 @@ void parity_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, i
  * (row stride ld), grad [rows, cols] contiguous -> grad_gu [rows, 2 * cols] contiguous:
  * d g = grad * u * s * (1 + g * (1 - s)), d u = grad * g * s, s = sigmoid(g), in float32. */
 #define SWIGLU_BACKWARD_BODY(LOAD, STORE)                                                     \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
+    _Pragma("omp parallel num_threads(threads)")                                            \
+    { FP_ENTER _Pragma("omp for schedule(static)")                                          \
     for (int64_t r = 0; r < rows; r++)                                                      \
         for (int64_t c = 0; c < cols; c++) {                                                \
             const float x = LOAD(g[r * ld + c]), up = LOAD(u[r * ld + c]);                  \
@@ -290,7 +320,8 @@ void parity_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, i
             const float s = 1.0f / (1.0f + fixed_exp(-x));                                  \
             out[r * 2 * cols + c] = STORE(dy * up * (s * (1.0f + x * (1.0f - s))));         \
             out[r * 2 * cols + cols + c] = STORE(dy * (x * s));                             \
-        }
+        }                                                                                   \
+    FP_LEAVE }
 
 void parity_swiglu_backward_f32(const float *g, const float *u, const float *grad, float *out,
                                 int64_t rows, int64_t cols, int64_t ld, int threads) {
@@ -310,6 +341,7 @@ void parity_swiglu_backward_bf16(const uint16_t *g, const uint16_t *u, const uin
 #define RMS_BACKWARD_BODY(LOAD, STORE)                                                        \
     _Pragma("omp parallel num_threads(threads)")                                            \
     {                                                                                         \
+        FP_ENTER                                                                              \
         float *gw_acc = grad_w_parts + (int64_t)omp_get_thread_num() * n;                     \
         _Pragma("omp for schedule(static)")                                                 \
         for (int64_t row = 0; row < outer * inner; row++) {                                 \
@@ -332,6 +364,7 @@ void parity_swiglu_backward_bf16(const uint16_t *g, const uint16_t *u, const uin
                 grad_x[row * n + c] = STORE(inv * (dy * LOAD(w[c]) - xh * mean));           \
             }                                                                               \
         }                                                                                   \
+        FP_LEAVE                                                                            \
     }
 
 void parity_rms_norm_backward_f32(const float *x, const float *w, const float *grad, float *grad_x,
@@ -351,7 +384,8 @@ void parity_rms_norm_backward_bf16(const uint16_t *x, const uint16_t *w, const u
  * gradient grad [rows] float32, d z[r, i] = grad[r] * inv_t * ([i == t_r] - exp(z[r, i] * inv_t -
  * lse[r])), written once per element into out [rows, n] (z's dtype). */
 #define TOKEN_LP_BACKWARD_BODY(LOAD, STORE)                                                   \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
+    _Pragma("omp parallel num_threads(threads)")                                            \
+    { FP_ENTER _Pragma("omp for schedule(static)")                                          \
     for (int64_t r = 0; r < rows; r++) {                                                    \
         const float g = grad[r] * inv_t, m = lse[r];                                        \
         const int64_t t = tokens[r];                                                        \
@@ -359,7 +393,8 @@ void parity_rms_norm_backward_bf16(const uint16_t *x, const uint16_t *w, const u
             const float p = fixed_exp(LOAD(z[r * n + i]) * inv_t - m);                      \
             out[r * n + i] = STORE(((i == t) ? 1.0f - p : -p) * g);                         \
         }                                                                                   \
-    }
+    }                                                                                       \
+    FP_LEAVE }
 
 void parity_token_lp_backward_f32(const float *z, const int64_t *tokens, const float *lse,
                                   const float *grad, float *out, int64_t rows, int64_t n,
@@ -596,10 +631,15 @@ static void gemv_run(const float *x, const void *w, int bf16, const float *bias,
                      int64_t k, int64_t n, int64_t kc, int threads) {
     if (gemv_degenerate(bias, y, m, k, n)) return;
     const int64_t nvec = n / 16;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t blk = 0; blk < nvec + 1; blk++) {
-        const int64_t n0 = blk * 16, width = blk < nvec ? 16 : n - nvec * 16;
-        if (width > 0) gemv_block(x, w, bf16, bias, y, m, k, n, kc, n0, width);
+    #pragma omp parallel num_threads(threads)
+    {
+        FP_ENTER
+        #pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < nvec + 1; blk++) {
+            const int64_t n0 = blk * 16, width = blk < nvec ? 16 : n - nvec * 16;
+            if (width > 0) gemv_block(x, w, bf16, bias, y, m, k, n, kc, n0, width);
+        }
+        FP_LEAVE
     }
 }
 
