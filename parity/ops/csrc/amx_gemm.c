@@ -85,27 +85,50 @@ static inline const uint16_t *a_tile(const weights *W, int64_t b, int64_t c, int
     return W->w + b * 16 * W->k + c * 32;
 }
 
+/* A 16 x 16 float32 transpose in registers: r[i] lane j -> r[j] lane i. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int g = 0; g < 16; g += 8)
+        for (int i = 0; i < 4; i++) {
+            t[g + i] = _mm512_shuffle_f32x4(r[g + i], r[g + 4 + i], 0x88);
+            t[g + 4 + i] = _mm512_shuffle_f32x4(r[g + i], r[g + 4 + i], 0xDD);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+    }
+}
+
 /* Sums in `cbuf` (16 outputs x 16 rows) -> y, bias added, rounded once (to nearest even, as
- * PyTorch rounds; NaN stays NaN): for each row j, column j of cbuf gathered into one vector. */
+ * PyTorch rounds; NaN stays NaN): transposed in registers, one vector per row of y. */
 static void emit(const float *cbuf, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
                  int64_t b, int64_t mb) {
     const int64_t width = n - b * 16 < 16 ? n - b * 16 : 16;
     const __mmask16 cols = (__mmask16)((1u << width) - 1u);
-    const __m512i down = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48,
-                                          32, 16, 0);
-    __m512 bv = _mm512_setzero_ps();
+    __m512 bv = _mm512_setzero_ps(), r[16];
     if (bias)
         bv = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, bias + b * 16)), 16));
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(cbuf + 16 * i);
+    transpose16(r);
     for (int j = 0; j < 16 && mb * 16 + j < m; j++) {
-        __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(down, _mm512_set1_epi32(j)), cbuf, 4);
-        if (bias) s = _mm512_add_ps(s, bv);
+        const __m512 s = bias ? _mm512_add_ps(r[j], bv) : r[j];
         const __m512i bits = _mm512_castps_si512(s);
         const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
         const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
-        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-        _mm256_mask_storeu_epi16(y + (mb * 16 + j) * n + b * 16, cols, _mm512_cvtepi32_epi16(r));
+        rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+        _mm256_mask_storeu_epi16(y + (mb * 16 + j) * n + b * 16, cols, _mm512_cvtepi32_epi16(rounded));
     }
 }
 
@@ -154,31 +177,32 @@ static void block(const weights *W, const uint16_t *xp, const uint16_t *bias, ui
 
 /* Returns 0, -1 where memory for the packed copies could not be had, or -2 where the tiles may
  * not be used (`parity_amx_ready` says 0); nothing is written then. */
+/* The calling thread's packed copy of x, grown on demand and kept: allocating it per call cost
+ * fresh pages and their faults (a third of a 2,048-row product at the small preset's shapes). */
+static __thread uint16_t *packed_buf;
+static __thread size_t packed_len;
+
+static uint16_t *packed(size_t elems) {
+    if (elems > packed_len) {
+        free(packed_buf);
+        packed_buf = aligned_alloc(64, (elems * 2 + 63) / 64 * 64);
+        packed_len = packed_buf ? elems : 0;
+    }
+    return packed_buf;
+}
+
 int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                            int64_t m, int64_t k, int64_t n, int threads) {
     if (!parity_amx_ready()) return -2;
     if (m <= 0 || n <= 0) return 0;
     const int64_t mblocks = (m + 15) / 16, kc = (k + 31) / 32, nb = (n + 15) / 16;
-    uint16_t *xp = zeroed((size_t)mblocks * kc * 512 * 2);
+    uint16_t *xp = packed((size_t)mblocks * kc * 512);
     uint16_t *wk = k % 32 && n >= 16 ? zeroed((size_t)nb * 512 * 2) : NULL;
     uint16_t *wn = n % 16 ? zeroed((size_t)16 * kc * 32 * 2) : NULL;
     if (!xp || (k % 32 && n >= 16 && !wk) || (n % 16 && !wn)) {
-        free(xp), free(wk), free(wn);
+        free(wk), free(wn);
         return -1;
     }
-    /* x in pairs: tile (mb, c), row r, column j = x[16 mb + j, 32 c + 2 r .. + 1] (one 32-bit pair) */
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t mb = 0; mb < mblocks; mb++)
-        for (int j = 0; j < 16 && mb * 16 + j < m; j++) {
-            const uint16_t *xr = x + (mb * 16 + j) * k;
-            uint16_t *dst = xp + mb * kc * 512;
-            for (int64_t c = 0; c < k / 32; c++) {
-                uint32_t pair[16], *to = (uint32_t *)(dst + c * 512) + j;
-                memcpy(pair, xr + c * 32, 64);
-                for (int r = 0; r < 16; r++) to[r * 16] = pair[r];
-            }
-            for (int64_t p = k / 32 * 32; p < k; p++) dst[(p / 32) * 512 + ((p % 32) / 2) * 32 + j * 2 + (p % 2)] = xr[p];
-        }
     if (wk)  /* each output block's last, partial K chunk, zero-padded */
         for (int64_t r = 0; r < (n / 16) * 16; r++)
             memcpy(wk + r * 32, w + r * k + (kc - 1) * 32, (k % 32) * 2);
@@ -190,6 +214,26 @@ int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t 
     {
         const unsigned int mode = _mm_getcsr();
         _mm_setcsr(0x1F80);  /* round to nearest, no flush-to-zero, exceptions masked */
+        /* x in pairs: tile (mb, c), row r, column j = x[16 mb + j, 32 c + 2 r .. + 1] (one 32-bit
+         * pair); the padding (rows past M, inputs past K) zeroed first */
+        #pragma omp for schedule(static)
+        for (int64_t mb = 0; mb < mblocks; mb++) {
+            uint16_t *dst = xp + mb * kc * 512;
+            if (mb * 16 + 16 > m) memset(dst, 0, (size_t)kc * 1024);
+            else if (k % 32) memset(dst + (kc - 1) * 512, 0, 1024);
+            const int64_t rows = m - mb * 16 < 16 ? m - mb * 16 : 16;
+            const uint16_t *xb = x + mb * 16 * k;
+            for (int64_t c = 0; c < k / 32; c++) {  /* 16 rows' pairs, transposed: bits moved, not computed */
+                __m512 t[16];
+                for (int j = 0; j < 16; j++)
+                    t[j] = j < rows ? _mm512_castsi512_ps(_mm512_loadu_si512(xb + j * k + c * 32)) : _mm512_setzero_ps();
+                transpose16(t);
+                for (int r = 0; r < 16; r++) _mm512_store_ps((float *)(dst + c * 512 + r * 32), t[r]);
+            }
+            for (int j = 0; j < rows; j++)
+                for (int64_t p = k / 32 * 32; p < k; p++)
+                    dst[(p / 32) * 512 + ((p % 32) / 2) * 32 + j * 2 + (p % 2)] = xb[j * k + p];
+        }  /* (the for's barrier: every tile packed before any is read) */
         configure();
         for (int64_t m0 = 0; m0 < mblocks; m0 += MCHUNK / 16) {
             const int64_t m1 = m0 + MCHUNK / 16 < mblocks ? m0 + MCHUNK / 16 : mblocks;
@@ -201,7 +245,7 @@ int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t 
         _tile_release();
         _mm_setcsr(mode);
     }
-    free(xp), free(wk), free(wn);
+    free(wk), free(wn);
     return 0;
 }
 
