@@ -1,5 +1,5 @@
 """The `parity` command: demo, study, sft, eval, train, check, compile, generate,
-bench kernels|rollout|learner|learner-memory|gemm|attention|sampler|memory|async.
+bench kernels|rollout|learner|learner-memory|gemm|linear|attention|sampler|memory|async.
 
 This module is the parser and the dispatch; each command's body is `main(args)` in its module
 under `parity/apps/` (imported only when that command runs). Every user-facing failure (bad
@@ -240,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     gm.add_argument("--candidates", type=_csv(str), default=None,
                     help="tiles BMxBNxBKxWARPSxSTAGES, comma-separated (default: a list per dtype)")
     _bench_options(gm, reps=5)
+    li = _command(bsub, "linear", "bench_linear", "CPU products per weight shape, aligned vs standard")
+    li.add_argument("--preset", default="qwen3-0.6b")
+    li.add_argument("--dtype", default="bfloat16")
+    li.add_argument("--rows", type=_csv(int), default=[1, 8, 64, 256, 1024], help="row counts (M)")
+    li.add_argument("--reps", type=int, default=15)
+    li.add_argument("--json", action="store_true")
     at = _command(bsub, "attention", "bench_attention",
                   "decode attention per schedule (walk, split, auto) vs the standard path")
     at.add_argument("--preset", default="qwen3-0.6b", help="heads and head size from this preset")

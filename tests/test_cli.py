@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from parity.apps import sft_child
 from parity.cli import main
@@ -420,6 +421,25 @@ def test_bench_async_json():
     assert out["rows"][2]["bytes_moved"] == 2 * out["rows"][1]["bytes_moved"] > 0
     assert all(r["gemm_gflops"] > 0 and 0 < r["gemm_fraction"] == r["gflops"] / r["gemm_gflops"]
                for r in out["rows"])
+
+
+def test_bench_linear_json_checks_the_aligned_rows(capsys, monkeypatch):
+    """Every weight shape at every row count, aligned beside standard, the aligned rows checked
+    against the largest product's (exit 1 and "same_bits" false where they differ: the control
+    puts the standard product in the aligned path's place, whose small row counts take another
+    path: MKL's GEMV below 4 rows)."""
+    from parity.ops import gemm
+
+    argv = ["bench", "linear", "--json", "--preset", "small", "--dtype", "float32", "--rows", "1,5,20",
+            "--reps", "1"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["shape"], r["rows"]) for r in out["rows"]][:3] == [("qkv", 1), ("qkv", 5), ("qkv", 20)]
+    assert len(out["rows"]) == 15 and all(r["same_bits"] for r in out["rows"])
+    assert all(r["aligned_us"] > 0 and r["standard_us"] > 0 for r in out["rows"]) and out["aligned_path"]
+    monkeypatch.setattr(gemm, "linear", lambda x, w, b=None: torch.nn.functional.linear(x, w, b))
+    assert main(argv) == 1
+    assert not all(r["same_bits"] for r in json.loads(capsys.readouterr().out)["rows"])
 
 
 def test_bench_memory_json():
