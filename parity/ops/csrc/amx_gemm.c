@@ -125,7 +125,8 @@ static void emit(const float *cbuf, const uint16_t *bias, uint16_t *y, int64_t m
         const __m512 s = bias ? _mm512_add_ps(r[j], bv) : r[j];
         const __m512i bits = _mm512_castps_si512(s);
         const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+        const __m512i biased = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
+        __m512i rounded = _mm512_srli_epi32(biased, 16);
         const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
         rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
         _mm256_mask_storeu_epi16(y + (mb * 16 + j) * n + b * 16, cols, _mm512_cvtepi32_epi16(rounded));
@@ -175,8 +176,6 @@ static void block(const weights *W, const uint16_t *xp, const uint16_t *bias, ui
     }
 }
 
-/* Returns 0, -1 where memory for the packed copies could not be had, or -2 where the tiles may
- * not be used (`parity_amx_ready` says 0); nothing is written then. */
 /* The calling thread's packed copy of x, grown on demand and kept: allocating it per call cost
  * fresh pages and their faults (a third of a 2,048-row product at the small preset's shapes). */
 static __thread uint16_t *packed_buf;
@@ -191,6 +190,8 @@ static uint16_t *packed(size_t elems) {
     return packed_buf;
 }
 
+/* Returns 0, -1 where memory for the packed copies could not be had, or -2 where the tiles may
+ * not be used (`parity_amx_ready` says 0); nothing is written then. */
 int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                            int64_t m, int64_t k, int64_t n, int threads) {
     if (!parity_amx_ready()) return -2;
@@ -207,7 +208,8 @@ int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t 
         for (int64_t r = 0; r < (n / 16) * 16; r++)
             memcpy(wk + r * 32, w + r * k + (kc - 1) * 32, (k % 32) * 2);
     if (wn)  /* the last, partial output block, zero-padded in both directions */
-        for (int64_t r = nb * 16 - 16; r < n; r++) memcpy(wn + (r - (nb * 16 - 16)) * kc * 32, w + r * k, k * 2);
+        for (int64_t r = nb * 16 - 16; r < n; r++)
+            memcpy(wn + (r - (nb * 16 - 16)) * kc * 32, w + r * k, k * 2);
     const weights W = {w, wk, wn, k, kc, nb};
     const int64_t pairs = (nb + 1) / 2;
     #pragma omp parallel num_threads(threads)
@@ -226,7 +228,8 @@ int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t 
             for (int64_t c = 0; c < k / 32; c++) {  /* 16 rows' pairs, transposed: bits moved, not computed */
                 __m512 t[16];
                 for (int j = 0; j < 16; j++)
-                    t[j] = j < rows ? _mm512_castsi512_ps(_mm512_loadu_si512(xb + j * k + c * 32)) : _mm512_setzero_ps();
+                    t[j] = j < rows ? _mm512_castsi512_ps(_mm512_loadu_si512(xb + j * k + c * 32))
+                                    : _mm512_setzero_ps();
                 transpose16(t);
                 for (int r = 0; r < 16; r++) _mm512_store_ps((float *)(dst + c * 512 + r * 32), t[r]);
             }
