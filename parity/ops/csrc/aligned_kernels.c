@@ -18,8 +18,9 @@
 /* Every thread of a parallel region computes in the default float mode (round to nearest, no
  * flush-to-zero) for the call and then gets its own back: MXCSR is per thread, and a caller's
  * flush-to-zero (PyTorch's set_flush_denormal) reached only the rows the calling thread took, so a
- * denormal's fate followed the thread count. FP_ENTER/FP_LEAVE open and close each region's body. */
-#if defined(__x86_64__) || defined(__i386__)
+ * denormal's fate followed the thread count. FP_ENTER/FP_LEAVE open and close each region's body
+ * (its `omp for` then needs no barrier of its own: the region's end is one). */
+#if defined(__SSE__)
 #include <xmmintrin.h>
 #define FP_ENTER const unsigned int fp_mode_ = _mm_getcsr(); _mm_setcsr(0x1F80);
 #define FP_LEAVE _mm_setcsr(fp_mode_);
@@ -134,7 +135,7 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
     {                                                                                          \
         FP_ENTER                                                                               \
         float *scores = scratch((size_t)(L > 0 ? L : LANES));                               \
-        _Pragma("omp for schedule(dynamic, 4)")                                                \
+        _Pragma("omp for schedule(dynamic, 4) nowait")                                         \
         for (int64_t row = 0; row < B * M * Hkv; row++) {                                      \
             const int64_t kh = row % Hkv, bm = row / Hkv, b = bm / M;                          \
             int64_t n = q_pos[bm] + 1;                                                         \
@@ -186,7 +187,7 @@ void parity_attention_bf16(ATTENTION_ARGS(uint16_t)) { ATTENTION_BODY(uint16_t, 
 /* Row log-sum-exp of z * inv_t for rows of length n, into lse[r] (z float32 or bfloat16). */
 #define ROW_LSE_BODY(LOAD)                                                                     \
     _Pragma("omp parallel num_threads(threads)")                                             \
-    { FP_ENTER _Pragma("omp for schedule(static)")                                           \
+    { FP_ENTER _Pragma("omp for schedule(static) nowait")                                    \
     for (int64_t r = 0; r < rows; r++) {                                                     \
         const __typeof__(z[0]) *zr = z + r * n;                                              \
         float peak = -INFINITY;                                                              \
@@ -220,7 +221,7 @@ void parity_row_lse_bf16(const uint16_t *z, float *lse, int64_t rows, int64_t n,
  * straight out of a fused QKV output); out is contiguous [outer, inner, n]. */
 #define RMS_BODY(LOAD, STORE, ROPE)                                                          \
     _Pragma("omp parallel num_threads(threads)")                                           \
-    { FP_ENTER _Pragma("omp for schedule(static)")                                         \
+    { FP_ENTER _Pragma("omp for schedule(static) nowait")                                  \
     for (int64_t row = 0; row < outer * inner; row++) {                                    \
         const int64_t o = row / inner, i = row % inner;                                    \
         const int64_t base = o * so + i * si;                                              \
@@ -277,7 +278,7 @@ void parity_silu_mul_f32(const float *g, const float *u, float *out, int64_t row
     #pragma omp parallel num_threads(threads)
     {
         FP_ENTER
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < rows; r++)
             for (int64_t c = 0; c < cols; c++) {
                 const float x = g[r * ld + c];
@@ -292,7 +293,7 @@ void parity_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, i
     #pragma omp parallel num_threads(threads)
     {
         FP_ENTER
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < rows; r++)
             for (int64_t c = 0; c < cols; c++) {
                 const float x = bf16_to_f32(g[r * ld + c]);
@@ -312,7 +313,7 @@ void parity_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, i
  * d g = grad * u * s * (1 + g * (1 - s)), d u = grad * g * s, s = sigmoid(g), in float32. */
 #define SWIGLU_BACKWARD_BODY(LOAD, STORE)                                                     \
     _Pragma("omp parallel num_threads(threads)")                                            \
-    { FP_ENTER _Pragma("omp for schedule(static)")                                          \
+    { FP_ENTER _Pragma("omp for schedule(static) nowait")                                   \
     for (int64_t r = 0; r < rows; r++)                                                      \
         for (int64_t c = 0; c < cols; c++) {                                                \
             const float x = LOAD(g[r * ld + c]), up = LOAD(u[r * ld + c]);                  \
@@ -343,7 +344,7 @@ void parity_swiglu_backward_bf16(const uint16_t *g, const uint16_t *u, const uin
     {                                                                                         \
         FP_ENTER                                                                              \
         float *gw_acc = grad_w_parts + (int64_t)omp_get_thread_num() * n;                     \
-        _Pragma("omp for schedule(static)")                                                 \
+        _Pragma("omp for schedule(static) nowait")                                          \
         for (int64_t row = 0; row < outer * inner; row++) {                                 \
             const int64_t o = row / inner, i = row % inner;                                 \
             const int64_t base = o * so + i * si;                                           \
@@ -385,7 +386,7 @@ void parity_rms_norm_backward_bf16(const uint16_t *x, const uint16_t *w, const u
  * lse[r])), written once per element into out [rows, n] (z's dtype). */
 #define TOKEN_LP_BACKWARD_BODY(LOAD, STORE)                                                   \
     _Pragma("omp parallel num_threads(threads)")                                            \
-    { FP_ENTER _Pragma("omp for schedule(static)")                                          \
+    { FP_ENTER _Pragma("omp for schedule(static) nowait")                                   \
     for (int64_t r = 0; r < rows; r++) {                                                    \
         const float g = grad[r] * inv_t, m = lse[r];                                        \
         const int64_t t = tokens[r];                                                        \
@@ -634,7 +635,7 @@ static void gemv_run(const float *x, const void *w, int bf16, const float *bias,
     #pragma omp parallel num_threads(threads)
     {
         FP_ENTER
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (int64_t blk = 0; blk < nvec + 1; blk++) {
             const int64_t n0 = blk * 16, width = blk < nvec ? 16 : n - nvec * 16;
             if (width > 0) gemv_block(x, w, bf16, bias, y, m, k, n, kc, n0, width);
