@@ -4,7 +4,8 @@
  * layout), bias [N] or none, y [M, N], all row-major. Tiles compute the transposed product: an A
  * tile is 16 weight rows x 32 input positions, loaded in place (a row of w is contiguous), a B
  * tile is 32 input positions x 16 rows of x, repacked in pairs (the layout TDPBF16PS reads), and a
- * C tile is 16 outputs x 16 rows of float32 sums. Every output element is one float32 accumulator
+ * C tile is 16 outputs x 16 rows of float32 sums; a product of at least as many rows as outputs
+ * swaps the roles (rows of x in place, the weights packed). Every output element is one float32 accumulator
  * that TDPBF16PS adds its 32 products to, K chunk after K chunk from zero, in ascending order;
  * then the bias is added and the sum rounded to bf16 once. That sequence is the same for a row of
  * a 1-row product and of a 4,096-row one, for any thread count, and for whichever tile (and tile
@@ -32,6 +33,7 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define MCHUNK 256 /* rows of x whose packed tiles stay in cache while a thread walks its outputs */
+
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -65,8 +67,9 @@ static void *zeroed(size_t bytes) {
 }
 
 typedef struct {
-    const uint16_t *w, *wk, *wn;
+    const uint16_t *w, *wk, *wn;  /* the operand loaded in place (A tiles), its padded edges */
     int64_t k, kc, nb;
+    int swap;  /* 0: A tiles are weight rows, B tiles rows of x; 1: A tiles are rows of x */
 } weights;
 
 /* Where the A tile of output block `b`, K chunk `c` lies (and its row stride in bytes): in place,
@@ -111,26 +114,48 @@ static inline void transpose16(__m512 r[16]) {
 
 /* Sums in `cbuf` (16 outputs x 16 rows) -> y, bias added, rounded once (to nearest even, as
  * PyTorch rounds; NaN stays NaN): transposed in registers, one vector per row of y. */
+static inline __m256i rounded_bf16(__m512 s) {
+    const __m512i bits = _mm512_castps_si512(s);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i biased = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
+    __m512i rounded = _mm512_srli_epi32(biased, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+static inline __m512 bias_block(const uint16_t *bias, int64_t at, __mmask16 cols) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, bias + at)), 16));
+}
+
+/* Sums in `cbuf` (tile rows x 16 columns of float32) -> y, bias added, rounded once (to nearest
+ * even, as PyTorch rounds; NaN stays NaN). Unswapped, a tile is 16 outputs (block b) x 16 rows of
+ * y (block mb): transposed in registers, one vector per row of y. Swapped, it is 16 rows of y
+ * (block b) x 16 outputs (block mb): each tile row is a row of y's outputs as it is. The same
+ * additions and rounding either way. */
 static void emit(const float *cbuf, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
-                 int64_t b, int64_t mb) {
+                 int64_t b, int64_t mb, int swap) {
+    if (swap) {
+        const int64_t width = n - mb * 16 < 16 ? n - mb * 16 : 16;
+        const __mmask16 cols = (__mmask16)((1u << width) - 1u);
+        const __m512 bv = bias ? bias_block(bias, mb * 16, cols) : _mm512_setzero_ps();
+        for (int i = 0; i < 16 && b * 16 + i < m; i++) {
+            const __m512 r = _mm512_load_ps(cbuf + 16 * i);
+            _mm256_mask_storeu_epi16(y + (b * 16 + i) * n + mb * 16, cols,
+                                     rounded_bf16(bias ? _mm512_add_ps(r, bv) : r));
+        }
+        return;
+    }
     const int64_t width = n - b * 16 < 16 ? n - b * 16 : 16;
     const __mmask16 cols = (__mmask16)((1u << width) - 1u);
-    __m512 bv = _mm512_setzero_ps(), r[16];
-    if (bias)
-        bv = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, bias + b * 16)), 16));
+    const __m512 bv = bias ? bias_block(bias, b * 16, cols) : _mm512_setzero_ps();
+    __m512 r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(cbuf + 16 * i);
     transpose16(r);
-    for (int j = 0; j < 16 && mb * 16 + j < m; j++) {
-        const __m512 s = bias ? _mm512_add_ps(r[j], bv) : r[j];
-        const __m512i bits = _mm512_castps_si512(s);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        const __m512i biased = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
-        __m512i rounded = _mm512_srli_epi32(biased, 16);
-        const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
-        rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-        _mm256_mask_storeu_epi16(y + (mb * 16 + j) * n + b * 16, cols, _mm512_cvtepi32_epi16(rounded));
-    }
+    for (int j = 0; j < 16 && mb * 16 + j < m; j++)
+        _mm256_mask_storeu_epi16(y + (mb * 16 + j) * n + b * 16, cols,
+                                 rounded_bf16(bias ? _mm512_add_ps(r[j], bv) : r[j]));
 }
 
 /* Output blocks b0 (and b0 + 1 if `two`) for row blocks mb0 (and mb0 + 1 if `two_m`). Tiles:
@@ -161,17 +186,17 @@ static void block(const weights *W, const uint16_t *xp, const uint16_t *bias, ui
         }
     }
     _tile_stored(0, cbuf, 64);
-    emit(cbuf, bias, y, m, n, b0, mb0);
+    emit(cbuf, bias, y, m, n, b0, mb0, W->swap);
     if (two_m) {
         _tile_stored(1, cbuf, 64);
-        emit(cbuf, bias, y, m, n, b0, mb0 + 1);
+        emit(cbuf, bias, y, m, n, b0, mb0 + 1, W->swap);
     }
     if (two) {
         _tile_stored(2, cbuf, 64);
-        emit(cbuf, bias, y, m, n, b0 + 1, mb0);
+        emit(cbuf, bias, y, m, n, b0 + 1, mb0, W->swap);
         if (two_m) {
             _tile_stored(3, cbuf, 64);
-            emit(cbuf, bias, y, m, n, b0 + 1, mb0 + 1);
+            emit(cbuf, bias, y, m, n, b0 + 1, mb0 + 1, W->swap);
         }
     }
 }
@@ -196,35 +221,44 @@ int parity_amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t 
                            int64_t m, int64_t k, int64_t n, int threads) {
     if (!parity_amx_ready()) return -2;
     if (m <= 0 || n <= 0) return 0;
-    const int64_t mblocks = (m + 15) / 16, kc = (k + 31) / 32, nb = (n + 15) / 16;
+    /* At least as many rows as outputs: the rows of x in place and the weights packed, so that
+     * threads share rows and the smaller operand is the one reused (2,048 x 256 -> 256: 231 ->
+     * 110 us; 2,048 x 256 -> 1,536: 883 -> 656; never slower where measured). The tiles sum each
+     * element alike either way (TDPBF16PS multiplies exactly and adds in pair order, whichever
+     * operand is A): the same bits, tests/parity/test_amx_gemm.py. */
+    const int swap = m >= n;
+    const uint16_t *in_place = swap ? x : w, *to_pack = swap ? w : x;
+    const int64_t na = swap ? m : n, np = swap ? n : m;  /* rows of each */
+    const int64_t mblocks = (np + 15) / 16, kc = (k + 31) / 32, nb = (na + 15) / 16;
     uint16_t *xp = packed((size_t)mblocks * kc * 512);
-    uint16_t *wk = k % 32 && n >= 16 ? zeroed((size_t)nb * 512 * 2) : NULL;
-    uint16_t *wn = n % 16 ? zeroed((size_t)16 * kc * 32 * 2) : NULL;
-    if (!xp || (k % 32 && n >= 16 && !wk) || (n % 16 && !wn)) {
+    uint16_t *wk = k % 32 && na >= 16 ? zeroed((size_t)nb * 512 * 2) : NULL;
+    uint16_t *wn = na % 16 ? zeroed((size_t)16 * kc * 32 * 2) : NULL;
+    if (!xp || (k % 32 && na >= 16 && !wk) || (na % 16 && !wn)) {
         free(wk), free(wn);
         return -1;
     }
-    if (wk)  /* each output block's last, partial K chunk, zero-padded */
-        for (int64_t r = 0; r < (n / 16) * 16; r++)
-            memcpy(wk + r * 32, w + r * k + (kc - 1) * 32, (k % 32) * 2);
-    if (wn)  /* the last, partial output block, zero-padded in both directions */
-        for (int64_t r = nb * 16 - 16; r < n; r++)
-            memcpy(wn + (r - (nb * 16 - 16)) * kc * 32, w + r * k, k * 2);
-    const weights W = {w, wk, wn, k, kc, nb};
+    if (wk)  /* each in-place block's last, partial K chunk, zero-padded */
+        for (int64_t r = 0; r < (na / 16) * 16; r++)
+            memcpy(wk + r * 32, in_place + r * k + (kc - 1) * 32, (k % 32) * 2);
+    if (wn)  /* the last, partial in-place block, zero-padded in both directions */
+        for (int64_t r = nb * 16 - 16; r < na; r++)
+            memcpy(wn + (r - (nb * 16 - 16)) * kc * 32, in_place + r * k, k * 2);
+    const weights W = {in_place, wk, wn, k, kc, nb, swap};
     const int64_t pairs = (nb + 1) / 2;
     #pragma omp parallel num_threads(threads)
     {
         const unsigned int mode = _mm_getcsr();
         _mm_setcsr(0x1F80);  /* round to nearest, no flush-to-zero, exceptions masked */
-        /* x in pairs: tile (mb, c), row r, column j = x[16 mb + j, 32 c + 2 r .. + 1] (one 32-bit
-         * pair); the padding (rows past M, inputs past K) zeroed first */
+        /* the packed operand in pairs: tile (mb, c), row r, column j = row 16 mb + j, inputs
+         * 32 c + 2 r .. + 1 (one 32-bit pair); the padding (rows past its end, inputs past K)
+         * zeroed first */
         #pragma omp for schedule(static)
         for (int64_t mb = 0; mb < mblocks; mb++) {
             uint16_t *dst = xp + mb * kc * 512;
-            if (mb * 16 + 16 > m) memset(dst, 0, (size_t)kc * 1024);
+            if (mb * 16 + 16 > np) memset(dst, 0, (size_t)kc * 1024);
             else if (k % 32) memset(dst + (kc - 1) * 512, 0, 1024);
-            const int64_t rows = m - mb * 16 < 16 ? m - mb * 16 : 16;
-            const uint16_t *xb = x + mb * 16 * k;
+            const int64_t rows = np - mb * 16 < 16 ? np - mb * 16 : 16;
+            const uint16_t *xb = to_pack + mb * 16 * k;
             for (int64_t c = 0; c < k / 32; c++) {  /* 16 rows' pairs, transposed: bits moved, not computed */
                 __m512 t[16];
                 for (int j = 0; j < 16; j++)
