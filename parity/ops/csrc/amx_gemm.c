@@ -11,8 +11,9 @@
  * a 1-row product and of a 4,096-row one, for any thread count, and for whichever tile (and tile
  * neighbours) holds the row: rows past M, inputs past K and outputs past N are zeros in padded
  * copies, never a different instruction. Threads share whole pairs of the in-place operand's
- * 16-row blocks (outputs, or rows of x when swapped), each with the same floating-point mode (MXCSR set to its default for the call, so that a caller's
- * flush-to-zero never reaches only some threads' bias adds). As TDPBF16PS does, denormal inputs
+ * 16-row blocks (outputs, or rows of x when swapped), each with the same floating-point mode
+ * (MXCSR set to its default for the call, so that a caller's flush-to-zero never reaches only some
+ * threads' bias adds). As TDPBF16PS does, denormal inputs
  * count as zero and denormal sums are flushed: the same on every row, unlike PyTorch's sums.
  *
  * Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere, and
