@@ -2,19 +2,19 @@
  *
  * y[m, n] = bf16(sum_k x[m, k] * w[n, k] + bias[n]) for bf16 x [M, K], w [N, K] (nn.Linear's
  * layout), bias [N] or none, y [M, N], all row-major. Tiles compute the transposed product: an A
- * tile is 16 weight rows x 32 input positions, loaded in place (a row of w is contiguous), a B
- * tile is 32 input positions x 16 rows of x, repacked in pairs (the layout TDPBF16PS reads), and a
- * C tile is 16 outputs x 16 rows of float32 sums; a product of at least as many rows as outputs
- * swaps the roles (rows of x in place, the weights packed). Every output element is one float32
- * accumulator that TDPBF16PS adds its 32 products to, K chunk after K chunk from zero, in ascending order;
- * then the bias is added and the sum rounded to bf16 once. That sequence is the same for a row of
- * a 1-row product and of a 4,096-row one, for any thread count, and for whichever tile (and tile
- * neighbours) holds the row: rows past M, inputs past K and outputs past N are zeros in padded
- * copies, never a different instruction. Threads share whole pairs of the in-place operand's
- * 16-row blocks (outputs, or rows of x when swapped), each with the same floating-point mode
- * (MXCSR set to its default for the call, so that a caller's flush-to-zero never reaches only some
- * threads' bias adds). As TDPBF16PS does, denormal inputs
- * count as zero and denormal sums are flushed: the same on every row, unlike PyTorch's sums.
+ * tile is 16 weight rows x 32 input positions, loaded in place (a row of w is contiguous), a B tile
+ * is 32 input positions x 16 rows of x, repacked in pairs (the layout TDPBF16PS reads), and a C
+ * tile is 16 outputs x 16 rows of float32 sums; a product of at least as many rows as outputs swaps
+ * the roles (rows of x in place, the weights packed). Every output element is one float32
+ * accumulator that TDPBF16PS adds its 32 products to, K chunk after K chunk from zero, in ascending
+ * order; then the bias is added and the sum rounded to bf16 once. That sequence is the same for a
+ * row of a 1-row product and of a 4,096-row one, for any thread count, and for whichever tile (and
+ * tile neighbours) holds the row: rows past M, inputs past K and outputs past N are zeros in padded
+ * copies, never a different instruction. Threads share whole pairs of the in-place operand's 16-row
+ * blocks (outputs, or rows of x when swapped), each with the same floating-point mode (MXCSR set to
+ * its default for the call, so that a caller's flush-to-zero never reaches only some threads' bias
+ * adds). As TDPBF16PS does, denormal inputs count as zero and denormal sums are flushed: the same
+ * on every row, unlike PyTorch's sums.
  *
  * Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere, and
  * where the kernel refuses (Linux must grant the process the tile state), `parity_amx_ready`
