@@ -314,14 +314,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kc: i
     return out
 
 
+_amx_granted: bool | None = None  # the tile state granted to this process (None: not asked yet)
+
+
 def amx_ready() -> bool:
     """Whether the AMX bf16 GEMM runs here: built (the compiler targets AMX-BF16) and the process
     granted the tile state by Linux. PARITY_AMX=0 turns it off (to compare with the paths before)."""
+    global _amx_granted
     flag = os.environ.get("PARITY_AMX", "1")
     if flag not in ("", "0", "1"):
         raise ConfigError(f"PARITY_AMX must be 1 or 0, got {flag!r}")
     lib = library() if flag != "0" else None
-    return lib is not None and lib.parity_amx_ready() == 1
+    if lib is None:
+        return False
+    if _amx_granted is None:  # (asked of Linux once: a grant lasts the process, and its forks)
+        _amx_granted = lib.parity_amx_ready() == 1
+    return _amx_granted
 
 
 def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
