@@ -21,9 +21,11 @@ pytestmark = pytest.mark.skipif(
     DEVICE != "cpu" or not (hardware.bf16_gemm_native() and native.amx_ready()),
     reason="no AMX tiles here (the kernel is built and used only on CPUs with AMX-BF16)")
 
-SHAPES = [(1024, 1024), (3072, 40), (100, 37), (96, 7), (64, 4), (48, 1000), (100, 32), (7, 20)]
+SHAPES = [(1024, 1024), (3072, 200), (3072, 40), (100, 37), (96, 7), (64, 4), (48, 1000), (100, 32), (7, 20)]
 """(K, N): whole tiles, and K or N (or both) past the last whole tile (the padded copies), K below
-one chunk, N of one whole block and a part."""
+one chunk, N of one whole block and a part. For the wide schedule (256 rows and more), w over 1 MB
+is packed a pair of output blocks at a time (1024 x 1024; 3072 x 200, whose 300 rows also span
+two of its 256-row chunks of x), smaller ones whole."""
 
 ROWS = [*range(1, 18), 31, 32, 33, 37, 64, 100, 255, 256, 257]
 
@@ -37,7 +39,8 @@ def _data(k: int, n: int, rows: int = 300, seed: int = 0):
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_a_rows_bits_do_not_depend_on_m_offset_threads_or_edges(k, n):
     """Every row of products of 1-257 rows at three offsets equals that row of a 300-row product
-    (which crosses the kernel's 256-row chunk), with and without bias, at 1 and 2 threads."""
+    (the narrow schedule below 256 rows, the wide one from there), with and without bias, at 1 and
+    2 threads."""
     x, w, b = _data(k, n)
     before = torch.get_num_threads()
     try:
@@ -92,16 +95,19 @@ def test_strict_bf16_products_take_the_kernel_under_autograd_with_the_same_bits(
     assert wg.grad.shape == w.shape
 
 
-def test_a_callers_flush_to_zero_reaches_no_thread(monkeypatch):
-    """The bias add runs in the default floating-point mode on every thread: a caller that set
-    flush-to-zero (PyTorch's `set_flush_denormal`, on the calling thread only) changed the outputs
-    of the blocks it computed itself and not the workers' (1 thread: all 0x0000; 2 threads: half
-    0x0040), so the bits followed the thread count."""
-    x = torch.ones(1, 1).bfloat16()
-    w = torch.full((64, 1), 1.5 * 2.0 ** -126).bfloat16()
-    b = torch.full((64,), -(2.0 ** -126)).bfloat16()
+@pytest.mark.parametrize("rows", [1, 256])
+def test_a_callers_flush_to_zero_reaches_no_thread(rows):
+    """The bias add runs in the default floating-point mode on every thread (both schedules: 1 row
+    is narrow, 256 wide): a caller that set denormals-are-zero (PyTorch's `set_flush_denormal`, on
+    the calling thread only) read a denormal bias as zero in the blocks it computed itself and not
+    in the workers', so the bits followed the thread count (2**-126 + 2**-127 is 0x00C0 in bf16;
+    the bias read as zero gives 0x0080)."""
+    x = torch.ones(rows, 1).bfloat16()
+    w = torch.full((64, 1), 2.0 ** -126).bfloat16()
+    b = torch.full((64,), 2.0 ** -127).bfloat16()  # a bf16 denormal
     before = torch.get_num_threads()
     want = native.amx_linear(x, w, b)
+    assert (want.view(torch.int16) == 0x00C0).all(), "the case cannot tell the modes apart"
     if not torch.set_flush_denormal(True):
         pytest.skip("flush-to-zero cannot be set here")
     try:
