@@ -80,88 +80,6 @@ static inline float fixed_dot(const float *a, const float *b, int n) {
     return acc[0];
 }
 
-/* Causal GQA attention over a paged KV store, read in place. q [B, M, Hq, D] float32;
- * key blocks [NB, Hkv, D, bs] (transposed inside a block) and value blocks [NB, Hkv, bs, D],
- * float32 or bfloat16; tables [B, nblk] block ids; q_pos [B, M]; out [B, M, Hq, D] float32
- * (rows with q_pos < 0 are padding and left untouched); D and bs multiples of 16. When lse is
- * not NULL it receives each row's natural log-sum-exp of the scaled scores, [B, M, Hq] (+inf on
- * padding rows), for the learner's backward pass.
- * Query (b, m, h) attends to keys n0..q_pos of KV head h / (Hq / Hkv), n0 = 0, or with a sliding
- * window W > 0 max(0, q_pos + 1 - W): its keys are a property of the query alone, so every reduction (each score summed over d in order;
- * the exact max; the denominator and the value sum accumulated key by key) is the same
- * whatever else is in the batch and wherever its keys are stored. Scores are q.k * scale; with
- * softcap > 0 they are capped to softcap * tanhf(score / softcap) (Gemma 2), element by element. */
-#define ATTEND_ROW(KV_T, LOAD, DIM)                                                            \
-    {                                                                                          \
-        const int64_t nb = (n + bs - 1) / bs;                                                  \
-        for (int64_t i = n0 / bs; i < nb; i++) {                                               \
-            const KV_T *kb = k + (tab[i] * Hkv + kh) * DIM * bs;                               \
-            for (int64_t j0 = 0; j0 < bs; j0 += LANES) {                                       \
-                float s[LANES];                                                                \
-                for (int l = 0; l < LANES; l++) s[l] = 0.0f;                                   \
-                for (int64_t d = 0; d < DIM; d++) {                                            \
-                    const float qd = qr[d];                                                    \
-                    const KV_T *row = kb + d * bs + j0;                                        \
-                    for (int l = 0; l < LANES; l++) s[l] = s[l] + qd * LOAD(row[l]);           \
-                }                                                                              \
-                for (int l = 0; l < LANES; l++) scores[i * bs + j0 + l] = s[l] * scale;        \
-                if (softcap > 0.0f)                                                            \
-                    for (int l = 0; l < LANES; l++)                                            \
-                        scores[i * bs + j0 + l] = tanhf(scores[i * bs + j0 + l] / softcap) * softcap; \
-            }                                                                                  \
-        }                                                                                      \
-        float peak = -INFINITY;                                                                \
-        for (int64_t j = n0; j < n; j++) peak = scores[j] > peak ? scores[j] : peak;           \
-        for (int64_t j = n0; j < n; j++) scores[j] = fixed_exp(scores[j] - peak);              \
-        float denom = 0.0f;                                                                    \
-        for (int64_t j = n0; j < n; j++) denom = denom + scores[j];                            \
-        for (int64_t d0 = 0; d0 < DIM; d0 += LANES) {                                          \
-            float acc[LANES];                                                                  \
-            for (int l = 0; l < LANES; l++) acc[l] = 0.0f;                                     \
-            for (int64_t j = n0; j < n; j++) {                                                 \
-                const float p = scores[j];                                                     \
-                const KV_T *vr = v + ((tab[j / bs] * Hkv + kh) * bs + j % bs) * DIM + d0;      \
-                for (int l = 0; l < LANES; l++) acc[l] = acc[l] + p * LOAD(vr[l]);             \
-            }                                                                                  \
-            for (int l = 0; l < LANES; l++) o[d0 + l] = acc[l] / denom;                        \
-        }                                                                                      \
-        if (lse) lse[(bm * Hq + h)] = peak + logf(denom);                                      \
-    }
-
-#define ATTENTION_BODY(KV_T, LOAD)                                                             \
-    const int64_t rep = Hq / Hkv;                                                              \
-    const int64_t L = nblk * bs;                                                               \
-    _Pragma("omp parallel num_threads(threads)")                                               \
-    {                                                                                          \
-        FP_ENTER                                                                               \
-        float *scores = scratch((size_t)(L > 0 ? L : LANES));                               \
-        _Pragma("omp for schedule(dynamic, 4) nowait")                                         \
-        for (int64_t row = 0; row < B * M * Hkv; row++) {                                      \
-            const int64_t kh = row % Hkv, bm = row / Hkv, b = bm / M;                          \
-            int64_t n = q_pos[bm] + 1;                                                         \
-            if (n > L) n = L;                                                                  \
-            if (n < 1) { /* a padding row: its output is never read; exp(s - inf) = 0 */      \
-                if (lse)                                                                       \
-                    for (int64_t r = 0; r < rep; r++) lse[bm * Hq + kh * rep + r] = INFINITY;  \
-                continue;                                                                      \
-            }                                                                                  \
-            const int64_t n0 = (window > 0 && n > window) ? n - window : 0;                    \
-            const int64_t *tab = tables + b * nblk;                                            \
-            for (int64_t r = 0; r < rep; r++) {                                                \
-                const int64_t h = kh * rep + r;                                                \
-                const float *qr = q + (bm * Hq + h) * D;                                       \
-                float *o = out + (bm * Hq + h) * D;                                            \
-                switch (D) {                                                                   \
-                case 32: ATTEND_ROW(KV_T, LOAD, 32) break;                                     \
-                case 64: ATTEND_ROW(KV_T, LOAD, 64) break;                                     \
-                case 128: ATTEND_ROW(KV_T, LOAD, 128) break;                                   \
-                default: ATTEND_ROW(KV_T, LOAD, D)                                             \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-        FP_LEAVE                                                                               \
-    }
-
 /* Per-thread scratch buffers, grown on demand and kept (no allocation per call). */
 static __thread float *scratch_buf;
 static __thread size_t scratch_cap;
@@ -175,14 +93,181 @@ static float *scratch(size_t n) {
     return scratch_buf;
 }
 
+/* Causal GQA attention over a paged KV store, read in place. q [B, M, Hq, D] float32;
+ * key blocks [NB, Hkv, D, bs] (transposed inside a block) and value blocks [NB, Hkv, bs, D],
+ * float32 or bfloat16; tables [B, nblk] block ids; q_pos [B, M]; out [B, M, Hq, D] float32
+ * (rows with q_pos < 0 are padding and left untouched); D and bs multiples of 16. When lse is
+ * not NULL it receives each row's natural log-sum-exp of the scaled scores, [B, M, Hq] (+inf on
+ * padding rows), for the learner's backward pass.
+ * Query (b, m, h) attends to keys n0..q_pos of KV head h / (Hq / Hkv), n0 = 0, or with a sliding
+ * window W > 0 max(0, q_pos + 1 - W): its keys are a property of the query alone, so every
+ * reduction (each score summed over d in order; the exact max; the denominator and the value sum
+ * accumulated key by key) is the same whatever else is in the batch and wherever its keys are
+ * stored. Scores are q.k * scale; with softcap > 0 they are capped to softcap * tanhf(score /
+ * softcap) (Gemma 2), element by element.
+ * The query heads that share a KV head are computed together, R at a time (R = 1, 2 or 4: the
+ * group's sums are independent chains over one load of each key and value, which a lone row's
+ * chain of dependent adds could not overlap); each head's sums run in the same order as alone.
+ * Vectors are written with GCC's vector extensions, VL floats wide (16 where the compiler targets
+ * AVX-512, else 8), so that the compiler neither splits nor scalarises them. */
+#if defined(__AVX512F__)
+#define VL 16      /* floats per vector register */
+#define ACC_REGS 16 /* of the 32, for a group's value sums */
+#else
+#define VL 8
+#define ACC_REGS 8
+#endif
+#define PV_CHUNK (8 * VL) /* outputs of a head summed at a time */
+#define R_MAX(DIM) ((ACC_REGS * VL) / ((DIM) < PV_CHUNK ? (DIM) : PV_CHUNK))
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+/* VL consecutive keys or values from element i on, as float32 (a bf16 widened exactly). */
+static inline __attribute__((always_inline)) vf kv_load(const void *p, int64_t i, const int bf16) {
+    vf f;
+    if (bf16) {
+        vh h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        const vu u = __builtin_convertvector(h, vu) << 16;
+        memcpy(&f, &u, sizeof f);
+    } else {
+        memcpy(&f, (const float *)p + i, sizeof f);
+    }
+    return f;
+}
+
+/* max(sc[n0..n)) as the loop `peak = sc[j] > peak ? sc[j] : peak` from -inf gives it, VL lanes
+ * at a time: the same value (a NaN is never taken, either way; of +0 and -0 either may be kept,
+ * and no result depends on which: exp(s - peak) and peak + log(denom) are the same for both). */
+static inline float row_max(const float *sc, int64_t n0, int64_t n) {
+    float peak = -INFINITY;
+    int64_t j = n0;
+    if (n - n0 >= VL) {
+        vf pv = {0};
+        pv = pv - INFINITY;
+        for (; j + VL <= n; j += VL) {
+            vf x;
+            memcpy(&x, sc + j, sizeof x);
+            const vi take = x > pv;
+            pv = (vf)(((vi)x & take) | ((vi)pv & ~take));
+        }
+        for (int l = 0; l < VL; l++) peak = pv[l] > peak ? pv[l] : peak;
+    }
+    for (; j < n; j++) peak = sc[j] > peak ? sc[j] : peak;
+    return peak;
+}
+
+static inline __attribute__((always_inline)) void attend_group(
+    const float *q, const void *k, const void *v, const int bf16, const int64_t *tab, int64_t n0, int64_t n,
+    int64_t bm, int64_t h0, const int R, const int64_t DIM, int64_t Hq, int64_t Hkv, int64_t kh, int64_t bs,
+    float scale, float softcap, float *scores, int64_t stride, float *out, float *lse) {
+    const int64_t nb = (n + bs - 1) / bs;
+    const float *qr = q + (bm * Hq + h0) * DIM;
+    for (int64_t i = n0 / bs; i < nb; i++) { /* scores: each summed over d in order */
+        const int64_t kb = (tab[i] * Hkv + kh) * DIM * bs;
+        for (int64_t j0 = 0; j0 < bs; j0 += LANES) {
+            vf s[4][LANES / VL] = {{0}};
+            for (int64_t d = 0; d < DIM; d++)
+                for (int u = 0; u < LANES / VL; u++) {
+                    const vf kd = kv_load(k, kb + d * bs + j0 + u * VL, bf16);
+                    for (int r = 0; r < R; r++) s[r][u] = s[r][u] + qr[r * DIM + d] * kd;
+                }
+            for (int r = 0; r < R; r++)
+                for (int u = 0; u < LANES / VL; u++) {
+                    const vf x = s[r][u] * scale;
+                    memcpy(scores + r * stride + i * bs + j0 + u * VL, &x, sizeof x);
+                }
+        }
+    }
+    if (softcap > 0.0f)
+        for (int r = 0; r < R; r++)
+            for (int64_t j = n0 / bs * bs; j < nb * bs; j++)
+                scores[r * stride + j] = tanhf(scores[r * stride + j] / softcap) * softcap;
+    float peak[4], denom[4];
+    for (int r = 0; r < R; r++) {
+        float *sc = scores + r * stride;
+        peak[r] = row_max(sc, n0, n);
+        for (int64_t j = n0; j < n; j++) sc[j] = fixed_exp(sc[j] - peak[r]);
+        denom[r] = 0.0f;
+    }
+    for (int64_t j = n0; j < n; j++) /* each denominator key by key, in order */
+        for (int r = 0; r < R; r++) denom[r] = denom[r] + scores[r * stride + j];
+    for (int64_t dc = 0; dc < DIM; dc += PV_CHUNK) {
+        const int64_t dn = (DIM - dc < PV_CHUNK ? DIM - dc : PV_CHUNK) / VL;
+        vf acc[4][PV_CHUNK / VL] = {{0}};
+        for (int64_t i = n0 / bs; i * bs < n; i++) { /* value sums key by key, in order */
+            const int64_t vb = (tab[i] * Hkv + kh) * bs * DIM + dc;
+            const int64_t j0 = i * bs > n0 ? i * bs : n0, j1 = (i + 1) * bs < n ? (i + 1) * bs : n;
+            for (int64_t j = j0; j < j1; j++)
+                for (int64_t c = 0; c < dn; c++) {
+                    const vf vd = kv_load(v, vb + (j - i * bs) * DIM + c * VL, bf16);
+                    for (int r = 0; r < R; r++) acc[r][c] = acc[r][c] + scores[r * stride + j] * vd;
+                }
+        }
+        for (int r = 0; r < R; r++)
+            for (int64_t c = 0; c < dn; c++) {
+                const vf o = acc[r][c] / denom[r];
+                memcpy(out + (bm * Hq + h0 + r) * DIM + dc + c * VL, &o, sizeof o);
+            }
+    }
+    if (lse)
+        for (int r = 0; r < R; r++) lse[bm * Hq + h0 + r] = peak[r] + logf(denom[r]);
+}
+
+#define GROUP(R_, DIM_)                                                                        \
+    attend_group(q, k, v, bf16, tab, n0, n, bm, h, R_, DIM_, Hq, Hkv, kh, bs, scale, softcap, scores, L, out, lse)
+#define GROUPS(DIM_)                                                                           \
+    for (; h + 4 <= h1 && R_MAX(DIM_) >= 4; h += 4) GROUP(4, DIM_);                            \
+    for (; h + 2 <= h1 && R_MAX(DIM_) >= 2; h += 2) GROUP(2, DIM_);                            \
+    for (; h < h1; h++) GROUP(1, DIM_);
+
+static inline __attribute__((always_inline)) void attention_body(
+    const float *q, const void *k, const void *v, const int bf16, const int64_t *tables, const int64_t *q_pos,
+    float *out, float *lse, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, int64_t nblk, int64_t bs,
+    int64_t window, float scale, float softcap, int threads) {
+    const int64_t rep = Hq / Hkv;
+    const int64_t L = nblk * bs > 0 ? nblk * bs : LANES;
+    #pragma omp parallel num_threads(threads)
+    {
+        FP_ENTER
+        float *scores = scratch((size_t)L * 4);
+        #pragma omp for schedule(dynamic, 4) nowait
+        for (int64_t row = 0; row < B * M * Hkv; row++) {
+            const int64_t kh = row % Hkv, bm = row / Hkv, b = bm / M;
+            int64_t n = q_pos[bm] + 1;
+            if (n > nblk * bs) n = nblk * bs;
+            if (n < 1) { /* a padding row: its output is never read; exp(s - inf) = 0 */
+                if (lse)
+                    for (int64_t r = 0; r < rep; r++) lse[bm * Hq + kh * rep + r] = INFINITY;
+                continue;
+            }
+            const int64_t n0 = (window > 0 && n > window) ? n - window : 0;
+            const int64_t *tab = tables + b * nblk;
+            int64_t h = kh * rep;
+            const int64_t h1 = h + rep;
+            switch (D) {
+            case 32: GROUPS(32) break;
+            case 64: GROUPS(64) break;
+            case 128: GROUPS(128) break;
+            default: GROUPS(D)
+            }
+        }
+        FP_LEAVE
+    }
+}
+
 #define ATTENTION_ARGS(KV_T)                                                                   \
     const float *q, const KV_T *k, const KV_T *v, const int64_t *tables, const int64_t *q_pos, \
         float *out, float *lse, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,      \
         int64_t nblk, int64_t bs, int64_t window, float scale, float softcap, int threads
+#define ATTENTION_CALL(BF16)                                                                   \
+    attention_body(q, k, v, BF16, tables, q_pos, out, lse, B, M, Hq, Hkv, D, nblk, bs, window, scale, softcap, threads)
 
-void parity_attention_f32(ATTENTION_ARGS(float)) { ATTENTION_BODY(float, F32_ID) }
+void parity_attention_f32(ATTENTION_ARGS(float)) { ATTENTION_CALL(0); }
 
-void parity_attention_bf16(ATTENTION_ARGS(uint16_t)) { ATTENTION_BODY(uint16_t, bf16_to_f32) }
+void parity_attention_bf16(ATTENTION_ARGS(uint16_t)) { ATTENTION_CALL(1); }
 
 /* Row log-sum-exp of z * inv_t for rows of length n, into lse[r] (z float32 or bfloat16). */
 #define ROW_LSE_BODY(LOAD)                                                                     \
