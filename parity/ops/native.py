@@ -70,7 +70,7 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     f, i64, p = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
     for name in ("parity_attention_f32", "parity_attention_bf16"):
-        getattr(lib, name).argtypes = [p] * 7 + [i64] * 8 + [f, f, ctypes.c_int]
+        getattr(lib, name).argtypes = [p, ctypes.c_int] + [p] * 6 + [i64] * 8 + [f, f, ctypes.c_int]
     lib.parity_row_lse.argtypes = lib.parity_row_lse_bf16.argtypes = [p, p, i64, i64, f, ctypes.c_int]
     for name in ("parity_token_lp_backward_f32", "parity_token_lp_backward_bf16"):
         getattr(lib, name).argtypes = [p, p, p, p, p, i64, i64, f, ctypes.c_int]
@@ -139,13 +139,14 @@ def paged_attention(q, k_blocks, v_blocks, tables, q_pos, with_lse: bool = False
     `window` > 0: over each query's last `window` keys; scores q.k times `scale`, None: 1/sqrt(D);
     with `softcap` > 0 capped to softcap * tanh(score / softcap)).
 
-    q [B, M, Hq, D]; key blocks [NB, Hkv, D, bs] and value blocks [NB, Hkv, bs, D] (float32 or
-    bfloat16); tables [B, nblk] block ids; q_pos [B, M] (negative = padding row, left zero).
+    q [B, M, Hq, D] (float32 or bfloat16, read as is; other dtypes as float32); key blocks
+    [NB, Hkv, D, bs] and value blocks [NB, Hkv, bs, D] (float32 or bfloat16); tables [B, nblk] block
+    ids; q_pos [B, M] (negative = padding row, zero).
     Returns float32 [B, M, Hq, D]; with `with_lse` also each row's natural log-sum-exp of the
     scaled scores, float32 [B, M, Hq] (+inf on padding rows), which the learner's backward uses.
     """
     kv_dtype = k_blocks.dtype if k_blocks.dtype in _SUFFIX else torch.float32
-    q = q.float().contiguous()
+    q = (q if q.dtype in _SUFFIX else q.float()).contiguous()  # (a bf16 q is widened in the kernel)
     k_blocks, v_blocks = k_blocks.to(kv_dtype).contiguous(), v_blocks.to(kv_dtype).contiguous()
     tables = tables.to(torch.int64).contiguous()
     pos = q_pos.to(torch.int64).contiguous()
@@ -157,11 +158,11 @@ def paged_attention(q, k_blocks, v_blocks, tables, q_pos, with_lse: bool = False
     _need(tables.dim() == 2 and tables.shape[0] == b and pos.shape == (b, m),
           f"attention: {b} sequences of {m} queries, got tables {tuple(tables.shape)} and positions "
           f"{tuple(pos.shape)}")
-    out = torch.zeros_like(q)  # padding rows (q_pos < 0) stay zero
+    out = torch.empty(b, m, hq, d, dtype=torch.float32)  # (padding rows: zeros, written by the kernel)
     lse = torch.empty(b, m, hq, dtype=torch.float32) if with_lse else None
     getattr(library(), f"parity_attention_{_SUFFIX[kv_dtype]}")(
-        _ptr(q), _ptr(k_blocks), _ptr(v_blocks), _ptr(tables), _ptr(pos), _ptr(out),
-        None if lse is None else _ptr(lse), b, m, hq, k_blocks.shape[1], d, tables.shape[1],
+        _ptr(q), int(q.dtype == torch.bfloat16), _ptr(k_blocks), _ptr(v_blocks), _ptr(tables), _ptr(pos),
+        _ptr(out), None if lse is None else _ptr(lse), b, m, hq, k_blocks.shape[1], d, tables.shape[1],
         k_blocks.shape[3], int(window), score_scale(d, scale), float(softcap), torch.get_num_threads())
     return (out, lse) if with_lse else out
 

@@ -50,3 +50,20 @@ def test_grouped_heads_give_each_heads_bits_alone(case, dtype):
     real = pos >= 0
     assert torch.equal(_bits(together[0][real]), _bits(alone[0][real])), "outputs differ"
     assert torch.equal(_bits(together[1][real]), _bits(alone[1][real])), "log-sum-exps differ"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_bf16_query_is_widened_in_the_kernel_with_the_same_bits(kv_dtype):
+    """The kernel reads a bf16 q as is (no float32 copy first): the bits of its float32 copy, and
+    padding rows come back as zeros (the output is not zero-filled first)."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 20, 8, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(3, 32, 2, 64, generator=gen).to(kv_dtype) for _ in range(2))
+    pos = torch.arange(20).expand(3, 20).clone()
+    pos[1, :4] = -1
+    garbage = torch.full((3, 20, 8, 64), 7.0)
+    del garbage  # (freed memory of the output's size: likely what it gets)
+    got, lse = native.attention(q, k, v, pos, 16, with_lse=True)
+    want, want_lse = native.attention(q.float(), k, v, pos, 16, with_lse=True)
+    assert torch.equal(_bits(got), _bits(want)) and torch.equal(_bits(lse), _bits(want_lse))
+    assert torch.equal(_bits(got[1, :4]), torch.zeros(4, 8, 64, dtype=torch.int32))

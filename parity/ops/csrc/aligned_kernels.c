@@ -93,10 +93,10 @@ static float *scratch(size_t n) {
     return scratch_buf;
 }
 
-/* Causal GQA attention over a paged KV store, read in place. q [B, M, Hq, D] float32;
+/* Causal GQA attention over a paged KV store, read in place. q [B, M, Hq, D] float32 (or bf16);
  * key blocks [NB, Hkv, D, bs] (transposed inside a block) and value blocks [NB, Hkv, bs, D],
  * float32 or bfloat16; tables [B, nblk] block ids; q_pos [B, M]; out [B, M, Hq, D] float32
- * (rows with q_pos < 0 are padding and left untouched); D and bs multiples of 16. When lse is
+ * (rows with q_pos < 0 are padding: zeros); D and bs multiples of 16. When lse is
  * not NULL it receives each row's natural log-sum-exp of the scaled scores, [B, M, Hq] (+inf on
  * padding rows), for the learner's backward pass.
  * Query (b, m, h) attends to keys n0..q_pos of KV head h / (Hq / Hkv), n0 = 0, or with a sliding
@@ -160,11 +160,10 @@ static inline float row_max(const float *sc, int64_t n0, int64_t n) {
 }
 
 static inline __attribute__((always_inline)) void attend_group(
-    const float *q, const void *k, const void *v, const int bf16, const int64_t *tab, int64_t n0, int64_t n,
+    const float *qr, const void *k, const void *v, const int bf16, const int64_t *tab, int64_t n0, int64_t n,
     int64_t bm, int64_t h0, const int R, const int64_t DIM, int64_t Hq, int64_t Hkv, int64_t kh, int64_t bs,
     float scale, float softcap, float *scores, int64_t stride, float *out, float *lse) {
     const int64_t nb = (n + bs - 1) / bs;
-    const float *qr = q + (bm * Hq + h0) * DIM;
     for (int64_t i = n0 / bs; i < nb; i++) { /* scores: each summed over d in order */
         const int64_t kb = (tab[i] * Hkv + kh) * DIM * bs;
         for (int64_t j0 = 0; j0 < bs; j0 += LANES) {
@@ -217,34 +216,43 @@ static inline __attribute__((always_inline)) void attend_group(
 }
 
 #define GROUP(R_, DIM_)                                                                        \
-    attend_group(q, k, v, bf16, tab, n0, n, bm, h, R_, DIM_, Hq, Hkv, kh, bs, scale, softcap, scores, L, out, lse)
+    attend_group(qg + (h - kh * rep) * DIM_, k, v, bf16, tab, n0, n, bm, h, R_, DIM_, Hq, Hkv, kh, bs, scale,   \
+                 softcap, scores, L, out, lse)
 #define GROUPS(DIM_)                                                                           \
     for (; h + 4 <= h1 && R_MAX(DIM_) >= 4; h += 4) GROUP(4, DIM_);                            \
     for (; h + 2 <= h1 && R_MAX(DIM_) >= 2; h += 2) GROUP(2, DIM_);                            \
     for (; h < h1; h++) GROUP(1, DIM_);
 
 static inline __attribute__((always_inline)) void attention_body(
-    const float *q, const void *k, const void *v, const int bf16, const int64_t *tables, const int64_t *q_pos,
-    float *out, float *lse, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, int64_t nblk, int64_t bs,
+    const void *q, const int q_bf16, const void *k, const void *v, const int bf16, const int64_t *tables,
+    const int64_t *q_pos, float *out, float *lse, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,
+    int64_t nblk, int64_t bs,
     int64_t window, float scale, float softcap, int threads) {
     const int64_t rep = Hq / Hkv;
     const int64_t L = nblk * bs > 0 ? nblk * bs : LANES;
     #pragma omp parallel num_threads(threads)
     {
         FP_ENTER
-        float *scores = scratch((size_t)L * 4);
+        float *scores = scratch((size_t)L * 4 + (size_t)rep * D), *qbuf = scores + L * 4;
         #pragma omp for schedule(dynamic, 4) nowait
         for (int64_t row = 0; row < B * M * Hkv; row++) {
             const int64_t kh = row % Hkv, bm = row / Hkv, b = bm / M;
             int64_t n = q_pos[bm] + 1;
             if (n > nblk * bs) n = nblk * bs;
-            if (n < 1) { /* a padding row: its output is never read; exp(s - inf) = 0 */
+            if (n < 1) { /* a padding row: zeros out, never read; exp(s - inf) = 0 */
+                memset(out + (bm * Hq + kh * rep) * D, 0, sizeof(float) * (size_t)(rep * D));
                 if (lse)
                     for (int64_t r = 0; r < rep; r++) lse[bm * Hq + kh * rep + r] = INFINITY;
                 continue;
             }
             const int64_t n0 = (window > 0 && n > window) ? n - window : 0;
             const int64_t *tab = tables + b * nblk;
+            const float *qg = (const float *)q + (bm * Hq + kh * rep) * D;  /* the group's q rows */
+            if (q_bf16) { /* widened once per group (exact) */
+                const uint16_t *qh = (const uint16_t *)q + (bm * Hq + kh * rep) * D;
+                for (int64_t i = 0; i < rep * D; i++) qbuf[i] = bf16_to_f32(qh[i]);
+                qg = qbuf;
+            }
             int64_t h = kh * rep;
             const int64_t h1 = h + rep;
             switch (D) {
@@ -259,11 +267,12 @@ static inline __attribute__((always_inline)) void attention_body(
 }
 
 #define ATTENTION_ARGS(KV_T)                                                                   \
-    const float *q, const KV_T *k, const KV_T *v, const int64_t *tables, const int64_t *q_pos, \
-        float *out, float *lse, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,      \
+    const void *q, int q_bf16, const KV_T *k, const KV_T *v, const int64_t *tables,           \
+        const int64_t *q_pos, float *out, float *lse, int64_t B, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,      \
         int64_t nblk, int64_t bs, int64_t window, float scale, float softcap, int threads
 #define ATTENTION_CALL(BF16)                                                                   \
-    attention_body(q, k, v, BF16, tables, q_pos, out, lse, B, M, Hq, Hkv, D, nblk, bs, window, scale, softcap, threads)
+    attention_body(q, q_bf16, k, v, BF16, tables, q_pos, out, lse, B, M, Hq, Hkv, D, nblk, bs, window, scale,  \
+                   softcap, threads)
 
 void parity_attention_f32(ATTENTION_ARGS(float)) { ATTENTION_CALL(0); }
 
