@@ -181,7 +181,9 @@ def _kblocked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kb: int)
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
             chunked: bool) -> torch.Tensor:
-    """`x @ weight.T (+ bias)`, every library call on one thread: bf16 (with a bf16 GEMM) as calls
+    """`x @ weight.T (+ bias)`: float32 products (and bf16 ones not `chunked`) by the native GEMM
+    in the matrix-vector kernel's order where it is built (`native.gemm_f32`: both cores, no
+    padding, no hand-off); else every library call on one thread: bf16 (with a bf16 GEMM) as calls
     of STRICT_BF16_ROWS rows (the last one padded to STRICT_BF16_TAIL rows where they fit: oneDNN
     gives those rows the same bits) where that passes its probe (`chunked`), else in float32
     (float64 stays float64) padded to STRICT_ROWS rows, in K blocks (float32), rounded back.
@@ -189,6 +191,12 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     threads."""
     rows, (n, k) = x.shape[0], weight.shape
     acc = x.dtype if chunked else torch.promote_types(x.dtype, torch.float32)
+    if acc == torch.float32 and native.library() is not None and (kb := kblock()):
+        # both cores on every product, unpadded, in the matrix-vector kernel's order (the order of
+        # the K-blocked library calls below: `tests/parity/test_gemm_rows.py`); None: not built
+        y = native.gemm_f32(x.float(), weight.float(), None if bias is None else bias.float(), kb)
+        if y is not None:
+            return y.to(x.dtype)
     unit = STRICT_BF16_ROWS if chunked else STRICT_ROWS
     xp = _pad_rows(x, _chunk_rows(rows) if chunked else max(rows, unit)).to(acc)
     w = weight.to(acc)

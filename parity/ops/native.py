@@ -26,7 +26,8 @@ from ..errors import ConfigError
 from .common import check_linear_args, score_scale
 
 _SRC = Path(__file__).with_name("csrc") / "aligned_kernels.c"
-_SOURCES = (_SRC, _SRC.with_name("amx_gemm.c"))
+_SOURCES = (_SRC, _SRC.with_name("amx_gemm.c"), _SRC.with_name("gemm_f32.c"))
+_HEADERS = (_SRC.with_name("transpose16.h"),)  # (hashed with the sources: a change rebuilds)
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
           "-fopenmp", "-shared",
           "-fPIC"]
@@ -54,8 +55,8 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found")
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + " ".join(_FLAGS).encode()
-                         + _cpu_signature().encode())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in (*_SOURCES, *_HEADERS))
+                         + " ".join(_FLAGS).encode() + _cpu_signature().encode())
     out = _cache_dir() / f"aligned_kernels-{key.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -86,6 +87,7 @@ def _build() -> ctypes.CDLL:
         getattr(lib, name).argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
     lib.parity_amx_ready.argtypes = []
     lib.parity_amx_linear_bf16.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
+    lib.parity_gemm_f32.argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
     return lib
 
 
@@ -313,6 +315,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kc: i
     kernel(_ptr(x), _ptr(weight), None if bias is None else _ptr(bias), _ptr(out),
            m, k, weight.shape[0], kc, torch.get_num_threads())
     return out
+
+
+def gemm_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             kc: int) -> torch.Tensor | None:
+    """`x @ weight.T (+ bias)` for float32 x [M, K], weight [N, K], bias [N] or None, any M, in
+    `gemv`'s per-element order (bias, then K blocks of `kc` left to right, each a fused multiply-add
+    chain from zero; `csrc/gemm_f32.c`), both cores. None where it is not built (no AVX-512F)."""
+    check_linear_args(x, weight, bias)
+    _need(x.dim() == 2 and x.dtype == weight.dtype == torch.float32
+          and (bias is None or bias.dtype == torch.float32),
+          f"gemm_f32: float32 x [M, K] and weight, got {x.dtype} {tuple(x.shape)}, {weight.dtype}")
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    code = library().parity_gemm_f32(_ptr(x), _ptr(weight), None if bias is None else _ptr(bias), _ptr(out),
+                                     x.shape[0], x.shape[1], weight.shape[0], kc, torch.get_num_threads())
+    if code == -1:
+        raise MemoryError(f"gemm_f32: no memory for the packed weights of a {tuple(weight.shape)} product")
+    return None if code == -2 else out
 
 
 _amx_granted: bool | None = None  # the tile state granted to this process (None: not asked yet)

@@ -284,12 +284,15 @@ def test_the_strict_regime_and_the_amx_kernel_can_be_forced_and_a_bad_setting_is
 @pytest.fixture
 def split_everything(monkeypatch):
     """Strict GEMMs forced on any machine; calling the fixture's value also slices every weight
-    (down to 64-column slices), so small shapes exercise the split."""
+    (down to 64-column slices), so small shapes exercise the split, and takes float32 products off
+    the native GEMM (`native.gemm_f32`, which shares no work out: tests/parity/test_gemm_f32.py)
+    onto the library calls the slicing is for."""
     monkeypatch.setattr(gemm, "_strict", dict.fromkeys((False, True), True))
 
     def split():
         monkeypatch.setattr(gemm_strict, "SPLIT_MIN_WEIGHT", {False: 1, True: 1})
         monkeypatch.setattr(gemm_strict, "SPLIT_MIN_COLUMNS", 64)
+        monkeypatch.setattr(native, "gemm_f32", lambda *args: None)
     return split
 
 

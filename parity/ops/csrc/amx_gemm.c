@@ -35,6 +35,8 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
+
+#include "transpose16.h"
 #include <unistd.h>
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -124,30 +126,6 @@ static inline const uint16_t *a_tile(const operand *A, int64_t b, int64_t c, int
     }
     *stride = A->k * 2;
     return A->p + b * 16 * A->k + c * 32;
-}
-
-/* A 16 x 16 float32 transpose in registers: r[i] lane j -> r[j] lane i. */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int g = 0; g < 16; g += 8)
-        for (int i = 0; i < 4; i++) {
-            t[g + i] = _mm512_shuffle_f32x4(r[g + i], r[g + 4 + i], 0x88);
-            t[g + 4 + i] = _mm512_shuffle_f32x4(r[g + i], r[g + 4 + i], 0xDD);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
-    }
 }
 
 /* 16 rows of `src` (row stride k, the first `rows` real) -> kc tiles in pairs: tile c, row r,
