@@ -10,8 +10,10 @@
  *
  * The weights are repacked per call into panels of 32 outputs, [k][32] (zeros past N), so that a
  * K step of 8 rows x 32 outputs is 2 vector loads, 8 broadcasts and 16 independent fused
- * multiply-add chains (each lane its own output's chain). Threads take (64-row chunk, panel)
- * items, chunk major; each output is computed by one thread, whole. Built where the compiler
+ * multiply-add chains (each lane its own output's chain). Threads take (chunk of ~1 MB of x, panel)
+ * items, chunk major, each packing its own panel (a copy of the weights the size of the product's
+ * weight, kept per thread, would be 600 MB at a 151,936 x 1,024 LM head); each output is computed
+ * by one thread, whole. Built where the compiler
  * targets AVX-512F; elsewhere `parity_gemm_f32` says -2 and the library's path runs.
  */
 #include <stdint.h>
@@ -26,7 +28,6 @@
 
 #define NR 32     /* outputs of a panel */
 #define MR 8      /* rows of a tile: 16 chains (4 rows ran 5-10% slower) */
-#define MCHUNK 64 /* rows of an item */
 
 static __thread float *panel_buf;
 static __thread size_t panel_len;
@@ -90,7 +91,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
     }
 }
 
-/* Returns 0, -1 where the packed panels could not be allocated, -2 where not built. */
+/* Returns 0, -1 where a packed panel could not be allocated (nothing written then), -2 where not
+ * built. */
 int parity_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t k,
                     int64_t n, int64_t kc, int threads) {
     if (m <= 0 || n <= 0) return 0;
@@ -100,21 +102,27 @@ int parity_gemm_f32(const float *x, const float *w, const float *bias, float *y,
         return 0;
     }
     if (kc <= 0) kc = k;
-    const int64_t np = (n + NR - 1) / NR, chunks = (m + MCHUNK - 1) / MCHUNK;
-    float *wt = panels((size_t)(np * k * NR));
-    if (!wt) return -1;
+    int64_t chunk = ((int64_t)1 << 20) / (k * 4) / MR * MR;  /* rows: ~1 MB of x stays in L2 */
+    chunk = chunk < 64 ? 64 : chunk > 1024 ? 1024 : chunk;
+    const int64_t np = (n + NR - 1) / NR, chunks = (m + chunk - 1) / chunk;
+    int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
         const unsigned int mode = _mm_getcsr();
         _mm_setcsr(0x1F80);  /* round to nearest, no flush-to-zero: the same on every thread */
+        float *pt = panels((size_t)(k * NR));  /* this thread's packed panel */
+        int64_t packed = -1;
+        if (!pt) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp barrier
         #pragma omp for schedule(static)
-        for (int64_t p = 0; p < np; p++) pack_panel(w, k, n, p, wt + p * k * NR);
-        #pragma omp for schedule(static)
-        for (int64_t it = 0; it < chunks * np; it++) {
-            const int64_t p = it % np, r1 = (it / np + 1) * MCHUNK < m ? (it / np + 1) * MCHUNK : m;
+        for (int64_t it = 0; it < (failed ? 0 : chunks * np); it++) {  /* chunk major */
+            const int64_t p = it % np, r1 = (it / np + 1) * chunk < m ? (it / np + 1) * chunk : m;
             const int64_t n0 = p * NR, width = n - n0 < NR ? n - n0 : NR;
-            const float *pt = wt + p * k * NR;
-            int64_t r = it / np * MCHUNK;
+            if (p != packed) pack_panel(w, k, n, p, pt), packed = p;
+            int64_t r = it / np * chunk;
             for (; r + MR <= r1; r += MR) tile(x, pt, bias, y, MR, r, k, n, kc, n0, width);
             switch (r1 - r) {  /* the last rows of the item */
             case 7: tile(x, pt, bias, y, 7, r, k, n, kc, n0, width); break;
@@ -129,7 +137,7 @@ int parity_gemm_f32(const float *x, const float *w, const float *bias, float *y,
         }
         _mm_setcsr(mode);
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 #else
