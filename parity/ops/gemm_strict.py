@@ -193,7 +193,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     acc = x.dtype if chunked else torch.promote_types(x.dtype, torch.float32)
     if acc == torch.float32 and native.library() is not None and (kb := kblock()):
         # both cores on every product, unpadded, in the matrix-vector kernel's order (the order of
-        # the K-blocked library calls below: `tests/parity/test_gemm_rows.py`); None: not built
+        # the K-blocked library calls below: `tests/parity/test_gemm_f32.py`); None: not built
         y = native.gemm_f32(x.float(), weight.float(), None if bias is None else bias.float(), kb)
         if y is not None:
             return y.to(x.dtype)

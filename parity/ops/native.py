@@ -326,6 +326,8 @@ def gemm_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     _need(x.dim() == 2 and x.dtype == weight.dtype == torch.float32
           and (bias is None or bias.dtype == torch.float32),
           f"gemm_f32: float32 x [M, K] and weight, got {x.dtype} {tuple(x.shape)}, {weight.dtype}")
+    _need(all(t.device.type == "cpu" for t in (x, weight) + (() if bias is None else (bias,))),
+          f"gemm_f32: CPU tensors, got x on {x.device}, weight on {weight.device}")
     x, weight = x.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)

@@ -95,7 +95,8 @@ def test_control_the_librarys_float32_rows_follow_m_where_strict_mode_is_on():
 def test_bad_operands_are_a_one_line_error():
     x, w, b = _data(64, 16, rows=3)
     for args, words in (((x, w[:, :32], None, 384), "do not fit"),
-                        ((x.double(), w.double(), None, 384), "float32")):
+                        ((x.double(), w.double(), None, 384), "float32"),
+                        ((x.to("meta"), w.to("meta"), None, 384), "CPU tensors")):
         with pytest.raises(ValueError, match=words) as err:
             native.gemm_f32(*args)
         assert "\n" not in str(err.value)
