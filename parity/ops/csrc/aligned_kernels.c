@@ -109,12 +109,15 @@ static float *scratch(size_t n) {
  * group's sums are independent chains over one load of each key and value, which a lone row's
  * chain of dependent adds could not overlap); each head's sums run in the same order as alone.
  * Vectors are written with GCC's vector extensions, VL floats wide (16 where the compiler targets
- * AVX-512, else 8), so that the compiler neither splits nor scalarises them. */
+ * AVX-512, 8 with AVX, else 4), so that the compiler neither splits nor scalarises them. */
 #if defined(__AVX512F__)
 #define VL 16      /* floats per vector register */
 #define ACC_REGS 16 /* of the 32, for a group's value sums */
-#else
+#elif defined(__AVX__)
 #define VL 8
+#define ACC_REGS 8
+#else
+#define VL 4
 #define ACC_REGS 8
 #endif
 #define PV_CHUNK (8 * VL) /* outputs of a head summed at a time */
