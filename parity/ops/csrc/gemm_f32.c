@@ -18,7 +18,6 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
