@@ -145,3 +145,21 @@ def test_backend_names_and_dtypes_are_written_once():
         if name != "parity.dtypes":
             assert '"bfloat16": torch.bfloat16' not in text, f"{name}: use parity.dtypes"
             assert "getattr(torch, " not in text, f"{name}: use parity.dtypes.dtype_from_name"
+
+
+def test_every_file_the_native_kernels_build_from_ships_with_the_package():
+    """A wheel holds what `ops/native.py` compiles: a header missing from package-data left a plain
+    `pip install .` on the pure-PyTorch fallback, silently slow."""
+    import fnmatch
+    import tomllib
+
+    from parity.ops import native
+
+    data = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    globs = data["tool"]["setuptools"]["package-data"]["parity.ops"]
+    needed = [p.relative_to(PACKAGE / "ops").as_posix() for p in native._SOURCES + native._HEADERS]
+    assert needed and all(p.is_file() for p in native._SOURCES + native._HEADERS)
+    missing = [n for n in needed if not any(fnmatch.fnmatch(n, g) for g in globs)]
+    assert not missing, f"not in pyproject's package-data: {missing}"
+    present = sorted(p.relative_to(PACKAGE / "ops").as_posix() for p in (PACKAGE / "ops" / "csrc").iterdir())
+    assert sorted(needed) == present, "a file in csrc/ that native.py neither compiles nor hashes"

@@ -15,11 +15,11 @@ by M.
 Where even the large GEMM's rows are not fixed (measured on an Intel Xeon with AMX: MKL's float32
 GEMM at 2 threads orders a row by M and thread count for K >= 1024, and oneDNN's bf16 GEMM picks
 its kernel by M up to ~1,000 rows), the probe `_large_rows_hold` fails and GEMMs run *strict*
-(`gemm_strict.py`: one library thread per call, float32 padded to 16 rows and computed in K blocks
-(384 here) whose order is known, bf16 on AMX tiles in an order of our own where the CPU has them,
-else in 128-row calls); there too float32 products of up to
-`GEMV_ROWS` rows go to the matrix-vector kernel, in the strict order, where its probe confirms it.
-Never silently variant.
+(`gemm_strict.py`: float32 in K blocks (384 here) whose order is known, on a GEMM of our own where
+the C kernels are built for AVX-512F, else one library thread per call padded to 16 rows; bf16 on
+AMX tiles in an order of our own where the CPU has them, else in 128-row calls); there too float32
+products of up to `GEMV_ROWS` rows go to the matrix-vector kernel, in the strict order, where its
+probe confirms it. Never silently variant.
 """
 
 from __future__ import annotations
@@ -297,8 +297,10 @@ def describe() -> str:
         bf16 = "bf16 in 128-row GEMMs (the last 64 where it fits)" if chunks else "bf16 in float32"
         if bf16_gemm_native() and _amx_holds():
             bf16 = "bf16 on AMX tiles in a fixed order (every M, both cores, no padding)"
-        return (f"GEMMs strict: one thread per call, float32 padded to 16 rows in K blocks of "
-                f"{gemm_strict.kblock()}, {bf16}, large ones shared among threads (GEMM rows here "
-                f"depend on M or threads: the probe failed){gemv}")
+        f32 = (f"float32 on a GEMM of our own in K blocks of {gemm_strict.kblock()} (both cores, no padding)"
+               if gemm_strict.native_f32() else f"float32 in one-thread library calls padded to 16 rows in K "
+               f"blocks of {gemm_strict.kblock()}")
+        return (f"GEMMs strict: {f32}, {bf16}, other library calls on one thread each, large ones shared "
+                f"among threads (GEMM rows here depend on M or threads: the probe failed){gemv}")
     pads = "4-row multiples" if gemm_rows(1) == ROW_QUANTUM else "16 rows (the 4-row probe failed here)"
     return f"small GEMMs padded to {pads}{gemv}"

@@ -6,7 +6,9 @@ MKL's single-threaded rows do not depend on M, and computed in K blocks (`kblock
 positions on the AMX Xeon), one library GEMM each, accumulated left to right (`addmm_`, beta 1):
 a GEMM of one block is one fused multiply-add chain from zero (probed; MKL's own blocking of
 larger K varied with N there), so the order of every element is known and the native
-matrix-vector kernel reproduces it for decode-sized products (`gemm.linear`). bf16 runs as
+matrix-vector kernel reproduces it for decode-sized products (`gemm.linear`). Where the C kernels
+are built for AVX-512F, float32 runs instead on a GEMM of our own in that same order
+(`native.gemm_f32`: both cores, no padding; `native_f32`), the library calls its reference. bf16 runs as
 GEMMs of 128 rows each (`STRICT_BF16_ROWS`: oneDNN picks its kernel by M; the last call 64 rows
 where its rows fit, `STRICT_BF16_TAIL`: the same kernel's bits) or, where that fails its probe,
 in float32 (bf16 values multiplied exactly, the sum rounded once); on a CPU with AMX, bf16 runs
@@ -66,6 +68,7 @@ calls, float32 blocks of STRICT_ROWS multiples (rows independent of M: the stric
 
 _strict_lock = threading.RLock()  # the MKL thread count is process-wide: one strict GEMM at a time
 _kblock: int | None = None  # the K block chosen by `kblock` (None: not probed yet)
+_native_f32: bool | None = None  # whether `native.gemm_f32` is built here (None: not asked yet)
 
 
 @contextlib.contextmanager
@@ -146,6 +149,16 @@ def kblock() -> int:
     if _kblock is None:
         _kblock = next((kb for kb in KBLOCKS if _one_chain(kb)), KBLOCKS[0])
     return _kblock
+
+
+def native_f32() -> bool:
+    """Whether strict float32 products run on the native GEMM (`forward`): built here (the C
+    kernels compiled, AVX-512F). Once per process."""
+    global _native_f32
+    if _native_f32 is None:
+        one = torch.ones(1, 1)
+        _native_f32 = native.library() is not None and native.gemm_f32(one, one, None, 1) is not None
+    return _native_f32
 
 
 def _one_chain(k: int) -> bool:
