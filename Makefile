@@ -6,8 +6,7 @@
 # Extra arguments go through ARGS, e.g. `make demo ARGS="--steps 20"`, `make test ARGS="-x tests/rl"`.
 # The tests run in JOBS pytest-xdist workers (2: the machine's cores; much of the suite waits on
 # subprocesses, Ray and sandboxes), each test file on one worker in its order, each worker on its share
-# of the cores (tests/conftest.py; 7.5 min on 2 cores, 11 min when both took all the cores); JOBS=0
-# runs them all in one.
+# of the cores (tests/conftest.py; how long it takes: the README); JOBS=0 runs them all in one.
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import re
 
+from parity.envs.answers import extract_answer
+
 
 def digits(response: str, problem: dict) -> float:
     """1 for the exact answer, else the share of the answer's digits right in place (partial
-    credit: a denser signal than right/wrong while the policy is weak)."""
-    marks = list(re.finditer("answer:", response, re.IGNORECASE))  # the last one
-    found = re.findall(r"-?\d+", response[marks[-1].end():] if marks else response)
+    credit: a denser signal than right/wrong while the policy is weak). The answer is read as
+    `reward = "exact"` reads it: the first number on the first line after the last `answer:`."""
+    found = re.findall(r"-?\d+", extract_answer(response))
     if not found:
         return 0.0
-    said, want = found[-1], str(problem["answer"])
+    said, want = found[0], str(problem["answer"])
     if said == want:
         return 1.0
     right = sum(a == b for a, b in zip(said.rjust(len(want)), want))

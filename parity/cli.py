@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="its directory (runs/demo is the demo's; elsewhere another run needs --overwrite)")
     d.add_argument("--overwrite", action="store_true", help="replace another command's run in --run-dir")
     d.add_argument("--model", help="start from this checkpoint instead of the cached base policy")
-    d.add_argument("--eval-prompts", type=int, default=200, help="held-out problems per evaluation")
+    d.add_argument("--eval-prompts", type=int, default=200, help="held-out problems per eval (%(default)s)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training config key")
 
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--task", choices=list(TASK_NAMES),
                     help="task (default: the config's, else tool; yours: its task.* keys in [train])")
     st.add_argument("--seeds", type=_csv(int), help="comma-separated seeds")
-    st.add_argument("--out", help="output directory (default runs/study)")
+    st.add_argument("--out", help="output directory (default: the config's out_dir, built in runs/study)")
     st.add_argument("--report-only", action="store_true",
                     help="train nothing: write the report from the runs already finished")
 
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which base policy: 'base' (tool use) or 'base-math' (column-sum addition)")
     s.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--eval-problems", type=int, default=100, help="held-out problems per task (0 = skip)")
+    s.add_argument("--eval-problems", type=int, default=100, help="held-out per task, 0: skip (%(default)s)")
     s.add_argument("--force", action="store_true", help="rebuild even when cached")
 
     e = _command(sub, "eval", "evaluate", "held-out pass@1 (greedy) and mean@k of a checkpoint on a task")
@@ -118,11 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--n", type=int, help="held-out problems (default: the task's whole held-out set)")
     e.add_argument("-k", "--k", type=int, default=4, help="samples per problem for mean@k (0 = skip)")
     e.add_argument("--temperature", type=float, default=1.0)
-    e.add_argument("--max-tokens", type=int, default=64, help="per turn")
+    e.add_argument("--max-tokens", type=int, default=64, help="per turn (%(default)s)")
     e.add_argument("--kernels", default="aligned", choices=BACKENDS)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a task or model config key (task.level=2, task.heldout_size=300)")
+                   help="override a task or model config key (task.level=2, task.heldout_size=100)")
     e.add_argument("--json", action="store_true")
 
     t = _command(sub, "train", "train", "RL training run (synchronous or asynchronous)")
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated dtypes (default float32,bfloat16)")
     p.add_argument("--rounds", type=int, default=4, help="random rounds per case (default 4)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-len", type=int, default=96, help="longest random sequence")
+    p.add_argument("--max-len", type=int, default=96, help="longest random sequence (%(default)s)")
     p.add_argument("--cases", type=_csv(str), default=None,
                    help=f"subset of cases to run, comma-separated (of {', '.join(CASES)})")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -152,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = _command(sub, "compile", "compile",
                  "compile the aligned Triton kernels for a GPU here, without one: resources per binary")
     c.add_argument("--arch", default="sm_90", help="GPU architecture (default sm_90: H100/H200)")
-    c.add_argument("--presets", type=_csv(str), default=["qwen3-0.6b"], help="comma-separated presets")
-    c.add_argument("--dtype", type=_csv(str), default=["bfloat16"], help="comma-separated dtypes")
+    c.add_argument("--presets", type=_csv(str), default=["qwen3-0.6b"], help="comma-separated (qwen3-0.6b)")
+    c.add_argument("--dtype", type=_csv(str), default=["bfloat16"], help="comma-separated (bfloat16)")
     c.add_argument("--batch", type=int, default=8, help="decode batch size besides 1 (default 8)")
     c.add_argument("--length", type=int, default=64, help="learner sequence length (default 64)")
     c.add_argument("--json", action="store_true", help="machine-readable output")
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = _command(bsub, "rollout", "bench_rollout", "engine output tokens/s on a long-tail workload")
     r.add_argument("--preset", default="small")
     r.add_argument("--dtypes", type=_csv(str), default=all_dtypes)
-    r.add_argument("--num-seqs", type=int, default=256, help="requests in the workload")
+    r.add_argument("--num-seqs", type=int, default=256, help="requests in the workload (%(default)s)")
     r.add_argument("--max-num-seqs", type=int, default=64, help="engine batch limit (and HF batch size)")
     r.add_argument("--mean-len", type=float, default=48, help="mean response length (geometric)")
     r.add_argument("--max-len", type=int, default=256)
@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--preset", default="small")
     mem.add_argument("--dtype", default="float32")
     mem.add_argument("--lags", type=_csv(int), default=[1, 8, 64])
-    mem.add_argument("--after", type=int, default=16, help="steps after the first `lag` (the lag binds)")
+    mem.add_argument("--after", type=int, default=16, help="steps after the first `lag` (%(default)s)")
     mem.add_argument("--max-held-versions", type=int, default=2,
                      help="rollout.max_held_versions (0: batches strictly in order)")
     mem.add_argument("--max-tokens", type=int, default=8, help="response length (1 prompt x 2 per step)")

@@ -55,7 +55,8 @@ class ModelSection:
     """Which model the run trains."""
 
     preset: str = "small"
-    """Random-init preset ('tiny' or 'small') when no checkpoint is given."""
+    """Random-init preset (`parity.model.presets.PRESETS`: 'tiny', 'small', 'qwen3-0.6b', ...) when no
+    checkpoint is given."""
     checkpoint: str | None = None
     """A checkpoint directory to start from (overrides `preset`). The `parity` commands also
     accept "base" or "base-math", the cached base policies of `parity sft`, and resolve them to
@@ -111,7 +112,8 @@ class RolloutSection:
     """The engine's KV cache budget: a fraction of the memory available when a worker starts
     on the model's device (a GPU's free memory, or the host's; 0 < x <= 1) or a number of bytes
     (> 1), or a size with its unit ("4GiB", "512MiB", "2GB"). The cache never holds more than
-    max_num_seqs full sequences; the capacity is logged at start-up."""
+    max_num_seqs sequences of the model's context, 2,048 tokens at most each; the capacity is
+    logged at start-up."""
     cuda_graphs: bool = True
     """On a GPU, replay each decode step (every sequence one new token) from a CUDA graph captured
     once per batch-size bucket instead of launching its kernels one by one (dense models; MoE

@@ -1,5 +1,5 @@
-"""The decoder (Qwen3, Qwen3-MoE, Qwen2, Llama families), its config, checkpoints, KV cache and
-log-prob entry points."""
+"""The decoder (the Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3, Mistral, Mixtral, Gemma 2/3, OLMo 2/3,
+Phi-3 and SmolLM3 families), its config, checkpoints, KV cache and log-prob entry points."""
 
 from .batch import ForwardBatch
 from .checkpoint import save_pretrained

@@ -1,8 +1,9 @@
 """The decoder: one model definition for the engine and the learner, for every supported family.
 
 Qwen3 (q/k norm), Qwen3-MoE (q/k norm, mixture-of-experts blocks, `moe.py`), Qwen2 (q/k/v biases),
-Qwen2-MoE, Llama 3, Mistral and Mixtral differ only in the switches of their `ModelConfig`; RoPE and
-its scalings (llama3, YaRN, linear, longrope; partial rotary) are fixed tables from `rope.py`.
+Qwen2-MoE, Llama 3, Mistral, Mixtral, Gemma 2/3, OLMo 2/3, Phi-3 and SmolLM3 differ only in the
+switches of their `ModelConfig`; RoPE and its scalings (llama3, YaRN, linear, longrope; partial
+rotary) are fixed tables from `rope.py`.
 Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...; MoE experts
 stacked as in transformers 5).
 Every reduction goes through the `Kernels` bundle chosen at construction (`aligned` or `standard`);

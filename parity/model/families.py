@@ -1,7 +1,7 @@
 """Model families: reading and writing Hugging Face `config.json` files and checkpoint tensor names.
 
 `config_from_hf` turns a config of a supported family (Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x,
-Mistral, Mixtral, Qwen2-MoE, Gemma 2 and 3, OLMo 2 and 3, Phi-3; the layouts of transformers 4.x
+Mistral, Mixtral, Qwen2-MoE, Gemma 2 and 3, OLMo 2 and 3, Phi-3, SmolLM3; the layouts of transformers 4.x
 and 5.x) into a `ModelConfig`, and
 refuses — with a one-line error naming the field — anything parity would otherwise get silently
 wrong: another architecture, biases or RoPE scalings it does not implement, an activation other

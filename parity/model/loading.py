@@ -1,5 +1,6 @@
 """Build a model from a checkpoint directory: `parity`'s or Hugging Face's (`config.json` +
-safetensors, one file or sharded) for Qwen3, Qwen3-MoE, Qwen2/2.5 and Llama 3. The family comes
+safetensors, one file or sharded) of any family `families.py` reads (Qwen3 and Qwen3-MoE, Qwen2/2.5
+and Qwen2-MoE, Llama 3, Mistral, Mixtral, Gemma 2/3, OLMo 2/3, Phi-3, SmolLM3). The family comes
 from `config.json` (`families.config_from_hf`); names and shapes are checked against the config
 before any weight is copied, so a bad file is refused, never half-loaded."""
 

@@ -1,9 +1,9 @@
-"""Loader for the fixed-order C kernels (`csrc/aligned_kernels.c`, and `csrc/amx_gemm.c`: a bf16
-GEMM on AMX tiles where the CPU has them), built on first use.
+"""Loader for the fixed-order C kernels (`csrc/aligned_kernels.c`; `csrc/amx_gemm.c`: a bf16 GEMM on
+AMX tiles where the CPU has them; `csrc/gemm_f32.c`: the strict float32 GEMM), built on first use.
 
 The C files are compiled with the machine's C compiler (`-O3 -march=native -ffp-contract=off
 -fopenmp`) into a per-user cache keyed by the source, the flags and the CPU, and called through
-ctypes on float32 tensors. Set `PARITY_NATIVE=0` to use the pure-PyTorch aligned kernels
+ctypes on float32 and bf16 tensors. Set `PARITY_NATIVE=0` to use the pure-PyTorch aligned kernels
 instead; if no compiler is found parity falls back to them too. Either way both the engine and
 the learner in one process run the same implementation, so parity holds; `parity check` says
 which one is active.
