@@ -238,10 +238,7 @@ class Engine:
         if token in self._eos and not p.ignore_eos:
             return "eos"
         if p.stop_strings and self.tokenizer is not None:
-            # the tail of this turn's text: enough tokens to hold the longest stop string
-            span = max(len(s.encode("utf-8")) for s in p.stop_strings) + 1  # tokens: one byte at least
-            tail = self.tokenizer.decode(seq.token_ids[-min(seq.turn_tokens, span):])
-            if any(s in tail for s in p.stop_strings):
+            if any(s in seq.turn_tail(self.tokenizer.decode) for s in p.stop_strings):
                 return "stop"
         if seq.turn_tokens >= p.max_tokens:
             return "length"

@@ -141,6 +141,19 @@ class Sequence:
         self.cache_versions.append(version if self.cache_version is None else self.cache_version)
         self.turn_tokens += 1
 
+    def turn_tail(self, decode) -> str:
+        """The end of this turn's text (`decode`: token ids -> str), long enough to hold any stop
+        string that ends in its last token: the tokens before the last one give the longest stop
+        string's bytes (plus 3 for a character split at the cut). Most tokens decode to a byte or
+        more, so that is usually the first window; tokens that decode to nothing (ids past the
+        tokenizer's vocabulary) widen it."""
+        need = max(len(s.encode("utf-8")) for s in self.params.stop_strings)
+        ids = self.token_ids[len(self.token_ids) - self.turn_tokens:]
+        n = min(len(ids), need + 1)
+        while n < len(ids) and len(decode(ids[-n:-1]).encode("utf-8")) < need + 3:
+            n = min(len(ids), 2 * n)
+        return decode(ids[-n:])
+
     def append_environment(self, tokens: list[int]) -> None:
         self.token_ids.extend(tokens)
         self.loss_mask.extend([0] * len(tokens))

@@ -306,6 +306,36 @@ def test_a_tokenizer_failing_on_one_request_fails_it_alone_without_hanging(stop_
         assert o.error is None and o.token_ids == ref.token_ids and o.text is not None
 
 
+class _PaddedVocab:
+    """A tokenizer of 64 tokens under a larger embedding: ids past it decode to nothing."""
+
+    def decode(self, ids):
+        return "".join(chr(97 + t % 26) if t < 64 else "" for t in ids)
+
+
+def test_a_stop_string_is_found_across_tokens_that_decode_to_nothing():
+    """The stop check decodes a window of the turn's last tokens; ids past the tokenizer's
+    vocabulary (a padded embedding, as the base policy's 128 rows over 106 tokens) decode to "", so
+    a window of len(stop) + 1 tokens could miss a stop string spanning two of them: it ran to
+    max_tokens with the string in its text. The window now widens past them."""
+    model, tok = cached_model("tiny", "aligned", "float32", 0, 0.02), _PaddedVocab()
+    eng = parity.Engine(model, max_num_seqs=2, tokenizer=tok)
+    for seed in range(50):
+        ids = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=40, seed=seed, ignore_eos=True))[0]
+        ids = ids.token_ids
+        gaps = [i for i in range(1, len(ids) - 2)
+                if ids[i - 1] < 64 <= min(ids[i], ids[i + 1]) and ids[i + 2] < 64
+                and tok.decode(ids[i - 1:i + 3]) not in tok.decode(ids[:i + 2])]  # (first seen across it)
+        if gaps:
+            break
+    assert gaps, "no output of these seeds has two empty tokens inside a 2-character string"
+    i = gaps[0]
+    stop = tok.decode(ids[i - 1:i + 3])
+    out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=40, seed=seed, ignore_eos=True,
+                                                   stop_strings=[stop]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == ids[:i + 3] and out.text.endswith(stop)
+
+
 def test_a_request_that_outgrows_the_cache_ends_at_its_length_keeping_its_tokens(caplog):
     """The whole cache bounds a request as max_position_embeddings does: at 64 + 1 tokens it ends
     with "length", marked `cache_full` (a warning says how to raise it), keeping every token and
