@@ -160,14 +160,16 @@ class Sampler:
                     chosen[plain] = _triton_sample().gumbel_argmax(logp[plain], keys, counts)
                 noisy = [j for j in noisy if cut_of[idx[j]]]
             if noisy:
-                sub = logp[noisy].double()
+                sub, cut = logp[noisy].double(), []
                 for r, j in enumerate(noisy):
                     if cut_of[idx[j]]:
                         p = params[idx[j]]
-                        sub[r] = sub[r].masked_fill(~_keep_mask(sub[r], p.top_k, p.top_p), float("-inf"))
+                        drop = ~_keep_mask(sub[r], p.top_k, p.top_p)
+                        if drop.any():  # (a top-k/top-p that keeps every token: the row's own log-probs)
+                            sub[r] = sub[r].masked_fill(drop, float("-inf"))
+                            cut.append((r, j))
                 picked = self._gumbel_argmax([seqs[idx[j]] for j in noisy], sub)
                 chosen[noisy] = picked
-                cut = [(r, j) for r, j in enumerate(noisy) if cut_of[idx[j]]]
                 if cut:  # one transfer for all truncated rows, not one per row
                     vals = torch.stack([sub[r, picked[r]] - torch.logsumexp(sub[r], 0) for r, _ in cut])
                     truncated = {j: v for (_, j), v in zip(cut, vals.tolist())}

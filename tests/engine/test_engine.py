@@ -205,6 +205,19 @@ def test_top_k_and_top_p_record_the_truncated_logprob(draws):
     assert torch.equal(full, torch.tensor(o.logprobs, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("cut", [{"top_k": 128}, {"top_k": 10**6}, {"top_p": 1 - 1e-12}])
+def test_a_top_k_or_top_p_that_keeps_every_token_records_the_plain_logprob(cut):
+    """Nothing cut, nothing truncated: the recorded sampled log-prob is the row's float32 log-prob,
+    the same tokens as without the option (it was recomputed in float64 over the whole row, so the
+    learner saw a kernel mismatch and importance weights off 1 at lag 0)."""
+    model = cached_model("tiny", "aligned", "float32", 5, 0.3)  # (vocab 128)
+    plain = SamplingParams(temperature=1.0, max_tokens=12, seed=2)
+    [ref], _ = run_engine(model, [[3, 1, 4]], [plain])
+    [o], _ = run_engine(model, [[3, 1, 4]], [SamplingParams(temperature=1.0, max_tokens=12, seed=2, **cut)])
+    assert o.token_ids == ref.token_ids and o.logprobs == ref.logprobs
+    assert o.sampled_logprobs == o.logprobs
+
+
 def test_multi_turn_keeps_prefix_and_masks_environment():
     model = cached_model("tiny", "aligned", "float32", 6, 0.1)
     eng = parity.Engine(model, max_num_seqs=4)
