@@ -62,9 +62,11 @@ def test_trajectory_fields_are_checked_by_what_they_mean():
     merged = TrajectoryBatch([_traj(group_id=1), _traj(group_id=2)])  # the control: two groups
     assert merged.group_ids.tolist() == [1, 2]
     assert TrajectoryBatch([_traj(reward=np.float32(0.5), group_id=np.int64(3))]).rewards.tolist() == [0.5]
+    assert TrajectoryBatch([_traj(reward=3.4e38)]).rewards.isfinite().all()  # (float32's largest: kept)
     cases = [(dict(group_id=1.7), "group_id must be an integer, got 1.7"),  # (was group 1, merged)
              (dict(group_id="q17"), "group_id must be an integer"),
              (dict(reward=None), "reward None is not a finite number"),
+             (dict(reward=3.5e38), r"reward 3.5e\+38 is not a finite number \(float32\)"),
              (dict(rollout_logprobs=[0.0, 0.0, "a"]), r"rollout_logprobs\[2\] = 'a' is not a finite"),
              (dict(loss_mask=[0, 0, 0], excluded="engine error: prompt too long"),
               "engine error: prompt too long, before it sampled a token; leave it out")]
@@ -78,7 +80,8 @@ def test_trajectory_fields_are_checked_by_what_they_mean():
 def test_a_reward_that_is_not_a_number_is_named_at_from_output(tiny):
     out = _engine(tiny).generate([[5, 6]], SamplingParams(max_tokens=2))[0]
     assert Trajectory.from_output(out, np.float64(0.25), 0).reward == 0.25
-    for bad in (None, "1", float("nan")):  # ('1' was taken as 1.0; None a bare TypeError)
+    # ('1' was taken as 1.0; None a bare TypeError; 1e39 became inf in the batch's float32 rewards)
+    for bad in (None, "1", float("nan"), 1e39, -1e39):
         with pytest.raises(InputError, match="is not a finite number"):
             Trajectory.from_output(out, bad, 0)
 

@@ -23,7 +23,6 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import math
 import numbers
 import operator
 import sys
@@ -104,16 +103,19 @@ def call_user(fn, args: tuple, where: str, context: str = ""):
         raise ParityError(f"{where} raised {one_line(exc)}{context}") from exc
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # (torch.finfo(torch.float32).max)
+
+
 def finite_number(value) -> float | None:
     """A reward as a float (bools, NumPy scalars and one-element tensors too), or None when it is
-    not a finite number."""
+    not a finite number in float32's range (the learner holds rewards in float32: 1e39 was inf)."""
     if isinstance(value, str) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
         return None
     try:
         value = float(value)
     except (TypeError, ValueError, OverflowError, RuntimeError):
         return None
-    return value if math.isfinite(value) else None
+    return value if abs(value) <= FLOAT32_MAX else None  # (False for NaN and inf too)
 
 
 def one_line(exc: BaseException) -> str:
@@ -266,7 +268,8 @@ class CheckedEnv(Env):
             raise self._fail(f"step must return a parity.envs.base.Turn, got {type(turn).__name__}")
         reward = finite_number(turn.reward)
         if reward is None:
-            raise self._fail(f"step returned reward {turn.reward!r:.60}; a reward is a finite number")
+            raise self._fail(f"step returned reward {turn.reward!r:.60}; a reward is a finite number "
+                             "(float32)")
         self._check_metrics(episode)
         if not turn.done:
             if not self.multi_turn:

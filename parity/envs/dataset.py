@@ -272,7 +272,8 @@ class DatasetEnv(Env):
             parts[name] = finite_number(value)
             if parts[name] is None:
                 raise ParityError(f"task.reward {spec}: returned {repr(value)[:60]} for a response to "
-                                  f"{_key(episode.problem)[:60]}; a reward is a finite number or true/false")
+                                  f"{_key(episode.problem)[:60]}; a reward is a finite number (float32) "
+                                  "or true/false")
         if len(parts) > 1:  # each part logged as rollout/reward/<name> and eval/reward/<name>
             episode.info["metrics"] = {f"reward/{name}": value for name, value in parts.items()}
         episode.reward = sum(w * parts[name] for name, _, _, w in self.rewards)

@@ -78,7 +78,7 @@ class Trajectory:
         cache = None if out.cache_versions is None else [-1] * p + list(out.cache_versions)
         value = finite_number(reward)
         if value is None:  # (None was a bare TypeError, '1' was taken as 1.0)
-            raise InputError(f"request {out.request_id}: reward {reward!r} is not a finite number")
+            raise InputError(f"request {out.request_id}: reward {reward!r} is not a finite number (float32)")
         return Trajectory(out.full_token_ids, [0] * p + list(out.loss_mask),
                           [0.0] * p + list(out.sampled_logprobs), [-1] * p + list(out.policy_versions),
                           value, group_id, dict(metadata), routing, cache_versions=cache,
@@ -114,7 +114,7 @@ class Trajectory:
             if values is not None and len(values) != n:
                 raise InputError(f"{where}: {name} has {len(values)} entries, token_ids has {n}")
         if finite_number(self.reward) is None:  # (NumPy scalars, as envs return them, are numbers)
-            raise InputError(f"{where}: reward {self.reward!r} is not a finite number")
+            raise InputError(f"{where}: reward {self.reward!r} is not a finite number (float32)")
         if isinstance(self.group_id, bool) or not isinstance(self.group_id, numbers.Integral):
             # (a string was int()'s error; 1.7 and 1.2 were both group 1: baselines silently merged)
             raise InputError(f"{where}: group_id must be an integer, got {self.group_id!r}")
