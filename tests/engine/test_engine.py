@@ -491,7 +491,8 @@ def test_memory_budgets_read_as_written():
 
     assert memory_size("1e-9") == 1e-9 and memory_size("0.25") == 0.25 and memory_size("5TiB") == 5 * 2**40
     assert memory_size("512MiB") == 512 * 2**20 and memory_size("2GB") == 2e9
-    for bad in ("-1", "0", "-5GiB", "4 parsecs", "nan", "inf"):
+    assert memory_size("1.5GiB") == 1.5 * 2**30 and memory_size(2) == 2
+    for bad in ("-1", "0", "-5GiB", "4 parsecs", "nan", "inf", 1.5, "1e9.5"):  # (1.5: read as 1 byte)
         with pytest.raises(InputError, match="fraction of available memory"):
             memory_size(bad)
 
