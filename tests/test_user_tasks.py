@@ -199,6 +199,11 @@ def test_a_reward_function_scores_and_its_failures_are_one_line(tmp_path, tokeni
         value = 3
         def one_argument(response):
             return 1.0
+        def leave(response, problem):
+            raise SystemExit(0)
+        def cancelled(response, problem):
+            import asyncio
+            raise asyncio.CancelledError("the judge's task")
     '''))
     episode = lambda env: env.start(env.problems(0, 1)[0])  # noqa: E731
     env = DatasetEnv(tokenizer, data, reward=f"{tmp_path}/rewards.py:half", heldout_size=5)
@@ -206,8 +211,10 @@ def test_a_reward_function_scores_and_its_failures_are_one_line(tmp_path, tokeni
     e = env.start(problem)
     turn = env.step(e, tokenizer.encode(f"answer: {problem['answer']}<|eos|>"))
     assert turn.done and turn.reward == 0.5 and e.reward == 0.5 and not e.passed  # 1 or more solves
+    # (a SystemExit ended a worker without a word; a CancelledError was a traceback per restart)
     for name, message in [("nan", "returned nan"), ("boom", "raised ValueError: invalid literal"),
-                          ("text", "returned '1'")]:
+                          ("text", "returned '1'"), ("leave", "raised SystemExit: 0"),
+                          ("cancelled", "raised CancelledError: the judge's task")]:
         env = DatasetEnv(tokenizer, data, reward=f"{tmp_path}/rewards.py:{name}", heldout_size=5)
         with pytest.raises(ParityError, match=f"task.reward .*rewards.py:{name}.*{message}") as err:
             env.step(episode(env), tokenizer.encode("answer: 3"))
@@ -409,7 +416,9 @@ def test_custom_env_loading_errors_are_one_line(tmp_path):
     ctx = TaskContext(None, VOCAB, 0, 4)
     path = toy_file(tmp_path)
     (tmp_path / "broken.py").write_text("import nothing_here_at_all\n")
+    (tmp_path / "leaves.py").write_text("import sys\ndef env(ctx):\n    sys.exit(0)\n")
     for spec, options, message in [
+            (f"{tmp_path}/leaves.py:env", {}, "leaves.py:env' raised SystemExit: 0"),  # (ended a run, rc 0)
             (f"{tmp_path}/none.py:Toy", {}, "no such file"),
             (f"{path}:Nope", {}, "has no 'Nope'"),
             (f"{tmp_path}/broken.py:Toy", {}, "importing .*broken.py raised ModuleNotFoundError"),

@@ -85,7 +85,9 @@ def _import(where: str, key: str):
             raise ConfigError(f"{key}: no module named {exc.name!r} (install it, put its directory on "
                               "PYTHONPATH, or name a file: path/to/file.py:name)") from None
         raise ConfigError(f"{key}: importing {where} raised {one_line(exc)}") from exc
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
         raise ConfigError(f"{key}: importing {where} raised {one_line(exc)}") from exc
 
 
@@ -99,7 +101,8 @@ def call_user(fn, args: tuple, where: str, context: str = ""):
         raise
     except OSError as exc:
         raise OSError(f"{where} raised {one_line(exc)}{context}") from exc
-    except (Exception, SystemExit) as exc:  # (a sys.exit() in a reward ended a worker without a word)
+    except BaseException as exc:  # (a sys.exit() in a reward ended a worker without a word; an
+        # asyncio.CancelledError from a judge was a traceback per worker restart)
         raise ParityError(f"{where} raised {one_line(exc)}{context}") from exc
 
 
@@ -172,9 +175,9 @@ def build_custom_env(spec: str, options: dict, ctx: TaskContext) -> CheckedEnv:
         pass
     try:
         env = factory(ctx, **options)
-    except ParityError:
+    except (ParityError, KeyboardInterrupt):
         raise
-    except Exception as exc:
+    except BaseException as exc:  # (a sys.exit(0) in it ended train or eval silently, status 0)
         raise ConfigError(f"task.env {spec!r} raised {one_line(exc)}") from exc
     missing = [m for m in ("problems", "heldout", "prompt_ids", "step")
                if not callable(getattr(env, m, None))]
