@@ -15,42 +15,16 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
 
+from .apps.args import OneLineParser, check_args, out_of_memory
+from .apps.args import csv as _csv
+from .apps.args import memory as _memory
 from .config import BASE_CHECKPOINTS, TASK_NAMES
 from .dtypes import DTYPE_NAMES
 from .errors import Interrupted, ParityError, Terminated
 from .invariance import CASES
 from .model.config import PRESET_NAMES
 from .ops import BACKENDS
-
-_POSITIVE = ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_seqs", "max_num_seqs", "steps",
-             "prompts", "group", "max_tokens", "eval_prompts", "n", "batch", "length")
-"""Integer options that must be at least 1."""
-
-
-def _memory(text: str) -> float:
-    """'0.25' (a fraction of available memory), '4GiB', '512MiB', '1e9' -> a number for
-    `kv_cache_memory`."""
-    from .engine.memory import memory_size
-
-    try:
-        return memory_size(text)
-    except ParityError:
-        raise argparse.ArgumentTypeError(f"expected a fraction of available memory or a size like "
-                                         f"4GiB, got {text!r}") from None
-
-
-def _csv(kind):
-    def parse(text: str):
-        try:
-            items = [kind(x.strip()) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got nothing ({text!r})")
-        return items
-    return parse
 
 
 def _command(sub, name: str, module: str, help: str, **kwargs) -> argparse.ArgumentParser:
@@ -73,7 +47,7 @@ def _bench_options(parser: argparse.ArgumentParser, reps: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="parity", description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = OneLineParser(prog="parity", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True)
     all_dtypes = list(DTYPE_NAMES)
 
@@ -300,41 +274,9 @@ def _name_defaults(parser: argparse.ArgumentParser) -> None:
             action.help = f"default {shown}".replace("%", "%%")
 
 
-def _usage_error(message: str) -> NoReturn:
-    """A bad option's value, found after parsing: one line (argparse's own errors print the
-    top-level usage block before it, which names none of the subcommand's options)."""
-    print(f"parity: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-_MAX_BATCH = 1_000_000
-"""The most sequences a command's batch options take."""
-_MAX_COUNT = 2**31 - 1
-"""The most any other whole-number option takes (but seeds)."""
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    for name in _POSITIVE:
-        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
-            _usage_error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("k", "eval_problems"):
-        if getattr(args, name, 0) < 0:
-            _usage_error(f"--{name.replace('_', '-')} must be >= 0 (0 = skip)")
-    if getattr(args, "k", 0) > 64:  # (as the trainer's eval_samples)
-        _usage_error("--k must be at most 64 samples per problem")
-    if getattr(args, "vocab", None) is not None and args.vocab < 2:
-        _usage_error("--vocab must be at least 2")
-    if getattr(args, "seed", None) is not None and not 0 <= args.seed < 2**63:
-        _usage_error("--seed must be in 0..2**63-1")
-    for name, value in vars(args).items():  # a size of 1e11 hung for minutes, or died out of memory
-        values = value if isinstance(value, list) else [value]
-        limit = _MAX_BATCH if name in ("batch", "batches", "num_seqs", "max_num_seqs") else _MAX_COUNT
-        if name not in ("seed", "seeds") and any(type(v) is int and v > limit for v in values):
-            _usage_error(f"--{name.replace('_', '-')} must be at most {limit:,}")
-    if args.command == "check" and args.max_len < 2:
-        _usage_error("--max-len must be at least 2")
+    args = build_parser().parse_args(argv)
+    check_args(args)
     from .apps.ui import setup_logging
 
     setup_logging()
@@ -355,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ParityError, ValueError, OverflowError, MemoryError, OSError, RuntimeError) as exc:
         if os.environ.get("PARITY_DEBUG", "0") not in ("", "0"):
             raise
-        text = _out_of_memory(exc) or str(exc).strip()
+        text = out_of_memory(exc) or str(exc).strip()
         print(f"parity: error: {text.splitlines()[0] if text else type(exc).__name__}"
               f"{'' if isinstance(exc, ParityError) else ' (PARITY_DEBUG=1 shows the traceback)'}",
               file=sys.stderr)
@@ -367,22 +309,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not False:  # (None: a handler not set from Python; the default stands in)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
-def _out_of_memory(exc: BaseException) -> str | None:
-    """An allocator's failure said as what it is (PyTorch's CPU message opens with "[enforce fail
-    at alloc_cpu.cpp:127] err == 0"), with the size asked for; None for any other error."""
-    import re
-
-    text = str(exc)
-    if not (isinstance(exc, MemoryError) or "can't allocate memory" in text
-            or "out of memory" in text.lower()):
-        return None
-    cpu = re.search(r"allocate (\d+) bytes", text)
-    cuda = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", text)
-    asked = f"{int(cpu.group(1)) / 2**30:,.1f} GiB" if cpu else cuda.group(1) if cuda else None
-    return (f"out of memory{f' ({asked} asked for at once)' if asked else ''}: the sizes given need more "
-            "memory than is free here; lower them (batch sizes, rows, lengths, vocabulary)")
 
 
 def _raise_on_sigterm():

@@ -114,6 +114,9 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
     cases = [
         (["bench", "kernels", "--presets", ""], "got nothing"),
         (["check", "--cases", ","], "got nothing"),
+        (["generate", "--prompt-ids", "1,,2"], "expected comma-separated integers, got '1,,2'"),  # (was 1,2)
+        (["bench", "kernels", "--batches", "a"], "--batches: expected a comma-separated list, got 'a'"),
+        (["sft", "--recipe", "junk"], "invalid choice: 'junk'"),  # (argparse's: a usage block, then this)
         (["bench", "kernels", "--presets", "qwen3-0.6b", "--batches", "100000"], "GiB is available"),
         (["eval", "-k", "-1"], "--k must be >= 0"),
         (["eval", "-k", "100000"], "--k must be at most 64"),
@@ -177,8 +180,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         err = captured.err.strip()
         assert code == 2, (argv, err)
         assert "training the base policy" not in captured.out  # (said so of a file, then refused)
-        if err.startswith("usage:"):  # argparse's usage lines, then its one error line
-            err = err.splitlines()[-1]
+        # (argparse's own errors too: they printed a usage block before their one line)
         assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err, (argv, err)
     assert (tmp_path / "keep" / "notes.txt").read_text() == "mine" and not (tmp_path / "run").exists()
     (tmp_path / "base").mkdir()  # a directory named like the cached base policy: was read as that
@@ -195,7 +197,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
 
 
 def test_an_allocator_failure_is_said_as_out_of_memory_with_its_size():
-    from parity.cli import _out_of_memory
+    from parity.apps.args import out_of_memory as _out_of_memory
 
     cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
                        "allocate memory: you tried to allocate 4096000016384 bytes. Error code 12")

@@ -83,6 +83,16 @@ def test_bad_checkpoints_are_refused_with_the_file_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 10**12}))
     with pytest.raises(CheckpointError, match="max_position_embeddings must be at most 8,388,608"):
         parity.load_model(tmp_path)  # (asked for 8 TB of RoPE tables, naming no field)
+    # a size torch's int64 shapes overflow (a TypeError from inside torch), one no memory holds
+    # ('out of memory, 238 GiB': lower the batch sizes), a scalar architectures (a TypeError)
+    for edit, message in (({"intermediate_size": 10**30}, "cannot be built here .*Overflow"),
+                          ({"num_attention_heads": 10**30}, "cannot be built here .*Overflow"),
+                          ({"intermediate_size": 10**7}, r"gate_proj.*has shape \(128, 64\), config.json "
+                                                         r"implies \(10000000, 64\)"),
+                          ({"architectures": 5}, "architectures must be a list, got 5")):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
+        with pytest.raises(CheckpointError, match=message):
+            parity.load_model(tmp_path)
     # truncated weights file
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     data = (tmp_path / "model.safetensors").read_bytes()

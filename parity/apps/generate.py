@@ -53,8 +53,8 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
             raise ParityError(f"--prompt: not UTF-8 text: {text!r}") from None
         prompts.append(_text_prompt(args, tokenizer, text))
     for ids in args.prompt_ids or []:
-        try:
-            prompts.append([int(x) for x in ids.split(",") if x.strip()])
+        try:  # (an empty item, `1,,2`, was read as 1,2)
+            prompts.append([int(x) for x in ids.split(",")])
         except ValueError:
             raise ParityError(f"--prompt-ids: expected comma-separated integers, got {ids!r}") from None
     if args.prompts_file:

@@ -81,7 +81,8 @@ class Model(nn.Module):
             self.model = Backbone(config)
             if not config.tie_word_embeddings:
                 self.lm_head = Weight(config.vocab_size, config.hidden_size)
-        except (RuntimeError, MemoryError) as exc:  # sizes no memory holds (was the allocator's error)
+        except (RuntimeError, MemoryError, TypeError, OverflowError) as exc:  # sizes no memory holds
+            # (was the allocator's error), or past torch's int64 shapes (10^30 heads: a TypeError)
             raise ConfigError(f"the model this config describes cannot be built here "
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         # RoPE tables in float32 (plain attributes, so `.to(dtype)` leaves them alone)

@@ -52,8 +52,9 @@ configs leave those of the 4B checkpoint out: its sizes are the defaults)."""
 
 def is_image_text(data: dict[str, Any]) -> bool:
     """Whether a config.json is Gemma 3's image-text one (model_type gemma3)."""
-    archs = data.get("architectures") or []
-    return data.get("model_type") == "gemma3" or "Gemma3ForConditionalGeneration" in archs
+    archs = data.get("architectures")  # (a list, or checked as one later: 5 was a TypeError here)
+    return data.get("model_type") == "gemma3" or (isinstance(archs, list)
+                                                  and "Gemma3ForConditionalGeneration" in archs)
 
 
 def text_config_of(data: dict[str, Any], where: str) -> dict[str, Any]:

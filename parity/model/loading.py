@@ -62,12 +62,14 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
     if embed is not None and tuple(embed.shape) != want:  # (before a model of the config's size is built)
         raise CheckpointError(f"{path}: tensor model.embed_tokens.weight has shape {tuple(embed.shape)}, "
                               f"config.json implies {want}")
-    try:
-        model = Model(config, kernels=kernels, dtype=dtype, seed=None,
-                      block_size=DEFAULT_BLOCK_SIZE if block_size is None else block_size)
-    except ConfigError as exc:  # e.g. sizes no memory holds (a wrong intermediate_size)
+    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    try:  # shapes first, on the meta device: a wrong size is named before memory is asked for it
+        # (intermediate_size = 10^9 was 'out of memory, 238 GiB': lower the batch sizes)
+        with torch.device("meta"):
+            shapes = Model(config, kernels=kernels, dtype=dtype, seed=None, block_size=block_size)
+        expected, dtype = shapes.state_dict(), shapes.dtype  # (a dtype given by name resolved)
+    except ConfigError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
-    expected, dtype = model.state_dict(), model.dtype  # (a dtype given by name resolved)
     weights_file = path / "model.safetensors"
     for name in [n for n in tensors if n.endswith(".rotary_emb.inv_freq")]:
         del tensors[name]  # a buffer older checkpoints saved; parity derives it from rope_theta
@@ -97,5 +99,9 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
         if not torch.isfinite(got).all():
             raise CheckpointError(f"{weights_file}: tensor {file_name(config, name)} contains NaN or inf "
                                   f"as {dtype}")
+    try:
+        model = Model(config, kernels=kernels, dtype=dtype, seed=None, block_size=block_size)
+    except ConfigError as exc:  # e.g. sizes no memory holds
+        raise CheckpointError(f"{path}: {exc}") from None
     model.load_state_dict(tensors)
     return model.to(check_device(device))
