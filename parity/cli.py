@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--out", help="output directory (default: the config's out_dir, built in runs/study)")
     st.add_argument("--report-only", action="store_true",
                     help="train nothing: write the report from the runs already finished")
+    st.add_argument("--overwrite", action="store_true",
+                    help="train again the runs in --out that another config wrote (refused without it)")
 
     s = _command(sub, "sft", "sft", "train (or show) the cached base policy")
     s.add_argument("--out", help="output directory (default: the cache)")

@@ -14,6 +14,7 @@ import pytest
 from parity.apps.study_grid import DEFAULT_GRID, load_study
 from parity.cli import main
 from parity.errors import ConfigError
+from parity.metrics.sinks import read_metrics
 from parity.metrics.summary import row_figures
 
 
@@ -142,6 +143,40 @@ def test_an_interrupted_study_run_goes_on_from_its_checkpoint(tmp_path):
     (tmp_path / "report.md").unlink()
     (tmp_path / "checkpoint-2" / "manifest.json").write_text("{")
     assert _restart(cfg(4)) == {"overwrite": True}
+
+
+def test_a_study_never_replaces_another_config_s_runs_without_overwrite(tmp_path, capsys):
+    """A study into a directory holding runs of other settings (a --quick study into a full one's
+    runs/study, say) is refused before anything trains, naming the run; --overwrite trains it
+    again. (It replaced the finished runs without a word: hours of a full study.)"""
+    study = tmp_path / "s.toml"
+    text = '''task = "target_tokens"
+seeds = [0]
+[train]
+steps = STEPS
+eval_every = 0
+"model.checkpoint" = ""
+"model.preset" = "tiny"
+"rollout.prompts_per_step" = 1
+"rollout.group_size" = 2
+"rollout.max_tokens" = 2
+[[runs]]
+name = "a"
+'''
+    out = tmp_path / "out"
+    study.write_text(text.replace("STEPS", "2"))
+    assert main(["study", str(study), "--out", str(out)]) == 0
+    finished = (out / "a-seed0" / "report.md").read_text()
+    assert main(["study", str(study), "--out", str(out)]) == 0  # the control: the same study skips it
+    study.write_text(text.replace("STEPS", "1"))
+    capsys.readouterr()
+    assert main(["study", str(study), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a-seed0 holds a run of other settings" in err and "--overwrite" in err
+    assert len(err.splitlines()) == 1
+    assert (out / "a-seed0" / "report.md").read_text() == finished  # untouched
+    assert main(["study", str(study), "--out", str(out), "--overwrite"]) == 0
+    assert len(read_metrics(out / "a-seed0")) == 1
 
 
 def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):

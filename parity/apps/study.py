@@ -101,12 +101,23 @@ def _finished(cfg: TrainConfig) -> bool:
     recorded, and its config.toml the one asked for (the base policy named by its directory, as the
     run wrote it). A run of another study in the same directory (other settings, the other task)
     is not this one's, and runs again."""
-    run_dir = Path(cfg.run_dir)
-    name = cfg.model.checkpoint
-    if name in RECIPES:
-        cfg = with_overrides(cfg, {"model.checkpoint": str(base_dir(RECIPES[name]))})
+    run_dir, cfg = Path(cfg.run_dir), _as_written(cfg)
     return (run_dir / "report.md").exists() and len(read_metrics(run_dir)) == cfg.steps \
         and _wrote(run_dir / "config.toml", cfg)
+
+
+def _as_written(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` as its run writes it to config.toml: a base policy named by its directory."""
+    name = cfg.model.checkpoint
+    return with_overrides(cfg, {"model.checkpoint": str(base_dir(RECIPES[name]))}) if name in RECIPES else cfg
+
+
+def _other_runs(study: StudyConfig) -> list[str]:
+    """The grid's run directories that hold a run of other settings (its config.toml another
+    config: another study's, a --quick one's, the other task's), which training would replace."""
+    cells = [run_config(study, run, seed) for seed in study.seeds for run in study.runs]
+    return [c.run_dir for c in cells if (Path(c.run_dir) / "config.toml").exists()
+            and not _wrote(Path(c.run_dir) / "config.toml", _as_written(c))]
 
 
 def _wrote(written: Path, cfg: TrainConfig) -> bool:
@@ -129,10 +140,12 @@ def _train(cfg: TrainConfig, name: str, progress: bool) -> None:
     write_report(cfg.run_dir)  # the run's own report.md: also what marks it finished
 
 
-def run_study(study: StudyConfig, progress: bool = True, train: bool = True) -> dict:
+def run_study(study: StudyConfig, progress: bool = True, train: bool = True, overwrite: bool = False) -> dict:
     """Run every grid cell (skipping ones already finished in out_dir) and write the report.
     With `train=False` nothing is trained: the report covers the finished runs only (a row's
-    figures are over its finished seeds; rows with none are left out)."""
+    figures are over its finished seeds; rows with none are left out). A cell whose directory
+    holds a run of other settings is refused before anything trains, unless `overwrite` (a
+    --quick study into a full one's directory replaced its finished runs without a word)."""
     out = Path(study.out_dir)
     if out.exists() and not out.is_dir():
         raise ParityError(f"{out} exists and is not a directory: choose another --out")
@@ -140,6 +153,11 @@ def run_study(study: StudyConfig, progress: bool = True, train: bool = True) -> 
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ParityError(f"{out} cannot be written: {exc.strerror or exc}; choose another --out") from None
+    other = _other_runs(study) if train and not overwrite else []
+    if other:
+        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+        raise ParityError(f"{other[0]}{more} holds a run of other settings (its config.toml differs): "
+                          "choose another --out, or --overwrite to train those runs again")
     if study.quick and train:
         quick_base = Path(study.train.get("model.checkpoint", out / "quick-base"))
         if not is_built(quick_base):
@@ -200,7 +218,7 @@ def main(args) -> int:
         "bfloat16", "the study's model.dtype", linear=gemm_linear)
     if warning:
         print(f"parity: warning: {warning}", file=sys.stderr, flush=True)
-    results = run_study(study, train=not args.report_only)
+    results = run_study(study, train=not args.report_only, overwrite=args.overwrite)
     print(study_table_markdown(results))
     written = [name for name in ("report.md", "study.png", "mechanism.png", "results.json")
                if (Path(study.out_dir) / name).exists()]
