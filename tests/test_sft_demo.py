@@ -150,6 +150,13 @@ def test_cli_demo_runs_end_to_end(base, tmp_path, capsys, monkeypatch):
     (tmp_path / "runs" / "demo" / "checkpoint-5").mkdir(parents=True)
     assert main(["demo", *small]) == 2 and (tmp_path / "runs" / "demo" / "checkpoint-5").is_dir()
     assert "--overwrite" in capsys.readouterr().err
+    # a recipe's name, as every other command's --model takes it (was refused as unresolved)
+    import parity.apps.sft as sft
+
+    monkeypatch.setattr(sft, "base_dir", lambda c=None: base)
+    assert main(["demo", *small[2:], "--model", "base", "--run-dir", str(tmp_path / "named")]) == 0, \
+        capsys.readouterr().err
+    assert str(base) in (tmp_path / "named" / "config.toml").read_text()
 
 
 @given(st.integers(0, 10**6), st.integers(0, 10**6))

@@ -24,7 +24,7 @@ from ..metrics.summary import demo_rows, step_line
 from ..rl import checkpoint
 from ..rl.checkpoint import DEMO_MARK
 from ..rl.controller import Controller
-from .sft import get_base_policy
+from .sft import RECIPES, get_base_policy, names_recipe
 from .ui import Progress, table
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,8 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
         raise ParityError(f"{earlier} holds {found[-1].name} of another command's run: replace it with "
                           f"--overwrite, or choose another --run-dir")
     t0 = time.perf_counter()
-    base = opts.base or get_base_policy()
+    # (a recipe's name, as every other --model takes: 'base' was refused as unresolved)
+    base = get_base_policy(RECIPES[opts.base]) if names_recipe(opts.base) else opts.base or get_base_policy()
     log.info("base policy %s (%.0f s)", base, time.perf_counter() - t0)
     cfg = demo_config(opts, str(base), overrides)
     run_dir = Path(cfg.run_dir)
