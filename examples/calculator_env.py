@@ -35,6 +35,8 @@ class CalculatorEnv(Env):
         if not (1 <= len(span) <= 2 and all(isinstance(d, int) and 1 <= d <= 18 for d in span)
                 and span == sorted(span)):
             raise ValueError(f"digits must be 1..18 or [fewest, most], got {digits!r}")
+        if not (isinstance(terms, int) and 1 <= terms <= 50):  # (0 made every problem "What is ?": a hang)
+            raise ValueError(f"terms must be 1..50, got {terms!r}")
         self.ctx, self.tokenizer, self.seed = ctx, ctx.tokenizer, ctx.seed
         self.digits = span[0] if len(span) == 1 else tuple(span)  # an int, or (fewest, most)
         self.terms, self.max_calls = terms, max_calls
@@ -62,11 +64,14 @@ class CalculatorEnv(Env):
 
     def problems(self, batch_index: int, n: int) -> list[dict]:
         rnd = random.Random(f"{self.seed}/{batch_index}")  # str seeds hash the same in every process
-        out = []
+        out, tries = [], 0
         while len(out) < n:
-            problem = self._problem(rnd)
+            problem, tries = self._problem(rnd), tries + 1
             if problem["prompt"] not in self._held:
                 out.append(problem)
+            elif tries > 1000 * n:  # (a problem space the held-out set covers: it spun for ever)
+                raise ValueError("almost every problem is held out: raise digits or terms, or lower "
+                                 "task.heldout_size")
         return out
 
     def heldout(self, n: int | None = None) -> list[dict]:

@@ -588,6 +588,10 @@ def test_the_calculator_example_runs_its_tool_in_the_sandbox_and_scores_the_answ
     assert env.step(wrong, tokenizer.encode(f"answer: {problem['answer'] + 1}")).reward == 0.0
     with pytest.raises(ConfigError, match=r"digits must be 1..18 or \[fewest, most\], got \[3, 2\]"):
         build_custom_env(spec, {**options, "digits": [3, 2]}, TaskContext(tokenizer, 512, 0, 4))
+    with pytest.raises(ConfigError, match="terms must be 1..50, got 0"):  # (all "What is ?": a hang)
+        build_custom_env(spec, {**options, "terms": 0}, TaskContext(tokenizer, 512, 0, 4))
+    with pytest.raises(ParityError, match="almost every problem is held out"):  # (9 problems, 200 drawn)
+        build_custom_env(spec, {**options, "terms": 1, "digits": 1}, TaskContext(tokenizer, 512, 0, 200))
 
 
 def test_the_additions_example_holds_out_sums_the_base_never_trained_on(tokenizer):
