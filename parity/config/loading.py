@@ -47,9 +47,17 @@ def _build(cls, data: dict[str, Any], where: str):
         raise ConfigError(f"{where or 'config'}: {exc}") from None
 
 
+_LOSS_KEYS = frozenset(f.name for f in dataclasses.fields(LossConfig))
+"""Loss parameters, which may also sit directly in the learner table."""
+
+
 def set_dotted(data: dict, dotted: str, value: Any) -> dict:
-    """Set `data["a"]["b"] = value` for `dotted = "a.b"` (creating tables); returns `data`."""
+    """Set `data["a"]["b"] = value` for `dotted = "a.b"` (creating tables); returns `data`. A loss
+    parameter spelled flat (`learner.ppo_eps`) is set where it lives (`learner.loss_config.ppo_eps`:
+    beside a written config's loss table it was "unknown config key")."""
     parts = dotted.split(".")
+    if len(parts) == 2 and parts[0] == "learner" and parts[1] in _LOSS_KEYS:
+        parts.insert(1, "loss_config")
     node = data
     for p in parts[:-1]:
         node = node.setdefault(p, {})
@@ -83,11 +91,16 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     if isinstance(learner, dict):
         learner = dict(learner)
         derived = {k: learner.pop(k) for k in list(learner) if k in DERIVED_LEARNER_FIELDS}
-        if "loss_config" not in learner:
-            loss_keys = {f.name for f in dataclasses.fields(LossConfig)}
-            extra = {k: learner.pop(k) for k in list(learner) if k in loss_keys}
-            if extra:
-                learner["loss_config"] = extra
+        extra = {k: learner.pop(k) for k in list(learner) if k in _LOSS_KEYS}
+        if extra:  # (beside a [learner.loss_config] table they were "unknown config key")
+            nested = learner.get("loss_config", {})
+            if not isinstance(nested, dict):
+                raise ConfigError(f"learner.loss_config must be a table, got {nested!r}")
+            clash = next((k for k in extra if k in nested and nested[k] != extra[k]), None)
+            if clash:
+                raise ConfigError(f"learner.{clash} = {extra[clash]!r} and learner.loss_config.{clash} = "
+                                  f"{nested[clash]!r} disagree (set one)")
+            learner["loss_config"] = {**nested, **extra}
         data["learner"] = learner
     cfg = _build(TrainConfig, data, "")
     for name, value in derived.items():

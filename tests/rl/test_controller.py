@@ -92,6 +92,16 @@ def test_config_is_validated_and_round_trips(tmp_path):
     path = tmp_path / "resolved.toml"
     path.write_text(to_toml(cfg))
     assert load_config(path) == cfg
+    # a loss parameter spelled flat over a written config (its [learner.loss_config] table beside
+    # it): "unknown config key learner.ppo_eps"; both spellings at once must agree
+    assert load_config(path, ["learner.ppo_eps=0.3"]).learner.loss_config.ppo_eps == 0.3
+    from parity.config import config_from_dict
+
+    both = {"learner": {"ppo_eps": 0.3, "loss_config": {"ppo_eps_high": 0.28}}}
+    assert config_from_dict(both).learner.loss_config.ppo_eps == 0.3
+    both["learner"]["loss_config"]["ppo_eps"] = 0.2
+    with pytest.raises(ConfigError, match="ppo_eps = 0.3 and learner.loss_config.ppo_eps = 0.2 disagree"):
+        config_from_dict(both)
 
 
 def test_a_config_changed_after_construction_is_checked_again_when_the_run_starts(tmp_path):
