@@ -104,6 +104,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
     (tmp_path / "typed.jsonl").write_text('{"prompt": 5}\n')
     (tmp_path / "bools.jsonl").write_text('{"prompt_ids": [true]}\n')
     (tmp_path / "extra.jsonl").write_text('{"prompt": "hi", "max_tokens": 2}\n')
+    (tmp_path / "both.jsonl").write_text('{"prompt": "hi", "prompt_ids": [1, 2]}\n')  # (the prompt dropped)
     (tmp_path / "escape.toml").write_text('[[runs]]\nname = "../escape"\n')
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "notes.txt").write_text("mine")
@@ -123,6 +124,8 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["generate", "--seed", str(10**23), "--prompt", "x"], "--seed"),
         (["generate", "--prompts-file", str(tmp_path / "prompts.txt")], "prompts.txt: not UTF-8"),
         (["generate", "--prompts-file", str(tmp_path / "extra.jsonl")], "unknown field 'max_tokens'"),
+        (["generate", "--prompts-file", str(tmp_path / "both.jsonl")], ":1: both 'prompt' and 'prompt_ids'"),
+        (["generate", "--prompt-ids", "1,2", "--chat"], "--chat wraps text prompts"),
         (["train", str(tmp_path / "not-utf8.toml")], "not-utf8.toml: not UTF-8"),
         (["train", *toy, "--set", "steps=1000000000"], "steps must be in 1..10,000,000"),
         (["train", *toy, "--set", "eval_prompts=100000000"], "eval_prompts must be at most 100,000"),

@@ -83,6 +83,8 @@ def _read_prompts(args, tokenizer) -> list[list[int]]:
                 if unknown:  # (were ignored: a line's own max_tokens or temperature silently not used)
                     raise ParityError(f"{args.prompts_file}:{n}: unknown field {unknown[0]!r} (a line holds "
                                       "'prompt' or 'prompt_ids'; sampling options are the command's)")
+                if "prompt_ids" in item and "prompt" in item:  # (the prompt was dropped without a word)
+                    raise ParityError(f"{args.prompts_file}:{n}: both 'prompt' and 'prompt_ids': give one")
                 if "prompt_ids" in item:
                     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                             for t in ids):
@@ -119,6 +121,8 @@ def _chat_kwarg(text: str) -> tuple[str, object]:
 
 def main(args) -> int:
     """`parity generate`."""
+    if args.chat and not (args.prompt or args.prompts_file):  # (it was ignored without a word)
+        raise ParityError("--chat wraps text prompts (--prompt, --prompts-file); --prompt-ids go in as given")
     dtype = dtype_from_name(args.dtype, "--dtype")
     warning = hardware.bf16_warning(args.dtype, "--dtype", linear=gemm_linear)
     if warning:
