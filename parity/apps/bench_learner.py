@@ -91,6 +91,9 @@ def main(args) -> int:
     """`parity bench learner`."""
     for name in args.dtypes:
         dtype_from_name(name, "--dtypes")
+    if args.length < 2:  # (was "sequence 0: needs at least 2 tokens", naming no option)
+        raise ParityError(f"--length must be at least 2 (a sequence scores its tokens after the first), "
+                          f"got {args.length}")
     for p in args.presets:
         if args.length > ModelConfig.preset(p).max_position_embeddings:
             raise ParityError(f"--length {args.length} exceeds preset {p}'s max_position_embeddings")

@@ -38,8 +38,9 @@ def main(args) -> int:
     for item in args.set or []:  # (training keys were accepted and ignored; `level=7` read as unknown)
         key = parse_override(item)[0]
         if not key.startswith(("task.", "model.")):
-            raise ConfigError(f"--set {key}: eval takes task.* and model.* keys only (task.{key} for "
-                              "the task's; --n, --temperature, --max-tokens for sampling)")
+            hint = f"task.{key} for the task's; " if "." not in key else ""  # (task.learner.lr was offered)
+            raise ConfigError(f"--set {key}: eval takes task.* and model.* keys only ({hint}--n, "
+                              "--temperature, --max-tokens for sampling)")
     if args.k:  # checked before the greedy pass, whose result a bad temperature threw away
         SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     run = config_from_dict(read_toml(args.config)) if args.config else None  # a run's whole config

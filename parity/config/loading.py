@@ -74,6 +74,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, raw = text.split("=", 1)
     if not key.strip():
         raise ConfigError(f"--set {text!r}: expected key=value (no key before '=')")
+    if not all(part.strip() for part in key.split(".")):  # (was "unknown config key " naming nothing)
+        raise ConfigError(f"--set {text!r}: a key is dotted names, as learner.lr")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
