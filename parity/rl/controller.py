@@ -125,6 +125,10 @@ class Controller:
                 log.warning("%s holds %d records for the %d steps %s contains (missing steps: %s); "
                             "they stay as they are", metrics_path, len(kept), self.start_step, path.name,
                             ", ".join(map(str, lost[:10])) + (" ..." if len(lost) > 10 else "") or "none")
+        elif self.start_step:  # (went on without a word: the report counted the steps after the resume)
+            log.warning("%s is gone: the records of the %d steps %s contains are lost, and the run's "
+                        "report covers the steps from %d on", metrics_path, self.start_step, path.name,
+                        self.start_step + 1)
         if self.cfg.task.name != "target_tokens" and (path / "tokenizer.json").exists() \
                 and not (tokenizer_path(self.cfg) or path / "none").exists():
             log.info("%s has no tokenizer.json now (moved or removed): the task reads %s's copy",

@@ -469,12 +469,17 @@ def test_steady_throughput_leaves_out_start_up_and_evaluations(tmp_path, monkeyp
         assert span < m["time/wall_s"] - 0.3 * step  # each evaluation's 0.3 s is out of it
 
 
-def test_a_run_resumed_without_its_metrics_counts_only_the_steps_it_timed(tmp_path):
+def test_a_run_resumed_without_its_metrics_counts_only_the_steps_it_timed(tmp_path, caplog):
     """With metrics.jsonl gone, a resumed run's clock starts at 0: its steps/hour must count the
-    steps since the resume, not every step since 0 (that read 51x too fast at step 50)."""
+    steps since the resume, not every step since 0 (that read 51x too fast at step 50); a warning
+    says the records are lost (it went on without a word)."""
+    import logging
+
     Controller(config(tmp_path, "steps=2", "checkpoint_every=2", "eval_every=0")).run()
     (tmp_path / "metrics.jsonl").unlink()
-    metrics = Controller(config(tmp_path, "steps=5", "eval_every=0"), resume=True).run()
+    with caplog.at_level(logging.WARNING, logger="parity"):
+        metrics = Controller(config(tmp_path, "steps=5", "eval_every=0"), resume=True).run()
+    assert "metrics.jsonl is gone: the records of the 2 steps checkpoint-2 contains are lost" in caplog.text
     last = metrics[-1]
     assert last["step"] == 4
     assert last["throughput/steps_per_hour"] == pytest.approx(3600 * 3 / last["time/wall_s"])
