@@ -129,6 +129,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["bench", "learner", "--length", "1", "--presets", "tiny"], "--length must be at least 2"),
         (["bench", "memory", "--dtype", "junk"], "--dtype must be one of float32, bfloat16, got 'junk'"),
         (["train", "--set", "..=3"], "a key is dotted names"),  # (was "unknown config key " naming none)
+        (["train", *toy, "--set", 'run_dir="/proc/self/x"'], "run_dir /proc/self/x cannot be used"),
         (["eval", "--set", "learner.lr=1"], "keys only (--n"),  # (offered task.learner.lr)
         (["train", str(tmp_path / "not-utf8.toml")], "not-utf8.toml: not UTF-8"),
         (["train", *toy, "--set", "steps=1000000000"], "steps must be in 1..10,000,000"),

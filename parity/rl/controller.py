@@ -141,8 +141,11 @@ class Controller:
         """Train to `cfg.steps`; `progress(step, metrics)` is called after every step (a display
         that fails, e.g. stdout piped into `head`, is dropped; training goes on). Any error ends
         the run with a checkpoint at the last whole step boundary (the batch in hand kept)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        lock = checkpoint.RunLock(self.run_dir).acquire()
+        try:  # (/proc/self/x, /sys/kernel: a raw errno naming a file)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            lock = checkpoint.RunLock(self.run_dir).acquire()
+        except OSError as exc:
+            raise ParityError(f"run_dir {self.run_dir} cannot be used: {exc.strerror or exc}") from None
         try:
             if self._clear:  # (was in __init__, before the lock: a run that took it meanwhile lost its files)
                 checkpoint.clear(self.run_dir)
@@ -155,7 +158,10 @@ class Controller:
         cfg = self.cfg
         for name in checkpoint.sweep(self.run_dir):
             log.info("removed %s (a save that was interrupted)", name)
-        (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        try:  # (a read-only run dir: the first write, one line)
+            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        except OSError as exc:
+            raise ParityError(f"run_dir {self.run_dir} cannot be used: {exc.strerror or exc}") from None
         checkpoint.keep_task_files(cfg, self.run_dir)
         sink = MetricsSink(self.run_dir, self.metrics)
         previous_handler = self._catch_ctrl_c()
