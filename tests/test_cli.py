@@ -131,6 +131,8 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["train", "--set", "..=3"], "a key is dotted names"),  # (was "unknown config key " naming none)
         (["train", *toy, "--set", 'run_dir="/proc/self/x"'], "run_dir /proc/self/x cannot be used"),
         (["eval", "--set", "learner.lr=1"], "keys only (--n"),  # (offered task.learner.lr)
+        (["eval", "--set", "model.checkpoint=x"], "eval takes the model from --model"),  # (won over it)
+        (["compile", "--gemm-candidates", ""], "--gemm-candidates: no tiles given"),  # (compiled the passes)
         (["train", str(tmp_path / "not-utf8.toml")], "not-utf8.toml: not UTF-8"),
         (["train", *toy, "--set", "steps=1000000000"], "steps must be in 1..10,000,000"),
         (["train", *toy, "--set", "eval_prompts=100000000"], "eval_prompts must be at most 100,000"),

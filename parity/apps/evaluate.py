@@ -37,6 +37,9 @@ def _newest(run, config: Path, names_run_dir: bool) -> str:
 def main(args) -> int:
     for item in args.set or []:  # (training keys were accepted and ignored; `level=7` read as unknown)
         key = parse_override(item)[0]
+        if key in ("model.checkpoint", "model.kernels", "model.preset"):  # (won over --model, or unused)
+            raise ConfigError(f"--set {key}: eval takes the model from --model (or the run's config) and "
+                              "its kernels from --kernels")
         if not key.startswith(("task.", "model.")):
             hint = f"task.{key} for the task's; " if "." not in key else ""  # (task.learner.lr was offered)
             raise ConfigError(f"--set {key}: eval takes task.* and model.* keys only ({hint}--n, "

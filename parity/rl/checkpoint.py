@@ -347,7 +347,7 @@ def _check_belongs(path: Path, cfg, model) -> None:
                               f"run's config describes {getattr(want, diff[0])}: not this run's checkpoint")
     saved = json.loads((path / "config.json").read_text()).get("torch_dtype")
     if cfg.learner.compute_dtype != "auto" and saved not in (None, cfg.learner.compute_dtype):
-        raise CheckpointError(f"{path} holds {saved} weights; this run's model.dtype is "
+        raise CheckpointError(f"{path}/config.json: torch_dtype {saved!r}; this run's model.dtype is "
                               f"{cfg.learner.compute_dtype} (the checkpoint fixes it)")
 
 

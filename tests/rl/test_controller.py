@@ -557,7 +557,7 @@ def test_a_checkpoint_that_is_not_the_runs_is_refused(tmp_path):
     dense = Model(ModelConfig.preset("tiny"))
     path = checkpoint.save(tmp_path / "dense", 2, dense, Learner(dense, cfg.learner))
     assert checkpoint.load(path, cfg)[2] == 2  # the control
-    with pytest.raises(CheckpointError, match="holds float32 weights; this run's model.dtype is bfloat16"):
+    with pytest.raises(CheckpointError, match="torch_dtype 'float32'; this run's model.dtype is bfloat16"):
         checkpoint.load(path, config(tmp_path, "steps=4", 'model.dtype="bfloat16"'))
     path.rename(tmp_path / "dense" / "checkpoint-5")
     with pytest.raises(CheckpointError, match="holds step 2: not this run's checkpoint-5"):
