@@ -81,6 +81,9 @@ def test_a_reward_that_is_not_a_number_is_named_at_from_output(tiny):
     out = _engine(tiny).generate([[5, 6]], SamplingParams(max_tokens=2))[0]
     assert Trajectory.from_output(out, np.float64(0.25), 0).reward == 0.25
     # ('1' was taken as 1.0; None a bare TypeError; 1e39 became inf in the batch's float32 rewards)
+    from parity.envs.custom import finite_number
+
+    assert finite_number(1e39, limit=float("inf")) == 1e39  # an env's metrics: Python floats, not float32
     for bad in (None, "1", float("nan"), 1e39, -1e39):
         with pytest.raises(InputError, match="is not a finite number"):
             Trajectory.from_output(out, bad, 0)

@@ -145,7 +145,7 @@ def test_an_interrupted_study_run_goes_on_from_its_checkpoint(tmp_path):
     assert _restart(cfg(4)) == {"overwrite": True}
 
 
-def test_a_study_never_replaces_another_config_s_runs_without_overwrite(tmp_path, capsys):
+def test_a_study_never_replaces_another_config_s_runs_without_overwrite(tmp_path, capsys, monkeypatch):
     """A study into a directory holding runs of other settings (a --quick study into a full one's
     runs/study, say) is refused before anything trains, naming the run; --overwrite trains it
     again. (It replaced the finished runs without a word: hours of a full study.)"""
@@ -168,6 +168,9 @@ name = "a"
     assert main(["study", str(study), "--out", str(out)]) == 0
     finished = (out / "a-seed0" / "report.md").read_text()
     assert main(["study", str(study), "--out", str(out)]) == 0  # the control: the same study skips it
+    monkeypatch.chdir(tmp_path)  # and the same study with --out spelled otherwise (was refused)
+    assert main(["study", str(study), "--out", "out"]) == 0
+    assert (out / "a-seed0" / "report.md").read_text() == finished
     study.write_text(text.replace("STEPS", "1"))
     capsys.readouterr()
     assert main(["study", str(study), "--out", str(out)]) == 2

@@ -64,7 +64,8 @@ class OneLineParser(argparse.ArgumentParser):
     naming the command, without the usage block (`--help` shows it)."""
 
     def error(self, message: str) -> NoReturn:
-        usage_error(f"{message} (`{self.prog} --help`)")
+        top = self.prog == "parity" and message.startswith("unrecognized")  # (a subcommand's option)
+        usage_error(f"{message} (`{'parity COMMAND' if top else self.prog} --help` lists the options)")
 
 
 def check_args(args: argparse.Namespace) -> None:

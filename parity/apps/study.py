@@ -124,9 +124,18 @@ def _wrote(written: Path, cfg: TrainConfig) -> bool:
     """Whether the config.toml at `written` is `cfg`, read as a config (its text changes when a
     newer parity adds a field: a run written before would have looked like another run's)."""
     try:
-        return written.exists() and config_from_dict(read_toml(written)) == cfg
+        return written.exists() and _resolved(config_from_dict(read_toml(written))) == _resolved(cfg)
     except ParityError:
         return False
+
+
+def _resolved(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its run directory and starting checkpoint as absolute paths: `--out out` and
+    `--out /abs/out` are one study (the second was refused as another config's runs)."""
+    over = {"run_dir": str(Path(cfg.run_dir).resolve())}
+    if cfg.model.checkpoint and cfg.model.checkpoint not in RECIPES and Path(cfg.model.checkpoint).exists():
+        over["model.checkpoint"] = str(Path(cfg.model.checkpoint).resolve())
+    return with_overrides(cfg, over)
 
 
 def _train(cfg: TrainConfig, name: str, progress: bool) -> None:

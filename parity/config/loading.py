@@ -56,8 +56,14 @@ def set_dotted(data: dict, dotted: str, value: Any) -> dict:
     parameter spelled flat (`learner.ppo_eps`) is set where it lives (`learner.loss_config.ppo_eps`:
     beside a written config's loss table it was "unknown config key")."""
     parts = dotted.split(".")
+    learner = data.get("learner")
     if len(parts) == 2 and parts[0] == "learner" and parts[1] in _LOSS_KEYS:
         parts.insert(1, "loss_config")
+        if isinstance(learner, dict):  # (a file's own flat spelling would disagree with the override)
+            learner.pop(parts[2], None)
+    if parts == ["learner", "loss_config"] and isinstance(value, dict) and isinstance(learner, dict) \
+            and isinstance(learner.get("loss_config"), dict):  # a table: merged, keys set before kept
+        value = {**learner["loss_config"], **value}
     node = data
     for p in parts[:-1]:
         node = node.setdefault(p, {})

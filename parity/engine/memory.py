@@ -55,7 +55,8 @@ def memory_size(value: float | int | str, what: str = "kv_cache_memory") -> floa
     if number is None or not 0 < number < float("inf"):
         raise InputError(f"{what} must be a fraction of available memory in (0, 1] or a size in "
                          f"bytes (a number, or like 4GiB / 512MiB), got {value!r}")
-    if number > 1 and number != int(number):  # (1.5 was read as 1 byte: "holds no cache block")
+    bare = not isinstance(value, str) or not unit  # ('1.1GiB' is bytes, rounded down; a bare 1.5 is not)
+    if bare and number > 1 and number != int(number):  # (1.5 was read as 1 byte: "holds no cache block")
         raise InputError(f"{what} {value!r} is neither a fraction of available memory in (0, 1] nor a "
                          "whole number of bytes")
     return number

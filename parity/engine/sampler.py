@@ -160,19 +160,21 @@ class Sampler:
                     chosen[plain] = _triton_sample().gumbel_argmax(logp[plain], keys, counts)
                 noisy = [j for j in noisy if cut_of[idx[j]]]
             if noisy:
-                sub, cut = logp[noisy].double(), []
+                sub, cut, dropped = logp[noisy].double(), [], []
                 for r, j in enumerate(noisy):
                     if cut_of[idx[j]]:
                         p = params[idx[j]]
                         drop = ~_keep_mask(sub[r], p.top_k, p.top_p)
-                        if drop.any():  # (a top-k/top-p that keeps every token: the row's own log-probs)
-                            sub[r] = sub[r].masked_fill(drop, float("-inf"))
-                            cut.append((r, j))
+                        sub[r] = sub[r].masked_fill(drop, float("-inf"))
+                        cut.append((r, j))
+                        dropped.append(drop.any())
                 picked = self._gumbel_argmax([seqs[idx[j]] for j in noisy], sub)
                 chosen[noisy] = picked
                 if cut:  # one transfer for all truncated rows, not one per row
                     vals = torch.stack([sub[r, picked[r]] - torch.logsumexp(sub[r], 0) for r, _ in cut])
-                    truncated = {j: v for (_, j), v in zip(cut, vals.tolist())}
+                    vals, any_dropped = torch.stack([vals, torch.stack(dropped).double()]).tolist()
+                    # (a top-k/top-p that keeps every token: the row's own float32 log-prob)
+                    truncated = {j: v for (_, j), v, d in zip(cut, vals, any_dropped) if d}
             lp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
             tokens = chosen.tolist()  # one transfer each, not one per row
             for j, i in enumerate(idx):

@@ -144,15 +144,17 @@ class Sequence:
     def turn_tail(self, decode) -> str:
         """The end of this turn's text (`decode`: token ids -> str), long enough to hold any stop
         string that ends in its last token: the tokens before the last one give the longest stop
-        string's bytes (plus 3 for a character split at the cut). Most tokens decode to a byte or
-        more, so that is usually the first window; tokens that decode to nothing (ids past the
-        tokenizer's vocabulary) widen it."""
-        need = max(len(s.encode("utf-8")) for s in self.params.stop_strings)
-        ids = self.token_ids[len(self.token_ids) - self.turn_tokens:]
-        n = min(len(ids), need + 1)
-        while n < len(ids) and len(decode(ids[-n:-1]).encode("utf-8")) < need + 3:
-            n = min(len(ids), 2 * n)
-        return decode(ids[-n:])
+        string's bytes, not counting the replacement characters a character cut at the window's
+        start decodes to, plus 3 for one completed by the last token. Tokens of a byte or more
+        (every tokenizer's, but for ids past its vocabulary, which decode to nothing) give that at
+        the first window; only the window is copied and decoded, whatever the turn's length."""
+        need, total, end = max(len(s.encode("utf-8")) for s in self.params.stop_strings), self.turn_tokens, \
+            len(self.token_ids)
+        n = min(total, need + 4)
+        while n < total and len(decode(self.token_ids[end - n:end - 1]).lstrip("\ufffd").encode("utf-8")) \
+                < need + 3:
+            n = min(total, 2 * n)
+        return decode(self.token_ids[end - n:])
 
     def append_environment(self, tokens: list[int]) -> None:
         self.token_ids.extend(tokens)

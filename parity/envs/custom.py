@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import math
 import numbers
 import operator
 import sys
@@ -109,16 +110,17 @@ def call_user(fn, args: tuple, where: str, context: str = ""):
 FLOAT32_MAX = 3.4028234663852886e38  # (torch.finfo(torch.float32).max)
 
 
-def finite_number(value) -> float | None:
+def finite_number(value, limit: float = FLOAT32_MAX) -> float | None:
     """A reward as a float (bools, NumPy scalars and one-element tensors too), or None when it is
-    not a finite number in float32's range (the learner holds rewards in float32: 1e39 was inf)."""
+    not a finite number of at most `limit` in size (float32's: the learner holds rewards in float32,
+    1e39 was inf; metrics, averaged in Python floats, pass math.inf)."""
     if isinstance(value, str) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
         return None
     try:
         value = float(value)
     except (TypeError, ValueError, OverflowError, RuntimeError):
         return None
-    return value if abs(value) <= FLOAT32_MAX else None  # (False for NaN and inf too)
+    return value if math.isfinite(value) and abs(value) <= limit else None
 
 
 def one_line(exc: BaseException) -> str:
@@ -289,7 +291,8 @@ class CheckedEnv(Env):
         metrics = episode.info.get("metrics")
         if metrics is None:
             return
-        values = {k: finite_number(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+        values = {k: finite_number(v, math.inf) for k, v in metrics.items()} \
+            if isinstance(metrics, dict) else {}
         if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in values) \
                 or None in values.values():
             raise self._fail(f"episode.info['metrics'] must map names to finite numbers, got {metrics!r:.80}")

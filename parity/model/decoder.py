@@ -83,6 +83,8 @@ class Model(nn.Module):
                 self.lm_head = Weight(config.vocab_size, config.hidden_size)
         except (RuntimeError, MemoryError, TypeError, OverflowError) as exc:  # sizes no memory holds
             # (was the allocator's error), or past torch's int64 shapes (10^30 heads: a TypeError)
+            if isinstance(exc, TypeError) and "overflow" not in str(exc).lower():
+                raise  # (a bug, not a size)
             raise ConfigError(f"the model this config describes cannot be built here "
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         # RoPE tables in float32 (plain attributes, so `.to(dtype)` leaves them alone)

@@ -349,6 +349,25 @@ def test_a_stop_string_is_found_across_tokens_that_decode_to_nothing():
     assert out.finish_reason == "stop" and out.token_ids == ids[:i + 3] and out.text.endswith(stop)
 
 
+def test_the_stop_window_counts_no_replacement_characters_and_copies_only_the_window():
+    """Byte tokens of a 4-byte character cut at the window's start decode to one replacement
+    character per stray byte; those hold no stop string, so the window widens past them (the slack
+    of 3 bytes missed '😀😀' there). The window, not the turn, is copied: its cost does not grow."""
+    from parity.engine.sequence import Sequence
+
+    def decode(ids):
+        return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+
+    stop = "\U0001F600\U0001F600"
+    raw = list(stop.encode())
+    ids = [65] * 5000 + raw[:7] + [300, 300] + raw[7:]  # (300: an id that decodes to nothing)
+    seq = Sequence(0, ids, SamplingParams(max_tokens=10**5, stop_strings=[stop]), 0)
+    seq.turn_tokens = len(ids)
+    seen = []
+    tail = seq.turn_tail(lambda t: seen.append(len(t)) or decode(t))
+    assert stop in tail and max(seen) < 64
+
+
 def test_a_request_that_outgrows_the_cache_ends_at_its_length_keeping_its_tokens(caplog):
     """The whole cache bounds a request as max_position_embeddings does: at 64 + 1 tokens it ends
     with "length", marked `cache_full` (a warning says how to raise it), keeping every token and
@@ -492,6 +511,7 @@ def test_memory_budgets_read_as_written():
     assert memory_size("1e-9") == 1e-9 and memory_size("0.25") == 0.25 and memory_size("5TiB") == 5 * 2**40
     assert memory_size("512MiB") == 512 * 2**20 and memory_size("2GB") == 2e9
     assert memory_size("1.5GiB") == 1.5 * 2**30 and memory_size(2) == 2
+    assert memory_size("1.1GiB") == 1.1 * 2**30 and memory_size("0.1MiB") == 0.1 * 2**20  # (bytes, rounded)
     for bad in ("-1", "0", "-5GiB", "4 parsecs", "nan", "inf", 1.5, "1e9.5"):  # (1.5: read as 1 byte)
         with pytest.raises(InputError, match="fraction of available memory"):
             memory_size(bad)

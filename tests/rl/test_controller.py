@@ -97,6 +97,14 @@ def test_config_is_validated_and_round_trips(tmp_path):
     assert load_config(path, ["learner.ppo_eps=0.3"]).learner.loss_config.ppo_eps == 0.3
     from parity.config import config_from_dict
 
+    flat = tmp_path / "flat.toml"  # a file's own flat spelling, and an override of it: the override
+    flat.write_text("[learner]\nppo_eps = 0.3\n")
+    assert load_config(flat, ["learner.ppo_eps=0.1"]).learner.loss_config.ppo_eps == 0.1
+    from parity.config.loading import set_dotted
+
+    table = set_dotted({}, "learner.ppo_eps", 0.3)
+    set_dotted(table, "learner.loss_config", {"aggregation": "token"})
+    assert config_from_dict(table).learner.loss_config.ppo_eps == 0.3  # (a table set after: merged)
     both = {"learner": {"ppo_eps": 0.3, "loss_config": {"ppo_eps_high": 0.28}}}
     assert config_from_dict(both).learner.loss_config.ppo_eps == 0.3
     both["learner"]["loss_config"]["ppo_eps"] = 0.2
