@@ -133,8 +133,10 @@ class LearnerConfig:
     """Linear warm-up from 0 to `lr` over this many steps."""
     schedule: str = "constant"
     """After warm-up: 'constant' or 'cosine' (to 0 at `total_steps`)."""
-    total_steps: int = 1000
-    """Length of the cosine schedule."""
+    total_steps: int = 0
+    """Length of the cosine schedule in steps, warm-up included (more than `warmup_steps`); 0 = in
+    a TrainConfig its `steps` (written to the run's config.toml as a number), and a Learner given
+    a cosine schedule of length 0 refuses it."""
     max_grad_norm: float = 1.0
     """Gradient-norm clipping threshold (the norm before clipping is logged)."""
     mini_batches: int = 1
@@ -177,8 +179,9 @@ class LearnerConfig:
     """Sampling temperature the rollouts used, log-probs are of softmax(logits / T) (in a
     TrainConfig: rollout.temperature)."""
     max_policy_lag: int = 8
-    """How many versions back weights are kept for the kernel/lag decomposition (in a
-    TrainConfig: its max_policy_lag)."""
+    """The policy-lag bound the learner enforces: a batch holding a token sampled more than this
+    many versions ago is refused (InputError, the step not taken); also how many versions back
+    weights are kept for the kernel/lag decomposition (in a TrainConfig: its max_policy_lag)."""
     decompose_every: int = 1
     """Run the decomposition every N steps (0 = never)."""
     mechanism: bool = False
@@ -193,9 +196,12 @@ class LearnerConfig:
     it, so a resume keeps the run's reference). 0 = off, as REINFORCE Zero and most recent
     recipes run (GRPO's original β: 0.04)."""
     kl_estimator: str = "k3"
-    """kl_coef: the per-token estimate of KL(π ‖ π_ref) from d = log π_ref − log π: 'k1' −d, 'k2'
-    d²/2, 'k3' e^d − d − 1 (GRPO's: never negative; d clamped to ±20 so one token cannot overflow
-    it). Tokens were sampled by the rollout policy, not π: at a lag the estimate is off by that much."""
+    """kl_coef: the per-token penalty from d = log π_ref − log π on each sampled token. 'k3'
+    e^d − d − 1 (GRPO's; never negative; d clamped to ±20 so one token cannot overflow it): its
+    value estimates KL(π ‖ π_ref), its gradient (1 − π_ref/π)·∇log π follows KL(π_ref ‖ π) in
+    expectation. 'k2' d²/2: its gradient follows KL(π ‖ π_ref). 'k1' −d estimates the value but its
+    gradient ∇log π is 0 in expectation, so it is refused as a penalty (kl_coef > 0). Tokens were
+    sampled by the rollout policy, not π: at a lag each expectation is off by that much."""
     dump_dir: str | None = None
     """Where a batch that produced a NaN/inf loss or gradient is saved (None = not saved)."""
     loss_config: LossConfig = field(default_factory=LossConfig)
@@ -204,6 +210,13 @@ class LearnerConfig:
     def head_rows(self, vocab_size: int) -> int:
         """Positions per LM-head chunk for a vocabulary of this size (`head_chunk_tokens`)."""
         return self.head_chunk_tokens or max(1, HEAD_CHUNK_ELEMENTS // vocab_size)
+
+    def schedule_length(self) -> int:
+        """The cosine schedule's length in steps (`total_steps`; ConfigError while it is 0)."""
+        if not self.total_steps:
+            raise ConfigError("LearnerConfig.total_steps must be set for schedule 'cosine' (0 means the "
+                              "run's steps only in a TrainConfig)")
+        return self.total_steps
 
     def __post_init__(self) -> None:
         check_fields(self, finite=True)
@@ -223,7 +236,13 @@ class LearnerConfig:
             raise ConfigError("LearnerConfig.head_chunk_tokens must be >= 0 (0 = auto)")
         if self.micro_batch_tokens < 0:
             raise ConfigError("LearnerConfig.micro_batch_tokens must be >= 0 (0 = no token cap)")
-        for name in ("micro_batch_size", "total_steps", "mini_batches", "epochs"):
+        if self.total_steps < 0:
+            raise ConfigError(f"LearnerConfig.total_steps must be >= 0 (0 = the run's steps), "
+                              f"got {self.total_steps!r}")
+        if self.schedule == "cosine" and 0 < self.total_steps <= self.warmup_steps:
+            raise ConfigError(f"LearnerConfig.total_steps ({self.total_steps}) must be more than "
+                              f"warmup_steps ({self.warmup_steps}): the cosine decay would have no steps")
+        for name in ("micro_batch_size", "mini_batches", "epochs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"LearnerConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         if not self.max_grad_norm > 0:
@@ -243,5 +262,8 @@ class LearnerConfig:
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"LearnerConfig.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, "
                               f"got {self.kl_estimator!r}")
+        if self.kl_coef > 0 and self.kl_estimator == "k1":
+            raise ConfigError("LearnerConfig.kl_estimator 'k1' cannot be a penalty: its gradient ∇log π is "
+                              "0 in expectation, so kl_coef would regularise nothing (use 'k3' or 'k2')")
         if self.weight_decay < 0:
             raise ConfigError("LearnerConfig.weight_decay must be >= 0")

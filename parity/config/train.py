@@ -283,6 +283,13 @@ class TrainConfig:
         # the learner scores at the rollout's temperature, computes in the model's dtype and keeps
         # the weights of every version a lagged sample may come from (a new object: never mutate
         # a LearnerConfig another TrainConfig may share)
+        if self.learner.schedule == "cosine":
+            if not self.learner.total_steps:  # (the run's length, recorded as a number)
+                self.learner = dataclasses.replace(self.learner, total_steps=self.steps)
+            elif self.learner.total_steps < self.steps:
+                total = self.learner.total_steps
+                raise ConfigError(f"learner.total_steps ({total}) < steps ({self.steps}): the cosine "
+                                  "schedule would train the last steps at learning rate 0 (set both)")
         self.learner = dataclasses.replace(self.learner, **self.derived_learner_fields())
 
     def derived_learner_fields(self) -> dict:

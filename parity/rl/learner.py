@@ -112,11 +112,12 @@ class Learner:
 
     # ------------------------------------------------------------------ weights
     def _lr_factor(self, step: int) -> float:
-        cfg = self.config
+        cfg = self.config  # (LambdaLR calls this at step 0: a cosine schedule of no length is refused then)
+        length = cfg.schedule_length() if cfg.schedule == "cosine" else 0
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
         if cfg.schedule == "cosine":
-            progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+            progress = min(1.0, (step - cfg.warmup_steps) / (length - cfg.warmup_steps))
             return 0.5 * (1 + math.cos(math.pi * progress))
         return 1.0
 
@@ -304,14 +305,14 @@ class Learner:
                 loss, after = self._backward(sub, adv if whole else adv[idx], None if whole else prox_lp[idx],
                                              ratios, extra, None if ref_lp is None else ref_lp[idx])
                 losses.append(loss)
+                if whole:  # (before the finite check: a skipped step reports the weight that overflowed)
+                    metrics.update(self._diagnostics(batch, after))
                 grads = [p.grad for p in self.master if p.grad is not None]
                 if not (math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)):
                     self.optimizer.zero_grad(set_to_none=True)  # skipped: these weights stay as they are
                     self.model.zero_grad(set_to_none=True)
                     skipped += 1
                     continue
-                if whole:
-                    metrics.update(self._diagnostics(batch, after))
                 norms.append(float(clip_gradients(self.master, cfg.max_grad_norm)))  # before clipping
                 self._optimizer_step()
                 updates += 1

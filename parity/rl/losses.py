@@ -106,10 +106,12 @@ KL_CLAMP = 20.0
 
 def kl_penalty(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, cfg: LossConfig,
                estimator: str) -> torch.Tensor:
-    """KL(π ‖ π_ref) estimated per sampled token from d = ref_lp − lp ('k1' −d, 'k2' d²/2, 'k3'
-    e^d − d − 1, computed as expm1(d) − d so that a d of 1e-8 is not lost to cancellation) and
-    aggregated over tokens and responses as the objective is (`cfg.aggregation`); differentiable
-    in `lp`. Exactly 0 where the two log-probs are equal."""
+    """The KL penalty per sampled token from d = ref_lp − lp ('k1' −d, 'k2' d²/2, 'k3' e^d − d − 1,
+    computed as expm1(d) − d so that a d of 1e-8 is not lost to cancellation), aggregated over
+    tokens and responses as the objective is (`cfg.aggregation`); differentiable in `lp`. Each
+    value estimates KL(π ‖ π_ref) on tokens drawn from π; as a loss, k2's gradient follows
+    KL(π ‖ π_ref), k3's KL(π_ref ‖ π), k1's is 0 in expectation (`LearnerConfig.kl_estimator`).
+    Exactly 0 where the two log-probs are equal."""
     d = _masked(ref_lp - lp, mask)
     if estimator == "k1":
         per_token = -d

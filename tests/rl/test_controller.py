@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from parity.config import LossConfig, load_config, to_toml
+from parity.config import LearnerConfig, LossConfig, load_config, to_toml
 from parity.errors import ConfigError
 from parity.metrics.report import write_report
 from parity.metrics.summary import deterministic_view
@@ -110,6 +110,29 @@ def test_config_is_validated_and_round_trips(tmp_path):
     both["learner"]["loss_config"]["ppo_eps"] = 0.2
     with pytest.raises(ConfigError, match="ppo_eps = 0.3 and learner.loss_config.ppo_eps = 0.2 disagree"):
         config_from_dict(both)
+
+
+def test_a_cosine_schedule_spans_the_run(tmp_path):
+    """total_steps 0 is the run's steps, written down as a number; a schedule that ends before the
+    run (the last steps at learning rate 0) or within its warm-up is refused, and so is a Learner
+    given a cosine schedule of no length."""
+    cfg = config(tmp_path, "steps=7", "learner.schedule=\"cosine\"", "learner.warmup_steps=2")
+    assert cfg.learner.total_steps == 7
+    path = tmp_path / "resolved.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+    from parity.rl.build import build_model
+
+    learner = Learner(build_model(cfg), cfg.learner)
+    factors = [learner._lr_factor(step) for step in range(8)]
+    assert factors[2] == 1.0 and 0 < factors[6] < 0.1 and factors[7] == 0.0  # (0 after the run's last step)
+    with pytest.raises(ConfigError, match=r"total_steps \(5\) < steps \(7\): .* learning rate 0"):
+        config(tmp_path, "steps=7", "learner.schedule=\"cosine\"", "learner.total_steps=5")
+    with pytest.raises(ConfigError, match=r"total_steps \(2\) must be more than warmup_steps \(2\)"):
+        LearnerConfig(schedule="cosine", total_steps=2, warmup_steps=2)
+    with pytest.raises(ConfigError, match="total_steps must be set for schedule 'cosine'"):
+        Learner(build_model(cfg), LearnerConfig(schedule="cosine"))
+    assert config(tmp_path, "steps=7").learner.total_steps == 0  # (constant: no length to fill in)
 
 
 def test_a_config_changed_after_construction_is_checked_again_when_the_run_starts(tmp_path):

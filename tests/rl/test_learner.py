@@ -156,7 +156,7 @@ def test_kl_penalty_starts_at_exactly_zero_and_a_resume_needs_its_reference(tmp_
     assert all(torch.equal(a, b) for a, b in zip(with_kl.model.parameters(), plain.model.parameters()))
     assert with_kl.step(batch)["train/kl_ref"] > 0
     plain.step(batch)
-    other = Learner(model(seed=7), LearnerConfig(kl_coef=0.5, kl_estimator="k1", decompose_every=0))
+    other = Learner(model(seed=7), LearnerConfig(kl_coef=0.5, kl_estimator="k2", decompose_every=0))
     other.reference.model.set_kernels("standard")  # the control: a reference on other kernels is not 0
     assert other.step(batch)["train/kl_ref"] != 0
     assert not all(torch.equal(a, b) for a, b in zip(with_kl.model.parameters(), plain.model.parameters()))
@@ -284,6 +284,19 @@ def test_nonfinite_step_is_skipped_and_batch_saved(tmp_path, caplog):
     assert len(saved) == len(batch)
     for k, v in m.state_dict().items():
         assert torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
+
+
+def test_a_skipped_step_still_reports_its_diagnostics():
+    """A rollout log-prob of -200 makes that token's weight overflow (inf loss: the step is
+    skipped); the step's is_weight/, mismatch/ and lag/ metrics still say why."""
+    batch = rollout(parity.Engine(model(seed=3), max_num_seqs=8), seed=3)
+    j = 1
+    t = int(batch.mask[j].nonzero()[0])
+    batch.trajectories[j].rollout_logprobs[t + 1] = -200.0
+    metrics = Learner(model(seed=3), LearnerConfig()).step(TrajectoryBatch(batch.trajectories))
+    assert metrics["train/skipped_nonfinite"] == 1.0
+    assert metrics["is_weight/max"] > 3.4e38 and metrics["mismatch/max_abs"] > 100  # (float64: past float32)
+    assert metrics["lag/max"] == 0.0
 
 
 def test_an_update_that_overflows_the_weights_is_refused_not_published(tmp_path):

@@ -332,6 +332,40 @@ def test_kl_penalty_to_the_reference(estimator):
     assert math.isfinite(float(far))  # (k3: d = 200 clamped to 20, e^200 is inf in float32)
 
 
+def test_kl_penalty_gradients_in_expectation():
+    """On tokens drawn from π (exact expectation over a 5-token vocabulary): k2's gradient is
+    ∇KL(π ‖ π_ref), k3's is ∇KL(π_ref ‖ π) (not the other direction: the control), k1's is 0,
+    which is why a k1 penalty is refused."""
+    from parity.rl.losses import kl_penalty
+    logits = torch.tensor([0.3, -1.2, 2.0, 0.1, -0.4], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([1.0, 0.5, -0.3, 0.2, -2.0], dtype=torch.float64), 0)
+
+    def expected_grad(estimator):
+        total = torch.zeros(5, dtype=torch.float64)
+        for a in range(5):  # Σ_a π(a) ∇k(a)
+            lp = torch.log_softmax(logits, 0)
+            one = torch.ones(1, 1)
+            kl_penalty(lp[a].view(1, 1), ref[a].view(1, 1), one, LossConfig(), estimator).backward()
+            total += lp[a].exp().detach() * logits.grad
+            logits.grad = None
+        return total
+
+    def exact_grad(kl):
+        kl(torch.log_softmax(logits, 0)).backward()
+        grad, logits.grad = logits.grad, None
+        return grad
+
+    forward = exact_grad(lambda lp: (lp.exp() * (lp - ref)).sum())  # ∇KL(π ‖ π_ref)
+    reverse = exact_grad(lambda lp: (ref.exp() * (ref - lp)).sum())  # ∇KL(π_ref ‖ π)
+    assert torch.allclose(expected_grad("k2"), forward, atol=1e-12)
+    assert torch.allclose(expected_grad("k3"), reverse, atol=1e-12)
+    assert not torch.allclose(expected_grad("k3"), forward, atol=1e-3)
+    assert torch.allclose(expected_grad("k1"), torch.zeros(5, dtype=torch.float64), atol=1e-12)
+    with pytest.raises(ConfigError, match="'k1' cannot be a penalty"):
+        LearnerConfig(kl_coef=0.1, kl_estimator="k1")
+    LearnerConfig(kl_estimator="k1")  # (no penalty: nothing to refuse)
+
+
 PROX = [[-0.9, -0.8, -2.0], [-0.4, -1.5, 0.0]]
 
 
