@@ -35,6 +35,7 @@ import functools
 
 import torch
 
+from ..errors import ConfigError
 from .common import score_scale
 from .triton_kernels import INTERPRET, LAUNCH, _cdiv, _dot, _on, tl, triton
 
@@ -282,6 +283,9 @@ def _schedule(bsz: int, hkv: int, rows: int, bm: int, n_tab: int, d: int, device
 def _launch(q, k_blocks, v_blocks, k_strides, v_strides, tables, q_pos, block_size, schedule="auto",
             window=0, softcap=0.0, scale=None):
     bsz, m, hq, d = q.shape
+    if d < 16 or d & (d - 1):  # (tl.arange needs a power of two, a tensor-core tl.dot at least 16)
+        raise ConfigError(f"the aligned CUDA attention takes head sizes that are powers of two from 16 up, "
+                          f"not {d}: run this model with kernels 'standard' on CUDA, or on the CPU")
     hkv = k_strides[4]
     rep = hq // hkv
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -7,6 +7,9 @@ known to be able to fail.
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -141,12 +144,18 @@ def test_a_thousand_generated_cases():
     CPU the replayed-decode case ('graphs', 40% of this test's time) is left to
     tests/engine/test_graphs.py (1,032 comparisons without it). A case that cannot run (a CUDA graph
     that fails to capture, say) is recorded while the others go on, so a failure still counts
-    what was compared."""
+    what was compared; with PARITY_TEST_PROGRESS set (scripts/gpu_check.sh), each check's counts
+    are appended to that file as it ends, so a run cut short still says what it compared."""
     cases = [c for c in CASES if c != "process" and (c != "threads" if not ON_CPU else c != "graphs")]
     total, mismatched, errors = 0, [], []
+    progress = os.environ.get("PARITY_TEST_PROGRESS")
     for dtype, seed in (("float32", 11), ("bfloat16", 12)):
         model = cached_model("tiny", "aligned", dtype, seed, 0.1)
         for res in run_checks(model, rounds=14 if ON_CPU else 19, seed=seed, cases=cases, record_errors=True):
+            if progress:
+                with open(progress, "a") as f:
+                    f.write(json.dumps({"dtype": dtype, "case": res.case, "comparisons": res.comparisons,
+                                        "mismatches": res.mismatches, "error": res.error}) + "\n")
             total += res.comparisons
             mismatched += [(dtype, res)] if res.mismatches else []
             errors += [(dtype, res.case, res.error)] if res.error else []

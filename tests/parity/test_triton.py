@@ -198,6 +198,19 @@ def test_attention_paged_equals_dense_equals_one_query(triton_impl):
         assert torch.equal(one[:, 0], dense[:, i])
 
 
+def test_attention_refuses_head_sizes_the_gpu_cannot_compile(triton_impl):
+    """Head sizes must be powers of two from 16 (tl.arange, tensor-core tl.dot): the interpreter
+    runs 8 but a GPU would not compile it, so both are refused in one line (16 runs: the control)."""
+    from parity.errors import ConfigError
+    from parity.ops import triton_attention as tk
+    for d in (8, 24, 96):
+        q, k = torch.randn(1, 2, 2, d), torch.randn(1, 32, 2, d)
+        with pytest.raises(ConfigError, match=f"powers of two from 16 up, not {d}: run this model with"):
+            tk.attention(q, k, k, torch.arange(2).view(1, 2), 32)
+    q, k = torch.randn(1, 2, 2, 16), torch.randn(1, 32, 2, 16)
+    assert tk.attention(q, k, k, torch.arange(2).view(1, 2), 32).shape == (1, 2, 2, 16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_split_schedule_equals_the_walk(triton_impl, dtype, monkeypatch):
     """Keys over several fixed splits (`KV_SPLIT_PAGES`): the split schedule (a program per split,
