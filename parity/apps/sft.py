@@ -1,10 +1,9 @@
 """`parity sft`: the base policy RL starts from, trained on generated demonstrations.
 
 No model hub is reachable, so parity makes its own: a character-level Hugging Face tokenizer
-with special tokens for turns and tool calls, and a `small` model fine-tuned on seeded
-demonstrations of the tool-use task (including tool-call traces, some with a failing first call
-and a retry) and of the math task. The demonstrations stop at partial competence on purpose,
-so RL has signal:
+with special tokens for turns and tool calls, and a `small` model fine-tuned on seeded demonstrations of
+the tool-use task (including tool-call traces, some with a failing first call and a retry) and of the
+math task. The demonstrations stop at partial competence on purpose, so RL has signal:
 
 - the demonstrator uses the tool for most products but only for some sums; otherwise it gives
   an estimate (two significant digits), so the base policy under-uses the tool — a behaviour
@@ -48,6 +47,7 @@ from ..envs.math import MathTask, Problem, worked_answer
 from ..envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
 from ..errors import ConfigError, ParityError
 from ..metrics.summary import pass_at_1_text
+from ..rl.optim import adamw
 from . import sft_child, sft_partial
 from .ui import table
 
@@ -260,7 +260,7 @@ def _train_into(tmp: Path, out_dir: Path, cfg: SFTConfig, progress, eval_problem
                                 max_position_embeddings=512)
     torch.manual_seed(cfg.seed)
     model = Model(config, kernels="standard", seed=cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    opt = adamw(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     rnd = random.Random(cfg.seed)
     math_task = MathTask(cfg.math_task, cfg.math_level, seed=cfg.seed)
     tool_heldout = {p.prompt for p in ToolEnv(tokenizer, tuple(sorted(cfg.tool_use)), cfg.tool_level,

@@ -58,8 +58,9 @@ log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- running
 def _restart(cfg: TrainConfig) -> dict:
-    """How an unfinished run goes on: from its latest checkpoint when that is sound and short of
-    the end, and the run has no report.md and wrote the very config it is asked for (an
+    """How an unfinished run goes on: from its latest checkpoint when that is sound and not past
+    the end (at the end: a run stopped in its last step or final evaluation, which a resume
+    finishes), and the run has no report.md and wrote the very config it is asked for (an
     interrupted study continues where it stopped); else over from the start, its old checkpoints
     cleared (another study's run in the same directory, a --quick one say, is never continued)."""
     run_dir = Path(cfg.run_dir)
@@ -67,7 +68,7 @@ def _restart(cfg: TrainConfig) -> dict:
     written = run_dir / "config.toml"
     same = _wrote(written, cfg)
     if earlier and same and not (run_dir / "report.md").exists() \
-            and int(earlier[-1].name.split("-")[1]) < cfg.steps:
+            and int(earlier[-1].name.split("-")[1]) <= cfg.steps:  # (at the end: stopped before its report)
         try:
             checkpoint.verify(earlier[-1])
             return {"resume": True}

@@ -112,9 +112,12 @@ class Controller:
                 raise
             raise CheckpointError(f"{exc}; {older[-1]} is older and may be intact: move {path.name} "
                                   "aside to resume from it") from None
-        if self.start_step >= self.cfg.steps:
+        finished = (self.run_dir / "report.md").exists()  # (a run stopped at its last step has none yet)
+        if self.start_step > self.cfg.steps or (self.start_step == self.cfg.steps and finished):
             raise ParityError(f"{path} is already at step {self.start_step}; to train on, raise "
                               f"steps (now {self.cfg.steps}) with --set steps=N")
+        if self.start_step == self.cfg.steps:
+            log.info("%s is the run's last step: finishing the run (its final evaluation)", path.name)
         metrics_path = self.run_dir / "metrics.jsonl"
         if metrics_path.exists():  # keep the records of the steps the checkpoint contains
             self.metrics = [{k: v for k, v in record.items() if not k.endswith("_final")}
@@ -163,6 +166,9 @@ class Controller:
         except OSError as exc:
             raise ParityError(f"run_dir {self.run_dir} cannot be used: {exc.strerror or exc}") from None
         checkpoint.keep_task_files(cfg, self.run_dir)
+        if self.start_step < cfg.steps:  # a report of an earlier end (a run resumed to go on) is stale now
+            for name in ("report.md", "report.png"):
+                (self.run_dir / name).unlink(missing_ok=True)
         sink = MetricsSink(self.run_dir, self.metrics)
         previous_handler = self._catch_ctrl_c()
         try:
@@ -203,9 +209,13 @@ class Controller:
                     self.save_checkpoint(step + 1)
                 if self.interrupted:  # Ctrl-C / SIGTERM: stop at this clean step boundary
                     raise Interrupted(self.save_checkpoint(step + 1), self._signal_name())
-            self.save_checkpoint(cfg.steps)  # before the final evaluation: whatever it meets
+            if self.start_step < cfg.steps:  # (else resumed to finish: checkpoint-{steps} is there)
+                self.save_checkpoint(cfg.steps)  # before the final evaluation: whatever it meets
             if cfg.eval_every and self.metrics:  # the final weights, recorded with the last step
-                final = self.evaluate()
+                try:
+                    final = self.evaluate()
+                except WaitInterrupted:  # (a resume runs it again)
+                    raise Interrupted(checkpoint.latest(self.run_dir), self._signal_name()) from None
                 self.metrics[-1].update({k + "_final": v for k, v in final.items()})
                 sink.rewrite(self.metrics)
         finally:
@@ -313,9 +323,14 @@ class Controller:
     def evaluate(self) -> dict[str, float]:
         """Held-out greedy pass@1 (and mean@k with eval_samples = k) of the current weights."""
         cfg = self.cfg
+        def stop_check(engine):  # Ctrl-C / SIGTERM: the evaluation is dropped, not finished
+            if self.interrupted:
+                raise WaitInterrupted
+
         out = evaluate(self.model, self.env, cfg.eval_prompts, k=cfg.eval_samples,
                        temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens,
-                       max_num_seqs=cfg.rollout.max_num_seqs, ignore_eos=cfg.task.name == "target_tokens")
+                       max_num_seqs=cfg.rollout.max_num_seqs, ignore_eos=cfg.task.name == "target_tokens",
+                       before_step=stop_check)
         out["eval/policy_version"] = float(self.learner.version)
         return out
 

@@ -13,15 +13,16 @@ from .rollout_worker import run_episodes
 
 def evaluate(model, env: Env, n: int | None = None, k: int = 0, temperature: float = 1.0,
              max_tokens: int = 96, max_num_seqs: int = 64, seed: int = 0,
-             ignore_eos: bool = False) -> dict[str, float]:
+             ignore_eos: bool = False, before_step=None) -> dict[str, float]:
     """Held-out evaluation: greedy pass@1 (with its CI), and with k > 0 mean@k — the mean
-    success of k samples at `temperature` per problem, CI over problems."""
+    success of k samples at `temperature` per problem, CI over problems. `before_step(engine)`
+    runs before every engine step (the trainer's: raise there to drop the evaluation)."""
     problems = env.heldout(n)
     if not problems:
         raise InputError(f"{env.name}: empty held-out set")
     engine = Engine(model, max_num_seqs=max_num_seqs, tokenizer=env.tokenizer)
     greedy_params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    greedy = run_episodes(engine, env, problems, [greedy_params] * len(problems))
+    greedy = run_episodes(engine, env, problems, [greedy_params] * len(problems), before_step)
     p1 = sum(float(r.episode.passed) for r in greedy) / len(greedy)
     lo, hi = wilson(p1, len(greedy))
     out = {**env_metrics([r.episode for r in greedy], "eval/"),  # (the built-in figures win a name)
@@ -34,7 +35,7 @@ def evaluate(model, env: Env, n: int | None = None, k: int = 0, temperature: flo
     if k > 0:
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
                                  seed=(seed * 1_000_003 + i) % 2**62) for i in range(len(problems) * k)]
-        sampled = run_episodes(engine, env, [p for p in problems for _ in range(k)], params)
+        sampled = run_episodes(engine, env, [p for p in problems for _ in range(k)], params, before_step)
         per_problem = [sum(r.episode.passed for r in sampled[j * k:(j + 1) * k]) / k
                        for j in range(len(problems))]
         mk, mk_lo, mk_hi = mean_at_k_interval(per_problem, k)

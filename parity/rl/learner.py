@@ -39,6 +39,7 @@ from ..model.logprobs import check_sequence
 from .decompose import decompose
 from .grad_norm import clip_gradients
 from .losses import get_loss, group_advantages, kl_penalty, load_balancing_loss, micro_batch_share
+from .optim import adamw
 from .reference import ReferencePolicy, cpu_copy
 from .trajectory import TrajectoryBatch, micro_batches, pad_routing
 
@@ -76,8 +77,8 @@ class Learner:
         # fused: one pass per tensor with no full-size temporaries (the foreach form allocates a
         # copy of every moment for sqrt/division: a whole model's worth at the step's peak)
         fused = all(p.device.type in ("cpu", "cuda") for p in self.master)
-        self.optimizer = torch.optim.AdamW(self.master, lr=cfg.lr, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay, fused=fused)
+        self.optimizer = adamw(self.master, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                               fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version, self.steps = 0, 0
         self.history: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}

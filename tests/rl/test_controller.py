@@ -190,6 +190,47 @@ def test_interrupt_and_resume_match_an_uninterrupted_run(tmp_path):
     assert rate == pytest.approx(3600 * 6 / walls[-1])
 
 
+@pytest.mark.parametrize("where", ["last step", "evaluation", "final evaluation"])
+def test_a_run_stopped_at_its_end_or_in_an_evaluation_is_finished_by_a_resume(tmp_path, monkeypatch, where):
+    """Ctrl-C / SIGTERM at the last step's end, or during an evaluation (the one before step 2, or
+    the final one): an evaluation is dropped at its next engine step (it ran to its end, and the
+    final one then exited 0), a checkpoint is saved, and a resume finishes the run to the same
+    metrics as a run never stopped (a resume at the end was refused as 'already at step 3', and a
+    study trained such a run again from scratch); once its report is written, a resume is refused."""
+    import parity.rl.controller as controller_module
+    from parity.apps.study import _restart
+    from parity.errors import ParityError
+    from parity.rl.controller import Interrupted
+
+    args = ("steps=3", "eval_every=2", "eval_prompts=2", "deterministic=true", "max_policy_lag=1")
+    whole = Controller(config(tmp_path / "whole", *args)).run()
+    assert "eval/pass@1" in whole[2] and "eval/pass@1_final" in whole[2]
+    cut = Controller(config(tmp_path / "cut", *args))
+    calls, real = [], controller_module.evaluate
+
+    def evaluate(*a, **k):  # the signal arrives while the evaluation runs
+        calls.append(1)
+        if (where == "evaluation" and len(calls) == 2) or (where == "final evaluation" and len(calls) == 3):
+            cut.interrupted = "SIGTERM"
+        return real(*a, **k)
+
+    monkeypatch.setattr(controller_module, "evaluate", evaluate)
+
+    def at_last(step, metrics):
+        if where == "last step" and step == 2:
+            cut.interrupted = "SIGTERM"
+
+    with pytest.raises(Interrupted) as stop:
+        cut.run(progress=at_last)
+    assert stop.value.path.name == ("checkpoint-2" if where == "evaluation" else "checkpoint-3")
+    assert _restart(config(tmp_path / "cut", *args)) == {"resume": True}  # (a study: {"overwrite": True})
+    resumed = Controller(config(tmp_path / "cut", *args), resume=True)
+    assert timeless(resumed.run()) == timeless(whole)
+    write_report(tmp_path / "cut")
+    with pytest.raises(ParityError, match="already at step 3; to train on, raise steps"):
+        Controller(config(tmp_path / "cut", *args), resume=True)
+
+
 def test_corrupt_checkpoint_is_refused(tmp_path):
     from parity.errors import CheckpointError
 

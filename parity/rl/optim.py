@@ -1,0 +1,45 @@
+"""The optimizer of `parity`'s learners (RL and SFT): AdamW, built with Ctrl-C and SIGTERM held back.
+
+Building the first AdamW of a process imports `torch._dynamo`, which imports Triton, whose C++
+module initialisation calls back into Python. A Python signal handler runs at the next bytecode,
+and the CLI's SIGTERM handler raises (`Terminated`): raised inside that initialisation, the
+exception crossed C++ and the process aborted (SIGABRT, some 85 lines of C++ traceback) instead
+of exiting 143 with one line. While the optimizer is built, SIGINT and SIGTERM are only noted;
+the handlers in place before are restored and the signal raised again right after, so it is
+handled as it would have been a moment later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+import torch
+
+HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM noted, not handled, inside the block; re-raised after it (main thread
+    only: elsewhere Python handlers do not run, and the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in HELD}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for s in dict.fromkeys(caught):  # (each once, in the order they came)
+            signal.raise_signal(s)
+
+
+def adamw(params, **kwargs) -> torch.optim.AdamW:
+    """`torch.optim.AdamW(params, **kwargs)`, built under `signals_held`."""
+    with signals_held():
+        return torch.optim.AdamW(params, **kwargs)
