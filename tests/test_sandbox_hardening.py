@@ -430,3 +430,50 @@ def test_a_degraded_mode_that_cannot_run_code_is_not_chosen(monkeypatch) -> None
     monkeypatch.setattr(sandbox_module, "execute", lambda mode, code, limits: runs.append(mode) or slow)
     probe = sandbox_module._run_probe()
     assert runs == ["root", "user", "plain"] and probe.mode == "plain" and "time limit" in probe.reason
+
+
+def test_what_a_host_killed_mid_call_left_is_removed_by_the_next_one(monkeypatch, tmp_path) -> None:
+    """A rollout worker SIGKILLed during a tool call never closes the call's cgroup(s) or its
+    temporary directory (four of each were left in a review). The next process to probe the
+    sandbox removes those whose host pid is gone and that are a minute old, and an empty group
+    only; the controls stay: a live host's, a young one, a group with a process in it."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # (a pid nobody has now)
+    old = time.time() - 2 * cgroup.STALE_AFTER_S
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = {name: tmp_path / f"parity-sandbox-{pid}-x{name}" for name, pid in
+            (("stale", dead.pid), ("live", os.getpid()), ("young", dead.pid))}
+    for name, path in made.items():
+        (path / "work").mkdir(parents=True)
+        if name != "young":
+            os.utime(path, (old, old))
+    version = cgroup_support()[0]
+    groups = {}
+    if version is not None:
+        parent = cgroup.ROOT / cgroup.PARENT if version == "v2" else cgroup.ROOT / "memory" / cgroup.PARENT
+        groups = {name: parent / f"run-{pid}-test{name}" for name, pid in
+                  (("stale", dead.pid), ("live", os.getpid()), ("busy", dead.pid))}
+        for path in groups.values():
+            path.mkdir()
+            os.utime(path, (old, old))
+        sleeper = subprocess.Popen(["sleep", "30"])
+        (groups["busy"] / "cgroup.procs").write_text(str(sleeper.pid))
+    try:
+        monkeypatch.setattr(host, "_CGROUP", None)  # (a new process's first probe)
+        assert cgroup_support()[0] == version
+        assert [n for n, p in made.items() if p.exists()] == ["live", "young"]
+        if groups:
+            assert [n for n, p in groups.items() if p.exists()] == ["live", "busy"]
+    finally:
+        if groups:
+            sleeper.kill()
+            sleeper.wait()
+            for path in groups.values():
+                for _ in range(50):
+                    try:
+                        path.rmdir()
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        time.sleep(0.02)

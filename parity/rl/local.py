@@ -55,6 +55,7 @@ from .rollout_worker import (
     resume_floor,
     start_version,
 )
+from .shm import check_shared_memory, shared_memory_errors
 from .trajectory import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -199,7 +200,8 @@ class _WeightsQueue(multiprocessing.queues.Queue):
     it, and a worker waiting for that version waited for good, beating all the while."""
 
     def __init__(self, ctx):
-        super().__init__(ctx=ctx)
+        with shared_memory_errors():  # (its semaphores live in /dev/shm; a worker's first queue)
+            super().__init__(ctx=ctx)
         self.dropped: BaseException | None = None
 
     def _on_queue_feeder_error(self, e, obj):  # called on the feeder thread (bound: not static)
@@ -328,6 +330,7 @@ class LocalRollout:
                     raise WaitInterrupted from None
                 dropped = slot.weights_q.dropped
                 if dropped is not None:  # it waits for a version it will never get
+                    check_shared_memory(dropped)  # (no room for it: a restart would meet the same)
                     self._restart(slot, f"missed a weight version (sending it failed: {dropped})")
                     continue
                 beat = slot.heartbeat.value

@@ -417,3 +417,34 @@ def test_sigterm_while_the_first_optimizer_imports_triton_is_one_line_not_an_abo
     assert "terminate called" not in runs["fixed"].stderr
     control = runs["control"]
     assert control.returncode in (-signal.SIGABRT, 128 + signal.SIGABRT), control.stderr[-2000:]
+
+
+def test_dev_shm_out_of_room_is_named(tmp_path):
+    """Local workers share weights, batches and queue semaphores through /dev/shm: out of room, the
+    run ended on "[Errno 28] No space left on device" (a semaphore's: no file named) after a
+    restart that met the same wall. Now one line names /dev/shm, its size and how to grow it, and
+    the steps trained are kept. Where a mount namespace is out of reach, the classifier alone."""
+    import errno as errno_mod
+
+    from parity.errors import ParityError
+    from parity.rl.shm import check_shared_memory
+
+    for exc in (OSError(errno_mod.ENOSPC, "No space left on device"),
+                RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
+                             "No space left on device (28)")):
+        with pytest.raises(ParityError, match="no space left in /dev/shm .*--shm-size"):
+            check_shared_memory(exc)
+    check_shared_memory(OSError(errno_mod.ENOSPC, "No space left on device", "/data/x"))  # a disk's: not ours
+    check_shared_memory(OSError(errno_mod.EMFILE, "Too many open files"))
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here (unshare -m)")
+    run_dir = tmp_path / "run"
+    sets = [s for s in RUN if s != "steps=6"] + ["steps=20", "rollout.workers=2", f'run_dir="{run_dir}"']
+    cmd = " ".join(["mount -t tmpfs -o size=1m tmpfs /dev/shm &&", sys.executable, "-m", "parity.cli",
+                    "train", *(f"'--set={s}'" for s in sets)])
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", cmd], capture_output=True,
+                         text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("parity: error: no space left in /dev/shm (1.0 MiB"), out.stderr[-2000:]
+    assert checkpoint.found(run_dir)  # the steps trained are kept

@@ -75,6 +75,50 @@ def probe() -> tuple[str | None, str]:
     return None, "no writable cgroup v2 or v1 memory/pids/cpu hierarchy"
 
 
+STALE_AFTER_S = 60.0
+"""A run's group or directory is taken for left behind only when its host is gone and it is this old."""
+
+
+def left_behind(path: Path, pid_field: int) -> bool:
+    """Whether `path` (named ...-<pid>-..., the pid its `pid_field`-th '-' field) belongs to a run
+    whose host process is gone (SIGKILLed mid-call: nothing closed it) and is older than
+    `STALE_AFTER_S`. A live pid, another user's, or one that cannot be read keeps it."""
+    pid = path.name.split("-")[pid_field] if path.name.count("-") >= pid_field else ""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+        return False
+    except ProcessLookupError:
+        pass
+    except OSError:  # alive, another user's
+        return False
+    try:
+        return time.time() - path.stat().st_mtime > STALE_AFTER_S
+    except OSError:
+        return False
+
+
+def remove_left_behind(version: str) -> list[str]:
+    """Remove the run groups whose host is gone (`left_behind`) and that hold no process (a group
+    with one left is another namespace's live run, or the code's leftovers: not ours to judge)."""
+    parents = [ROOT / PARENT] if version == "v2" else [ROOT / c / PARENT for c in V1_CONTROLLERS]
+    removed = []
+    for parent in parents:
+        try:
+            groups = [d for d in parent.iterdir() if d.name.startswith("run-") and d.is_dir()]
+        except OSError:
+            continue
+        for d in groups:
+            try:
+                if left_behind(d, 1) and not (d / "cgroup.procs").read_text().split():
+                    d.rmdir()
+                    removed.append(str(d))
+            except OSError:
+                pass
+    return removed
+
+
 class RunCgroup:
     """The cgroup(s) of one sandboxed run."""
 

@@ -217,10 +217,16 @@ _CGROUP: tuple[str | None, str] | None = None
 
 
 def cgroup_support() -> tuple[str | None, str]:
-    """('v1' | 'v2' | None, why not): probed once per process."""
+    """('v1' | 'v2' | None, why not): probed once per process, which then also removes what runs
+    of hosts SIGKILLed mid-call left (their groups and temporary directories)."""
     global _CGROUP
     if _CGROUP is None:
         _CGROUP = cgroup.probe()
+        if _CGROUP[0] is not None:
+            cgroup.remove_left_behind(_CGROUP[0])
+        for path in Path(tempfile.gettempdir()).glob("parity-sandbox-*-*"):
+            if cgroup.left_behind(path, 2):
+                shutil.rmtree(path, ignore_errors=True)
     return _CGROUP
 
 
