@@ -256,7 +256,12 @@ def reasons(r: dict, rollout_ratio: float | None, async_ratio: float | None) -> 
             f"updates was {fig(r, 'std-fixed-64-tis', 'reward_last5', '{:.3f}')} (aligned "
             f"{fig(r, 'fixed-64', 'reward_last5', '{:.3f}')}). The sequence gate drops whole responses "
             f"instead (KL x{fig(r, 'std-fixed-64-gate', 'kl_last_over_first')}, reward last 5% "
-            f"{fig(r, 'std-fixed-64-gate', 'reward_last5', '{:.3f}')}).")
+            f"{fig(r, 'std-fixed-64-gate', 'reward_last5', '{:.3f}')}"
+            + ("" if math.isnan(num(r, "std-fixed-64-gate", "rejected_frac")) else
+               f"; it rejected {num(r, 'std-fixed-64-gate', 'rejected_frac'):.1%} of responses once the lag "
+               "bound held: its band is as wide as it is because at lag 64 the weights carry the lag "
+               "correction, which a band as narrow as published for kernel mismatch alone would reject")
+            + ").")
     if not math.isnan(tis_kl) and "fixed-64-tis" in r["runs"]:
         out.append(tis_split(r))
     speed = (f"`parity bench async` measured asynchronous training (lag 8, one rollout worker) at "

@@ -4,6 +4,7 @@ grid end to end (the CI smoke run)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -80,8 +81,10 @@ def test_lag_figures_leave_out_the_warm_up_of_a_bound():
         r["lag/bound"] = 64.0
         r["mismatch/k3"] = 0.01 * min(r["step"], 64)  # KL grows with the lag, then stays
         r["mismatch/weight_lag_mean_abs"] = 0.001 * min(r["step"], 64)
+        r["loss/frac_rejected"] = 0.0 if r["step"] < 64 else 0.25  # (a gate: what it rejects at the bound)
     f = row_figures(rows)
     assert f["kl_last_over_first"] == pytest.approx(1.0) and f["weight_lag_mean_abs"] == pytest.approx(0.064)
+    assert f["rejected_frac"] == 0.25 and math.isnan(row_figures(_metrics())["rejected_frac"])
     for r in rows:
         r["lag/bound"] = 0.0  # the control: counted from step 0, the same run reads x3.6
     assert row_figures(rows)["kl_last_over_first"] > 3
@@ -215,6 +218,7 @@ def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
     assert "**kernel mismatch: mean |Δ log-prob| at the sampling version**" in text
     assert (page / "study.png").exists()
     assert "| standard + TIS | aligned + TIS |" in text and "**Truncation or kernels?**" in text
+    assert "of responses once the lag bound held" in text  # (the gate's rejection rate)
     # a study from before the aligned + TIS row: its page is built without that column
     older = tmp_path / "older"
     older.mkdir()

@@ -261,11 +261,14 @@ def row_figures(metrics: Metrics) -> dict[str, float]:
 
 def _after_warmup(metrics: Metrics) -> dict[str, float]:
     """The smallest and largest per-token lag over the steps after the first `lag/bound` (when a
-    fixed staleness should make every token exactly `bound` versions old)."""
+    fixed staleness should make every token exactly `bound` versions old), and the mean fraction
+    of responses a gating objective rejected there (`loss/frac_rejected`: seq_gate, mis)."""
     bound = int(metrics[-1].get("lag/bound", 0))
     later = [m for m in metrics if m["step"] >= bound and "lag/min" in m]
+    held = [m for m in metrics if m["step"] >= bound]  # (smoke runs shorter than their bound: every step)
     return {"lag_min_after_warmup": min((m["lag/min"] for m in later), default=NAN),
-            "lag_max_after_warmup": max((m["lag/max"] for m in later), default=NAN)}
+            "lag_max_after_warmup": max((m["lag/max"] for m in later), default=NAN),
+            "rejected_frac": mean(series(held if len(held) >= 10 else metrics, "loss/frac_rejected"))}
 
 
 def mechanism_figures(metrics: Metrics) -> dict[str, float]:
