@@ -55,7 +55,7 @@ from .rollout_worker import (
     resume_floor,
     start_version,
 )
-from .shm import check_shared_memory, shared_memory_errors
+from .shm import shared_memory_errors
 from .trajectory import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -330,7 +330,6 @@ class LocalRollout:
                     raise WaitInterrupted from None
                 dropped = slot.weights_q.dropped
                 if dropped is not None:  # it waits for a version it will never get
-                    check_shared_memory(dropped)  # (no room for it: a restart would meet the same)
                     self._restart(slot, f"missed a weight version (sending it failed: {dropped})")
                     continue
                 beat = slot.heartbeat.value
