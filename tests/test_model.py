@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -197,17 +198,34 @@ def test_empty_inputs_are_no_ops(tiny):
 
 
 def test_pointwise_padding_stays_small_with_many_threads():
-    from parity.ops.aligned import _padded_length, pointwise
+    from parity.ops.aligned import _padded_length
 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(20)
         for n in (1, 1000, 70_001, 1_000_003):
             assert n <= _padded_length(n) <= n + 64 * 20
-        x = torch.randn(70_001)
-        assert torch.equal(pointwise(torch.sigmoid, x), pointwise(torch.sigmoid, x.clone()))
     finally:
         torch.set_num_threads(before)
+
+
+def test_pointwise_gives_an_element_its_bits_wherever_it_sits():
+    """Element-wise ops on a CPU take a vector path for full vectors and a scalar one for the
+    tail, which round differently: an element's bits followed its position (an odd-length slice
+    at an offset). `pointwise` pads so that every element takes the vector path: a slice's values
+    are the same bits as in the whole row, at every offset; the control, `fn` alone, differs."""
+    from parity.ops.aligned import pointwise
+
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 4
+    gelu = functools.partial(torch.nn.functional.gelu, approximate="tanh")
+    plain_differs = False
+    for fn in (torch.sigmoid, torch.nn.functional.silu, gelu):
+        whole, plain = pointwise(fn, x), fn(x)
+        for o in range(1, 40):
+            assert torch.equal(pointwise(fn, x[o:o + 13].clone()), whole[o:o + 13]), (fn, o)
+            plain_differs |= not torch.equal(fn(x[o:o + 13].clone()), plain[o:o + 13])
+    if not plain_differs:  # (the control: without the padding a slice's bits follow its position)
+        pytest.skip("this CPU's element-wise ops gave every position the same bits (checked above)")
 
 
 def test_char_tokenizer_round_trip_with_special_tokens(tmp_path):

@@ -203,6 +203,10 @@ def test_top_k_and_top_p_record_the_truncated_logprob(draws):
     with torch.no_grad():
         full = parity.sequence_logprobs(model, [o.full_token_ids])[0][2:]
     assert torch.equal(full, torch.tensor(o.logprobs, dtype=torch.float32))
+    # the value, not only its direction: with one token kept its probability is 1, log-prob 0
+    greedy_cut = SamplingParams(temperature=1.0, max_tokens=8, top_k=1, seed=1)
+    [one], _ = run_engine(model, [[3, 1, 4]], [greedy_cut], draws=draws)
+    assert one.sampled_logprobs == [0.0] * len(one.token_ids) and min(one.logprobs) < 0
 
 
 @pytest.mark.parametrize("cut", [{"top_k": 128}, {"top_k": 10**6}, {"top_p": 1 - 1e-12}])

@@ -116,16 +116,22 @@ def test_mis_sequence_level_weighs_a_response_by_its_product():
     assert frac(stats["loss/frac_rejected"]) == pytest.approx(1 / 2)
 
 
-def test_seq_gate_rejects_whole_responses():
-    value, grad, stats = run("seq_gate", gate_low=0.8, gate_high=1.25, gate_max_k3=10.0)
-    ratios = [math.exp(sum(LP[i][t] - RLP[i][t] for t in range(3) if MASK[i][t]) / sum(MASK[i]))
-              for i in range(2)]
-    gate = [1.0 if 0.8 <= r <= 1.25 else 0.0 for r in ratios]
+@pytest.mark.parametrize("low, high, max_k3, kept", [
+    (0.8, 1.25, 10.0, [1.0, 0.0]),  # the ratio band decides
+    (0.9, 1.25, 10.0, [1.0, 0.0]),  # the geometric mean (0.935) kept; the product (0.819) would not be
+    (0.1, 10.0, 0.05, [1.0, 0.0]),  # the mean k3 alone decides (0.031 vs 0.725)
+])
+def test_seq_gate_rejects_whole_responses(low, high, max_k3, kept):
+    value, grad, stats = run("seq_gate", gate_low=low, gate_high=high, gate_max_k3=max_k3)
+    live = [[t for t in range(3) if MASK[i][t]] for i in range(2)]
+    ratios = [math.exp(sum(LP[i][t] - RLP[i][t] for t in live[i]) / len(live[i])) for i in range(2)]
+    k3 = [sum(w(i, t) - 1 - math.log(w(i, t)) for t in live[i]) / len(live[i]) for i in range(2)]
+    gate = [1.0 if low <= r <= high and k <= max_k3 else 0.0 for r, k in zip(ratios, k3)]
+    assert gate == kept  # the example exercises both outcomes, by the test's own criterion
     v, g = hand(lambda i, t: gate[i] * w(i, t), lambda i, t: gate[i] * w(i, t))
     close(value, v)
     grads_close(grad, g)
     assert frac(stats["loss/frac_rejected"]) == pytest.approx(1 - sum(gate) / 2)
-    assert 0 < sum(gate) < 2  # the example exercises both outcomes
 
 
 def ppo_hand(eps, high, dual=None):
@@ -225,10 +231,37 @@ def test_k3_sees_one_ulp_gaps():
     lp = torch.full((1, 1000), -1e-7)
     near = torch.nextafter(lp, torch.zeros(()))  # one float32 ulp towards 0
     mask = torch.ones(1, 1000)
-    k3 = mismatch_stats(near, lp, mask)["mismatch/k3"]
+    stats = mismatch_stats(near, lp, mask)
+    k3 = stats["mismatch/k3"]
     d = float(near[0, 0].double() - lp[0, 0].double())
     assert k3 > 0 and math.isclose(k3, d * d / 2, rel_tol=1e-6)
+    assert stats["mismatch/frac_differ"] == 1.0 and stats["mismatch/max_abs"] == abs(d)  # (one ulp differs)
     assert mismatch_stats(lp, lp.clone(), mask)["mismatch/k3"] == 0.0
+
+
+def test_mismatch_stats_on_hand_values():
+    """k1 = mean(log μ − log π) and k3 = mean(w − 1 − log w), w = π/μ, both estimating KL(μ ‖ π),
+    over the masked tokens only; frac_differ counts tokens whose log-probs differ at all."""
+    from parity.metrics.diagnostics import mismatch_stats
+    stats = mismatch_stats(torch.tensor(LP), torch.tensor(RLP), torch.tensor(MASK, dtype=torch.float32))
+    d = [LP[i][t] - RLP[i][t] for i in range(2) for t in range(3) if MASK[i][t]]  # log w
+    assert stats["mismatch/k1"] == pytest.approx(-sum(d) / 5, rel=1e-6)
+    assert stats["mismatch/k3"] == pytest.approx(sum(math.exp(x) - 1 - x for x in d) / 5, rel=1e-6)
+    assert stats["mismatch/frac_differ"] == pytest.approx(4 / 5)  # (one masked-in token equal)
+    assert stats["mismatch/max_abs"] == pytest.approx(2.0)
+    assert stats["mismatch/mean_abs"] == pytest.approx(3.3 / 5)
+
+
+def test_reinforce_zero_does_not_clip_a_large_weight():
+    """No clipping: a token with w = e^3 (about 20, past every weight of the example above) has
+    gradient −w·A/|y|/N in full; a clamp anywhere below 20 would show here."""
+    lp = torch.tensor([[0.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    f64 = dict(dtype=torch.float64)
+    loss, _ = get_loss("reinforce_zero")(lp, torch.tensor([[-3.0, -1.0]], **f64), torch.ones(1, 2, **f64),
+                                         torch.tensor([1.0], **f64), LossConfig())
+    loss.backward()
+    assert lp.grad[0, 0] == pytest.approx(-math.exp(3) / 2, rel=1e-12)
+    assert lp.grad[0, 1] == pytest.approx(-0.5)
 
 
 def test_ppo_clip_higher_and_dual_clip():
