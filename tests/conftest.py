@@ -17,6 +17,11 @@ import parity
 DEVICE = os.environ.get("PARITY_TEST_DEVICE", "cpu")
 """Where the shared models live (and so where the bitwise suite runs)."""
 
+if not torch.cuda.is_available():  # before anything imports Triton (the first AdamW does, through
+    # torch._dynamo): the Triton kernels then run through its interpreter whichever test file comes
+    # first (the fused-draw tests skipped when a learner test had imported Triton before them)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _share_the_cores() -> None:
     """Give each pytest-xdist worker its share of the cores, for itself and the processes it starts.
