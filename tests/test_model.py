@@ -275,3 +275,19 @@ def test_projection_weights_share_one_buffer_and_keep_their_values(tmp_path, mon
     model.save_pretrained(tmp_path)
     loaded = parity.load_model(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_moe_combine_sums_the_experts_in_rank_order():
+    """The aligned MoE combine adds a token's k weighted expert outputs one after another in rank
+    order (what the learner and the engine both run, whatever the token count); at k = 8 in bf16
+    (Qwen3-MoE's k) the standard `sum(1)` rounds in another order: the control. Every MoE preset
+    routes to k = 2, where the two agree, so only this test can tell them apart."""
+    from parity.ops import aligned, standard
+
+    parts = torch.randn(64, 8, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    in_order = parts[:, 0]
+    for j in range(1, 8):
+        in_order = in_order + parts[:, j]
+    assert torch.equal(aligned.moe_combine(parts), in_order)
+    assert all(torch.equal(aligned.moe_combine(parts[:t]), in_order[:t]) for t in (1, 3, 17))
+    assert not torch.equal(standard.moe_combine(parts), in_order)
