@@ -29,15 +29,15 @@
 #    parity bench sampler: one sampling step at Qwen3's vocabulary, PyTorch ops vs the fused pass,
 #    parity bench attention: decode attention per schedule (walk, split) at 1-4K keys vs standard
 # 4. a short asynchronous training run per backend (toy task, bf16): the learner's kernel-mismatch
-#    figure is exactly 0 on aligned kernels and > 0 on standard ones (run right after bench rollout,
-#    before the rest of the bitwise suite and bench gemm / attention / sampler)
+#    figure is exactly 0 on aligned kernels and > 0 on standard ones (run right after bench learner,
+#    before bench rollout, the rest of the bitwise suite and bench gemm / attention / sampler)
 # 5. with the time left, the GEMM tiles by row count that bench gemm proposed (--gemm-tiles; used
 #    only where the device's probe finds a ladder's tiles give the same bits, as the JSON's
 #    aligned_kernels line reports): parity check on the 0.6B shape (the
 #    rows across batch sizes, decode steps, graphs and the engine, bit for bit with them in force),
 #    then bench kernels and bench learner on that shape again
 # Steps run in the order of what the issue's targets and its list need (bitwise_core, check, bench
-# kernels, bench learner, bench rollout, the training runs first; bench gemm's TMA tiles in a call
+# kernels, bench learner, the training runs, bench rollout first; bench gemm's TMA tiles in a call
 # of their own, last). Each step runs under
 # its own time limit and no step runs past DEADLINE seconds from the start (default 470, the
 # issue's "under 8 minutes", which leaves the session's device time for a rerun; at most the device
@@ -242,15 +242,15 @@ step bench_kernels 90 "$PY" -m parity.cli bench kernels --device "$DEVICE" --pre
     --dtypes bfloat16 --batches $BATCHES --prefill-len $PREFILL --reps $REPS --eager-decode --json
 step bench_learner 45 "$PY" -m parity.cli bench learner --device "$DEVICE" --presets $BIG,$SMALL \
     --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json
-step bench_rollout 40 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $SMALL --dtypes bfloat16 \
-    --num-seqs $NSEQ --max-num-seqs $NSEQ --reps 2 --json
-step bench_rollout_big 40 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $BIG --dtypes bfloat16 \
-    --num-seqs $BIG_NSEQ --max-num-seqs $BIG_NSEQ --reps 2 --json
 for k in aligned standard; do
     step "train_$k" 25 "$PY" -m parity.cli train configs/toy_async.toml --overwrite --set steps=$STEPS \
         --set model.device="$DEVICE" --set model.preset=$SMALL --set model.dtype=bfloat16 \
         --set model.kernels=$k --set run_dir="$OUT_DIR/train_$k"
 done
+step bench_rollout 40 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $SMALL --dtypes bfloat16 \
+    --num-seqs $NSEQ --max-num-seqs $NSEQ --reps 2 --json
+step bench_rollout_big 40 "$PY" -m parity.cli bench rollout --device "$DEVICE" --preset $BIG --dtypes bfloat16 \
+    --num-seqs $BIG_NSEQ --max-num-seqs $BIG_NSEQ --reps 2 --json
 if [ -n "${SMOKE:-}" ]; then REST=(tests/parity/test_bitwise.py::test_one_vs_two_threads); else
     REST=($TESTS); for t in $CORE; do REST+=(--deselect "$t"); done; fi
 pytest_step bitwise 60 "${REST[@]}"

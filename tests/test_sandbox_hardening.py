@@ -436,13 +436,16 @@ def test_what_a_host_killed_mid_call_left_is_removed_by_the_next_one(monkeypatch
     """A rollout worker SIGKILLed during a tool call never closes the call's cgroup(s) or its
     temporary directory (four of each were left in a review). The next process to probe the
     sandbox removes those whose host pid is gone and that are a minute old, and an empty group
-    only; the controls stay: a live host's, a young one, a group with a process in it."""
+    only; the controls stay: a live host's, a young one, another pid namespace's directory (its
+    pid means nothing here), a group with a process in it."""
     dead = subprocess.Popen(["true"])
     dead.wait()  # (a pid nobody has now)
     old = time.time() - 2 * cgroup.STALE_AFTER_S
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    made = {name: tmp_path / f"parity-sandbox-{pid}-x{name}" for name, pid in
-            (("stale", dead.pid), ("live", os.getpid()), ("young", dead.pid))}
+    ns = host._pid_namespace()
+    made = {name: tmp_path / f"parity-sandbox-{pid}-{namespace}-x{name}" for name, pid, namespace in
+            (("stale", dead.pid, ns), ("live", os.getpid(), ns), ("young", dead.pid, ns),
+             ("other namespace", dead.pid, ns + 1))}
     for name, path in made.items():
         (path / "work").mkdir(parents=True)
         if name != "young":
@@ -461,7 +464,7 @@ def test_what_a_host_killed_mid_call_left_is_removed_by_the_next_one(monkeypatch
     try:
         monkeypatch.setattr(host, "_CGROUP", None)  # (a new process's first probe)
         assert cgroup_support()[0] == version
-        assert [n for n, p in made.items() if p.exists()] == ["live", "young"]
+        assert [n for n, p in made.items() if p.exists()] == ["live", "young", "other namespace"]
         if groups:
             assert [n for n, p in groups.items() if p.exists()] == ["live", "busy"]
     finally:

@@ -137,8 +137,8 @@ class LearnerConfig:
     """After warm-up: 'constant' or 'cosine' (to 0 at `total_steps`)."""
     total_steps: int = 0
     """Length of the cosine schedule in steps, warm-up included (more than `warmup_steps`); 0 = in
-    a TrainConfig its `steps` (written to the run's config.toml as a number), and a Learner given
-    a cosine schedule of length 0 refuses it."""
+    a TrainConfig its `steps` (written to the run's config.toml as a number; a constant schedule
+    keeps 0), and a Learner given a cosine schedule of length 0 refuses it."""
     max_grad_norm: float = 1.0
     """Gradient-norm clipping threshold (the norm before clipping is logged)."""
     mini_batches: int = 1

@@ -283,7 +283,12 @@ class TrainConfig:
         # the learner scores at the rollout's temperature, computes in the model's dtype and keeps
         # the weights of every version a lagged sample may come from (a new object: never mutate
         # a LearnerConfig another TrainConfig may share)
-        if self.learner.schedule == "cosine":
+        if self.learner.schedule != "cosine":  # (no length to keep: configs written with 1000 read equal)
+            self.learner = dataclasses.replace(self.learner, total_steps=0)
+        else:
+            if self.steps <= self.learner.warmup_steps:
+                raise ConfigError(f"steps ({self.steps}) must be more than learner.warmup_steps "
+                                  f"({self.learner.warmup_steps}) for a cosine schedule")
             if not self.learner.total_steps:  # (the run's length, recorded as a number)
                 self.learner = dataclasses.replace(self.learner, total_steps=self.steps)
             elif self.learner.total_steps < self.steps:

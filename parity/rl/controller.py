@@ -114,8 +114,10 @@ class Controller:
                                   "aside to resume from it") from None
         finished = (self.run_dir / "report.md").exists()  # (a run stopped at its last step has none yet)
         if self.start_step > self.cfg.steps or (self.start_step == self.cfg.steps and finished):
+            cosine = " and learner.total_steps=N (its cosine schedule's length)" \
+                if self.cfg.learner.schedule == "cosine" else ""
             raise ParityError(f"{path} is already at step {self.start_step}; to train on, raise "
-                              f"steps (now {self.cfg.steps}) with --set steps=N")
+                              f"steps (now {self.cfg.steps}) with --set steps=N{cosine}")
         if self.start_step == self.cfg.steps:
             log.info("%s is the run's last step: finishing the run (its final evaluation)", path.name)
         metrics_path = self.run_dir / "metrics.jsonl"

@@ -118,7 +118,7 @@ class Learner:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
         if cfg.schedule == "cosine":
-            progress = min(1.0, (step - cfg.warmup_steps) / (length - cfg.warmup_steps))
+            progress = min(1.0, (step - cfg.warmup_steps) / max(1, length - cfg.warmup_steps))
             return 0.5 * (1 + math.cos(math.pi * progress))
         return 1.0
 

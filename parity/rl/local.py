@@ -277,7 +277,8 @@ class LocalRollout:
         slot.process = self.ctx.Process(target=_worker_main, daemon=True, args=(
             self.cfg, self.model_config, history[version], version, slot.todo, self.floor, slot.weights_q,
             slot.traj_q, slot.stop, slot.heartbeat, rollout_threads, self.spool))
-        slot.process.start()
+        with shared_memory_errors():  # (the weights it starts from go through /dev/shm)
+            slot.process.start()
         for v in sorted(history):
             if v > version:
                 slot.weights_q.put((v, history[v]))

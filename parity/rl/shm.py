@@ -19,18 +19,24 @@ from ..errors import ParityError
 SHM = "/dev/shm"
 
 
+FULL_BELOW = 1 << 20
+"""A bare ENOSPC (no file named: a semaphore's) is taken for /dev/shm's only while /dev/shm has less
+than this free (a write to a full disk raises one too)."""
+
+
 def check_shared_memory(exc: BaseException) -> None:
     """Raise a ParityError naming /dev/shm (its size, what needs it, how to grow it) when `exc` is
     /dev/shm out of room; return for any other error."""
     text = str(exc)
-    if not ((isinstance(exc, OSError) and exc.errno == errno.ENOSPC and exc.filename is None)
-            or ("shared memory" in text and "No space left on device" in text)):
-        return
     try:
         usage = shutil.disk_usage(SHM)
-        size = f" ({usage.total / 2**20:,.1f} MiB, {usage.free / 2**20:,.1f} MiB free)"
     except OSError:
-        size = ""
+        usage = None
+    bare = isinstance(exc, OSError) and exc.errno == errno.ENOSPC and exc.filename is None
+    if not ((bare and usage is not None and usage.free < FULL_BELOW)
+            or ("shared memory" in text and "No space left on device" in text)):
+        return
+    size = f" ({usage.total / 2**20:,.1f} MiB, {usage.free / 2**20:,.1f} MiB free)" if usage else ""
     raise ParityError(f"no space left in {SHM}{size}: local rollout workers share weight versions and "
                       "batches there (a few copies of the model's weights); give it more room (docker run "
                       "--shm-size, a memory-backed emptyDir volume)") from None
@@ -38,9 +44,9 @@ def check_shared_memory(exc: BaseException) -> None:
 
 @contextlib.contextmanager
 def shared_memory_errors() -> Iterator[None]:
-    """`check_shared_memory` on whatever the block raises."""
+    """`check_shared_memory` on whatever the block raises (PyTorch's failure is a RuntimeError)."""
     try:
         yield
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         check_shared_memory(exc)
         raise

@@ -133,6 +133,10 @@ def test_a_cosine_schedule_spans_the_run(tmp_path):
     with pytest.raises(ConfigError, match="total_steps must be set for schedule 'cosine'"):
         Learner(build_model(cfg), LearnerConfig(schedule="cosine"))
     assert config(tmp_path, "steps=7").learner.total_steps == 0  # (constant: no length to fill in)
+    # a config.toml written before (constant schedule, total_steps = 1000) reads as the same run
+    assert config(tmp_path, "steps=7", "learner.total_steps=1000") == config(tmp_path, "steps=7")
+    with pytest.raises(ConfigError, match=r"steps \(3\) must be more than learner.warmup_steps \(10\)"):
+        config(tmp_path, "steps=3", "learner.schedule=\"cosine\"", "learner.warmup_steps=10")
 
 
 def test_a_config_changed_after_construction_is_checked_again_when_the_run_starts(tmp_path):
@@ -229,6 +233,12 @@ def test_a_run_stopped_at_its_end_or_in_an_evaluation_is_finished_by_a_resume(tm
     write_report(tmp_path / "cut")
     with pytest.raises(ParityError, match="already at step 3; to train on, raise steps"):
         Controller(config(tmp_path / "cut", *args), resume=True)
+    if where == "last step":  # resumed to go past that end: its report is stale from the start
+        more = Controller(config(tmp_path / "cut", *args[1:], "steps=4"), resume=True)
+        more.interrupted = "SIGTERM"  # (stops at once, after step 3)
+        with pytest.raises(Interrupted):
+            more.run()
+        assert not (tmp_path / "cut" / "report.md").exists()
 
 
 def test_corrupt_checkpoint_is_refused(tmp_path):

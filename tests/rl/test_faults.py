@@ -425,17 +425,25 @@ def test_dev_shm_out_of_room_is_named(tmp_path):
     restart that met the same wall. Now one line names /dev/shm, its size and how to grow it, and
     the steps trained are kept. Where a mount namespace is out of reach, the classifier alone."""
     import errno as errno_mod
+    import shutil as shutil_mod
 
     from parity.errors import ParityError
-    from parity.rl.shm import check_shared_memory
+    from parity.rl import shm
 
-    for exc in (OSError(errno_mod.ENOSPC, "No space left on device"),
-                RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
-                             "No space left on device (28)")):
+    torch_full = RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_3>: No space left "
+                              "on device (28)")  # (PyTorch's, sending weights: raised through the context)
+    with pytest.raises(ParityError, match="no space left in /dev/shm .*--shm-size"):
+        with shm.shared_memory_errors():
+            raise torch_full
+    bare = OSError(errno_mod.ENOSPC, "No space left on device")  # a semaphore's, or a full disk's write
+    shm.check_shared_memory(bare)  # /dev/shm has room here: not taken for it
+    full = shutil_mod.disk_usage(shm.SHM)._replace(free=4096)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shm.shutil, "disk_usage", lambda path: full)
         with pytest.raises(ParityError, match="no space left in /dev/shm .*--shm-size"):
-            check_shared_memory(exc)
-    check_shared_memory(OSError(errno_mod.ENOSPC, "No space left on device", "/data/x"))  # a disk's: not ours
-    check_shared_memory(OSError(errno_mod.EMFILE, "Too many open files"))
+            shm.check_shared_memory(bare)
+        shm.check_shared_memory(OSError(errno_mod.ENOSPC, "No space left on device", "/data/x"))  # a file's
+        shm.check_shared_memory(OSError(errno_mod.EMFILE, "Too many open files"))
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("no mount namespace here (unshare -m)")
     run_dir = tmp_path / "run"

@@ -216,6 +216,15 @@ def _kill_group(pgid: int) -> None:
 _CGROUP: tuple[str | None, str] | None = None
 
 
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode; 0 where /proc does not say): a run directory's name
+    carries it, so a /tmp shared with another namespace's runs is never swept by pid."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def cgroup_support() -> tuple[str | None, str]:
     """('v1' | 'v2' | None, why not): probed once per process, which then also removes what runs
     of hosts SIGKILLed mid-call left (their groups and temporary directories)."""
@@ -224,8 +233,8 @@ def cgroup_support() -> tuple[str | None, str]:
         _CGROUP = cgroup.probe()
         if _CGROUP[0] is not None:
             cgroup.remove_left_behind(_CGROUP[0])
-        for path in Path(tempfile.gettempdir()).glob("parity-sandbox-*-*"):
-            if cgroup.left_behind(path, 2):
+        for path in Path(tempfile.gettempdir()).glob(f"parity-sandbox-*-{_pid_namespace()}-*"):
+            if cgroup.left_behind(path, 2):  # (only this pid namespace's: another's pids mean nothing here)
                 shutil.rmtree(path, ignore_errors=True)
     return _CGROUP
 
@@ -233,7 +242,7 @@ def cgroup_support() -> tuple[str | None, str]:
 def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
     """Run `code` once in `mode`; the host side of the launcher protocol."""
     start = time.monotonic()
-    tmp = tempfile.mkdtemp(prefix=f"parity-sandbox-{os.getpid()}-")  # (whose it is)
+    tmp = tempfile.mkdtemp(prefix=f"parity-sandbox-{os.getpid()}-{_pid_namespace()}-")  # (whose it is)
     version, _ = cgroup_support()
     group = None
     fds: list[int] = []  # out, err, launcher.log (read back by descriptor) and the status socket
