@@ -264,11 +264,12 @@ def _after_warmup(metrics: Metrics) -> dict[str, float]:
     fixed staleness should make every token exactly `bound` versions old), and the mean fraction
     of responses a gating objective rejected there (`loss/frac_rejected`: seq_gate, mis)."""
     bound = int(metrics[-1].get("lag/bound", 0))
-    later = [m for m in metrics if m["step"] >= bound and "lag/min" in m]
-    held = [m for m in metrics if m["step"] >= bound]  # (smoke runs shorter than their bound: every step)
+    held = [m for m in metrics if m["step"] >= bound]
+    later = [m for m in held if "lag/min" in m]
     return {"lag_min_after_warmup": min((m["lag/min"] for m in later), default=NAN),
             "lag_max_after_warmup": max((m["lag/max"] for m in later), default=NAN),
-            "rejected_frac": mean(series(held if len(held) >= 10 else metrics, "loss/frac_rejected"))}
+            "rejected_frac": mean(series(held if len(held) >= 10 else metrics,  # (smoke runs: every step)
+                                         "loss/frac_rejected"))}
 
 
 def mechanism_figures(metrics: Metrics) -> dict[str, float]:
