@@ -66,7 +66,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path | None]:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key, marker=".")
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("learner step")
-            if len(keys) > 1:
+            if len(keys) > 1 and ax.get_legend_handles_labels()[0]:  # (none where no key is recorded)
                 ax.legend(fontsize=7)
         # the lag histogram over the whole run's tokens: each step's fractions weighted by its
         # tokens (every step has as many episodes; a plain mean over steps, skipped ones counted,

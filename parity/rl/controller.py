@@ -213,11 +213,13 @@ class Controller:
                     raise Interrupted(self.save_checkpoint(step + 1), self._signal_name())
             if self.start_step < cfg.steps:  # (else resumed to finish: checkpoint-{steps} is there)
                 self.save_checkpoint(cfg.steps)  # before the final evaluation: whatever it meets
-            if cfg.eval_every and self.metrics:  # the final weights, recorded with the last step
-                try:
+            if cfg.eval_every and (self.metrics or self.start_step == cfg.steps):  # the final weights,
+                try:  # recorded with the last step (on a record of its own where metrics.jsonl was lost)
                     final = self.evaluate()
                 except WaitInterrupted:  # (a resume runs it again)
                     raise Interrupted(checkpoint.latest(self.run_dir), self._signal_name()) from None
+                if not self.metrics or self.metrics[-1]["step"] != cfg.steps - 1:
+                    self.metrics.append({"step": cfg.steps - 1})
                 self.metrics[-1].update({k + "_final": v for k, v in final.items()})
                 sink.rewrite(self.metrics)
         finally:

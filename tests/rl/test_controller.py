@@ -241,6 +241,33 @@ def test_a_run_stopped_at_its_end_or_in_an_evaluation_is_finished_by_a_resume(tm
         assert not (tmp_path / "cut" / "report.md").exists()
 
 
+def test_a_run_stopped_at_its_end_without_its_metrics_still_gets_its_final_evaluation(tmp_path):
+    """A run stopped at its last step whose metrics.jsonl is gone (lost with a node, deleted): the
+    resume warns that the records are lost, and still runs and records the final evaluation (it
+    was skipped without a word: there was no record to put it in), so that the report has it."""
+    from parity.metrics.report import write_report
+    from parity.rl.controller import Interrupted
+
+    args = ("steps=2", "eval_every=2", "eval_prompts=2", "deterministic=true", "max_policy_lag=1")
+    whole = Controller(config(tmp_path / "whole", *args)).run()
+    cut = Controller(config(tmp_path / "cut", *args))
+
+    def at_last(step, metrics):
+        if step == 1:
+            cut.interrupted = "SIGTERM"
+
+    with pytest.raises(Interrupted):
+        cut.run(progress=at_last)
+    (tmp_path / "cut" / "metrics.jsonl").unlink()
+    records = Controller(config(tmp_path / "cut", *args), resume=True).run()
+    assert [r["step"] for r in records] == [1]
+    assert records[0]["eval/pass@1_final"] == whole[-1]["eval/pass@1_final"]
+    assert json.loads((tmp_path / "cut" / "metrics.jsonl").read_text())["eval/pass@1_final"] == \
+        whole[-1]["eval/pass@1_final"]
+    write_report(tmp_path / "cut")
+    assert (tmp_path / "cut" / "report.md").exists()
+
+
 def test_corrupt_checkpoint_is_refused(tmp_path):
     from parity.errors import CheckpointError
 
