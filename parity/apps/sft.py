@@ -47,6 +47,7 @@ from ..envs.math import MathTask, Problem, worked_answer
 from ..envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
 from ..errors import ConfigError, ParityError
 from ..metrics.summary import pass_at_1_text
+from ..procs import gone as process_gone
 from ..rl.optim import adamw
 from . import sft_child, sft_partial
 from .ui import table
@@ -239,13 +240,10 @@ def _remove_stale_builds(out_dir: Path) -> None:
     for old in out_dir.parent.glob(out_dir.name + ".tmp*"):
         try:
             host, pid = (old / BUILDER).read_text().split()
-            if host != socket.gethostname():
-                continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        except (OSError, ValueError):  # (no BUILDER file, or not one host and one pid)
+            continue
+        if host == socket.gethostname() and process_gone(pid):
             shutil.rmtree(old, ignore_errors=True)
-        except (OSError, ValueError, OverflowError):
-            pass
 
 
 def _train_into(tmp: Path, out_dir: Path, cfg: SFTConfig, progress, eval_problems: int) -> dict:

@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 from ..config import TrainConfig
 from ..errors import ParityError, WaitInterrupted
 from ..model import ModelConfig
+from ..procs import gone as process_gone
 from .build import build_env, model_skeleton
 from .faults import worker_faults
 from .rollout_worker import (
@@ -157,16 +158,9 @@ def remove_stale_spools(root: Path) -> list[Path]:
     line of defence behind the orphaned worker's own cleanup (memory in /dev/shm). Returns them."""
     stale = []
     for path in root.glob("parity-batches-*-*"):
-        pid = path.name.split("-")[2]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if process_gone(path.name.split("-")[2]):
             shutil.rmtree(path, ignore_errors=True)
             stale.append(path)
-        except OSError:  # alive, another user's
-            pass
     return stale
 
 

@@ -172,17 +172,19 @@ def test_the_learner_killed_while_writing_a_checkpoint_keeps_the_previous_one(tm
 
 
 def test_stale_spools_are_removed_and_live_ones_kept(tmp_path):
-    """A spool whose learner is gone goes; one whose learner runs (this process) stays."""
+    """A spool whose learner is gone goes; one whose learner runs (this process) stays, and so does
+    one named by digits that cannot be a pid (the cleanup raised OverflowError at a worker's start)."""
     from parity.rl.local import remove_stale_spools
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     gone, live = tmp_path / f"parity-batches-{dead}-abc", tmp_path / f"parity-batches-{os.getpid()}-def"
-    for path in (gone, live):
+    huge = tmp_path / f"parity-batches-{10**30}-ghi"
+    for path in (gone, live, huge):
         path.mkdir()
         (path / "batch-3.pkl").write_bytes(b"x")
     assert remove_stale_spools(tmp_path) == [gone]
-    assert not gone.exists() and live.exists()
+    assert not gone.exists() and live.exists() and huge.exists()
 
 
 def test_a_full_disk_is_a_one_line_error_and_nothing_earlier_is_lost(tmp_path):

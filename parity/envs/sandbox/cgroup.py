@@ -17,6 +17,8 @@ import time
 import uuid
 from pathlib import Path
 
+from ...procs import gone as process_gone
+
 ROOT = Path("/sys/fs/cgroup")
 PARENT = "parity-sandbox"
 V1_CONTROLLERS = ("memory", "pids", "cpu")
@@ -86,12 +88,7 @@ def left_behind(path: Path, pid_field: int) -> bool:
     pid = path.name.split("-")[pid_field] if path.name.count("-") >= pid_field else ""
     if not pid.isdigit():
         return False
-    try:
-        os.kill(int(pid), 0)
-        return False
-    except ProcessLookupError:
-        pass
-    except OSError:  # alive, another user's
+    if not process_gone(pid):
         return False
     try:
         return time.time() - path.stat().st_mtime > STALE_AFTER_S
