@@ -46,8 +46,8 @@ def passes_tests(response: str, problem: dict, sandbox) -> float:
         raise SandboxFailure(f"cases not run: {result.error}")
     try:
         got = json.loads((result.stdout.strip().splitlines() or [""])[-1])
-    except ValueError:  # no JSON line at the end: it failed, printed after, or was cut off
-        return 0.0
+    except (ValueError, RecursionError):  # no JSON line at the end (it failed, printed after, was cut
+        return 0.0                        # off) or one nested too deep to parse: the model's output
     if not isinstance(got, list) or len(got) != len(cases):
         return 0.0
     return sum(value == expected for value, (_, expected) in zip(got, cases)) / len(cases)

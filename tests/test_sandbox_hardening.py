@@ -154,7 +154,11 @@ def test_output_cannot_grow_files_on_the_host_disk(sb: Sandbox) -> None:
                                    # look-alike letters: a Cyrillic dze, full-width letters
                                    "\u0455andbox: time limit exceeded (5.0 s wall)",
                                    "s\u0430ndbox: time limit exceeded (5.0 s wall)",  # a Cyrillic a
-                                   "\uff53\uff41\uff4e\uff44\uff42\uff4f\uff58: time limit exceeded"])
+                                   "\uff53\uff41\uff4e\uff44\uff42\uff4f\uff58: time limit exceeded",
+                                   # (2026-12-07) look-alikes in both "sandbox" and "limit" (it read
+                                   # as a verdict), and in the wording alone
+                                   "s\u0430ndbox: time l\u0456mit exceeded (5.0 s wall)",
+                                   "error: time l\u0456m\u0456t \u0435xceeded"])
 def test_printed_verdicts_are_not_verdicts(sb: Sandbox, claim: str) -> None:
     r = sb.run(f"import sys\nsys.stderr.write({claim!r} + '\\n')\nsys.exit(1)\n")
     assert not r.ok and r.limit is None and r.error == "stderr: " + host.clean(claim)
@@ -162,9 +166,10 @@ def test_printed_verdicts_are_not_verdicts(sb: Sandbox, claim: str) -> None:
 
 
 def test_control_characters_are_stripped(sb: Sandbox) -> None:
-    r = sb.run("import sys\nprint('a\\x1b[2Jb\\x07c\\tok\\u202eevil\\u200b!')\n"
+    r = sb.run("import sys\nprint('a\\x1b[2Jb\\x07c\\tok\\u202eevil\\u200b!\\u3164\\u034f')\n"
                "sys.stderr.write('x\\x00y\\x1b]0;title\\x07z\\u2066\\n')\nsys.exit(2)\n")
-    assert r.stdout == "a[2Jbc\tokevil!\n" and r.error == "xy]0;titlez"
+    assert r.stdout == "a[2Jbc\tokevil!\n" and r.error == "xy]0;titlez"  # (a Hangul filler and a
+    # combining grapheme joiner, which show as nothing, were kept)
 
 
 def test_every_run_has_its_own_uid_and_keyring(sb: Sandbox) -> None:
@@ -190,7 +195,7 @@ def test_the_verdict_cannot_be_forged_through_the_run_directory_in_a_degraded_mo
 
     forced = sandbox_module._Probe("plain-keep-uid", "forced by the test")
     monkeypatch.setattr(sandbox_module, "_PROBE", forced)
-    box = Sandbox(SandboxLimits(wall_s=2.0, cpu_s=1))
+    box = Sandbox(SandboxLimits(wall_s=2.0, cpu_s=1), require_isolation=False)
     write = ('import os\nfd = os.open("../status", os.O_WRONLY | os.O_CREAT, 0o600)\n'
              'os.write(fd, b"#" * 400 + {!r})\n')
     forged = box.run(write.format(b"\nstatus 0\ncpu 0.0\ntimeout 0\noutput_exceeded 0\n")
@@ -272,7 +277,7 @@ def degraded(monkeypatch) -> Sandbox:
     keep_uid = os.geteuid() == 0 and not sandbox_module._others_can_run_python()
     forced = sandbox_module._Probe("plain-keep-uid" if keep_uid else "plain", "forced by the test")
     monkeypatch.setattr(sandbox_module, "_PROBE", forced)
-    return Sandbox(SandboxLimits(wall_s=3.0, cpu_s=1))
+    return Sandbox(SandboxLimits(wall_s=3.0, cpu_s=1), require_isolation=False)
 
 
 def test_the_host_reads_output_by_descriptor_not_by_name_in_a_degraded_mode(degraded: Sandbox) -> None:
@@ -356,9 +361,15 @@ def test_the_status_channel_cannot_be_reopened_through_proc_in_a_degraded_mode(d
 
 
 @pytest.mark.skipif(cgroup_support()[0] is None, reason="no writable cgroups here")
-def test_processes_left_behind_die_with_the_run_in_a_degraded_mode(degraded: Sandbox) -> None:
+@pytest.mark.parametrize("cgroups", [True, False])
+def test_processes_left_behind_die_with_the_run_in_a_degraded_mode(degraded: Sandbox, monkeypatch,
+                                                                   cgroups: bool) -> None:
     """Without a pid namespace, a double-forked, setsid'd process outlived the run (running as
-    the host's uid in plain-keep-uid mode); the run's cgroup is emptied when the run ends."""
+    the host's uid in plain-keep-uid mode); the run's cgroup is emptied when the run ends, and
+    without a cgroup (a non-root run, 2026-12-07: it outlived the run) the launcher, the run's
+    subreaper, kills every orphan of the run."""
+    if not cgroups:
+        monkeypatch.setattr(host, "_CGROUP", (None, "no cgroup: forced by the test"))
     code = ("import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
             "        os.write(w, str(os.getpid()).encode())\n        os.close(w)\n        time.sleep(60)\n"
             "    os._exit(0)\nos.close(w)\nprint(os.read(r, 32).decode())\n")

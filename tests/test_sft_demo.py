@@ -374,3 +374,21 @@ def test_a_cached_base_does_not_hang_on_the_asking_processs_threads(tmp_path, mo
     assert main(["eval", "--n", "2", "-k", "0", "--json"]) == 0
     out, err = capfd.readouterr()
     assert json.loads(out)["eval/problems"] == 2 and "sft    1/1" in err
+
+
+def test_a_base_build_runs_no_model_code_where_the_sandbox_cannot_isolate_it(tmp_path, monkeypatch, caplog):
+    """The base build's held-out evaluation of the tool task runs the model's code: where the
+    sandbox cannot isolate it, that evaluation is left out with a warning naming why (it ran in
+    the degraded sandbox: as root without capabilities where Python is not open to other uids),
+    and the build, the math evaluation included, goes on."""
+    from parity.envs import sandbox as sandbox_mod
+
+    monkeypatch.setattr(sandbox_mod, "_PROBE", sandbox_mod._Probe("plain", "unshare failed: forced by test"))
+    record = train_sft(tmp_path / "base", SFTConfig(steps=2, batch_size=2), eval_problems=2)
+    assert [name.split("-")[0] for name in record["heldout"]] == ["math"]
+    assert "the tool task's held-out evaluation is left out: sandbox isolation is unavailable (unshare " \
+           "failed: forced by test)" in caplog.text
+    monkeypatch.setattr(sandbox_mod, "_PROBE", None)  # this machine's own answer
+    if sandbox_mod.Sandbox(require_isolation=False).isolated:
+        record = train_sft(tmp_path / "again", SFTConfig(steps=2, batch_size=2), eval_problems=2)
+        assert sorted(name.split("-")[0] for name in record["heldout"]) == ["math", "tool"]

@@ -534,7 +534,8 @@ def test_eval_config_of_a_hand_written_file_does_not_take_the_default_run_dirs_c
 def test_a_reward_that_takes_the_sandbox_runs_the_models_code_there(tmp_path, tokenizer):
     """examples/code_rewards.py: the model's code runs on the cases' arguments in the sandbox and
     the results are judged here; two ways past an in-sandbox assert (an always-equal object, a
-    printed result and an early clean exit) earn nothing."""
+    printed result and an early clean exit) earn nothing, and output too deeply nested to parse
+    is the model's failure, not the run's."""
     from pathlib import Path
 
     spec = f"{Path(__file__).parents[1]}/examples/code_rewards.py:passes_tests"
@@ -553,6 +554,8 @@ def test_a_reward_that_takes_the_sandbox_runs_the_models_code_there(tmp_path, to
     always_equal = "class A:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return A()"
     assert score(always_equal) == 0.0
     assert score("import os\nprint('[%d, %d]' % (1, 5))\nos._exit(0)") == 0.0
+    assert score("import os\nprint('[' * 20000 + ']' * 20000)\nos._exit(0)") == 0.0  # (stopped the run:
+    # the host's json.loads raised RecursionError)
     assert score("print(1)") == 0.0  # no f
     episode = env.start(problem)
     assert env.step(episode, tokenizer.encode(f"def f(x): return x + {plus}")).reward == 0.0  # no code block

@@ -84,11 +84,13 @@ class TaskSection:
     it (a TOML table, [task.chat_template_kwargs]; e.g. enable_thinking = false for Qwen3, as
     transformers' `apply_chat_template(..., enable_thinking=False)`; a string spelling true or
     false in any case is that boolean: the string is true to the template). Needs a chat template."""
-    require_isolation: bool = False
+    require_isolation: bool = True
     """tool, and your own tasks' sandbox: refuse, at start-up, to run model-written code where the
     sandbox cannot isolate it (namespaces, a private read-only root, no network). False: there it
-    runs in the degraded sandbox (a separate process with rlimits and an empty environment, under a
-    uid of the host's unless the run is root), which the start-up line says in capitals."""
+    runs in the degraded sandbox, a separate process with rlimits and an empty environment but no
+    filesystem or network isolation, under a per-run uid where the run is root and Python is open to
+    other uids, else under the run's own uid (as root: root without capabilities, which can read and
+    write every file root owns); the start-up line says which in capitals."""
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="task")

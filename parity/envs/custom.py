@@ -144,7 +144,7 @@ class TaskContext:
     """The run's seed (seed the training stream with it; keep the held-out set fixed)."""
     heldout_size: int
     """task.heldout_size: how many held-out problems evaluation may ask for."""
-    require_isolation: bool = False
+    require_isolation: bool = True
     """task.require_isolation (the sandbox refuses to run degraded)."""
     _sandbox: Any = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

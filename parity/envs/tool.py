@@ -17,6 +17,7 @@ only in `Sandbox` (a separate, isolated process), never in this interpreter.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 
@@ -24,6 +25,9 @@ from ..errors import ConfigError, SandboxFailure
 from .base import Env, Episode, Turn
 from .chat import PY_CLOSE, PY_OPEN, RESULT_CLOSE, RESULT_OPEN, prompt_ids, turn_text
 from .math import HELDOUT_SEED, Problem, _stable_seed, off_heldout, score
+from .sandbox.host import looks_like_error
+
+log = logging.getLogger(__name__)
 
 KINDS = ("mul", "sum")
 
@@ -57,8 +61,11 @@ def tool_output(problem: Problem) -> str:
 
 
 def format_result(stdout: str, error: str | None, limit: int = 200) -> str:
-    """The observation block for a tool run: stdout (truncated) and an `error:` line."""
+    """The observation block for a tool run: stdout (truncated) and an `error:` line. A line the
+    code printed that reads as that line (`error: ...`, or a sandbox verdict in look-alike letters)
+    is marked `stdout: `: only the sandbox writes the error line."""
     out = stdout if len(stdout) <= limit else stdout[:limit] + "...\n"
+    out = "".join("stdout: " + line if looks_like_error(line) else line for line in out.splitlines(True))
     if error:
         out += ("" if not out or out.endswith("\n") else "\n") + f"error: {error}\n"
     return f"{RESULT_OPEN}{out}{RESULT_CLOSE}"
@@ -86,6 +93,7 @@ class ToolEnv(Env):
         self.name = f"tool-{'+'.join(self.kinds)}-{level}"
         self._sandbox = sandbox
         self._lock = threading.Lock()
+        self._said = False  # (the degraded sandbox's start-up line, once)
         close = tokenizer.encode(PY_CLOSE)  # one special token in parity's tokenizer, text elsewhere
         self._close_id = close[0] if len(close) == 1 else None
         rnd = random.Random(_stable_seed("tool", self.kinds, level, HELDOUT_SEED, "heldout"))
@@ -102,7 +110,10 @@ class ToolEnv(Env):
             if self._sandbox is None:
                 from .sandbox import Sandbox
 
-                self._sandbox = Sandbox()
+                self._sandbox = Sandbox()  # (refuses where it cannot isolate: pass a Sandbox to allow it)
+            if not getattr(self._sandbox, "isolated", True) and not self._said:  # said in every
+                self._said = True                          # process that runs tool calls (a Ray node's)
+                log.warning("%s", self._sandbox.describe())
             return self._sandbox
 
     @property

@@ -12,9 +12,11 @@ fork bombs and background processes are cleaned up. stdout and stderr come back 
 the launcher caps into files the host opened; the host reads them back bounded, by descriptor,
 and maps the outcome to a one-line error.
 
-What works is probed once per process. Where namespaces are not permitted the sandbox degrades to a
-separate process with rlimits, an empty environment and its own temp directory, and `describe()` says
-loudly that there is NO filesystem/network isolation; `Sandbox(require_isolation=True)` refuses instead.
+What works is probed once per process. Where namespaces are not permitted, `Sandbox()` refuses to start
+(one line naming why); `Sandbox(require_isolation=False)` accepts a degraded sandbox there instead: a
+separate process with rlimits, an empty environment and its own temp directory, under a per-run uid where
+the host is root and Python is open to other uids, else under the host's own uid (root without
+capabilities, where the host is root), and `describe()` says in capitals what is missing.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ class _Probe:
     reason: str | None  # why isolation is unavailable, for mode "plain"
     protections: tuple[str, ...] = ()  # what the launcher reported in force on the probe run
 
+
+_DEGRADED = {
+    "plain": ("as your own uid: it can read, write and signal what you can" if os.geteuid() != 0 else
+              "under a per-run uid: it can read what every user can and reach the network"),
+    "plain-keep-uid": "as root without capabilities: it can read and write every file root owns, "
+                      "signal root's processes and leave its cgroup",
+}
+"""What model-written code can do in each degraded mode (the refusal and the start-up line say it)."""
 
 _PROBE: _Probe | None = None
 _PROBE_LOCK = threading.Lock()
@@ -109,7 +119,7 @@ class Sandbox:
     `run` is thread-safe: every call has its own process, namespaces and temporary directory.
     """
 
-    def __init__(self, limits: SandboxLimits | None = None, require_isolation: bool = False):
+    def __init__(self, limits: SandboxLimits | None = None, require_isolation: bool = True):
         self.limits = limits if limits is not None else SandboxLimits()
         if not isinstance(self.limits, SandboxLimits):
             raise ConfigError(f"Sandbox.limits must be a SandboxLimits, got {type(self.limits).__name__}")
@@ -119,7 +129,8 @@ class Sandbox:
         self.isolated: bool = probe.mode in ("root", "user")
         if require_isolation and not self.isolated:
             raise ParityError(f"sandbox isolation is unavailable ({probe.reason}); model-written code "
-                              "would run in the degraded sandbox (task.require_isolation = false allows it)")
+                              f"would run in the degraded sandbox, {_DEGRADED[probe.mode]} "
+                              "(task.require_isolation = false allows it)")
         lim = self.limits
         rlimits = (
             f"rlimits cpu {lim.cpu_s} s / mem {lim.memory_mb} MiB / nproc {lim.nproc} / "
@@ -138,10 +149,8 @@ class Sandbox:
             ]
         else:
             protections += ["empty env", "own temp working dir"]
-            if os.geteuid() == 0:
-                protections.append(
-                    "unprivileged per-run uid" if probe.mode == "plain" else "root without capabilities"
-                )
+            if os.geteuid() == 0 and probe.mode == "plain":
+                protections.append("unprivileged per-run uid")
             protections.append("no_new_privs")
         protections += [rlimits, f"wall {lim.wall_s:g} s", "output through pipes"]
         active, missing = set(probe.protections), []
@@ -165,7 +174,7 @@ class Sandbox:
         self.protections: list[str] = protections
         self._description = "sandbox: " + ", ".join(protections)
         if not self.isolated:
-            missing.insert(0, f"NO filesystem/network isolation ({probe.reason})")
+            missing.insert(0, f"NO filesystem/network isolation ({probe.reason}): {_DEGRADED[probe.mode]}")
         if missing:
             self._description += "; " + "; ".join(missing)
 

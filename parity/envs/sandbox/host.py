@@ -153,12 +153,21 @@ def _read_status(fd: int) -> dict[str, str]:
     return info
 
 
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u061c\u180e\u200b-\u200f\u2028-\u202e"
-                      "\u2060-\u206f\ufeff\ufff9-\ufffb\U000e0000-\U000e007f]")
-_VERDICT_LIKE = re.compile(r"[\W_]*\w?andbox|.*(limit exceeded|killed by signal|setup failed|"
-                           r"launcher failed)")
-"""A line that reads as one of the sandbox's verdicts: "sandbox..." whatever its first letter looks
-like, or a verdict's wording after any look-alike of "sandbox"."""
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180e"
+                      "\u200b-\u200f\u2028-\u202e\u2060-\u206f\u3164\ufeff\uffa0\ufff9-\ufffb"
+                      "\U000e0000-\U000e007f]")  # (and the fillers and joiners that show as nothing)
+
+
+def _loose(words: str) -> str:
+    """A pattern for `words` in which any letter may also be any non-ASCII character (a Cyrillic or
+    Greek look-alike that NFKC folding leaves as it is)."""
+    return "".join(f"[{c}\\u0080-\\U0010ffff]" if c.isalpha() else re.escape(c) for c in words)
+
+
+_VERDICT_LIKE = re.compile(r"[\W_]*\w?" + _loose("andbox") + "|.*(" + "|".join(
+    _loose(w) for w in ("limit exceeded", "killed by signal", "setup failed", "launcher failed")) + ")")
+"""A line that reads as one of the sandbox's verdicts: "sandbox..." whatever its letters look like,
+or a verdict's wording, in any look-alike letters, anywhere in it."""
 
 
 def clean(text: str) -> str:
@@ -172,6 +181,16 @@ def _verdict_like(line: str) -> bool:
     """Whether a line the code wrote could be read as one of the sandbox's own verdicts (also with
     a look-alike first letter or full-width letters: NFKC-folded before the test)."""
     return _VERDICT_LIKE.match(unicodedata.normalize("NFKC", line).casefold()) is not None
+
+
+def looks_like_error(line: str) -> bool:
+    """Whether a line of the code's stdout could be read as a tool observation's `error:` line (a
+    verdict, or `error` in any case or look-alike letters first)."""
+    folded = unicodedata.normalize("NFKC", line).casefold()
+    return _verdict_like(line) or _ERROR_LIKE.match(folded) is not None
+
+
+_ERROR_LIKE = re.compile(r"[\W_]*" + _loose("error"))
 
 
 def _one_line(text: str) -> str:

@@ -62,6 +62,7 @@ from rootfs import (  # noqa: E402
 )
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+PR_SET_CHILD_SUBREAPER = 36
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219}.get(os.uname().machine)
 KEYCTL_JOIN_SESSION_KEYRING = 1
 IPC_LIMITS = (("shmmni", "0"), ("msgmni", "0"), ("sem", "0 0 0 0"))
@@ -169,6 +170,42 @@ def reap_uid():
     os.waitpid(pid, 0)
 
 
+def children():
+    """This process's children (in the plain modes the launcher is their subreaper: every orphan of
+    the run, a double-forked daemon in its own session too, becomes one)."""
+    me, found = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/" + name + "/stat", "rb") as f:
+                    stat = f.read()
+                if int(stat[stat.rindex(b")") + 2:].split()[1]) == me:
+                    found.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass  # (gone meanwhile)
+    return found
+
+
+def reap_children(limit_s=2.0):
+    """Kill and reap every process the run left behind, until none is left (or `limit_s` passed):
+    without a pid namespace, a cgroup or a uid of its own, nothing else ends them."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        left = children()
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for pid in left:
+            try:
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+
+
 def become_uid():
     os.setgroups([])
     os.setresgid(UID, UID, UID)
@@ -224,6 +261,7 @@ def main():
     os.umask(0o022)
     if PLAIN:  # the code runs as a uid of ours: keep it out of /proc/PID/fd and mem of this process
         prctl(PR_SET_DUMPABLE, 0)
+        prctl(PR_SET_CHILD_SUBREAPER, 1)  # the run's orphans become this process's children
     protections = []
     for cgroup in CGROUPS:  # first, so that every process of the run is counted
         put(cgroup + "/cgroup.procs", str(os.getpid()))
@@ -292,6 +330,8 @@ def main():
     signal.setitimer(signal.ITIMER_REAL, WALL)
     status, usage, reports, sizes, exceeded = pump(pid, {out_r: out, err_r: err}, errpipe_r)
     signal.setitimer(signal.ITIMER_REAL, 0)
+    if PLAIN:
+        reap_children()
     if PLAIN and DROP_UID:
         reap_uid()
     cpu = usage.ru_utime + usage.ru_stime
