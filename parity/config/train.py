@@ -215,10 +215,13 @@ class TrainConfig:
     """A whole training run."""
 
     steps: int = 20
-    """Learner steps (optimizer updates)."""
+    """Learner steps: one batch and one published policy version each (one optimizer update, or
+    learner.mini_batches x learner.epochs of them)."""
     max_policy_lag: int = 0
-    """0 = synchronous on-policy; N = no sample is trained on more than N updates after the
-    version that produced it (admission control: the rollout side waits, nothing is dropped)."""
+    """0 = synchronous on-policy; N = no sample is trained on more than N versions (learner steps)
+    after the version that produced it (admission control: the rollout side waits, nothing is
+    dropped). With K updates per step a token may be up to N*K + K-1 updates stale, and the
+    lag/* and is_weight/* figures are those of a step's first update."""
     deterministic: bool = False
     """Fix the schedule logically: batch b is always sampled by version max(0, b - lag)."""
     seed: int = 0

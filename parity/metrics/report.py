@@ -83,7 +83,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path | None]:
         ax = axes.flat[len(PANELS)]
         ax.bar(list(hist), list(hist.values()))
         ax.set_title("policy lag histogram (fraction of tokens)", fontsize=10)
-        ax.set_xlabel("lag (learner updates)")
+        ax.set_xlabel("lag (policy versions: learner steps)")
         fig.tight_layout()
         png = run_dir / "report.png"
         fig.savefig(png, dpi=90)

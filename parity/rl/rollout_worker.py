@@ -1,12 +1,11 @@
 """The rollout worker: model + engine + environment; weights in, trajectories out.
 
 Everything the rollout side does lives here, whatever process or actor hosts it:
-- **weights**: versions arrive through `receive` (pushed) or a `poll` function (pulled); between
-  batches the worker loads the one admission allows (drain), with in-flight updates it switches
-  running sequences to the newest version between two engine steps;
+- **weights**: versions arrive by `receive` (pushed) or `poll` (pulled); between batches the worker
+  loads the one admission allows (drain), in-flight it moves running sequences to the newest;
 - **admission control**: batch b is sampled only with weights of version >= b - max_policy_lag
-  (exactly that version in deterministic mode), so no token is trained on more than
-  max_policy_lag updates after the version that sampled it; the producer waits, nothing is dropped;
+  (exactly that version in deterministic mode): no token is trained more than max_policy_lag versions
+  (learner steps of mini-batches x epochs updates) after its own; the producer waits, nothing is dropped;
 - **episodes**: `run_episodes` keeps every episode of the batch in the engine at once, judges the
   turns one engine step finishes with the environment (concurrently for multi-turn or threaded envs)
   and feeds observations back (`loss_mask` 0, cache kept);
@@ -272,15 +271,17 @@ class RolloutWorker:
         return self.todo is not None and self.cfg.deterministic
 
     def needed(self, version: int) -> bool:
-        """Whether a batch still to sample needs `version` (without a plan: any newer version)."""
+        """Whether a batch to sample needs `version` (unplanned: newer; the newest unless deterministic)."""
         if self._planned():
             return any(self.required_version(b) == version for b in self.todo)
-        return version > self.version
+        return version > self.version and (self.cfg.deterministic or version >= self._newest())
 
     def receive(self, version: int, state: State) -> None:
-        """A newly published version (kept until admission or an in-flight update loads it)."""
+        """A new version, kept until loaded; those it makes useless are let go (lag + 1 were kept)."""
         if version != self.version and self.needed(version):
             self.held[version] = state
+            for v in [v for v in self.held if not self.needed(v)]:
+                del self.held[v]
 
     def poll(self, block: bool = False) -> None:
         """Take in what the poll function has (with block=True, wait for it a little)."""

@@ -542,6 +542,25 @@ def test_worker_holds_only_versions_its_batches_need_and_evicts_the_newest(tmp_p
     assert worker.next_to_sample(todo) == 8
 
 
+def test_a_worker_not_in_deterministic_mode_holds_only_the_newest_version(tmp_path):
+    """Without determinism a worker only ever loads the newest version it holds: it kept every
+    newer one (lag + 1 weight copies alive in shared memory, nine at lag 8 behind a slow batch);
+    in deterministic mode without a plan it still keeps them all (a batch may need an older one)."""
+    from parity.rl.build import build_env, build_model
+    from parity.rl.rollout_worker import RolloutWorker
+
+    for deterministic, kept in (("false", [8]), ("true", list(range(1, 9)))):
+        cfg = config(tmp_path, "steps=12", "max_policy_lag=8", f"deterministic={deterministic}")
+        model = build_model(cfg)
+        worker = RolloutWorker(cfg, model, build_env(cfg, model.config.vocab_size), version=0,
+                               state=model.state_dict())
+        for v in (1, 2, 3, 5, 4, 6, 7, 8):  # (one out of order)
+            worker.receive(v, model.state_dict())
+        assert sorted(worker.held) == kept
+    worker.sample(8)
+    assert worker.version == 0 and sorted(worker.held) == list(range(1, 9))  # (batch 8 needs version 0)
+
+
 def test_a_fixed_lag_run_resumed_past_its_end_trains_on(tmp_path, caplog):
     """A finished deterministic run keeps only its last weights; resumed with more steps, the
     batches whose fixed-lag versions are gone are sampled by the oldest kept version."""
