@@ -49,7 +49,7 @@ from ..envs.tool import ToolEnv, format_result, make_tool_problem, tool_call_tex
 from ..errors import ConfigError, ParityError
 from ..metrics.summary import pass_at_1_text
 from ..procs import gone as process_gone
-from ..rl.evaluate import evaluate
+from ..rl import evaluate as rl_evaluate  # (a module: tests stop its evaluate)
 from ..rl.optim import adamw
 from . import sft_child, sft_partial
 from .ui import table
@@ -279,7 +279,7 @@ def _train_into(tmp: Path, out_dir: Path, cfg: SFTConfig, progress, eval_problem
             envs.insert(0, ToolEnv(tokenizer, tuple(sorted(cfg.tool_use)), cfg.tool_level, sandbox=Sandbox()))
         except ParityError as exc:
             log.warning("the tool task's held-out evaluation is left out: %s", exc)
-        record["heldout"] = {env.name: evaluate(model, env, eval_problems) for env in envs}
+        record["heldout"] = {env.name: rl_evaluate.evaluate(model, env, eval_problems) for env in envs}
     (tmp / "sft.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 

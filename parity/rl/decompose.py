@@ -5,6 +5,13 @@ mismatch: the same weights and tokens on two code paths; exactly 0 on aligned ke
 [learner(θ_now) − learner(θ_old)] (weight lag, which importance sampling corrects), with θ_old the
 weights that sampled the token. The learner calls `decompose` with its pre-update log-probs
 every `decompose_every` steps.
+
+learner(θ_old) for a token of an older version is the rollout worker's own run of the learner's
+code (`sampled_learner_logprobs`): the learner does not keep every version. So that a learner
+process computing other bits than its rollout side (another machine, CPU or GPU) cannot hide
+there, `recheck` keeps one version back (`Learner.pinned`) and re-scores, in the learner's own
+process, a few rows of the next batch that version sampled: `mismatch/learner_recheck_max_abs`
+is |learner process − worker| on them, and their kernel figures use the learner's numbers.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ def decompose(learner, batch: TrajectoryBatch, learner_lp: torch.Tensor,
 
     if learner_routing is not None and batch.routing is not None:
         count_flips(now, learner_routing, batch.routing)
+    stats.update(recheck(learner, batch, lp_old, mask & ~now & ~lp_old.isnan()))
     todo = mask & lp_old.isnan()
     for v in batch.versions[todo].unique().tolist():
         if v not in learner.history:
@@ -88,4 +96,36 @@ def decompose(learner, batch: TrajectoryBatch, learner_lp: torch.Tensor,
         stats["mismatch/decomposed_frac"] = float(covered.sum() / batch.mask.sum())
     if routed:
         stats["mismatch/routing_flip_frac"] = flips / routed
+    return stats
+
+
+RECHECK_ROWS = 2
+"""Rows of a batch re-scored in the learner's process at the pinned version (a forward of these)."""
+
+
+def recheck(learner, batch: TrajectoryBatch, lp_old: torch.Tensor, scored: torch.Tensor) -> dict[str, float]:
+    """Re-score, in this process, up to `RECHECK_ROWS` rows of `batch` whose tokens the worker
+    scored (`scored`) under the pinned version; their learner(θ_old) in `lp_old` becomes this
+    process's. Then pin the current version (until a batch it sampled comes, or it falls out of
+    the lag bound: no batch can carry it then). Nothing to do in synchronous runs (every token is
+    of the current version, compared across processes already)."""
+    stats: dict[str, float] = {}
+    if learner.config.max_policy_lag == 0:
+        return stats
+    pinned = learner.pinned if learner.pinned in learner.history else None
+    if pinned is not None:
+        rows = (scored & (batch.versions == pinned)).any(1).nonzero().flatten().tolist()[:RECHECK_ROWS]
+        if rows:
+            sub = batch.select(rows, validate=False)
+            width = sub.mask.shape[1]
+            sel = scored[rows][:, :width] & (sub.versions == pinned)
+            mine = learner.logprobs(sub, version=pinned)[sel]
+            block = lp_old[rows][:, :width]
+            stats["mismatch/learner_recheck_max_abs"] = float((mine - block[sel]).abs().max())
+            block[sel] = mine
+            lp_old[rows, :width] = block
+            pinned = None
+    if pinned is None or pinned < learner.version - learner.config.max_policy_lag:
+        pinned = learner.version
+    learner.pinned = pinned
     return stats

@@ -82,7 +82,7 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version, self.steps = 0, 0
         self.history: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
-        self._scratch = None
+        self._scratch, self.pinned = None, None  # pinned: the version kept for `recheck` (decompose.py)
         self.last_kernel_delta: torch.Tensor | None = None
         self.torn: str | None = None
         """Why an update failed part-way (after the optimizer began changing weights): the
@@ -384,7 +384,7 @@ class Learner:
         """Drop every kept version not in `keep` but the current one. The controller passes the
         versions a restarted rollout worker could still need, so the copies kept are a handful at
         any lag, not lag-many."""
-        for v in [v for v in self.history if v != self.version and v not in keep]:
+        for v in [v for v in self.history if v not in (self.version, self.pinned) and v not in keep]:
             del self.history[v]
 
     def _dump(self, batch: TrajectoryBatch) -> str | None:
