@@ -390,14 +390,46 @@ def test_worker_scores_are_the_learners_own_log_probs(tmp_path):
     assert _worker_scores(tmp_path / "standard", "standard")[1] is False
 
 
+def test_a_learner_process_that_computes_other_bits_shows_in_the_kernel_figure(tmp_path, monkeypatch):
+    """The kernel figure of tokens at lag >= 1 compared the engine with the rollout worker's own
+    run of the learner's code: a learner process computing other bits (another machine) showed
+    only at step 0 (a -1e-3 shift read exactly 0 from step 1 on). The learner now re-scores a few
+    rows of each batch its kept-back version sampled in its own process: the shift shows every
+    `max_policy_lag` steps, and `mismatch/learner_recheck_max_abs` is exactly 0 without it."""
+    import parity.rl.learner as learner_module
+
+    args = ("steps=7", "max_policy_lag=2", "deterministic=true", "eval_every=0")
+    clean = Controller(config(tmp_path / "clean", *args)).run()
+    assert [m["step"] for m in clean if "mismatch/learner_recheck_max_abs" in m] == [1, 3, 5]
+    assert all(m.get("mismatch/learner_recheck_max_abs", 0.0) == 0.0 for m in clean)
+    real = learner_module.sequence_logprobs
+
+    def shifted(*args, **kwargs):  # this process only: the rollout workers are processes of their own
+        out = real(*args, **kwargs)
+        return ([x - 1e-3 for x in out[0]], *out[1:]) if isinstance(out, tuple) else [x - 1e-3 for x in out]
+
+    monkeypatch.setattr(learner_module, "sequence_logprobs", shifted)
+    off = Controller(config(tmp_path / "off", *args)).run()
+    for m in off[1:]:
+        rechecked = "mismatch/learner_recheck_max_abs" in m
+        assert m["step"] % 2 == 1 if rechecked else m["step"] % 2 == 0  # (steps 1, 3, 5)
+        if rechecked:
+            assert m["mismatch/learner_recheck_max_abs"] == pytest.approx(1e-3, rel=1e-3)
+            assert m["mismatch/kernel_max_abs"] == pytest.approx(1e-3, rel=1e-3)
+        else:  # (the control: the worker's own figures cannot see it)
+            assert m["mismatch/kernel_max_abs"] == 0.0
+
+
 def test_kept_weight_versions_do_not_grow_with_the_lag(tmp_path):
     """At lag 64 (deterministic: batch b is sampled by version 0 here) the learner ends up keeping
-    only the current weights once no batch is left to sample, yet every sampled token of the last
-    batch, four versions old, is split into kernel mismatch (exactly zero) and weight lag: the
-    worker scored its own samples at the weights that drew them."""
+    only the current weights once no batch is left to sample, and the one version it keeps back
+    for its own re-scoring (`recheck`), yet every sampled token of the last batch, four versions
+    old, is split into kernel mismatch (exactly zero) and weight lag: the worker scored its own
+    samples at the weights that drew them."""
     metrics = Controller(config(tmp_path, "steps=5", "max_policy_lag=64", "deterministic=true",
                                 "eval_every=0")).run()
-    assert metrics[-1]["sync/versions_kept"] == 1 and metrics[-1]["lag/max"] == 4
+    assert metrics[-1]["sync/versions_kept"] == 2 and metrics[-1]["lag/max"] == 4
+    assert metrics[1]["mismatch/learner_recheck_max_abs"] == 0.0  # (version 0's batch 1, re-scored here)
     assert all(m["mismatch/decomposed_frac"] == 1.0 and m["mismatch/kernel_max_abs"] == 0.0 for m in metrics)
     assert metrics[-1]["mismatch/weight_lag_mean_abs"] > 0
 
