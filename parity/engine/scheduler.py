@@ -136,10 +136,13 @@ class Scheduler:
                 if victims:
                     self._preempt(victims[0])
                     continue
-                if not self.running and not batch:  # nothing else could free memory
+                room = self.blocks.room(seq.request_id) - seq.num_computed
+                if self.running or batch:
+                    break
+                if room < 1:  # nothing else could free memory
                     self.waiting.remove(seq)
                     raise CacheFull(seq)
-                break
+                n = min(n, room)  # alone: feed what fits (a window's blocks free as the prefill moves on)
             self.waiting.remove(seq)
             self.blocks.grow(seq.request_id, seq.num_computed + n)
             seq.status = Status.RUNNING

@@ -83,6 +83,24 @@ def test_a_model_whose_every_layer_slides_holds_only_windows(monkeypatch):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
+def test_a_prompt_longer_than_a_small_window_cache_is_fed_in_what_fits():
+    """Every layer slides over 40 keys, the cache holds 128 tokens (4 blocks), so a 200-token prompt
+    fits as its window moves (the capacity says 512): with a budget that takes the prompt in one
+    step, the waiting request was refused ("KV cache too small for 200 tokens", nothing sampled)
+    while a 32-token budget chunked it and ran. A lone request is now fed what fits, chunked like
+    the small budget's run: the same tokens and log-probs, the learner's bit for bit."""
+    model = cached_model("tiny-mistral", "aligned", "float32", 3, 0.1)
+    prompt, params = [i % 128 for i in range(200)], [SamplingParams(max_tokens=6, seed=0, ignore_eos=True)]
+    runs = []
+    for budget in (2048, 32):
+        eng = parity.Engine(model, max_num_seqs=1, max_num_batched_tokens=budget, kv_cache_tokens=128)
+        assert eng.blocks.capacity_tokens == 512
+        runs.append(eng.generate([prompt], params[0]))
+    assert runs[0][0].error is None and runs[0][0].finish_reason == "length"
+    assert runs[0][0].token_ids == runs[1][0].token_ids and runs[0][0].logprobs == runs[1][0].logprobs
+    assert check_outputs(model, runs[0], params) == 0
+
+
 def test_cache_pressure_in_both_groups_changes_nothing():
     """A cache of 6 full blocks and as many window ones: sequences are preempted and recomputed
     (the window group's trimmed entries with them); tokens and log-probs are those of a roomy
