@@ -8,8 +8,10 @@ userfaultfd, io_uring, inotify and fanotify, the kernel log (syslog), ptrace and
 process_vm_readv/writev and pidfd_getfd (another process's file descriptors), module, kexec,
 reboot, swap and accounting calls; and sockets of any family but AF_UNIX, AF_INET and AF_INET6
 (`socket`, `socketpair`): the network namespace isolates those, not every family (AF_VSOCK
-reached the hypervisor's port space from inside a Firecracker guest). A call from another ABI
-than the filter's (x86-64's x32, 32-bit entry) kills the process. x86-64 only; elsewhere
+reached the hypervisor's port space from inside a Firecracker guest). Every call numbered past
+`NEWEST_KNOWN` (those a later kernel adds: listmount, open_tree_attr, ... reached the kernel)
+answers ENOSYS, as on an older kernel, so the list cannot fall behind the kernel. A call from
+another ABI than the filter's (x86-64's x32, 32-bit entry) kills the process. x86-64 only; elsewhere
 `build_filter` returns None and the sandbox says seccomp is unavailable.
 """
 
@@ -39,6 +41,8 @@ DENIED_X86_64: dict[str, int] = {
     "fsmount": 432, "fspick": 433, "pidfd_getfd": 438, "mount_setattr": 442,
 }
 CLONE_X86_64, CLONE3 = 56, 435
+NEWEST_KNOWN = 452
+"""fchmodat2 (Linux 6.6): calls numbered past it answer ENOSYS (libc falls back where it uses one)."""
 SOCKET_CALLS_X86_64 = {"socket": 41, "socketpair": 53}
 SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10}
 """The only socket families the code may create (`socket`, `socketpair`; EPERM for the others)."""
@@ -58,7 +62,9 @@ def build_filter(machine: str | None = None) -> bytes | None:
             _insn(RET, 0, 0, RET_KILL_PROCESS),
             _insn(LD_ABS, 0, 0, OFF_NR),
             _insn(JGE, 0, 1, X32_SYSCALL_BIT),
-            _insn(RET, 0, 0, RET_KILL_PROCESS)]
+            _insn(RET, 0, 0, RET_KILL_PROCESS),
+            _insn(JGE, 0, 1, NEWEST_KNOWN + 1),
+            _insn(RET, 0, 0, enosys)]
     for nr in sorted(DENIED_X86_64.values()):
         prog += [_insn(JEQ, 0, 1, nr), _insn(RET, 0, 0, eperm)]
     prog += [_insn(JEQ, 0, 1, CLONE3), _insn(RET, 0, 0, enosys),
@@ -81,5 +87,5 @@ def build_filter(machine: str | None = None) -> bytes | None:
 def describe(program: bytes | None) -> str:
     if program is None:
         return f"no seccomp filter (not implemented for {platform.machine()})"
-    return (f"seccomp filter ({len(DENIED_X86_64) + 2} syscalls refused, sockets only "
-            f"{'/'.join(f.removeprefix('AF_') for f in SOCKET_FAMILIES)})")
+    return (f"seccomp filter ({len(DENIED_X86_64) + 2} syscalls refused and any newer than Linux 6.6, "
+            f"sockets only {'/'.join(f.removeprefix('AF_') for f in SOCKET_FAMILIES)})")
