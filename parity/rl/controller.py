@@ -348,7 +348,7 @@ class Controller:
         scored = not self.model.config.is_moe and self.cfg.rollout.weight_update != "inflight"
         if scored:
             self.learner.retain(self.rollout.needed_versions() or ())
-        return len(self.learner.history)
+        return len(self.learner.history.keys() | self.learner.kept_back.keys())  # (recheck's one too)
 
     @staticmethod
     def _steady(step: int, elapsed: float, eval_s: float, first: dict | None) -> dict[str, float]:

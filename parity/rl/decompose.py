@@ -9,7 +9,7 @@ every `decompose_every` steps.
 learner(θ_old) for a token of an older version is the rollout worker's own run of the learner's
 code (`sampled_learner_logprobs`): the learner does not keep every version. So that a learner
 process computing other bits than its rollout side (another machine, CPU or GPU) cannot hide
-there, `recheck` keeps one version back (`Learner.pinned`) and re-scores, in the learner's own
+there, `recheck` keeps one version back (`Learner.kept_back`) and re-scores, in the learner's own
 process, a few rows of the next batch that version sampled: `mismatch/learner_recheck_max_abs`
 is |learner process − worker| on them, and their kernel figures use the learner's numbers.
 """
@@ -112,7 +112,8 @@ def recheck(learner, batch: TrajectoryBatch, lp_old: torch.Tensor, scored: torch
     stats: dict[str, float] = {}
     if learner.config.max_policy_lag == 0:
         return stats
-    pinned = learner.pinned if learner.pinned in learner.history else None
+    kept = learner.kept_back  # {version: its weights}: at most one, the history's own tensors
+    pinned = next(iter(kept), None)
     if pinned is not None:
         rows = (scored & (batch.versions == pinned)).any(1).nonzero().flatten().tolist()[:RECHECK_ROWS]
         if rows:
@@ -126,6 +127,6 @@ def recheck(learner, batch: TrajectoryBatch, lp_old: torch.Tensor, scored: torch
             lp_old[rows, :width] = block
             pinned = None
     if pinned is None or pinned < learner.version - learner.config.max_policy_lag:
-        pinned = learner.version
-    learner.pinned = pinned
+        kept.clear()  # (the rollout side never sees it: what a resumed run samples with is the history)
+        kept[learner.version] = learner.history[learner.version]
     return stats

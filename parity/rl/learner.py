@@ -82,7 +82,7 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version, self.steps = 0, 0
         self.history: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
-        self._scratch, self.pinned = None, None  # pinned: the version kept for `recheck` (decompose.py)
+        self._scratch, self.kept_back = None, {}  # one version held for `recheck` (decompose.py)
         self.last_kernel_delta: torch.Tensor | None = None
         self.torn: str | None = None
         """Why an update failed part-way (after the optimizer began changing weights): the
@@ -136,7 +136,7 @@ class Learner:
             return self.model
         if self._scratch is None:  # (not a deepcopy: a MoE model's router logits of the last grad-
             self._scratch = self.model.twin(self.model.backend)  # enabled forward refused to be copied)
-        self._scratch.load_state_dict(self.history[version])
+        self._scratch.load_state_dict({**self.kept_back, **self.history}[version])
         return self._scratch
 
     # ------------------------------------------------------------------ log-probs
@@ -384,7 +384,7 @@ class Learner:
         """Drop every kept version not in `keep` but the current one. The controller passes the
         versions a restarted rollout worker could still need, so the copies kept are a handful at
         any lag, not lag-many."""
-        for v in [v for v in self.history if v not in (self.version, self.pinned) and v not in keep]:
+        for v in [v for v in self.history if v != self.version and v not in keep]:
             del self.history[v]
 
     def _dump(self, batch: TrajectoryBatch) -> str | None:
