@@ -374,6 +374,8 @@ def test_environment_is_empty(sb: Sandbox, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_cannot_signal_host_processes(sb: Sandbox) -> None:
+    if not sb.isolated and (os.geteuid() != 0 or sb._mode == "plain-keep-uid"):  # (it killed pytest)
+        pytest.skip("the degraded sandbox runs under the host's uid here: it can signal the host (said)")
     r = sb.run(f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)")
     assert not r.ok and r.error.startswith(("ProcessLookupError", "PermissionError"))
     if sb.isolated:  # without a pid namespace, kill(-1) by a non-root host user would hit the host
@@ -402,9 +404,12 @@ def test_fallback_says_so_and_still_limits(no_isolation: None, monkeypatch: pyte
     assert r.ok and r.stdout == "42 False\n"
     r = sb.run("import time\ntime.sleep(100)")
     assert r.error == "sandbox: time limit exceeded (1.0 s wall)" and r.limit == "time"
+    monkeypatch.delenv("PARITY_ALLOW_DEGRADED_SANDBOX", raising=False)  # (the suite's own switch)
     for refuses in (Sandbox, lambda: Sandbox(require_isolation=True)):  # (by default: it fails closed)
         with pytest.raises(ParityError, match=r"isolation is unavailable \(unshare failed: forced by test\); "
                            r"model-written code would run in the degraded sandbox, (as your own uid|as root "
-                           r"without capabilities|under a per-run uid): .*\(task.require_isolation = false "
-                           r"allows it\)$"):
+                           r"without capabilities|under a per-run uid): .*\(task.require_isolation = false, "
+                           r"or PARITY_ALLOW_DEGRADED_SANDBOX=1, allows it\)$"):
             refuses()
+    monkeypatch.setenv("PARITY_ALLOW_DEGRADED_SANDBOX", "1")  # an operator's switch: accepted, and said
+    assert "NO filesystem/network isolation" in Sandbox().describe()

@@ -384,6 +384,7 @@ def test_a_base_build_runs_no_model_code_where_the_sandbox_cannot_isolate_it(tmp
     from parity.envs import sandbox as sandbox_mod
 
     monkeypatch.setattr(sandbox_mod, "_PROBE", sandbox_mod._Probe("plain", "unshare failed: forced by test"))
+    monkeypatch.delenv("PARITY_ALLOW_DEGRADED_SANDBOX", raising=False)  # (the suite's own switch)
     record = train_sft(tmp_path / "base", SFTConfig(steps=2, batch_size=2), eval_problems=2)
     assert [name.split("-")[0] for name in record["heldout"]] == ["math"]
     assert "the tool task's held-out evaluation is left out: sandbox isolation is unavailable (unshare " \
@@ -392,3 +393,26 @@ def test_a_base_build_runs_no_model_code_where_the_sandbox_cannot_isolate_it(tmp
     if sandbox_mod.Sandbox(require_isolation=False).isolated:
         record = train_sft(tmp_path / "again", SFTConfig(steps=2, batch_size=2), eval_problems=2)
         assert sorted(name.split("-")[0] for name in record["heldout"]) == ["math", "tool"]
+
+
+def test_the_demo_is_refused_before_its_base_build_where_the_sandbox_cannot_isolate(tmp_path, monkeypatch,
+                                                                                   capsys):
+    """The demo's tool calls need the sandbox: where it cannot isolate, the demo was refused only
+    after building the base policy (minutes); now at once, naming the demo's own way to allow it."""
+    import parity.apps.demo as demo_module
+    from parity.envs import sandbox as sandbox_mod
+
+    monkeypatch.setattr(sandbox_mod, "_PROBE", sandbox_mod._Probe("plain", "unshare failed: forced by test"))
+    monkeypatch.delenv("PARITY_ALLOW_DEGRADED_SANDBOX", raising=False)
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the base policy was built before the refusal")
+
+    monkeypatch.setattr(demo_module, "get_base_policy", no_build)
+    assert main(["demo", "--steps", "1", "--run-dir", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("parity: error: sandbox isolation is unavailable (unshare failed: forced by test)")
+    assert err.rstrip().endswith('(make demo ARGS="--set task.require_isolation=false")')
+    with pytest.raises(AssertionError, match="built before the refusal"):  # (allowed: it goes on)
+        main(["demo", "--steps", "1", "--run-dir", str(tmp_path / "demo"), "--set",
+              "task.require_isolation=false"])

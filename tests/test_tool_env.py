@@ -347,6 +347,7 @@ def test_a_run_that_requires_isolation_refuses_the_degraded_sandbox_at_start(tmp
     build_char_tokenizer().save(str(tmp_path / "tokenizer.json"))
     keys = ["task.name=\"tool\"", f"model.checkpoint=\"{tmp_path}\""]
     monkeypatch.setattr(sandbox_mod, "_PROBE", sandbox_mod._Probe("plain", "unshare failed: forced by test"))
+    monkeypatch.delenv("PARITY_ALLOW_DEGRADED_SANDBOX", raising=False)  # (the suite's own switch)
     with pytest.raises(ParityError, match=r"^sandbox isolation is unavailable \(unshare failed: forced by "
                                           r"test\); model-written code would run in the degraded sandbox"):
         build_env(load_config(None, keys), 64)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import LearnerConfig, ModelSection, RolloutSection, TaskSection, TrainConfig, with_overrides
+from ..envs.sandbox import Sandbox
 from ..errors import ConfigError, ParityError
 from ..metrics.report import write_report
 from ..metrics.summary import demo_rows, step_line
@@ -94,6 +95,12 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
     if found:  # (before the base policy's build, in the demo's own words)
         raise ParityError(f"{earlier} holds {found[-1].name} of another command's run: replace it with "
                           f"--overwrite, or choose another --run-dir")
+    if demo_config(opts, "base", overrides).task.require_isolation:  # refused before the base's build
+        try:  # (minutes) where the tool calls cannot be isolated
+            Sandbox()
+        except ParityError as exc:
+            raise ParityError(f"{exc}; for the demo: `parity demo --set task.require_isolation=false` "
+                              "(make demo ARGS=\"--set task.require_isolation=false\")") from None
     t0 = time.perf_counter()
     # (a recipe's name, as every other --model takes: 'base' was refused as unresolved)
     base = get_base_policy(RECIPES[opts.base]) if names_recipe(opts.base) else opts.base or get_base_policy()

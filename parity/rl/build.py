@@ -71,8 +71,8 @@ def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
                               f"({path or 'no tokenizer.json'})")
         tokenizer.chat_template_kwargs = dict(t.chat_template_kwargs)
     ctx = TaskContext(tokenizer, vocab_size, cfg.seed, t.heldout_size, t.require_isolation, sandbox)
-    # (a custom task's sandbox is made, or refused, at its first use: a task may run no code at all;
-    # a dataset's reward that takes the sandbox makes it at start-up itself)
+    if t.require_isolation and t.name == "custom":  # refused now, before anything is computed
+        ctx.sandbox()  # (a dataset's reward that takes the sandbox makes it at start-up itself)
     if t.name == "custom":
         return build_custom_env(t.env, t.options, ctx)
     if tokenizer is None:

@@ -13,7 +13,8 @@ the launcher caps into files the host opened; the host reads them back bounded, 
 and maps the outcome to a one-line error.
 
 What works is probed once per process. Where namespaces are not permitted, `Sandbox()` refuses to start
-(one line naming why); `Sandbox(require_isolation=False)` accepts a degraded sandbox there instead: a
+(one line naming why); `Sandbox(require_isolation=False)`, or `PARITY_ALLOW_DEGRADED_SANDBOX=1` in the
+environment (an operator's switch for every run on such a machine), accepts a degraded sandbox there: a
 separate process with rlimits, an empty environment and its own temp directory, under a per-run uid where
 the host is root and Python is open to other uids, else under the host's own uid (root without
 capabilities, where the host is root), and `describe()` says in capitals what is missing.
@@ -57,6 +58,10 @@ _DEGRADED = {
                       "signal root's processes and leave its cgroup",
 }
 """What model-written code can do in each degraded mode (the refusal and the start-up line say it)."""
+
+ALLOW_DEGRADED = "PARITY_ALLOW_DEGRADED_SANDBOX"
+"""Set to 1 in the environment: the degraded sandbox is accepted where isolation is unavailable,
+whatever `require_isolation` says (said in capitals at start-up all the same)."""
 
 _PROBE: _Probe | None = None
 _PROBE_LOCK = threading.Lock()
@@ -127,10 +132,10 @@ class Sandbox:
         self._mode = probe.mode
         self.unavailable_reason: str | None = probe.reason
         self.isolated: bool = probe.mode in ("root", "user")
-        if require_isolation and not self.isolated:
+        if require_isolation and not self.isolated and os.environ.get(ALLOW_DEGRADED) != "1":
             raise ParityError(f"sandbox isolation is unavailable ({probe.reason}); model-written code "
                               f"would run in the degraded sandbox, {_DEGRADED[probe.mode]} "
-                              "(task.require_isolation = false allows it)")
+                              f"(task.require_isolation = false, or {ALLOW_DEGRADED}=1, allows it)")
         lim = self.limits
         rlimits = (
             f"rlimits cpu {lim.cpu_s} s / mem {lim.memory_mb} MiB / nproc {lim.nproc} / "
