@@ -142,7 +142,7 @@ def _trainer_state(step: int, learner: Learner, separate: bool, ready: list | No
     return {"sampled_under": sampled_under, "step": step, "version": learner.version, "steps": learner.steps,
         "optimizer": learner.optimizer.state_dict(), "scheduler": learner.scheduler.state_dict(),
         "master": [m.detach() for m in learner.master] if separate else None,
-        "history": learner.history, "kept_back": learner.kept_back, "torch_rng": torch.get_rng_state(),
+        "history": learner.history, "torch_rng": torch.get_rng_state(),
         "reference": learner.reference.state_dict() if learner.reference is not None else None,  # kl_coef
         "ready": [b.to_dict() for b in ready or []],  # plain data: loads with weights_only
     }
@@ -378,7 +378,7 @@ def load(path: Path, cfg):
                 for m, saved in zip(learner.master, state["master"], strict=True):
                     m.copy_(saved)
         learner.version, learner.steps = int(state["version"]), int(state["steps"])
-        learner.history, learner.kept_back = dict(state["history"]), dict(state.get("kept_back") or {})
+        learner.history = dict(state["history"])
         restore_reference(learner.reference, state.get("reference"), path)  # the run's own π_ref
         torch.set_rng_state(state["torch_rng"])
         step = int(state["step"])

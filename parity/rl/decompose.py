@@ -11,7 +11,11 @@ code (`sampled_learner_logprobs`): the learner does not keep every version. So t
 process computing other bits than its rollout side (another machine, CPU or GPU) cannot hide
 there, `recheck` keeps one version back (`Learner.kept_back`) and re-scores, in the learner's own
 process, a few rows of the next batch that version sampled: `mismatch/learner_recheck_max_abs`
-is |learner process − worker| on them, and their kernel figures use the learner's numbers.
+is |learner process − worker| on them, and their kernel figures use the learner's numbers. The
+kept version is not checkpointed (a model's copy in every checkpoint): a resumed run re-scores
+again from the first batch of a version it keeps back after the resume, and deterministic
+comparisons leave the figure out (`PROCESS_FIGURES`). It is re-scored on decomposed steps only,
+so with `decompose_every` > 1 a batch of the kept version may not be one of them.
 """
 
 from __future__ import annotations
@@ -126,7 +130,11 @@ def recheck(learner, batch: TrajectoryBatch, lp_old: torch.Tensor, scored: torch
             block[sel] = mine
             lp_old[rows, :width] = block
             pinned = None
-    if pinned is None or pinned < learner.version - learner.config.max_policy_lag:
+    if pinned is not None and pinned < learner.version - learner.config.max_policy_lag:
+        pinned = None  # (no batch can carry it any more)
+    if pinned is None:
         kept.clear()  # (the rollout side never sees it: what a resumed run samples with is the history)
-        kept[learner.version] = learner.history[learner.version]
+        if not batch.sampled_learner_logprobs.isnan().all():  # (the worker scores: not MoE, whose
+            # tokens the learner scores itself from the versions it keeps)
+            kept[learner.version] = learner.history[learner.version]
     return stats

@@ -24,10 +24,7 @@ special-token text in its tracebacks, which were those tokens before). Regenerat
 (ninth session, an AVX2-only EPYC: the fingerprint moved there) when mean@k's interval became
 `eval/mean@k_lo95` / `_hi95` and k3 moved to expm1: against the previous recording the float32
 run changed nowhere else beyond 7e-15 (k3's last bits), the tool run nowhere, the bfloat16 run
-within 0.8% (the other machine's bf16 rounding). On 2026-12-07 the new metric
-`mismatch/learner_recheck_max_abs` (0.0 at the steps the learner re-scores old tokens) was added
-to the recording from a run on an AVX-512 Xeon, every recorded key unchanged (checked), the
-fingerprint and all other values kept.
+within 0.8% (the other machine's bf16 rounding).
 
 `tests/test_golden.py` re-runs them and compares bit for bit where the fingerprint matches,
 within a stated tolerance where it does not (native kernels and MKL follow the CPU's
