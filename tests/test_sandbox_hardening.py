@@ -182,6 +182,18 @@ def test_printed_verdicts_are_not_verdicts(sb: Sandbox, claim: str) -> None:
     assert r.error.startswith("stderr: ") and not host.clean(claim).startswith("\u200b")
 
 
+def test_ordinary_output_is_not_taken_for_a_verdict() -> None:
+    """The look-alike patterns once took any non-ASCII letter for any Latin one: a line of five
+    CJK characters, box-drawing or check marks read as `error`, and `errors: 0` was marked."""
+    for line in ("你好世界啊", "日本語のテキストです", "─────────", "✓✓✓✓✓ done", "€€€€€ price",
+                 "answer: 42"):
+        assert not host._verdict_like(line) and not host.looks_like_error(line), line
+    for line in ("errors: 0", "error_rate = 0.5", "ErrorHandler ok", "Sandbox ok", "rate limit exceeded"):
+        assert not host.looks_like_error(line), line
+    for line in ("error: x", " Error : y", "ERR\u041er: z", "s\u0430ndbox: time limit exceeded"):
+        assert host.looks_like_error(line), line
+
+
 def test_control_characters_are_stripped(sb: Sandbox) -> None:
     r = sb.run("import sys\nprint('a\\x1b[2Jb\\x07c\\tok\\u202eevil\\u200b!\\u3164\\u034f')\n"
                "sys.stderr.write('x\\x00y\\x1b]0;title\\x07z\\u2066\\n')\nsys.exit(2)\n")

@@ -158,10 +158,14 @@ _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u034f\u061c\u115f\u1160\
                       "\U000e0000-\U000e007f]")  # (and the fillers and joiners that show as nothing)
 
 
+_LOOK_ALIKES = "\\u00c0-\\u058f\\u13a0-\\u13ff\\u1d00-\\u1eff"
+"""Letters of the scripts with Latin look-alikes that NFKC folding leaves as they are: accented and
+extended Latin, IPA, Greek, Cyrillic, Armenian, Cherokee, phonetic extensions."""
+
+
 def _loose(words: str) -> str:
-    """A pattern for `words` in which any letter may also be any non-ASCII character (a Cyrillic or
-    Greek look-alike that NFKC folding leaves as it is)."""
-    return "".join(f"[{c}\\u0080-\\U0010ffff]" if c.isalpha() else re.escape(c) for c in words)
+    """A pattern for `words` in which any letter may also be a look-alike (`_LOOK_ALIKES`)."""
+    return "".join(f"[{c}{_LOOK_ALIKES}]" if c.isalpha() else re.escape(c) for c in words)
 
 
 _VERDICT_LIKE = re.compile(r"[\W_]*\w?" + _loose("andbox") + "|.*(" + "|".join(
@@ -184,13 +188,12 @@ def _verdict_like(line: str) -> bool:
 
 
 def looks_like_error(line: str) -> bool:
-    """Whether a line of the code's stdout could be read as a tool observation's `error:` line (a
-    verdict, or `error` in any case or look-alike letters first)."""
-    folded = unicodedata.normalize("NFKC", line).casefold()
-    return _verdict_like(line) or _ERROR_LIKE.match(folded) is not None
+    """Whether a line of the code's stdout could be read as a tool observation's `error:` line:
+    `error:` or `sandbox:` first, in any case or look-alike letters."""
+    return _ERROR_LIKE.match(unicodedata.normalize("NFKC", line).casefold()) is not None
 
 
-_ERROR_LIKE = re.compile(r"[\W_]*" + _loose("error"))
+_ERROR_LIKE = re.compile(r"[\W_]*(" + _loose("error") + r"|\w?" + _loose("andbox") + r")\s*:")
 
 
 def _one_line(text: str) -> str:
