@@ -172,7 +172,16 @@ def reap_uid():
 
 def children():
     """This process's children (in the plain modes the launcher is their subreaper: every orphan of
-    the run, a double-forked daemon in its own session too, becomes one)."""
+    the run, a double-forked daemon in its own session too, becomes one): from the kernel's list of
+    each thread's children, or where it has none (CONFIG_PROC_CHILDREN), from every /proc/PID/stat."""
+    try:
+        found = []
+        for tid in os.listdir("/proc/self/task"):
+            with open("/proc/self/task/" + tid + "/children", "rb") as f:
+                found += [int(p) for p in f.read().split()]
+        return found
+    except OSError:
+        pass
     me, found = os.getpid(), []
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -186,7 +195,7 @@ def children():
     return found
 
 
-def reap_children(limit_s=2.0):
+def reap_children(limit_s=1.0):
     """Kill and reap every process the run left behind, until none is left (or `limit_s` passed):
     without a pid namespace, a cgroup or a uid of its own, nothing else ends them."""
     end = time.monotonic() + limit_s
