@@ -66,6 +66,10 @@ def test_report_tables_say_what_was_not_measured_and_give_wilson_intervals():
     assert table["held-out pass@1 (greedy), before -> after"].startswith("not evaluated -> 40.0% (95% CI")
     speed = "learner steps/hour (after the first step, evaluations out); sampled tokens/s"
     assert table[speed].startswith("900;")
+    recheck = "learner process vs rollout worker, old tokens re-scored: max |Δ| (steps)"
+    assert table[recheck] == "-"  # (none re-scored: a synchronous or MoE run)
+    rows[3]["mismatch/learner_recheck_max_abs"], rows[7]["mismatch/learner_recheck_max_abs"] = 0.0, 2e-3
+    assert dict(demo_rows(rows))[recheck] == "0.002 (2)"
     from parity.metrics.summary import token_mean  # per-token figures weigh each step by its tokens
 
     short_long = [{"step": 0, "lag/mean": 0.0, "response/length_mean": 1.0},

@@ -189,12 +189,15 @@ def demo_rows(metrics: Metrics) -> list[tuple[str, str]]:
     first10, last10 = head(metrics, 0.10), tail(metrics, 0.10)
     pts = f"  ({(after - before) * 100:+.1f} points)" if before is not None and after is not None else ""
     kernel = series(metrics, "mismatch/kernel_max_abs")
+    recheck = series(metrics, "mismatch/learner_recheck_max_abs")
     return [
         ("held-out pass@1 (greedy), before -> after", f"{pass_at_1_text(first)} -> {after_text}{pts}"),
         ("rollout-learner KL at the sampling version (max)",
          f"{max(series(metrics, 'mismatch/kernel_k3'), default=NAN):.3g}"),
         ("kernel mismatch max |Δ log-prob| (all steps)",
          f"{max(kernel):.3g}" if kernel else "not measured (learner.decompose_every = 0)"),
+        ("learner process vs rollout worker, old tokens re-scored: max |Δ| (steps)",
+         f"{max(recheck):.3g} ({len(recheck)})" if recheck else "-"),
         ("importance weight peak/median (median step / worst step)",
          f"{median(peak):.4g} / {max(peak, default=NAN):.4g}"),
         ("policy lag max / mean",
