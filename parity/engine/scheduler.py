@@ -136,9 +136,9 @@ class Scheduler:
                 if victims:
                     self._preempt(victims[0])
                     continue
-                room = self.blocks.room(seq.request_id) - seq.num_computed
                 if self.running or batch:
                     break
+                room = self.blocks.room(seq.request_id) - seq.num_computed
                 if room < 1:  # nothing else could free memory
                     self.waiting.remove(seq)
                     raise CacheFull(seq)
