@@ -33,6 +33,7 @@ from ..envs.base import Env, Episode, Turn
 from ..errors import InputError
 from ..metrics.summary import env_metrics
 from ..model import sequence_logprobs
+from ..seeds import request_seed
 from .trajectory import RolloutBatch, Trajectory, micro_batches
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 State = dict[str, torch.Tensor]
 Poll = Callable[[bool], list[tuple[int, State]]]
 """`poll(block)` -> newly published (version, weights) pairs; with block=True it may wait a little."""
-
 
 # --------------------------------------------------------------------------- a batch's requests
 def geometric_lengths(rnd: random.Random, n: int, mean: float, cap: int) -> list[int]:
@@ -69,7 +69,7 @@ def sampling_params(cfg: TrainConfig, batch_index: int, n: int) -> list[Sampling
     limits = response_limits(cfg, batch_index, n)
     toy = cfg.task.name == "target_tokens"
     return [SamplingParams(temperature=cfg.rollout.temperature, max_tokens=limits[i],
-                           seed=hash((cfg.seed, batch_index, i)) % 2**62, ignore_eos=toy)
+                           seed=request_seed(cfg.seed, batch_index, i), ignore_eos=toy)
             for i in range(n)]
 
 
