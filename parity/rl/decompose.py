@@ -14,8 +14,9 @@ process, a few rows of the next batch that version sampled: `mismatch/learner_re
 is |learner process − worker| on them, and their kernel figures use the learner's numbers. The
 kept version is not checkpointed (a model's copy in every checkpoint): a resumed run re-scores
 again from the first batch of a version it keeps back after the resume, and deterministic
-comparisons leave the figure out (`PROCESS_FIGURES`). It is re-scored on decomposed steps only,
-so with `decompose_every` > 1 a batch of the kept version may not be one of them.
+comparisons leave the figure out (`PROCESS_FIGURES`). Only decomposed batches carry the worker's
+scores, so with `decompose_every` = k > 1 the version kept back is one whose batch, at the full
+lag, is consumed on a decomposed step (`keep_back`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ from __future__ import annotations
 import torch
 
 from .trajectory import TrajectoryBatch
+
+
+def step_diagnostics(learner, batch: TrajectoryBatch, learner_lp: torch.Tensor,
+                     learner_routing: torch.Tensor | None = None) -> dict[str, float]:
+    """What a learner step reports of the split: `decompose` on the steps `decompose_every` names,
+    then, on every step, the choice of the version kept back for `recheck` (`keep_back`)."""
+    every, stats = learner.config.decompose_every, {}
+    if every and learner.steps % every == 0:
+        stats = decompose(learner, batch, learner_lp, learner_routing)
+    keep_back(learner, batch)
+    return stats
 
 
 def decompose(learner, batch: TrajectoryBatch, learner_lp: torch.Tensor,
@@ -109,32 +121,41 @@ RECHECK_ROWS = 2
 
 def recheck(learner, batch: TrajectoryBatch, lp_old: torch.Tensor, scored: torch.Tensor) -> dict[str, float]:
     """Re-score, in this process, up to `RECHECK_ROWS` rows of `batch` whose tokens the worker
-    scored (`scored`) under the pinned version; their learner(θ_old) in `lp_old` becomes this
-    process's. Then pin the current version (until a batch it sampled comes, or it falls out of
-    the lag bound: no batch can carry it then). Nothing to do in synchronous runs (every token is
-    of the current version, compared across processes already)."""
-    stats: dict[str, float] = {}
-    if learner.config.max_policy_lag == 0:
-        return stats
+    scored (`scored`) under the version kept back; their learner(θ_old) in `lp_old` becomes this
+    process's, and the version is let go (`keep_back` keeps another). Nothing to do in
+    synchronous runs (every token is of the current version, compared across processes already)."""
     kept = learner.kept_back  # {version: its weights}: at most one, the history's own tensors
     pinned = next(iter(kept), None)
-    if pinned is not None:
-        rows = (scored & (batch.versions == pinned)).any(1).nonzero().flatten().tolist()[:RECHECK_ROWS]
-        if rows:
-            sub = batch.select(rows, validate=False)
-            width = sub.mask.shape[1]
-            sel = scored[rows][:, :width] & (sub.versions == pinned)
-            mine = learner.logprobs(sub, version=pinned)[sel]
-            block = lp_old[rows][:, :width]
-            stats["mismatch/learner_recheck_max_abs"] = float((mine - block[sel]).abs().max())
-            block[sel] = mine
-            lp_old[rows, :width] = block
-            pinned = None
-    if pinned is not None and pinned < learner.version - learner.config.max_policy_lag:
-        pinned = None  # (no batch can carry it any more)
-    if pinned is None:
-        kept.clear()  # (the rollout side never sees it: what a resumed run samples with is the history)
-        if not batch.sampled_learner_logprobs.isnan().all():  # (the worker scores: not MoE, whose
-            # tokens the learner scores itself from the versions it keeps)
-            kept[learner.version] = learner.history[learner.version]
+    if pinned is None or learner.config.max_policy_lag == 0:
+        return {}
+    rows = (scored & (batch.versions == pinned)).any(1).nonzero().flatten().tolist()[:RECHECK_ROWS]
+    if not rows:
+        return {}
+    sub = batch.select(rows, validate=False)
+    width = sub.mask.shape[1]
+    sel = scored[rows][:, :width] & (sub.versions == pinned)
+    mine = learner.logprobs(sub, version=pinned)[sel]
+    block = lp_old[rows][:, :width]
+    stats = {"mismatch/learner_recheck_max_abs": float((mine - block[sel]).abs().max())}
+    block[sel] = mine
+    lp_old[rows, :width] = block
+    kept.clear()
     return stats
+
+
+def keep_back(learner, batch: TrajectoryBatch) -> None:
+    """After a step: let the kept version go once no later batch can carry it (it is at the lag
+    bound), and, with none kept, keep the current one if the batch that, at the full lag, it
+    samples is consumed on a decomposed step (the worker scores only those: `decompose_every`).
+    At a smaller lag it is still re-scored on any decomposed step whose batch carries it. Nothing
+    is kept where the worker does not score (a decomposed batch without its scores; MoE, whose
+    tokens the learner scores itself from the versions it keeps)."""
+    cfg, kept = learner.config, learner.kept_back
+    lag, every = cfg.max_policy_lag, cfg.decompose_every
+    if lag == 0 or not every:
+        return
+    unscored = learner.steps % every == 0 and batch.sampled_learner_logprobs.isnan().all()
+    if kept and (next(iter(kept)) <= learner.version - lag or unscored):
+        kept.clear()  # (the rollout side never sees it: what a resumed run samples with is the history)
+    if not kept and not unscored and batch.routing is None and (learner.steps + lag) % every == 0:
+        kept[learner.version] = learner.history[learner.version]

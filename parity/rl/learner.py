@@ -36,7 +36,7 @@ from ..metrics.diagnostics import (
 )
 from ..model import scored_routing, sequence_logprobs
 from ..model.logprobs import check_sequence
-from .decompose import decompose
+from .decompose import step_diagnostics
 from .grad_norm import clip_gradients
 from .losses import get_loss, group_advantages, kl_penalty, load_balancing_loss, micro_batch_share
 from .optim import adamw
@@ -164,8 +164,9 @@ class Learner:
 
     def decompose(self, batch: TrajectoryBatch, learner_lp: torch.Tensor,
                   learner_routing: torch.Tensor | None = None) -> dict[str, float]:
-        """The kernel/lag split of the gap at the pre-update log-probs `learner_lp` (`decompose.py`)."""
-        return decompose(self, batch, learner_lp, learner_routing)
+        """The kernel/lag split of the gap at the pre-update log-probs `learner_lp`, on the steps
+        `decompose_every` names, and the version kept back for `recheck` (`decompose.py`)."""
+        return step_diagnostics(self, batch, learner_lp, learner_routing)
 
     # ------------------------------------------------------------------ step
     def _accumulate(self) -> None:
@@ -263,8 +264,7 @@ class Learner:
         learner as it was."""
         cfg, (learner_lp, entropies, routing) = self.config, before
         metrics: dict[str, float] = {}
-        if cfg.decompose_every and self.steps % cfg.decompose_every == 0:
-            metrics.update(self.decompose(batch, learner_lp, routing))
+        metrics.update(self.decompose(batch, learner_lp, routing))
         metrics.update(mismatch_stats(learner_lp, batch.rollout_logprobs, batch.mask))
         metrics.update(importance_weight_stats(learner_lp, batch.rollout_logprobs, batch.mask))
         if cfg.mechanism:

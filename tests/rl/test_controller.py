@@ -420,6 +420,32 @@ def test_a_learner_process_that_computes_other_bits_shows_in_the_kernel_figure(t
             assert m["mismatch/kernel_max_abs"] == 0.0
 
 
+def test_the_version_kept_back_is_re_scored_when_only_some_steps_are_decomposed(tmp_path, monkeypatch):
+    """With `decompose_every` = 2 at lag 3 the version kept back was re-scored once: its batch
+    fell on a step the worker does not score (batch b is sampled by version b - 3). The learner
+    now keeps a version whose batch lands on a decomposed step, so the shifted learner process
+    shows at steps 4 and 8 (versions 1 and 5) and nowhere else, and a clean run reads 0 there."""
+    import parity.rl.learner as learner_module
+
+    args = ("steps=10", "max_policy_lag=3", "deterministic=true", "eval_every=0", "learner.decompose_every=2")
+    clean = Controller(config(tmp_path / "clean", *args)).run()
+    assert [m["step"] for m in clean if "mismatch/learner_recheck_max_abs" in m] == [4, 8]
+    assert all(m.get("mismatch/learner_recheck_max_abs", 0.0) == 0.0 for m in clean)
+    assert max(m["sync/versions_kept"] for m in clean) <= 5  # (the lag's 4 and the one kept back)
+    real = learner_module.sequence_logprobs
+
+    def shifted(*args, **kwargs):  # this process only
+        out = real(*args, **kwargs)
+        return ([x - 1e-3 for x in out[0]], *out[1:]) if isinstance(out, tuple) else [x - 1e-3 for x in out]
+
+    monkeypatch.setattr(learner_module, "sequence_logprobs", shifted)
+    off = Controller(config(tmp_path / "off", *args)).run()
+    split = {m["step"]: m["mismatch/kernel_max_abs"] for m in off if "mismatch/kernel_max_abs" in m}
+    assert sorted(split) == [0, 2, 4, 6, 8]
+    assert split[4] == pytest.approx(1e-3, rel=1e-3) and split[8] == pytest.approx(1e-3, rel=1e-3)
+    assert split[2] == split[6] == 0.0  # (the control: the worker's own figures cannot see it)
+
+
 def test_kept_weight_versions_do_not_grow_with_the_lag(tmp_path):
     """At lag 64 (deterministic: batch b is sampled by version 0 here) the learner ends up keeping
     only the current weights once no batch is left to sample, and the one version it keeps back
