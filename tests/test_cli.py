@@ -318,7 +318,7 @@ def test_a_bench_stopped_by_sigterm_reports_the_rows_it_finished(monkeypatch, ca
                                  _schedule=lambda *args: "walk", _attention_tiles=lambda d, dtype: (16,))
     monkeypatch.setitem(sys.modules, "parity.ops.triton_attention", fake)
     monkeypatch.setattr(parity.ops, "triton_attention", fake, raising=False)
-    monkeypatch.setattr(bench_attention, "interleaved", after(2, bench_attention.interleaved))
+    monkeypatch.setattr(bench_attention, "seconds_per_call", after(5, bench_attention.seconds_per_call))
     assert main(["bench", "attention", "--json", "--preset", "tiny", "--batches", "1,2", "--contexts", "16",
                  "--reps", "1"]) == 130
     out = json.loads(capsys.readouterr().out)

@@ -93,7 +93,7 @@ def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8
     gemm = hardware.gemm_rate(dtype_from_name(dtype))
     per_mode: dict[tuple, list[tuple[float, ...]]] = {m: [] for m in modes}
     for r in range(reps):
-        for mode in modes:
+        for mode in (modes if r % 2 == 0 else modes[::-1]):  # (the order reversed every other time)
             backend, n, lag = mode
             if progress:
                 progress(f"async bench: {backend} x{n}, lag {lag}, repetition {r + 1}/{reps}")

@@ -1,19 +1,22 @@
 """`parity bench attention`: decode attention over the paged KV cache, per schedule, side by side.
 
-One decode step's attention for one full layer of a preset's shape (its soft-cap and scale, as
-Gemma 2's, included; every sequence one query, all at
-the same context length, its pages scattered through the cache) timed four ways in one run,
-repetitions interleaved, medians: the aligned Triton kernel's walk (one program per sequence and
-KV head), its split schedule (one program per key split, then the merge kernel), what the aligned
-backend picks by shape (`auto`), and the standard backend's path (gather the pages, then SDPA).
-Every row checks that the walk and the split schedule gave the same bits (`torch.equal`; exit 1
-if not). This is the figure that sets where `triton_attention._schedule` switches on a GPU. On a
-CPU the Triton kernels run through Triton's interpreter: a check at small shapes, not a speed.
+One decode step's attention for one full layer of a preset's shape (its soft-cap and scale, as Gemma
+2's, included; every sequence one query, all at the same context length, its pages scattered through
+the cache) timed four ways in one run, repetitions interleaved, medians, each over ~20 ms of calls
+(replayed from a CUDA graph on a GPU, as the engine's decode steps are, over copies of the cache
+that overflow the L2 cache: a decode step reads every layer's keys from memory; `timing.py`): the
+aligned Triton kernel's walk (one program per sequence and KV head), its split schedule (one program
+per key split, then the merge kernel), what the aligned backend picks by shape (`auto`), and the
+standard backend's path (gather the pages, then SDPA). Every row checks that the walk and the split
+schedule gave the same bits (`torch.equal`; exit 1 if not). This is the figure that sets where
+`triton_attention._schedule` switches on a GPU. On a CPU the Triton kernels run through Triton's
+interpreter: a check at small shapes, not a speed.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -25,7 +28,8 @@ from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import ModelConfig
 from ..ops import standard
-from .ui import collect, exit_status, interleaved, status, table, term_as_interrupt
+from .timing import Rotating, l2_copies, seconds_per_call
+from .ui import collect, exit_status, status, table, term_as_interrupt
 
 PATHS = ("walk", "split", "auto", "standard")
 """The timed paths, in the order each round calls them."""
@@ -42,10 +46,9 @@ class AttentionRow:
     same_bits: bool
 
 
-def _call(outs: dict, path: str, call, device: torch.device) -> None:
-    """One timed call: its result kept (for the bits check), the device waited for."""
-    outs[path] = call()
-    hardware.sync(device)
+def _rotating(calls: list):
+    """One call per cache copy, cycled (`timing.Rotating`); the call itself where there is one."""
+    return calls[0] if len(calls) == 1 else Rotating(calls)
 
 
 def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: int, device: torch.device,
@@ -71,17 +74,26 @@ def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: in
             q_pos = torch.full((batch, 1), context - 1, device=device)
             args = (q, k_cache, v_cache, tables, q_pos)
             spec = dict(softcap=cfg.attn_logit_softcapping or 0.0, scale=cfg.attention_scale)  # (Gemma 2)
-            calls = {"walk": partial(ta.paged_attention, *args, schedule="walk", **spec),
-                     "split": partial(ta.paged_attention, *args, schedule="split", **spec),
-                     "auto": partial(ta.paged_attention, *args, **spec),
-                     "standard": partial(standard.paged_attention, *args, **spec)}
-            outs: dict[str, torch.Tensor] = {}
+            caches = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in
+                                             range(l2_copies(2 * k_cache.numel() * k_cache.element_size(),
+                                                             device) - 1)]
+            paths = {"walk": partial(ta.paged_attention, schedule="walk", **spec),
+                     "split": partial(ta.paged_attention, schedule="split", **spec),
+                     "auto": partial(ta.paged_attention, **spec),
+                     "standard": partial(standard.paged_attention, **spec)}
             if progress:
                 progress(f"attention batch {batch} context {context}")
-            sec = interleaved({p: partial(_call, outs, p, c, device) for p, c in calls.items()}, reps)
+            walk, split = paths["walk"](*args), paths["split"](*args)  # (the bits check, untimed)
+            calls = {p: _rotating([partial(f, q, kc, vc, tables, q_pos) for kc, vc in caches])
+                     for p, f in paths.items()}
+            times: dict[str, list[float]] = {p: [] for p in calls}
+            for rep in range(reps):  # the order reversed every other round
+                for p in (PATHS if rep % 2 == 0 else PATHS[::-1]):
+                    times[p].append(seconds_per_call(calls[p], device))
             chosen = ta._schedule(batch, hkv, hq // hkv, ta._attention_tiles(d, dtype)[0], pages, d, q.device)
-            ms = {p: 1e3 * t for p, t in sec.items()}
-            yield AttentionRow(batch, context, ms, chosen, torch.equal(outs["walk"], outs["split"]))
+            ms = {p: 1e3 * statistics.median(t) for p, t in times.items()}
+            yield AttentionRow(batch, context, ms, chosen, torch.equal(walk, split))
+            del caches, calls
 
 
 def main(args) -> int:

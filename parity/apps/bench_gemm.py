@@ -1,25 +1,28 @@
 """`parity bench gemm`: the aligned Triton GEMM's candidate tiles at a model's weight shapes.
 
-The aligned GEMM's tile may depend on the weight's shape (N, K) and the dtype, and on M only
-through a ladder of tiles that gives every M the same bits (`triton_gemm.GEMM_TILES`): a
-decode step wants many small tiles (the 0.6B shape's o_proj and down_proj run 8 programs of the
-default 64x128 tile at batch 64, on a GPU of 132 SMs), a prefill wants large ones. For each
-distinct weight shape of a preset (fused q/k/v, o_proj, fused gate/up, down_proj, LM head) this
-times every candidate tile at decode and prefill row counts beside `F.linear` (cuBLAS on a GPU),
-replayed from CUDA graphs on a GPU (as the engine's decode steps are: no launch cost in the
-figure), repetitions interleaved, medians; checks that each candidate's rows are the same bits at
-every row count (`torch.equal` against the rows of the largest; exit 1 if one's are not) and its
-float32 sums against float32 arithmetic (a wrong tile is reported, never timed or chosen, exit
-1); sorts the candidates into classes of identical float32 sums (class A: the first candidate's,
-the default); reports a candidate the device refuses (shared memory) and goes on. Per shape it names
-the best single tile (geometric mean of aligned/standard over the row counts) and the best ladder
-within one class: the fastest tile of that class at each row count. `--json` writes the ladders
-as `gemm_tiles`, the table `GEMM_TILES` takes (`--gemm-tiles FILE` of `bench kernels` and `bench
-learner` applies it in their process; a GPU session pastes the printed entries into the code).
-Per shape and row count, each round times cuBLAS once and then every candidate. A SIGTERM (a time
-limit) ends the run with what is done: the finished shapes are reported (`stopped` says so).
-On a CPU the kernels run through Triton's interpreter: a smoke run at small shapes, no timing worth
-reading.
+The aligned GEMM's tile may depend on the weight's shape (N, K) and the dtype, and on M only through
+a ladder of tiles that gives every M the same bits (`triton_gemm.GEMM_TILES`): a decode step wants
+many small tiles (the 0.6B shape's o_proj and down_proj run 8 programs of the default 64x128 tile at
+batch 64, on a GPU of 132 SMs), a prefill wants large ones. For each distinct weight shape of a
+preset (fused q/k/v, o_proj, fused gate/up, down_proj, LM head) this times every candidate tile at
+decode and prefill row counts beside `F.linear` (cuBLAS on a GPU), replayed from CUDA graphs on a
+GPU (as the engine's decode steps are: no launch cost in the figure) over copies of the weight that
+overflow the GPU's L2 cache (a decode step streams every layer's weights from memory:
+`timing.l2_copies`), repetitions interleaved, medians; checks that each candidate's rows are the
+same bits at every row count (`torch.equal` against the rows of the largest; exit 1 if one's are
+not) and its float32 sums against float32 arithmetic (a wrong tile is reported, never timed or
+chosen, exit 1); sorts the candidates into classes of identical float32 sums (class A: the first
+candidate's, the default); reports a candidate the device refuses (shared memory) and goes on. Per
+shape it names the best single tile (geometric mean of aligned/standard over the row counts) and the
+best ladder within one class: the fastest tile of that class at each row count. Both are selection
+figures (the best of several noisy ratios reads high); the ladder's own figure is the whole model's,
+side by side, in `bench kernels --gemm-tiles` (scripts/gpu_check.sh runs it right after). `--json`
+writes the ladders as `gemm_tiles`, the table `GEMM_TILES` takes (`--gemm-tiles FILE` of `bench
+kernels` and `bench learner` applies it in their process; a GPU session pastes the printed entries
+into the code). Per shape and row count, each round times cuBLAS once and every candidate, in the
+other order every other round. A SIGTERM (a time limit) ends the run with what is done: the finished
+shapes are reported (`stopped` says so). On a CPU the kernels run through Triton's interpreter: a
+smoke run at small shapes, no timing worth reading.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -38,6 +40,7 @@ from .. import hardware
 from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import ModelConfig
+from .timing import Rotating, l2_copies, seconds_per_call
 from .ui import collect, exit_status, status, table, term_as_interrupt
 
 CANDIDATES = {
@@ -124,36 +127,6 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _seconds(fn, device, target: float = 0.02) -> float:
-    """Seconds per call of `fn`, over enough calls to take about `target` seconds. On a GPU the
-    calls are replayed from one CUDA graph, as the engine's decode steps are: a launch-bound
-    timing at small M would measure the host's launch cost (Triton's is dearer than cuBLAS's),
-    not the tile."""
-    fn()
-    hardware.sync(device)
-    t0 = time.perf_counter()
-    fn()
-    hardware.sync(device)
-    once = max(time.perf_counter() - t0, 1e-6)
-    calls = max(1, min(200, int(target / once)))
-    if torch.device(device).type == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()  # warm
-        hardware.sync(device)
-        t0 = time.perf_counter()
-        graph.replay()
-        hardware.sync(device)
-        return (time.perf_counter() - t0) / calls
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    hardware.sync(device)
-    return (time.perf_counter() - t0) / calls
-
-
 def _check(tg, t: tuple, x: torch.Tensor, w: torch.Tensor, probe: torch.Tensor, rows: tuple[int, ...],
            classes: list) -> TileRow:
     """One candidate's checks (shape fields left for the caller): its float32 sums of all of `x`
@@ -232,17 +205,19 @@ def _shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progre
             shape_rows.append(row)
         runnable = [r for r in shape_rows if not r.error]
         failed: dict[str, str] = {}  # tile -> why its timing failed
+        ws = [w] + [w.clone() for _ in range(l2_copies(w.numel() * w.element_size(), device) - 1)]
         for m in rows:
             if progress:
                 progress(f"{name} {n}x{k} M={m}: timing {len(runnable)} tiles beside cuBLAS")
-            fns = {"standard": partial(F.linear, x[:m], w)}
+            fns = {"standard": _rotating([partial(F.linear, x[:m], v) for v in ws])}
             for r in runnable:
-                fns[r.tiles] = partial(tg.matmul, x[:m], w, tiles=parse_tiles(r.tiles))
+                tile = parse_tiles(r.tiles)
+                fns[r.tiles] = _rotating([partial(tg.matmul, x[:m], v, tiles=tile) for v in ws])
             times: dict[str, list[float]] = {key: [] for key in fns}
-            for _ in range(reps):  # interleaved: standard, each candidate, standard, ...
-                for key, fn in list(fns.items()):
+            for rep in range(reps):  # interleaved: standard, each candidate; then the other way round
+                for key, fn in (list(fns.items()) if rep % 2 == 0 else list(fns.items())[::-1]):
                     try:
-                        times[key].append(_seconds(fn, device))
+                        times[key].append(seconds_per_call(fn, device))
                     except Exception as err:  # noqa: BLE001 - a tile that fails timing (a graph capture)
                         msg = f"{type(err).__name__}: {err}".splitlines()[0][:160]
                         if key == "standard" or stopped is None:  # the device itself: nothing more to time
@@ -263,6 +238,12 @@ def _shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progre
             r.geomean = math.exp(statistics.fmean(math.log(v) for v in r.ratios.values()))
         done.append(name)
         yield shape_rows
+
+
+def _rotating(calls: list):
+    """One product per weight copy, cycled (`timing.Rotating`); the product itself where one copy
+    is all there is (a CPU, or a weight larger than the L2 cache)."""
+    return calls[0] if len(calls) == 1 else Rotating(calls)
 
 
 def best(rows: list[TileRow]) -> dict[str, TileRow]:

@@ -26,7 +26,8 @@ from ..engine.memory import available_memory
 from ..errors import ParityError
 from ..model import DEFAULT_BLOCK_SIZE, ForwardBatch, KVCache, Model, ModelConfig
 from ..ops import BACKENDS, describe_aligned
-from .ui import RateRow, collect, exit_status, gemm_line, interleaved, status, table, term_as_interrupt
+from .timing import busy_note, gemm_rate_again, interleaved
+from .ui import RateRow, collect, exit_status, gemm_line, status, table, term_as_interrupt
 
 
 @dataclass
@@ -109,9 +110,13 @@ def bench_kernels(presets: Sequence[str] = ("tiny", "small"), dtypes: Sequence[s
                   progress: Callable[[str], None] | None = None, device: str = "cpu",
                   eager_decode: bool = False, stopped: list[str] | None = None) -> list[BenchRow]:
     """One row per preset, dtype, phase and batch. Interrupted (Ctrl-C, or SIGTERM under
-    `term_as_interrupt`) with a `stopped` list, it returns the rows finished so far and says so there."""
-    return collect(_rows(presets, dtypes, batches, prefill_len, decode_prompt, decode_steps, reps, progress,
+    `term_as_interrupt`) with a `stopped` list, it returns the rows finished so far and says so there.
+    Each dtype's GEMM rate is measured before its rows and again after all of them (`gemm_rate_again`)."""
+    rows = collect(_rows(presets, dtypes, batches, prefill_len, decode_prompt, decode_steps, reps, progress,
                          device, eager_decode), stopped)
+    if not stopped:
+        gemm_rate_again(rows, device)
+    return rows
 
 
 def _rows(presets, dtypes, batches, prefill_len, decode_prompt, decode_steps, reps, progress, device,
@@ -126,6 +131,7 @@ def _rows(presets, dtypes, batches, prefill_len, decode_prompt, decode_steps, re
                 progress(f"{dtype_name} GEMM rate")
             gemm = hardware.gemm_rate(dtype, device=device)
             prefill_flops = cfg.forward_flops_per_token((prefill_len - 1) / 2)
+            prefill_flops -= cfg.head_flops_per_token / prefill_len  # (the last position is not scored)
             decode_flops = cfg.forward_flops_per_token(decode_prompt + decode_steps / 2)
             for batch in batches:
                 if progress:
@@ -209,6 +215,8 @@ def main(args) -> int:
                   f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}", f"{r.aligned_gflops:,.1f}",
                   f"{r.gemm_fraction:.0%}", r.steps] for r in rows]))
     print(gemm_line(rows))
+    if note := busy_note():
+        print(note)
     for why in stopped:
         print(f"{why}: the rows not listed were not measured")
     return exit_status(stopped)

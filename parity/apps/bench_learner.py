@@ -24,6 +24,7 @@ from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import Model, ModelConfig, sequence_logprobs
 from ..ops import BACKENDS, describe_aligned
+from .timing import busy_note, gemm_rate_again
 from .ui import RateRow, collect, exit_status, gemm_line, status, table, term_as_interrupt
 
 
@@ -54,8 +55,12 @@ def bench_learner(presets: Sequence[str] = ("small",), dtypes: Sequence[str] = (
                   progress: Callable[[str], None] | None = None, device: str = "cpu",
                   stopped: list[str] | None = None) -> list[LearnerRow]:
     """One row per preset and dtype. Interrupted (Ctrl-C, or SIGTERM under `term_as_interrupt`)
-    with a `stopped` list, it returns the rows finished so far and says so there."""
-    return collect(_rows(presets, dtypes, batch, length, reps, progress, device), stopped)
+    with a `stopped` list, it returns the rows finished so far and says so there. Each dtype's GEMM
+    rate is measured after its rows and again after all of them (`gemm_rate_again`)."""
+    rows = collect(_rows(presets, dtypes, batch, length, reps, progress, device), stopped)
+    if not stopped:
+        gemm_rate_again(rows, device)
+    return rows
 
 
 def _rows(presets, dtypes, batch, length, reps, progress, device):
@@ -69,8 +74,8 @@ def _rows(presets, dtypes, batch, length, reps, progress, device):
             models = {k: base if k == BACKENDS[0] else base.twin(k) for k in BACKENDS}
             fns = {k: _step_fn(m, seqs) for k, m in models.items()}
             times: dict[str, list[float]] = {k: [] for k in fns}
-            for r in range(reps + 1):  # round 0 warms up
-                for k, fn in fns.items():
+            for r in range(reps + 1):  # round 0 warms up; the order reversed every other round
+                for k, fn in (list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]):
                     if progress:
                         progress(f"learner {preset} {dtype_name} {k} {r}/{reps}")
                     t0 = time.perf_counter()
@@ -122,6 +127,8 @@ def main(args) -> int:
                 [[r.preset, r.dtype, f"{r.aligned_tok_s:,.0f}", f"{r.standard_tok_s:,.0f}", f"{r.ratio:.3f}",
                   f"{r.aligned_gflops:,.1f}", f"{r.gemm_fraction:.0%}"] for r in rows]))
     print(gemm_line(rows))
+    if note := busy_note():
+        print(note)
     for why in stopped:
         print(f"{why}: the rows not listed were not measured")
     return exit_status(stopped)

@@ -25,7 +25,8 @@ from ..errors import ParityError
 from ..model import ModelConfig
 from ..ops import gemm
 from .bench_gemm import weight_shapes
-from .ui import collect, exit_status, interleaved, status, table, term_as_interrupt
+from .timing import busy_note, interleaved
+from .ui import collect, exit_status, status, table, term_as_interrupt
 
 
 @dataclass
@@ -85,6 +86,8 @@ def main(args) -> int:
                  "rows same bits"],
                 [[r.shape, f"{r.n} x {r.k}", str(r.rows), f"{r.aligned_us:,.1f}", f"{r.standard_us:,.1f}",
                   f"{r.standard_us / r.aligned_us:.2f}", "yes" if r.same_bits else "NO"] for r in rows]))
+    if note := busy_note():
+        print(note)
     for why in stopped:
         print(f"{why}: the products not listed were not measured")
     return exit_status(stopped, ok)

@@ -26,6 +26,7 @@ from ..errors import ParityError
 from ..model import Model, ModelConfig
 from ..ops import BACKENDS, describe_aligned
 from ..rl.rollout_worker import geometric_lengths
+from .timing import busy_note, gemm_rate_again
 from .ui import exit_status, gemm_line, status, table, term_as_interrupt
 
 
@@ -47,10 +48,13 @@ class RolloutWorkload:
         return sum(self.lengths)
 
     def forward_flops(self, cfg: ModelConfig) -> float:
-        """Model FLOPs of the workload: every prompt and generated token's forward, attention over
-        its context (a request of n tokens in all costs n forwards at context (n - 1) / 2)."""
-        return sum((len(p) + n) * cfg.forward_flops_per_token((len(p) + n - 1) / 2)
-                   for p, n in zip(self.prompts, self.lengths))
+        """Model FLOPs of the workload as the engine computes it: the prompt and every generated
+        token but the last go through the model (t = len(prompt) + n - 1 positions, attention over
+        their context: t forwards at context (t - 1) / 2), and the LM head runs n times (the
+        prompt's last position, then each fed-back token), not at every prompt position."""
+        head = cfg.head_flops_per_token
+        return sum(t * (cfg.forward_flops_per_token((t - 1) / 2) - head) + n * head
+                   for t, n in ((len(p) + n - 1, n) for p, n in zip(self.prompts, self.lengths)))
 
 
 def _run_engine(eng: Engine, work: RolloutWorkload) -> tuple[float, list[float]]:
@@ -142,8 +146,8 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
             engines = {k: Engine(models[k], max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
                        for k in models}
             try:
-                for r in range(reps + 1):  # round 0 warms up; systems take turns in every round
-                    for k in systems:
+                for r in range(reps + 1):  # round 0 warms up; systems take turns in every round,
+                    for k in (systems if r % 2 == 0 else systems[::-1]):  # reversed every other one
                         if progress:
                             progress(f"rollout {dtype_name} {k} round {r}/{reps}")
                         if k == "transformers":
@@ -177,6 +181,8 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
             ratios[f"{dtype_name}/aligned_over_transformers"] = med["transformers"] / med["aligned"]
         if stopped:
             break
+    if not stopped:
+        gemm_rate_again(rows, device)  # (the rate once more after every dtype's rounds: the larger)
     return rows, ratios
 
 
@@ -224,9 +230,11 @@ def main(args) -> int:
                 [[r.system, r.dtype, str(r.output_tokens), f"{r.tok_s:,.0f}", ms(r.step_ms_p50),
                   ms(r.step_ms_p90), ms(r.step_ms_p99), f"{r.gflops:,.1f}", f"{r.gemm_fraction:.0%}"]
                  for r in rows]))
-    print(gemm_line(rows) + "; GFLOP/s counts every prompt and generated token's forward")
+    print(gemm_line(rows) + "; GFLOP/s counts the forwards the engine runs (the LM head where it samples)")
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}")
+    if note := busy_note():
+        print(note)
     for why in stopped:
         print(why)
     return exit_status(stopped)

@@ -29,7 +29,8 @@ from ..engine.sequence import SamplingParams, Sequence
 from ..errors import ParityError
 from ..model import ModelConfig
 from ..ops import get_kernels
-from .ui import collect, exit_status, interleaved, status, table, term_as_interrupt
+from .timing import busy_note, interleaved
+from .ui import collect, exit_status, status, table, term_as_interrupt
 
 
 @dataclass
@@ -110,6 +111,8 @@ def main(args) -> int:
                   f"{r.ms['counter'] / r.ms['fused']:.1f}x" if "fused" in paths
                   else f"{r.ms['generator'] / r.ms['counter']:.2f}x",
                   {True: "yes", False: "NO", None: "-"}[r.same_tokens]] for r in rows]))
+    if note := busy_note():
+        print(note)
     for why in stopped:
         print(f"{why}: the batches not listed were not measured")
     return exit_status(stopped, all(r.same_tokens is not False for r in rows))

@@ -85,24 +85,6 @@ def gemm_line(rows) -> str:
     return "GEMM rate (2048^3, same run): " + ", ".join(f"{d} {g:,.0f} GFLOP/s" for d, g in gemm.items())
 
 
-def interleaved(fns: dict, reps: int, timed_inside: bool = False) -> dict[str, float]:
-    """Median seconds per call of each function, called in turn (A B A B ...) `reps` times after a
-    warm-up round. Each function waits for its own device work; with `timed_inside` it returns the
-    seconds to count itself (work it does not want timed, such as setup, left out)."""
-    import statistics
-    import time
-
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            inner = fn()
-            times[k].append(inner if timed_inside else time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def fresh_process(module: str, argv: list[str], what: str) -> dict:
     """Run `python -m module argv...` (a bench's one measurement, in a process of its own: its
     peak memory is its own) and return the JSON object its last stdout line holds. A failure is

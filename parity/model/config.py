@@ -328,6 +328,12 @@ class ModelConfig:
                 macs += 3 * h * self.intermediate_size
         return 2 * macs
 
+    @property
+    def head_flops_per_token(self) -> float:
+        """The LM head's share of `forward_flops_per_token` (a position whose logits are not
+        needed, such as a prompt's all but last, costs that much less)."""
+        return 2.0 * self.vocab_size * self.hidden_size
+
     # ------------------------------------------------------------------ construction
     def with_context(self, context: int | None) -> ModelConfig:
         """This config serving at most `context` positions (vLLM's max_model_len; None: all of

@@ -421,7 +421,7 @@ def test_bench_gemm_checks_each_candidate_tiles_rows(triton_impl, monkeypatch):
         assert wrong[1].error.startswith("wrong sums: row ") and best(wrong)["qkv"].tiles == candidates[0]
     monkeypatch.setattr(tk, "matmul", real)
     import parity.apps.bench_gemm as bg
-    timed = bg._seconds
+    timed = bg.seconds_per_call
 
     broken = []
 
@@ -431,7 +431,7 @@ def test_bench_gemm_checks_each_candidate_tiles_rows(triton_impl, monkeypatch):
         if getattr(fn, "keywords", {}).get("tiles") == (64, 32, 64, 4, 4):  # shapes done (it
             raise RuntimeError("capture failed")  # killed the bench: no JSON at all)
         return timed(fn, "cpu", 0.001)
-    monkeypatch.setattr(bg, "_seconds", failing)
+    monkeypatch.setattr(bg, "seconds_per_call", failing)
     marked = bench_gemm("tiny", "float32", (4, 16), candidates[:2], reps=1, stopped=[])
     assert [r.error for r in marked[:2]] == ["", "RuntimeError: capture failed"] and len(marked) == 8
     assert best(marked)["qkv"].tiles == candidates[0]
