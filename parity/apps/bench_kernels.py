@@ -1,6 +1,6 @@
 """`parity bench kernels`: whole-model prefill and decode throughput, aligned vs standard.
 
-Both backends run on the same weights in one process, repetitions interleaved (A B A B ...), and
+Both backends run on the same weights in one process, repetitions interleaved (A B, B A, ...), and
 the medians are compared, so machine drift hits both sides alike. Prefill: a batch of sequences
 scored by one dense forward (`sequence_logprobs`-style, tokens/s counts every input token).
 Decode: the batch prefilled into a paged KV cache, then one-token steps for every sequence

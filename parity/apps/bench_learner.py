@@ -1,7 +1,7 @@
 """`parity bench learner`: the learner's forward+backward tokens/s, aligned vs standard.
 
 Both backends train on the same weights and the same batch (`sequence_logprobs` of B sequences
-of L tokens, the mean log-prob's gradient), repetitions interleaved (A B A B ...), medians
+of L tokens, the mean log-prob's gradient), repetitions interleaved (A B, B A, ...), medians
 compared, per preset and dtype (bfloat16 with float32 master weights, as the learner runs it).
 Each row also gives the aligned side's achieved GFLOP/s (3x the forward FLOPs of
 `ModelConfig.forward_flops_per_token`) and its fraction of this machine's GEMM rate for the dtype,
