@@ -132,19 +132,39 @@ def test_sysv_ipc_is_off(sb: Sandbox) -> None:
     assert r.ok and r.stdout.split() == ["-1", "-1", "-1"]
 
 
-@pytest.mark.skipif(cgroup_support()[0] is None, reason="no writable cgroups here")
-def test_memory_is_bounded_for_the_run_as_a_whole(sb: Sandbox) -> None:
+SIX_PROCESSES = ("import os, time\n"
+                 "for _ in range(5):\n    if os.fork() == 0:\n        break\n"
+                 "block = bytearray({mib} << 20)\nfor i in range(0, len(block), 4096):\n    block[i] = 1\n"
+                 "time.sleep(2)\nprint('held', flush=True)\n"
+                 "try:\n    while True:\n        os.wait()\nexcept ChildProcessError:\n    pass\n")
+
+
+@pytest.mark.parametrize("cgroups", [pytest.param(True, marks=pytest.mark.skipif(
+    cgroup_support()[0] is None, reason="no writable cgroups here")), False])
+def test_memory_is_bounded_for_the_run_as_a_whole(sb: Sandbox, monkeypatch, cgroups: bool) -> None:
     """Six processes of 150 MiB each stay under the per-process limit (512 MiB) but not under the
-    whole-run limit: the kernel's OOM killer acts in the run's cgroup, which is the verdict."""
-    code = ("import os, time\n"
-            "for _ in range(5):\n    if os.fork() == 0:\n        break\n"
-            "block = bytearray(150 << 20)\nfor i in range(0, len(block), 4096):\n    block[i] = 1\n"
-            "time.sleep(2)\nprint('held')\n")
+    whole-run limit: the kernel's OOM killer acts in the run's cgroup, which is the verdict. Without
+    a cgroup (a non-root run: 2026-12-07, the six held 900 MiB, bounded only at 16 x 512 MiB) the
+    launcher sums the run's memory every 50 ms and kills it past the limit."""
+    if not cgroups:
+        monkeypatch.setattr(host, "_CGROUP", (None, "no cgroup: forced by the test"))
+    code = SIX_PROCESSES.format(mib=150)
     control = unsandboxed(code)
     assert control.stdout.count("held") == 6  # 900 MiB across processes works without the sandbox
     r = sb.run(code)
     assert not r.ok and r.limit == "memory", (r.error, r.stdout)
     assert r.error == f"sandbox: memory limit exceeded ({LIMITS.memory_mb} MiB for the whole run)"
+    assert ("memory-watch" in r.protections) != cgroups
+    r = sb.run(SIX_PROCESSES.format(mib=50))  # (300 MiB in all: within the limit, the watch leaves it)
+    assert r.ok and r.stdout.count("held") == 6, r
+
+
+def test_memory_is_bounded_for_the_run_as_a_whole_in_a_degraded_mode(degraded: Sandbox, monkeypatch) -> None:
+    """Without namespaces and without a cgroup the run's processes (and the orphans it leaves,
+    which the launcher adopts) are summed too."""
+    monkeypatch.setattr(host, "_CGROUP", (None, "no cgroup: forced by the test"))
+    r = degraded.run(SIX_PROCESSES.format(mib=150))
+    assert not r.ok and r.limit == "memory" and "memory-watch" in r.protections, r
 
 
 def test_output_cannot_grow_files_on_the_host_disk(sb: Sandbox) -> None:
@@ -216,7 +236,8 @@ def test_the_protections_are_reported() -> None:
     ipc = ("no SysV IPC",) if box.isolated else ()  # (an IPC namespace's limits: isolated modes only)
     for protection in ("seccomp filter", "own session keyring", *ipc, "output through pipes"):
         assert protection in text or f"NO {protection.split()[0]}" in text, protection
-    assert ("whole-run cgroup" in text) != ("NO whole-run limits" in text)
+    assert ("whole-run cgroup (" in text) != ("NO whole-run cgroup" in text)
+    assert ("NO whole-run cgroup" in text) == (f"held to {LIMITS.memory_mb} MiB" in text)  # (the watch)
 
 
 def test_the_verdict_cannot_be_forged_through_the_run_directory_in_a_degraded_mode(monkeypatch) -> None:

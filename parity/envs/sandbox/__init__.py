@@ -175,7 +175,10 @@ class Sandbox:
         if "cgroup" in active:
             protections.append(f"whole-run cgroup (memory {lim.memory_mb} MiB, {lim.nproc} processes, 1 CPU)")
         else:
-            missing.append(f"NO whole-run limits ({cgroup_support()[1] or 'the cgroup was not joined'})")
+            missing.append(f"NO whole-run cgroup ({cgroup_support()[1] or 'the cgroup was not joined'}): "
+                           f"processes and CPU limited per process only")
+            if "memory-watch" in active:
+                protections.append(f"the run's memory summed every 50 ms and held to {lim.memory_mb} MiB")
         self.protections: list[str] = protections
         self._description = "sandbox: " + ", ".join(protections)
         if not self.isolated:

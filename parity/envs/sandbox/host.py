@@ -125,8 +125,8 @@ def _new_file(tmp: str, name: str) -> int:
     return os.open(os.path.join(tmp, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
 
 
-_STATUS_KEYS = {"status", "cpu", "timeout", "out_bytes", "err_bytes", "output_exceeded", "protections",
-                "setup"}
+_STATUS_KEYS = {"status", "cpu", "timeout", "out_bytes", "err_bytes", "output_exceeded", "memory_exceeded",
+                "protections", "setup"}
 
 
 def _read_status(fd: int) -> dict[str, str]:
@@ -303,8 +303,8 @@ def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
             if not reaped:
                 _kill_group(proc.pid)  # leftovers of the group; the launcher itself when it is late
             proc.wait()
-        oom = group is not None and group.oom_killed()
-        info = _read_status(status_r)
+        info = _read_status(status_r)  # (memory_exceeded: the launcher's watch, without a cgroup)
+        oom = (group is not None and group.oom_killed()) or info.get("memory_exceeded") == "1"
         return _collect(fds, limits, info, host_timeout=not exited, start=start, oom=oom)
     finally:
         for fd in fds:

@@ -6,30 +6,31 @@ environment, with an isolated interpreter that sees no site-packages:
     python -I -S -B launcher.py TMP MODE EXE WALL CPU MEM OUT NPROC FS_MB CGROUPS STATUS_FD OUT_FD ERR_FD
         [KIND SRC ARG]...
 
-MODE is "root" (namespaces, per-run uid), "user" (a user namespace too), "plain" (no
-namespaces; per-run uid when root) or "plain-keep-uid" (no namespaces, uid unchanged). The
-launcher enters new mount/pid/net/ipc/uts namespaces, forks the child that becomes pid 1 of the
-pid namespace (so everything it starts dies with it), and enforces the wall-clock limit. The
-child builds a private root on a tmpfs from the mount plan (KIND SRC ARG triples: read-only
-binds of the Python runtime, device nodes, symlinks, empty tmpfs masks over installed
-packages), pivots into it, drops privileges and capabilities, joins a fresh anonymous session
-keyring, sets rlimits, loads the seccomp filter the host built (TMP/seccomp.bpf) and execs a fresh
-interpreter on TMP/work/main.py. Before anything else the launcher joins the run's cgroups
-(CGROUPS: comma-separated directories, or "-"), so every process of the run counts against the
-whole-run memory, process and CPU limits; in the new IPC namespace it sets the SysV IPC limits to
-zero. The code's stdout and stderr are pipes: the launcher keeps at most OUT bytes of each (in
-the files the host opened, OUT_FD and ERR_FD) and kills the run when either goes beyond, so
-nothing the code does grows a file on the host disk. The code's processes are the OOM killer's
-first choice (oom_score_adj 1000), so a run out of memory loses the code, not the launcher's
-verdict. In the plain modes the launcher is not dumpable: a process of its uid cannot open its
-/proc/PID/fd or read its memory. The launcher writes its verdict to STATUS_FD, a socket to the
-host that no file names and the code never holds (it is closed when the code's interpreter is
-exec'd; a status *file* in TMP could be rewritten by the code in the plain modes, where TMP is
-within its reach, and a pipe reopened through /proc), as "key value" lines:
-status (wait status of the child), cpu (its cpu seconds), timeout (1 when the wall limit killed
-it), out_bytes / err_bytes (what the code wrote), output_exceeded, protections (the ones in
-force), setup (why the sandbox could not be built, when it could not). Only these lines decide a
-verdict; what the code prints never does.
+MODE is "root" (namespaces, per-run uid), "user" (a user namespace too), "plain" (no namespaces;
+per-run uid when root) or "plain-keep-uid" (no namespaces, uid unchanged). The launcher enters new
+mount/pid/net/ipc/uts namespaces, forks the child that becomes pid 1 of the pid namespace (so
+everything it starts dies with it), and enforces the wall-clock limit. The child builds a private
+root on a tmpfs from the mount plan (KIND SRC ARG triples: read-only binds of the Python runtime,
+device nodes, symlinks, empty tmpfs masks over installed packages), pivots into it, drops privileges
+and capabilities, joins a fresh anonymous session keyring, sets rlimits, loads the seccomp filter
+the host built (TMP/seccomp.bpf) and execs a fresh interpreter on TMP/work/main.py. Before anything
+else the launcher joins the run's cgroups (CGROUPS: comma-separated directories, or "-"), so every
+process of the run counts against the whole-run memory, process and CPU limits; where there are
+none, it sums the memory of every process of the run every 50 ms and kills the run beyond MEM MiB
+(each process is also held to MEM MiB of address space). In the new IPC namespace it sets the SysV
+IPC limits to zero. The code's stdout and stderr are pipes: the launcher keeps at most OUT bytes of
+each (in the files the host opened, OUT_FD and ERR_FD) and kills the run when either goes beyond, so
+nothing the code does grows a file on the host disk. The code's processes are the OOM killer's first
+choice (oom_score_adj 1000), so a run out of memory loses the code, not the launcher's verdict. In
+the plain modes the launcher is not dumpable: a process of its uid cannot open its /proc/PID/fd or
+read its memory. The launcher writes its verdict to STATUS_FD, a socket to the host that no file
+names and the code never holds (it is closed when the code's interpreter is exec'd; a status *file*
+in TMP could be rewritten by the code in the plain modes, where TMP is within its reach, and a pipe
+reopened through /proc), as "key value" lines: status (wait status of the child), cpu (its cpu
+seconds), timeout (1 when the wall limit killed it), out_bytes / err_bytes (what the code wrote),
+output_exceeded, memory_exceeded (the watch killed it), protections (the ones in force), setup (why
+the sandbox could not be built, when it could not). Only these lines decide a verdict; what the code
+prints never does.
 
 Only modules that are built in or cheap to import are used, to keep start-up fast: no json, no re.
 """
@@ -42,7 +43,7 @@ import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # rootfs.py (run under python -I)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # rootfs.py, tree.py (python -I)
 from rootfs import (  # noqa: E402
     CLONE_NEWIPC,
     CLONE_NEWNET,
@@ -60,12 +61,14 @@ from rootfs import (  # noqa: E402
     prctl,
     put,
 )
+from tree import reap_children, run_memory, run_tree  # noqa: E402
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 PR_SET_CHILD_SUBREAPER = 36
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219}.get(os.uname().machine)
 KEYCTL_JOIN_SESSION_KEYRING = 1
 IPC_LIMITS = (("shmmni", "0"), ("msgmni", "0"), ("sem", "0 0 0 0"))
+WATCH_S = 0.05  # how often the run's memory is summed where no cgroup bounds it
 
 
 class SockFprog(ctypes.Structure):
@@ -170,51 +173,6 @@ def reap_uid():
     os.waitpid(pid, 0)
 
 
-def children():
-    """This process's children (in the plain modes the launcher is their subreaper: every orphan of
-    the run, a double-forked daemon in its own session too, becomes one): from the kernel's list of
-    each thread's children, or where it has none (CONFIG_PROC_CHILDREN), from every /proc/PID/stat."""
-    try:
-        found = []
-        for tid in os.listdir("/proc/self/task"):
-            with open("/proc/self/task/" + tid + "/children", "rb") as f:
-                found += [int(p) for p in f.read().split()]
-        return found
-    except OSError:
-        pass
-    me, found = os.getpid(), []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open("/proc/" + name + "/stat", "rb") as f:
-                    stat = f.read()
-                if int(stat[stat.rindex(b")") + 2:].split()[1]) == me:
-                    found.append(int(name))
-            except (OSError, ValueError, IndexError):
-                pass  # (gone meanwhile)
-    return found
-
-
-def reap_children(limit_s=1.0):
-    """Kill and reap every process the run left behind, until none is left (or `limit_s` passed):
-    without a pid namespace, a cgroup or a uid of its own, nothing else ends them."""
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        left = children()
-        if not left:
-            return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        for pid in left:
-            try:
-                os.waitpid(pid, 0)
-            except OSError:
-                pass
-
-
 def become_uid():
     os.setgroups([])
     os.setresgid(UID, UID, UID)
@@ -228,15 +186,28 @@ def set_ipc_limits():
         put("/proc/sys/kernel/" + name, value)
 
 
-def pump(pid, pipes, errpipe_r):
+def pump(pid, pipes, errpipe_r, watch):
     """Read the child's stdout/stderr pipes into the capped files and its setup reports, until
     the pipes close (or shortly after the child exits); kill the run when output goes beyond the
-    cap. Returns (wait status, rusage, reports, bytes per pipe, output exceeded)."""
+    cap and, with `watch` (no cgroup holds the run), when its processes together hold more than
+    MEM MiB (polled every WATCH_S). Returns (wait status, rusage, reports, bytes per pipe, output
+    exceeded, memory exceeded)."""
     counts = {fd: 0 for fd in pipes}
     reports, exceeded, done, done_at = b"", False, None, 0.0
+    over, next_watch = False, 0.0
     live = set(pipes) | {errpipe_r}
     while live:
-        ready, _, _ = select.select(list(live), [], [], 0.1)
+        ready, _, _ = select.select(list(live), [], [], WATCH_S)
+        if watch and not over and done is None and time.monotonic() >= next_watch:
+            next_watch = time.monotonic() + WATCH_S
+            tree = run_tree()
+            if run_memory(tree) > MEM << 20:
+                over = True
+                for p in tree:
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except OSError:
+                        pass
         for fd in ready:
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -263,7 +234,7 @@ def pump(pid, pipes, errpipe_r):
     if done is None:
         _, status, usage = os.wait4(pid, 0)
         done = (status, usage)
-    return done[0], done[1], reports, list(counts.values()), exceeded
+    return done[0], done[1], reports, list(counts.values()), exceeded, over
 
 
 def main():
@@ -337,7 +308,10 @@ def main():
 
     signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, WALL)
-    status, usage, reports, sizes, exceeded = pump(pid, {out_r: out, err_r: err}, errpipe_r)
+    if not CGROUPS:
+        protections.append("memory-watch")
+    pipes = {out_r: out, err_r: err}
+    status, usage, reports, sizes, exceeded, over = pump(pid, pipes, errpipe_r, not CGROUPS)
     signal.setitimer(signal.ITIMER_REAL, 0)
     if PLAIN:
         reap_children()
@@ -345,7 +319,7 @@ def main():
         reap_uid()
     cpu = usage.ru_utime + usage.ru_stime
     lines = [f"status {status}", f"cpu {cpu:.3f}", f"timeout {int(bool(timed_out))}", f"out_bytes {sizes[0]}",
-             f"err_bytes {sizes[1]}", f"output_exceeded {int(exceeded)}"]
+             f"err_bytes {sizes[1]}", f"output_exceeded {int(exceeded)}", f"memory_exceeded {int(over)}"]
     text = reports.decode("utf-8", "replace").splitlines()
     protections += [ln[3:] for ln in text if ln.startswith("ok ")]
     lines.append("protections " + " ".join(protections))
