@@ -14,13 +14,14 @@ Two field kinds of the user's tasks are checked here too: an import spec ('modul
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
 import numbers
 import os
 import re
 import types
 import typing
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ _NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a s
           dict: "a table (dict)"}
 
 
-@cache
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -126,6 +127,28 @@ def check_value(value, hint, key: str, error: type[Exception] = ConfigError):
     if dataclasses.is_dataclass(hint) and isinstance(value, dict):
         hint_text = " (parity.config.config_from_dict builds a whole config from nested dicts)"
     raise error(f"{key} must be {describe(hint)}, got {shown}{hint_text}") from None
+
+
+def known_keywords(error: type[Exception] = ConfigError):
+    """Class decorator (above `@dataclass`): an unknown keyword, or too many positional values,
+    is `error` naming the class and the field (with the nearest field's name) instead of Python's
+    TypeError, whichever way the object is built (`cls(...)`, `dataclasses.replace`)."""
+    def wrap(cls):
+        init, names = cls.__init__, [f.name for f in dataclasses.fields(cls) if f.init]
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            unknown = [k for k in kwargs if k not in names]
+            if unknown:
+                near = difflib.get_close_matches(unknown[0], names, n=1)
+                hint = f" (did you mean {near[0]}?)" if near else ""
+                raise error(f"unknown {cls.__name__} field(s): {', '.join(unknown)}{hint}")
+            if len(args) > len(names):
+                raise error(f"{cls.__name__} takes at most {len(names)} values, got {len(args)}")
+            init(self, *args, **kwargs)
+        cls.__init__ = __init__
+        return cls
+    return wrap
 
 
 def check_fields(obj, error: type[Exception] = ConfigError, prefix: str | None = None,

@@ -217,3 +217,25 @@ def test_a_config_changed_after_construction_is_checked_when_the_model_is_built(
     cfg = parity.ModelConfig.preset("tiny")
     cfg.num_hidden_layers = 3  # the control: a valid change builds
     assert len(parity.Model(cfg).model.layers) == 3
+
+
+def test_an_unknown_keyword_names_the_class_and_the_nearest_field():
+    """ModelConfig(foo=1), LearnerConfig(lrr=1), SamplingParams(temprature=1.0), TrainConfig(stepz=1)
+    raised Python's TypeError ("__init__() got an unexpected keyword argument"), not a ParityError;
+    `dataclasses.replace` too. A right keyword still builds the object."""
+    import dataclasses
+
+    from parity.config import LearnerConfig, TrainConfig
+    from parity.envs.sandbox import SandboxLimits
+
+    cases = [(lambda: parity.ModelConfig(foo=1), ConfigError, "unknown ModelConfig field.s.: foo$"),
+             (lambda: LearnerConfig(lrr=1e-3), ConfigError, r"field.s.: lrr \(did you mean lr\?\)"),
+             (lambda: SamplingParams(temprature=1.0), InputError, "did you mean temperature"),
+             (lambda: dataclasses.replace(TrainConfig(), stepz=3), ConfigError, "did you mean steps"),
+             (lambda: SandboxLimits(wall=1.0), ConfigError, "did you mean wall_s"),
+             (lambda: SamplingParams(*range(30)), InputError, "SamplingParams takes at most")]
+    for build, error, message in cases:
+        with pytest.raises(error, match=message):
+            build()
+    assert dataclasses.replace(TrainConfig(), steps=3).steps == 3
+    assert SamplingParams(temperature=0.5).temperature == 0.5

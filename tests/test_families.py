@@ -771,6 +771,8 @@ def test_bfloat16_safetensors_load_in_bfloat16(tmp_path):
     (dict(architectures="Qwen2ForCausalLM"), "architectures must be a list"),
     (dict(architectures=[["Qwen2ForCausalLM"]]), "architectures must list strings"),
     (dict(layer_types=["full_attention"] * 5), "layer_types lists 5 layers"),
+    # (a string count beside layer_types read "layer_types lists 2 layers, num_hidden_layers is 2")
+    (dict(layer_types=["full_attention"] * 2, num_hidden_layers="2"), "num_hidden_layers must be an integer"),
     (dict(norm_topk_prob="false"), "norm_topk_prob must be true or false"),
     (dict(quantization_config={"quant_method": "fp8"}), r"quantized checkpoints \(quantization_config: fp8"),
     # the two layouts' RoPE fields disagreeing: transformers 4 and 5 would read different values

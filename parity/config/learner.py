@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES
 from ..errors import ConfigError
-from ..fields import check_fields
+from ..fields import check_fields, known_keywords
 from ..model.logprobs import MIN_TEMPERATURE
 
 LOSS_NAMES: tuple[str, ...] = (
@@ -30,6 +30,7 @@ HEAD_CHUNK_ELEMENTS = 1 << 26
 """`head_chunk_tokens = 0`: an LM-head chunk holds at most this many logits."""
 
 
+@known_keywords()
 @dataclass
 class LossConfig:
     """Parameters of the objectives (each loss reads the fields it needs)."""
@@ -117,6 +118,7 @@ class LossConfig:
             raise ConfigError("LossConfig.gate_low must be in [0, gate_high)")
 
 
+@known_keywords()
 @dataclass
 class LearnerConfig:
     """Optimisation and diagnostics settings; validated on construction."""

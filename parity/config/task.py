@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..fields import check_fields, check_options, check_spec
+from ..fields import check_fields, check_options, check_spec, known_keywords
 from ..model.chat_template import CALLER_VARIABLES
 
 TASK_NAMES: tuple[str, ...] = ("tool", "math", "target_tokens", "dataset", "custom")
@@ -26,6 +26,7 @@ MAX_PROBLEMS = 100_000
 at once; the text tasks' evaluations are also bounded by `task.heldout_size`)."""
 
 
+@known_keywords()
 @dataclass
 class TaskSection:
     """The environment rewards come from."""

@@ -17,7 +17,7 @@ from .. import hardware
 from ..dtypes import DTYPE_NAMES
 from ..engine.memory import memory_size
 from ..errors import ConfigError, InputError
-from ..fields import check_fields
+from ..fields import check_fields, known_keywords
 from ..model.config import PRESET_NAMES, ModelConfig
 from ..model.logprobs import MIN_TEMPERATURE
 from ..ops import check_backend
@@ -50,6 +50,7 @@ DERIVED_LEARNER_FIELDS: dict[str, str] = {
 """Learner fields a TrainConfig sets from its own fields (learner field -> where it comes from)."""
 
 
+@known_keywords()
 @dataclass
 class ModelSection:
     """Which model the run trains."""
@@ -94,6 +95,7 @@ class ModelSection:
             raise ConfigError(f"model.context must be at least 2 positions (or unset), got {self.context}")
 
 
+@known_keywords()
 @dataclass
 class RolloutSection:
     """How the engine samples."""
@@ -179,6 +181,7 @@ class RolloutSection:
         return self.prompts_per_step * self.group_size
 
 
+@known_keywords()
 @dataclass
 class RaySection:
     """The Ray cluster the rollout actors run on (used with rollout.backend = 'ray')."""
@@ -210,6 +213,7 @@ class RaySection:
             raise ConfigError(f"ray.gpus_per_worker must be > 0, got {self.gpus_per_worker!r}")
 
 
+@known_keywords()
 @dataclass
 class TrainConfig:
     """A whole training run."""

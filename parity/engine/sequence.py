@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InputError
-from ..fields import check_fields
+from ..fields import check_fields, known_keywords
 from ..model.logprobs import MIN_TEMPERATURE
 
 
+@known_keywords(InputError)
 @dataclass
 class SamplingParams:
     """How to sample one request. Validated on construction."""

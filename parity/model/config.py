@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..fields import check_fields
+from ..fields import check_fields, known_keywords
 from .config_checks import check_family_fields, check_moe, check_windows
 from .presets import PRESETS as _PRESETS
 from .rope import check_rope_scaling
@@ -64,6 +64,7 @@ PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 """Named model shapes `ModelConfig.preset` builds."""
 
 
+@known_keywords()
 @dataclass
 class ModelConfig:
     """Shape of a decoder (field names follow Hugging Face's configs)."""

@@ -123,6 +123,8 @@ def _windows(data: dict, model_type: str, fields: dict, where: str) -> None:
     layers below `max_window_layers`; SmolLM3 likewise the layers `layer_types` names, else its
     NoPE layers."""
     types, layers = data.get("layer_types"), data["num_hidden_layers"]
+    if isinstance(layers, bool) or not isinstance(layers, int):  # (before it is compared with them)
+        raise ConfigError(f"{where}: num_hidden_layers must be an integer, got {layers!r}")
     if types is not None:  # (transformers checks them whether or not any layer slides)
         bad = [t for t in types if t not in LAYER_TYPES]
         if bad:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import ConfigError
+from ...fields import known_keywords
 from . import cgroup, seccomp
 from .mounts import expected_root_listing, mount_plan, others_can_run_python, python_paths
 
@@ -43,6 +44,7 @@ _ERROR_MAX_CHARS = 500  # one-line errors are cut to this length
 _ERR_TAIL_BYTES = 8192  # how much of the end of stderr is read to find the last line
 
 
+@known_keywords()
 @dataclass(frozen=True)
 class SandboxLimits:
     """Resource limits for one `Sandbox.run`; every run gets a fresh process and filesystem."""
