@@ -257,6 +257,24 @@ def test_an_interrupted_or_damaged_base_build_leaves_nothing_half_built(tmp_path
         assert err.endswith("rebuild it with --force\n")
 
 
+def test_a_base_in_out_built_with_other_settings_is_not_handed_back(tmp_path, capsys):
+    """`parity sft --out DIR` said "already built" and showed whatever DIR held (a 30-step tool
+    base for `--recipe base-math`); a build of other settings there is now refused in one line."""
+    from parity.cli import main
+
+    out = tmp_path / "b"
+    assert main(["sft", "--out", str(out), "--steps", "2", "--eval-problems", "0"]) == 0
+    capsys.readouterr()
+    assert main(["sft", "--out", str(out), "--steps", "2"]) == 0  # the same settings: shown
+    assert "already built" in capsys.readouterr().out
+    for argv, named in ((["--recipe", "base-math", "--steps", "2"], "tool_fraction = 0.8"),
+                        ([], "steps = 2, not the"), (["--steps", "2", "--seed", "5"], "seed = 0")):
+        assert main(["sft", "--out", str(out), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"parity: error: {out} holds a base policy built with {named}"), err
+        assert err.endswith("--force rebuilds it there, or choose another --out\n") and err.count("\n") == 1
+
+
 def test_a_stopped_base_build_resumes_to_the_same_bits(tmp_path):
     """Ctrl-C in `parity sft` threw every step away. The steps trained are kept in OUT.partial
     (a signal during a step is held until it ends) and the next build of the same recipe resumes

@@ -315,9 +315,8 @@ def read_record(out: Path) -> dict:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ParityError(f"{path} cannot be read ({exc}): rebuild it with --force") from None
-    ok = isinstance(record, dict) and isinstance(record.get("train_s"), (int, float)) \
-        and isinstance(record.get("heldout", {}), dict)
-    if not ok:
+    if not (isinstance(record, dict) and isinstance(record.get("train_s"), (int, float))
+            and isinstance(record.get("heldout", {}), dict)):
         raise ParityError(f"{path} is not a base policy's record (no train_s): rebuild it with --force")
     return record
 
@@ -325,8 +324,8 @@ def read_record(out: Path) -> dict:
 MATH_STEPS = 300
 """Optimizer steps of the 'base-math' recipe."""
 MATH_COLUMNS = 0.5
-"""Share of its demonstrations that work the sum in columns (chosen so the base policy's held-out
-pass@1 sits in 20-60%: column sums it gets right, direct answers it rarely does)."""
+"""Share of its demonstrations that work the sum in columns (so the base policy's held-out pass@1
+sits in 20-60%: column sums it gets right, direct answers it rarely does)."""
 
 RECIPES: dict[str, SFTConfig] = {
     "base": SFTConfig(),
@@ -376,6 +375,7 @@ def main(args) -> int:
                               **({"steps": args.steps} if args.steps else {}))
     out = Path(args.out) if args.out else base_dir(cfg)
     if is_built(out) and not args.force:
+        sft_partial.check_kept_build(out, read_record(out).get("config"), dataclasses.asdict(cfg))
         print(f"parity: base policy already built: {out} (--force rebuilds)")
     else:
         check_out(out)  # (said it was training into a file, then refused)

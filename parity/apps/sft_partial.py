@@ -8,6 +8,7 @@ until the step ends (a second Ctrl-C stops at once, keeping nothing of that step
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import Terminated
+from ..errors import ParityError, Terminated
 
 log = logging.getLogger(__name__)
 
@@ -138,3 +139,18 @@ def train_steps(out_dir: Path, recipe: dict, model, opt, rnd, steps: int, progre
             raise
     discard(out_dir)
     return losses, time.perf_counter() - t0
+
+
+def check_kept_build(out_dir: Path, built: object, asked: dict) -> None:
+    """A base policy already in `out_dir` (its sft.json's `built` config) is what `parity sft`
+    was asked for (`asked`): a build of another recipe, steps or seed there is refused in one
+    line naming the first difference (`--out DIR` handed back whatever DIR held)."""
+    asked = json.loads(json.dumps(asked))  # (tuples as the record's lists)
+    if not isinstance(built, dict):
+        return  # (a record from before configs were kept: nothing to compare)
+    diff = [k for k in asked if built.get(k) != asked[k]]
+    if diff:
+        k = diff[0]
+        raise ParityError(f"{out_dir} holds a base policy built with {k} = {built.get(k)!r}, not the "
+                          f"{asked[k]!r} asked for: --force rebuilds it there, or choose another --out")
+
