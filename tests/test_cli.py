@@ -180,6 +180,13 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["study", "--out", str(tmp_path / "not-utf8.toml"), "--report-only"], "is not a directory"),
         (["bench", "memory", "--lags", "20000000"], "--lags plus --after must be at most 10,000,000"),
         (["train", *toy, "--set", "task.prompt_len=600"], "task.prompt_len (600) leaves no room to generate"),
+        # a new user's walk through the README (2026-12-07, second session)
+        (["demo", "--set", 'task.name="math"'], "--set task.name: the demo is the tool-use task"),
+        (["demo", "--model", str(tmp_path / "nope")], "nope: checkpoint directory not found"),  # (only)
+        (["train", *toy, "--stepz", "3"], "--stepz (`parity train --help` lists the options)"),
+        (["bench", "kernels", "--foo"], "--foo (`parity bench kernels --help` lists the options)"),
+        (["train", *toy, "--set", "rollout.kv_cache_memory=2.0"], "2.0 reads as 2 bytes: a fraction"),
+        (["train", "--resume", str(tmp_path / "no-run")], "no-run: no run there (a run directory holds"),
     ]
     for argv, message in cases:
         try:

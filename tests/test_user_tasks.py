@@ -92,6 +92,22 @@ def test_dataset_split_is_fixed_disjoint_and_batches_walk_every_problem_once_per
     assert env.prompt_ids(first) == tokenizer.encode(f"<|user|>{first['prompt']}<|assistant|>")
 
 
+def test_prompts_the_tokenizer_cannot_spell_are_counted_at_load(tmp_path, tokenizer, caplog):
+    """A row "２+２＝😀" trained on <|unk|> tokens without a word (the character tokenizer of the
+    small models); the load now says how many prompts hold such characters."""
+    import logging
+
+    rows = additions(30) + [{"prompt": "２+２＝😀", "answer": 4}, {"prompt": "héllo 1+1=", "answer": 2}]
+    with caplog.at_level(logging.WARNING, logger="parity"):
+        DatasetEnv(tokenizer, write_jsonl(tmp_path / "u.jsonl", rows), heldout_size=5)
+    assert "2 prompt(s) hold characters this tokenizer cannot spell" in caplog.text
+    assert tokenizer.unk_token_id == tokenizer.token_id("<|unk|>") is not None
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="parity"):  # (the control: plain rows say nothing)
+        DatasetEnv(tokenizer, write_jsonl(tmp_path / "p.jsonl", additions(30)), heldout_size=5)
+    assert "cannot spell" not in caplog.text
+
+
 def test_dataset_heldout_file_keeps_its_prompts_out_of_training(tmp_path, tokenizer):
     data = write_jsonl(tmp_path / "train.jsonl", additions(30))
     held = write_jsonl(tmp_path / "held.jsonl", additions(5, start=20) + additions(3, start=500))

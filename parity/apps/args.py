@@ -63,9 +63,16 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse's own errors (a bad choice, an unreadable number, a missing argument) as one line
     naming the command, without the usage block (`--help` shows it)."""
 
+    def parse_args(self, args=None, namespace=None):  # (argparse's own, but for the command's name)
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:  # a subcommand's unknown option: its own --help names the options (`parity train`)
+            where = " ".join(str(x) for x in (self.prog, getattr(parsed, "command", None),
+                                              getattr(parsed, "bench", None)) if x)
+            usage_error(f"unrecognized arguments: {' '.join(extra)} (`{where} --help` lists the options)")
+        return parsed
+
     def error(self, message: str) -> NoReturn:
-        top = self.prog == "parity" and message.startswith("unrecognized")  # (a subcommand's option)
-        usage_error(f"{message} (`{'parity COMMAND' if top else self.prog} --help` lists the options)")
+        usage_error(f"{message} (`{self.prog} --help` lists the options)")
 
 
 def check_args(args: argparse.Namespace) -> None:

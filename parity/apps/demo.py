@@ -22,6 +22,7 @@ from ..envs.sandbox import Sandbox
 from ..errors import ConfigError, ParityError
 from ..metrics.report import write_report
 from ..metrics.summary import demo_rows, step_line
+from ..model.loading import checkpoint_dir
 from ..rl import checkpoint
 from ..rl.checkpoint import DEMO_MARK
 from ..rl.controller import Controller
@@ -90,6 +91,9 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
         key = item.split("=", 1)[0].strip()
         if key in OWN_OPTIONS:
             raise ConfigError(f"--set {key}: the demo sets it with {OWN_OPTIONS[key]}")
+        if key == "task.name":  # (its title, table and task.level are the tool task's)
+            raise ConfigError("--set task.name: the demo is the tool-use task; `parity train --set "
+                              "task.name=...` trains another")
     earlier = Path(opts.run_dir)
     found = checkpoint.found(earlier) if not (earlier / DEMO_MARK).exists() and not opts.overwrite else []
     if found:  # (before the base policy's build, in the demo's own words)
@@ -103,6 +107,8 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
                               "(make demo ARGS=\"--set task.require_isolation=false\")") from None
     t0 = time.perf_counter()
     # (a recipe's name, as every other --model takes: 'base' was refused as unresolved)
+    if opts.base and not names_recipe(opts.base):  # (before "base policy X" is said)
+        checkpoint_dir(opts.base)
     base = get_base_policy(RECIPES[opts.base]) if names_recipe(opts.base) else opts.base or get_base_policy()
     log.info("base policy %s (%.0f s)", base, time.perf_counter() - t0)
     cfg = demo_config(opts, str(base), overrides)
@@ -112,7 +118,7 @@ def run_demo(opts: DemoOptions, overrides: list[str] = ()) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / DEMO_MARK).touch()
     log.info("%s", controller.task_description)
-    log.info("%s %s, %s kernels, policy lag %d, %d steps x %d episodes (run dir %s)",
+    log.info("%s %s, %s kernels, policy lag %d, %d step(s) x %d episodes (run dir %s)",
              "asynchronous" if cfg.max_policy_lag else "synchronous", objective_name(cfg), cfg.model.kernels,
              cfg.max_policy_lag, cfg.steps, cfg.rollout.batch_size, cfg.run_dir)
     bar = Progress("train", cfg.steps, every=5)

@@ -31,6 +31,8 @@ def main(args) -> int:
         if fixed:
             raise ParityError(f"--resume: {fixed[0]} is fixed by the checkpoint; only "
                               f"{', '.join(RESUMABLE_MODEL_KEYS)} of the model can change on resume")
+        if not (Path(args.resume) / "config.toml").is_file():  # (was "RUN/config.toml: no such config file")
+            raise ParityError(f"--resume {args.resume}: no run there (a run directory holds config.toml)")
         cfg = load_config(Path(args.resume) / "config.toml", {**overrides, "run_dir": args.resume})
         controller = Controller(resolve_base(cfg), resume=True)
     else:

@@ -59,6 +59,11 @@ def memory_size(value: float | int | str, what: str = "kv_cache_memory") -> floa
     if bare and number > 1 and number != int(number):  # (1.5 was read as 1 byte: "holds no cache block")
         raise InputError(f"{what} {value!r} is neither a fraction of available memory in (0, 1] nor a "
                          "whole number of bytes")
+    decimal = isinstance(value, float) or (isinstance(value, str) and not unit
+                                           and not value.strip().isdigit())
+    if decimal and 1 < number < 1 << 20:  # (2.0 read as 2 bytes: "hold no cache block", naming no slip)
+        raise InputError(f"{what} {value!r} reads as {int(number)} bytes: a fraction of available memory "
+                         "is in (0, 1]; a size takes a unit (like 2GiB)")
     return number
 
 

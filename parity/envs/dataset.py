@@ -195,6 +195,12 @@ class DatasetEnv(Env):
         if any("messages" in r for r in rows + (held_rows or [])) and not tokenizer.chat_template:
             raise ConfigError("task.data: a problem gives 'messages', which needs a checkpoint with a chat "
                               "template; this tokenizer has none (give a 'prompt' string instead)")
+        unk = getattr(tokenizer, "unk_token_id", None)  # (a character tokenizer's unknown characters)
+        unknown = sum(unk in self.prompt_ids(r) for r in rows + (held_rows or []) if "prompt" in r) \
+            if unk is not None else 0
+        if unknown:
+            log.warning("task.data: %d prompt(s) hold characters this tokenizer cannot spell; the model "
+                        "sees them as %s", unknown, tokenizer.decode([unk]))
         self.too_long = 0
         if max_prompt_tokens:  # left out, as verl's filter_overlong_prompts does
             fits = [r for r in rows if len(self.prompt_ids(r)) <= max_prompt_tokens]

@@ -23,17 +23,23 @@ from .tensor_names import file_name, tensors_from_files, text_model_tensors
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def checkpoint_dir(path) -> Path:
+    """`path` as a Path, or a one-line CheckpointError where no checkpoint directory is there."""
+    path = Path(path)
+    if not path.is_dir():
+        why = "not a directory (a checkpoint is a directory of config.json and model.safetensors)" \
+            if path.exists() else "checkpoint directory not found"
+        raise CheckpointError(f"{path}: {why}")
+    return path
+
+
 def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | None = None,
                block_size: int | None = None, device: torch.device | str | None = None,
                context: int | None = None):
     """Load a `parity` or Hugging Face checkpoint directory of a supported family onto `device`
     (default the CPU; the weights are checked on the CPU, then moved), serving at most `context`
     positions when given (`ModelConfig.with_context`)."""
-    path = Path(path)
-    if not path.is_dir():
-        why = "not a directory (a checkpoint is a directory of config.json and model.safetensors)" \
-            if path.exists() else "checkpoint directory not found"
-        raise CheckpointError(f"{path}: {why}")
+    path = checkpoint_dir(path)
     try:
         config = config_from_hf(read_json(path / "config.json"), path / "config.json").with_context(context)
     except ConfigError as exc:

@@ -120,6 +120,12 @@ class HFTokenizer:
         """The id of a (special) token, or None."""
         return self._tok.token_to_id(token)
 
+    @property
+    def unk_token_id(self) -> int | None:
+        """The id text this vocabulary cannot spell becomes (None: a byte-level BPE spells any)."""
+        unk = self.special_tokens.get("unk_token") or getattr(self._tok.model, "unk_token", None)
+        return self.token_id(unk) if isinstance(unk, str) else None
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 

@@ -519,6 +519,10 @@ def test_memory_budgets_read_as_written():
     for bad in ("-1", "0", "-5GiB", "4 parsecs", "nan", "inf", 1.5, "1e9.5"):  # (1.5: read as 1 byte)
         with pytest.raises(InputError, match="fraction of available memory"):
             memory_size(bad)
+    for slip in (2.0, "2.0", "8e3"):  # (a decimal read as a few bytes: "hold no cache block")
+        with pytest.raises(InputError, match=r"reads as \d+ bytes: a fraction of available memory is in"):
+            memory_size(slip)
+    assert memory_size(4096) == 4096 and memory_size("4096") == 4096 and memory_size(2e9) == 2e9  # (bytes)
 
 
 def test_library_misuse_is_an_input_error_and_leaves_the_engine_usable():
