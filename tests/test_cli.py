@@ -484,3 +484,12 @@ def test_bench_learner_memory_json(capsys):
     assert all(r["tok_s"] > 0 and r["held_gib"] > 0 and r["step_gib"] >= 0 for r in rows)
     assert main(["bench", "learner-memory", "--preset", "tiny", "--length", "100000"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("parity: error: --length")
+
+
+def test_kv_cache_memory_with_a_unit_reaches_the_engine_as_written(capsys):
+    """`--kv-cache-memory 512KiB` (and a plain 65536) were parsed to a float before the engine read
+    them: 524288.0, which the engine's decimal rule then refused (a regression of the same day)."""
+    for size in ("512KiB", "65536", "0.25"):
+        assert main(["generate", "--preset", "tiny", "--prompt-ids", "1,2,3", "--max-tokens", "2",
+                     "--kv-cache-memory", size]) == 0, capsys.readouterr().err
+    capsys.readouterr()

@@ -19,16 +19,16 @@ POSITIVE = ("rounds", "reps", "max_len", "prefill_len", "decode_steps", "num_seq
 """Integer options that must be at least 1."""
 
 
-def memory(text: str) -> float:
-    """'0.25' (a fraction of available memory), '4GiB', '512MiB', '1e9' -> a number for
-    `kv_cache_memory`."""
+def memory(text: str) -> str:
+    """'0.25' (a fraction of available memory), '4GiB', '512MiB', '1e9': checked, and passed on as
+    written (`kv_cache_memory` reads it; as a float, '512KiB' became 524288.0, a decimal)."""
     from ..engine.memory import memory_size
 
     try:
-        return memory_size(text)
-    except ParityError:
-        raise argparse.ArgumentTypeError(f"expected a fraction of available memory or a size like "
-                                         f"4GiB, got {text!r}") from None
+        memory_size(text, "--kv-cache-memory")
+    except ParityError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def csv(kind):
