@@ -61,7 +61,7 @@ from rootfs import (  # noqa: E402
     prctl,
     put,
 )
-from tree import reap_children, run_memory, run_tree  # noqa: E402
+from tree import kill_run, reap_children, run_memory, run_tree  # noqa: E402
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 PR_SET_CHILD_SUBREAPER = 36
@@ -200,14 +200,9 @@ def pump(pid, pipes, errpipe_r, watch):
         ready, _, _ = select.select(list(live), [], [], WATCH_S)
         if watch and not over and done is None and time.monotonic() >= next_watch:
             next_watch = time.monotonic() + WATCH_S
-            tree = run_tree()
-            if run_memory(tree) > MEM << 20:
-                over = True
-                for p in tree:
-                    try:
-                        os.kill(p, signal.SIGKILL)
-                    except OSError:
-                        pass
+            over = run_memory(run_tree()) > MEM << 20
+        if over:  # (again each round: in the plain modes, orphans of the processes killed)
+            kill_run(pid, done is None, PLAIN)
         for fd in ready:
             chunk = os.read(fd, 65536)
             if not chunk:

@@ -1,18 +1,20 @@
 """The sandbox's seccomp filter: the system calls model-written code never needs, refused.
 
-Built on the host as a classic-BPF program (the launcher only loads it, after no_new_privs,
-right before it execs the interpreter). Refused with EPERM: new namespaces (unshare, setns, and
-clone with any CLONE_NEW* flag; clone3 answers ENOSYS so libc falls back to clone), mounting
-and changing root, the kernel keyrings (keyctl, add_key, request_key), bpf, perf_event_open,
-userfaultfd, io_uring, inotify and fanotify, the kernel log (syslog), ptrace and
-process_vm_readv/writev and pidfd_getfd (another process's file descriptors), module, kexec,
-reboot, swap and accounting calls; and sockets of any family but AF_UNIX, AF_INET and AF_INET6
-(`socket`, `socketpair`): the network namespace isolates those, not every family (AF_VSOCK
-reached the hypervisor's port space from inside a Firecracker guest). Every call numbered past
-`NEWEST_KNOWN` (those a later kernel adds: listmount, open_tree_attr, ... reached the kernel)
-answers ENOSYS, as on an older kernel, so the list cannot fall behind the kernel. A call from
-another ABI than the filter's (x86-64's x32, 32-bit entry) kills the process. x86-64 only; elsewhere
-`build_filter` returns None and the sandbox says seccomp is unavailable.
+Built on the host as a classic-BPF program (the launcher only loads it, after no_new_privs, right
+before it execs the interpreter). Refused with EPERM: new namespaces (unshare, setns, and clone with
+any CLONE_NEW* flag; clone3 answers ENOSYS so libc falls back to clone), mounting and changing root,
+the kernel keyrings (keyctl, add_key, request_key), bpf, perf_event_open, userfaultfd, io_uring,
+inotify and fanotify, the kernel log (syslog), ptrace and process_vm_readv/writev and pidfd_getfd
+(another process's file descriptors), module, kexec, reboot, swap and accounting calls; SysV shared
+memory, semaphores and message queues (their memory is no process's: without an IPC namespace, in
+the plain modes, a run held 1.6 GiB past a 512 MiB limit in detached segments that outlived it); and
+sockets of any family but AF_UNIX, AF_INET and AF_INET6 (`socket`, `socketpair`): the network
+namespace isolates those, not every family (AF_VSOCK reached the hypervisor's port space from inside
+a Firecracker guest). Every call numbered past `NEWEST_KNOWN` (those a later kernel adds: listmount,
+open_tree_attr, ... reached the kernel) answers ENOSYS, as on an older kernel, so the list cannot
+fall behind the kernel. A call from another ABI than the filter's (x86-64's x32, 32-bit entry) kills
+the process. x86-64 only; elsewhere `build_filter` returns None and the sandbox says seccomp is
+unavailable.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ DENIED_X86_64: dict[str, int] = {
     "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
     "io_uring_register": 427, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
     "fsmount": 432, "fspick": 433, "pidfd_getfd": 438, "mount_setattr": 442,
+    "shmget": 29, "shmat": 30, "semget": 64, "msgget": 68,
 }
 CLONE_X86_64, CLONE3 = 56, 435
 NEWEST_KNOWN = 452
