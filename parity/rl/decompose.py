@@ -15,8 +15,8 @@ is |learner process − worker| on them, and their kernel figures use the learne
 kept version is not checkpointed (a model's copy in every checkpoint): a resumed run re-scores
 again from the first batch of a version it keeps back after the resume, and deterministic
 comparisons leave the figure out (`PROCESS_FIGURES`). Only decomposed batches carry the worker's
-scores, so with `decompose_every` = k > 1 the version kept back is one whose batch, at the full
-lag, is consumed on a decomposed step (`keep_back`).
+scores, so with `decompose_every` = k > 1 the version kept back is one whose batch, at the lag
+batches come at, is consumed on a decomposed step (`keep_back`).
 """
 
 from __future__ import annotations
@@ -145,9 +145,10 @@ def recheck(learner, batch: TrajectoryBatch, lp_old: torch.Tensor, scored: torch
 
 def keep_back(learner, batch: TrajectoryBatch) -> None:
     """After a step: let the kept version go once no later batch can carry it (it is at the lag
-    bound), and, with none kept, keep the current one if the batch that, at the full lag, it
-    samples is consumed on a decomposed step (the worker scores only those: `decompose_every`).
-    At a smaller lag it is still re-scored on any decomposed step whose batch carries it. Nothing
+    bound), and, with none kept, keep the current one if the batch it samples is consumed on a
+    decomposed step (the worker scores only those: `decompose_every`), at the lag this batch came
+    at (its newest tokens' version: the full lag in deterministic runs, often less where the
+    rollout side is the slower). It is re-scored on any decomposed step whose batch carries it. Nothing
     is kept where the worker does not score (a decomposed batch without its scores; MoE, whose
     tokens the learner scores itself from the versions it keeps)."""
     cfg, kept = learner.config, learner.kept_back
@@ -157,5 +158,7 @@ def keep_back(learner, batch: TrajectoryBatch) -> None:
     unscored = learner.steps % every == 0 and batch.sampled_learner_logprobs.isnan().all()
     if kept and (next(iter(kept)) <= learner.version - lag or unscored):
         kept.clear()  # (the rollout side never sees it: what a resumed run samples with is the history)
-    if not kept and not unscored and batch.routing is None and (learner.steps + lag) % every == 0:
+    newest = batch.versions[batch.mask.bool()]  # (the lag batches are sampled at now, not the bound)
+    ahead = max(1, learner.version - int(newest.max())) if newest.numel() else lag
+    if not kept and not unscored and batch.routing is None and (learner.steps + ahead) % every == 0:
         kept[learner.version] = learner.history[learner.version]

@@ -446,6 +446,35 @@ def test_the_version_kept_back_is_re_scored_when_only_some_steps_are_decomposed(
     assert split[2] == split[6] == 0.0  # (the control: the worker's own figures cannot see it)
 
 
+def test_the_version_kept_back_follows_the_lag_batches_come_at():
+    """Where the rollout side is the slower, batches come at a lag below the bound (1, say, at
+    `max_policy_lag` 3): a version kept for a batch at the full lag was never re-scored with
+    `decompose_every` = 3 (16 steps, no recheck). `keep_back` predicts from the lag of the batch
+    at hand: at lag 1 it keeps the version of the step before a decomposed one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from parity.rl.decompose import keep_back
+
+    def step(s, lag_seen, scored=True):
+        learner.version = learner.steps = s
+        scores = torch.zeros(2, 4) if scored else torch.full((2, 4), torch.nan)
+        batch = SimpleNamespace(versions=torch.full((2, 4), s - lag_seen), mask=torch.ones(2, 4),
+                                routing=None, sampled_learner_logprobs=scores)
+        keep_back(learner, batch)
+        return next(iter(learner.kept_back), None)
+
+    learner = SimpleNamespace(config=SimpleNamespace(max_policy_lag=3, decompose_every=3), kept_back={},
+                              history={s: f"weights {s}" for s in range(20)}, version=0, steps=0)
+    # at lag 1: 2 kept (its batch comes at step 3), let go at the bound (step 5: no batch can carry
+    # it), 5 kept (batch at 6), ...; the old rule kept 3, 6, ... whose batches came at 4, 7: never scored
+    assert [step(s, 1) for s in range(1, 9)] == [None, 2, 2, 2, 5, 5, 5, 8]
+    learner.kept_back.clear()
+    assert [step(s, 3) for s in range(9, 13)] == [9, 9, 9, 12]  # at the full lag: 9's batch at 12
+    assert step(15, 3, scored=False) is None  # (a decomposed batch without the worker's scores)
+
+
 def test_kept_weight_versions_do_not_grow_with_the_lag(tmp_path):
     """At lag 64 (deterministic: batch b is sampled by version 0 here) the learner ends up keeping
     only the current weights once no batch is left to sample, and the one version it keeps back
