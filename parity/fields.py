@@ -142,9 +142,9 @@ def known_keywords(error: type[Exception] = ConfigError):
             if unknown:
                 near = difflib.get_close_matches(unknown[0], names, n=1)
                 hint = f" (did you mean {near[0]}?)" if near else ""
-                raise error(f"unknown {cls.__name__} field(s): {', '.join(unknown)}{hint}")
+                raise error(f"unknown {type(self).__name__} field(s): {', '.join(unknown)}{hint}")
             if len(args) > len(names):
-                raise error(f"{cls.__name__} takes at most {len(names)} values, got {len(args)}")
+                raise error(f"{type(self).__name__} takes at most {len(names)} values, got {len(args)}")
             init(self, *args, **kwargs)
         cls.__init__ = __init__
         return cls

@@ -273,6 +273,15 @@ def test_a_base_in_out_built_with_other_settings_is_not_handed_back(tmp_path, ca
         err = capsys.readouterr().err
         assert err.startswith(f"parity: error: {out} holds a base policy built with {named}"), err
         assert err.endswith("--force rebuilds it there, or choose another --out\n") and err.count("\n") == 1
+    import json
+
+    record = json.loads((out / "sft.json").read_text())
+    del record["config"]["lr"]  # (a field added since the build: its default, the one asked)
+    (out / "sft.json").write_text(json.dumps(record))
+    assert main(["sft", "--out", str(out), "--steps", "2"]) == 0
+    (out / "sft.json").write_text(json.dumps({**record, "recipe": record["recipe"] - 1}))
+    assert main(["sft", "--out", str(out), "--steps", "2"]) == 2
+    assert "holds a base policy of recipe version" in capsys.readouterr().err
 
 
 def test_a_stopped_base_build_resumes_to_the_same_bits(tmp_path):

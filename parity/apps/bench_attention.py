@@ -44,6 +44,8 @@ class AttentionRow:
     auto: str
     """The schedule the aligned backend picks for this shape."""
     same_bits: bool
+    eager: list
+    """Paths whose CUDA-graph capture failed, timed one eager call after another instead."""
 
 
 def _rotating(calls: list):
@@ -87,12 +89,19 @@ def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: in
             calls = {p: _rotating([partial(f, q, kc, vc, tables, q_pos) for kc, vc in caches])
                      for p, f in paths.items()}
             times: dict[str, list[float]] = {p: [] for p in calls}
+            eager: list[str] = []
             for rep in range(reps):  # the order reversed every other round
                 for p in (PATHS if rep % 2 == 0 else PATHS[::-1]):
-                    times[p].append(seconds_per_call(calls[p], device))
+                    try:
+                        times[p].append(seconds_per_call(calls[p], device, graphs=p not in eager))
+                    except RuntimeError:  # a capture this path does not allow: eager, and said so
+                        if p in eager or device.type != "cuda":
+                            raise
+                        eager.append(p)
+                        times[p].append(seconds_per_call(calls[p], device, graphs=False))
             chosen = ta._schedule(batch, hkv, hq // hkv, ta._attention_tiles(d, dtype)[0], pages, d, q.device)
             ms = {p: 1e3 * statistics.median(t) for p, t in times.items()}
-            yield AttentionRow(batch, context, ms, chosen, torch.equal(walk, split))
+            yield AttentionRow(batch, context, ms, chosen, torch.equal(walk, split), eager)
             del caches, calls
 
 
@@ -126,6 +135,10 @@ def main(args) -> int:
                 [[str(r.batch), str(r.context), *[f"{r.ms[p]:.3f}" for p in PATHS], r.auto,
                   f"{r.ms['walk'] / r.ms['split']:.2f}x", f"{r.ms['standard'] / r.ms['auto']:.2f}",
                   "yes" if r.same_bits else "NO"] for r in rows]))
+    for r in rows:
+        if r.eager:
+            print(f"batch {r.batch}, context {r.context}: {', '.join(r.eager)} timed eagerly (its CUDA-graph "
+                  "capture failed): launch costs included")
     for why in stopped:
         print(f"{why}: the shapes not listed were not measured")
     return exit_status(stopped, ok)

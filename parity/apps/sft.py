@@ -375,7 +375,7 @@ def main(args) -> int:
                               **({"steps": args.steps} if args.steps else {}))
     out = Path(args.out) if args.out else base_dir(cfg)
     if is_built(out) and not args.force:
-        sft_partial.check_kept_build(out, read_record(out).get("config"), dataclasses.asdict(cfg))
+        sft_partial.check_kept_build(out, read_record(out), cfg, RECIPE_VERSION)
         print(f"parity: base policy already built: {out} (--force rebuilds)")
     else:
         check_out(out)  # (said it was training into a file, then refused)

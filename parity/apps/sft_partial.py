@@ -8,6 +8,7 @@ until the step ends (a second Ctrl-C stops at once, keeping nothing of that step
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -141,14 +142,19 @@ def train_steps(out_dir: Path, recipe: dict, model, opt, rnd, steps: int, progre
     return losses, time.perf_counter() - t0
 
 
-def check_kept_build(out_dir: Path, built: object, asked: dict) -> None:
-    """A base policy already in `out_dir` (its sft.json's `built` config) is what `parity sft`
-    was asked for (`asked`): a build of another recipe, steps or seed there is refused in one
-    line naming the first difference (`--out DIR` handed back whatever DIR held)."""
-    asked = json.loads(json.dumps(asked))  # (tuples as the record's lists)
+def check_kept_build(out_dir: Path, record: dict, cfg, version: int) -> None:
+    """A base policy already in `out_dir` (its sft.json `record`) is what `parity sft` was asked
+    for (`cfg`, an SFTConfig of recipe `version`): a build of another recipe, steps or seed there,
+    or of an older recipe version, is refused in one line naming the first difference (`--out DIR`
+    handed back whatever DIR held). A field the record lacks (added since) is its default."""
+    asked, defaults = (json.loads(json.dumps(dataclasses.asdict(c))) for c in (cfg, type(cfg)()))  # (lists)
+    built = record.get("config")
     if not isinstance(built, dict):
         return  # (a record from before configs were kept: nothing to compare)
-    diff = [k for k in asked if built.get(k) != asked[k]]
+    if record.get("recipe") != version:
+        raise ParityError(f"{out_dir} holds a base policy of recipe version {record.get('recipe')!r}, not "
+                          f"{version}: --force rebuilds it there, or choose another --out")
+    diff = [k for k in asked if built.get(k, defaults.get(k)) != asked[k]]
     if diff:
         k = diff[0]
         raise ParityError(f"{out_dir} holds a base policy built with {k} = {built.get(k)!r}, not the "

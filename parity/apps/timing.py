@@ -62,9 +62,9 @@ def l2_copies(nbytes: int, device) -> int:
     return max(1, min(64, -(-2 * l2 // nbytes)))
 
 
-def seconds_per_call(fn, device, target: float = 0.02) -> float:
+def seconds_per_call(fn, device, target: float = 0.02, graphs: bool = True) -> float:
     """Seconds per call of `fn`, over enough calls to take about `target` seconds (at most 200),
-    after a warm-up call; on a GPU the calls are replayed from one CUDA graph."""
+    after a warm-up call; on a GPU the calls are replayed from one CUDA graph (`graphs`)."""
     fn()
     hardware.sync(device)
     t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def seconds_per_call(fn, device, target: float = 0.02) -> float:
     hardware.sync(device)
     once = max(time.perf_counter() - t0, 1e-6)
     calls = max(1, min(200, int(target / once)))
-    if torch.device(device).type == "cuda":
+    if graphs and torch.device(device).type == "cuda":
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(calls):
@@ -114,7 +114,10 @@ def busy_note(threads: int | None = None) -> str:
     except OSError:
         return ""
     own = threads if threads is not None else torch.get_num_threads()
-    cores = os.cpu_count() or 1
+    try:
+        cores = len(os.sched_getaffinity(0))  # (the cores this process may use: a container's share)
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
     if load - min(own, cores) < 1.0:
         return ""
     return (f"note: the load average was {load:.1f} on {cores} cores while this ran (the bench's own "
