@@ -2,18 +2,37 @@
 measurement, the shared-machine note, and the FLOPs the rollout bench credits the engine with."""
 
 import os
+import time
 
 import pytest
 
 from parity.apps import timing
 
 
-def test_interleaved_reverses_the_order_every_other_round():
+def test_interleaved_reverses_the_order_every_other_round(monkeypatch):
+    monkeypatch.setattr(timing, "SAMPLE_S", 0.0)  # (one call a sample)
     calls = []
     fns = {k: (lambda k=k: calls.append(k)) for k in "AB"}
     med = timing.interleaved(fns, reps=4)
     assert calls == ["A", "B", "A", "B", "B", "A", "A", "B", "B", "A"]  # (a warm-up round first)
     assert set(med) == {"A", "B"} and all(v >= 0 for v in med.values())
+
+
+def test_interleaved_samples_last_long_enough_to_time():
+    calls = {"fast": 0, "slow": 0}
+
+    def fast():
+        calls["fast"] += 1
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(0.03)  # (longer than a sample: one call each)
+
+    med = timing.interleaved({"fast": fast, "slow": slow}, reps=3)
+    assert calls["slow"] == 4 and calls["fast"] > 3 * 10  # (a warm-up call, then whole samples)
+    assert med["fast"] < 1e-4 < 0.03 <= med["slow"]
+    inner = timing.interleaved({"x": lambda: 0.5}, reps=2, timed_inside=True)  # (its own seconds)
+    assert inner == {"x": 0.5}
 
 
 def test_seconds_per_call_amortises_short_calls():

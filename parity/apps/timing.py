@@ -21,20 +21,34 @@ import torch
 
 from .. import hardware
 
+SAMPLE_S = 0.002
+"""A sample of `interleaved` lasts at least this long: a call of tens of microseconds timed alone
+reads the clock and the scheduler (on a shared machine a whole row's samples fell into one time
+slice, and the ratio flipped between 0.5 and 1.15 from run to run)."""
+
 
 def interleaved(fns: dict, reps: int, timed_inside: bool = False) -> dict[str, float]:
     """Median seconds per call of each function, called in turn `reps` times after a warm-up
     round, the order reversed every other round (A B, B A, ...: neither side always runs after
     the other). Each function waits for its own device work; with `timed_inside` it returns the
-    seconds to count itself (work it does not want timed, such as setup, left out)."""
+    seconds to count itself (work it does not want timed, such as setup, left out). A function
+    faster than `SAMPLE_S` is called enough times in a row per sample to last that long (timed
+    again after its warm-up, whose first call may hold a compile or a probe)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
+    runs = dict.fromkeys(fns, 1)
+    for k, fn in fns.items():
+        t0 = time.perf_counter()
         fn()
+        if not timed_inside and time.perf_counter() - t0 < 10 * SAMPLE_S:  # (cheap: time one more)
+            t0 = time.perf_counter()
+            fn()
+            runs[k] = max(1, min(1000, int(SAMPLE_S / max(time.perf_counter() - t0, 1e-7))))
     for r in range(reps):
         for k, fn in (list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]):
             t0 = time.perf_counter()
-            inner = fn()
-            times[k].append(inner if timed_inside else time.perf_counter() - t0)
+            for _ in range(runs[k]):
+                inner = fn()
+            times[k].append(inner if timed_inside else (time.perf_counter() - t0) / runs[k])
     return {k: statistics.median(v) for k, v in times.items()}
 
 
