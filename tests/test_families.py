@@ -899,13 +899,57 @@ def test_malformed_checkpoint_files_are_one_line_errors(tmp_path):
     case(shards({"x": 1}), "tensor x maps to 1")
     case(shards({"x": "../good/model.safetensors"}), "not a file name in")
     case(shards({"x": "a.safetensors", "y": "b.safetensors"}, split=True), "is also in another shard")
-    case(lambda d: (os.remove(d / "config.json"), os.mkdir(d / "config.json")), "cannot read the config")
+    case(lambda d: (os.remove(d / "config.json"), os.mkdir(d / "config.json")), "config.json: not a regular")
     case(config(vocab_size=2 ** 34), r"embed_tokens.weight has shape \(128, 64\), config.json implies")
     case(config(intermediate_size=2 ** 40),  # (named before memory is asked for it: was "cannot be built")
          r"gate_proj.weight has shape \(96, 64\), config.json implies \(1099511627776, 64\)")
     case(tensors(**{"model.norm.weight": torch.ones(64, dtype=torch.int64)}), "norm.weight has dtype int64")
     stacked = torch.zeros(8, 64, 64)
     case(tensors(**{"model.layers.0.mlp.experts.gate_up_proj": stacked}), "stored both stacked and expert by")
+
+
+def test_special_files_in_a_checkpoint_are_refused_before_they_are_read(tmp_path):
+    """A FIFO named model.safetensors or tokenizer.json hung the process for good (through
+    SIGTERM), config.json or chat_template.jinja linked to /dev/zero was read until memory ran out,
+    JSON nested 100,000 deep failed naming no file: each is one line naming the file, at once."""
+    import os
+    import shutil
+
+    from parity.errors import InputError
+    from parity.model.tokenizer import HFTokenizer, build_char_tokenizer
+
+    hf_model("qwen3").save_pretrained(tmp_path / "good")
+    build_char_tokenizer().save(str(tmp_path / "good" / "tokenizer.json"))
+    parity.load_model(tmp_path / "good")
+    HFTokenizer(tmp_path / "good" / "tokenizer.json")
+
+    def copy():
+        d = tmp_path / "bad"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(tmp_path / "good", d)
+        return d
+
+    for name, make, message in [
+            ("model.safetensors", os.mkfifo, "model.safetensors: not a regular file"),
+            ("config.json", lambda p: os.symlink("/dev/zero", p), "config.json: not a regular file"),
+            ("config.json", lambda p: p.write_text("[" * 100_000), "config.json: not valid JSON"),
+            ("config.json", lambda p: p.write_bytes(b"{\"a\": \xff}"), "config.json: not UTF-8")]:
+        d = copy()
+        os.remove(d / name)
+        make(d / name)
+        with pytest.raises(CheckpointError, match=message) as err:
+            parity.load_model(d)
+        assert "\n" not in str(err.value)
+    for name, make, message in [
+            ("tokenizer.json", os.mkfifo, "tokenizer.json: not a regular file"),
+            ("chat_template.jinja", lambda p: os.symlink("/dev/zero", p), "template.jinja: not a regular"),
+            ("tokenizer_config.json", lambda p: p.write_text("1" * 5000), "config.json: not valid JSON")]:
+        d = copy()
+        if (d / name).exists():
+            os.remove(d / name)
+        make(d / name)
+        with pytest.raises(InputError, match=message):
+            HFTokenizer(d / "tokenizer.json")
 
 
 def test_transformers_defaults_and_buffers_are_honoured(tmp_path):

@@ -114,6 +114,32 @@ def test_the_chat_template_file_and_template_errors(bpe_dir, tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_a_hostile_chat_template_is_one_line_and_bounded(bpe_dir):
+    """A checkpoint's template hung the host (nested loops of 10^5), asked for 4 GB ("a" * 10**9:
+    a Rust abort), or printed a traceback (1/0, "a" + 1, a macro that recurses): each is now an
+    InputError naming the template, at once; a real template still renders."""
+    from parity.model.chat_template import MAX_RENDER_CHARS, render_chat
+
+    hi = [{"role": "user", "content": "hi"}]
+    for template, message in [
+            ("{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}", "loop steps"),
+            ("{{ 'a' * 1000000000 }}", "a product of 1,000,000,000 items"),
+            ("{{ 10 ** 100000 }}", "a power of exponent"),
+            ("{% for i in range(2000) %}{{ 'x' * 4000 }}{% endfor %}", f"passed {MAX_RENDER_CHARS:,} chara"),
+            ("{{ 1 / 0 }}", "ZeroDivisionError"), ("{{ messages[0].content + 1 }}", "TypeError"),
+            ("{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+            ("{{ ''.__class__.__mro__ }}", "unsafe")]:
+        with pytest.raises(InputError, match=message) as err:
+            render_chat(template, hi)
+        assert str(err.value).startswith("chat template: ") and "\n" not in str(err.value), template
+    real = "{% for m in messages %}<{{ m.content }}>{% endfor %}{% for i in range(3) %}.{% endfor %}"
+    assert render_chat(real, hi) == "<hi>..."
+    tok = HFTokenizer(bpe_dir / "tokenizer.json")
+    with pytest.raises(InputError, match="text of 3,000,000 characters: more than"):
+        tok.encode("x" * 3_000_000)  # (10 million took 3.9 GB in the tokenizer)
+    assert tok.decode(tok.encode("x" * 1000)) == "x" * 1000
+
+
 def test_environments_prompt_in_the_models_own_format(bpe_dir):
     tok = HFTokenizer(bpe_dir / "tokenizer.json")
     env = MathEnv(tok, "add", 1)

@@ -6,17 +6,26 @@ templates on the Hub rely on (`raise_exception`, `strftime_now`, a `tojson` that
 text and accepts indent / separators / sort_keys, `namespace` without dunder attributes) and a
 `{% generation %}` block that simply renders its body. It is rendered with `messages` (keys whose
 value is None dropped), `add_generation_prompt`, `tools`, `documents`, the tokenizer's special
-tokens (`bos_token`, `eos_token`, ...) and any extra keyword (e.g. `enable_thinking`).
+tokens (`bos_token`, `eos_token`, ...) and any extra keyword (e.g. `enable_thinking`). A template
+comes with its checkpoint, from anywhere: its loops, products and output are bounded
+(`MAX_LOOP_STEPS`, `MAX_RENDER_CHARS`) and any error it raises is one line naming the template.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import threading
 from datetime import datetime
 from typing import Any
 
 from ..errors import InputError
+
+MAX_RENDER_CHARS = 4_000_000
+"""The most text a rendering may make (a product or a string repeated past it is refused too)."""
+MAX_LOOP_STEPS = 1_000_000
+"""The most items all the `range`s of one rendering may hold (nested loops of 10^5 each hung)."""
+_budget = threading.local()  # (the rendering under way's `range` items left, per thread)
 
 
 @functools.lru_cache(maxsize=16)
@@ -24,7 +33,7 @@ def _compile(template: str):
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
     class GenerationBlock(Extension):
         """`{% generation %}...{% endgeneration %}` (assistant-mask markers): renders the body."""
@@ -52,11 +61,36 @@ def _compile(template: str):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, "jinja2.ext.loopcontrols"])
+    class Bounded(ImmutableSandboxedEnvironment):
+        """The sandbox, with `*` and `**` refused where their result would be larger than a
+        rendering may be (`"a" * 10**9`, `10**10**6`)."""
+
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            sized = (str, list, tuple)
+            if operator == "*" and isinstance(left, int) and isinstance(right, sized):
+                left, right = right, left
+            if operator == "*" and isinstance(left, sized) and isinstance(right, int) \
+                    and len(left) * right > MAX_RENDER_CHARS:
+                raise jinja2.exceptions.SecurityError(f"a product of {len(left) * right:,} items")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 4096 \
+                    and abs(left) > 1:
+                raise jinja2.exceptions.SecurityError(f"a power of exponent {right:,}")
+            return super().call_binop(context, operator, left, right)
+
+    def bounded_range(*args):
+        items = safe_range(*args)
+        _budget.left = getattr(_budget, "left", MAX_LOOP_STEPS) - len(items)
+        if _budget.left < 0:
+            raise jinja2.exceptions.SecurityError(f"more than {MAX_LOOP_STEPS:,} loop steps")
+        return items
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True,
+                  extensions=[GenerationBlock, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, namespace=Namespace,
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.globals.update(raise_exception=raise_exception, namespace=Namespace, range=bounded_range,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt[:1000]))
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:
@@ -83,8 +117,21 @@ def render_chat(template: str, messages: list[dict[str, Any]], add_generation_pr
     context = {**(special_tokens or {}), **kwargs}
     context.setdefault("tools", None)
     context.setdefault("documents", None)
-    try:
-        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **context)
+    compiled, out, size = _compile(template), [], 0
+    _budget.left = MAX_LOOP_STEPS
+    try:  # (piece by piece: a rendering past MAX_RENDER_CHARS stops there)
+        for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       **context):
+            size += len(piece)
+            if size > MAX_RENDER_CHARS:
+                raise InputError(f"chat template: the rendering passed {MAX_RENDER_CHARS:,} characters")
+            out.append(piece)
     except jinja2.exceptions.TemplateError as exc:
         raise InputError(f"chat template: {exc}") from None
+    except (ArithmeticError, TypeError, ValueError, LookupError, AttributeError, RecursionError,
+            MemoryError) as exc:  # (the template's own mistakes: 1/0, "a" + 1, a macro that recurses)
+        if isinstance(exc, InputError):
+            raise
+        text = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise InputError(f"chat template: {type(exc).__name__}: {text}") from None
+    return "".join(out)

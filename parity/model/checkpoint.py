@@ -15,6 +15,7 @@ import torch
 
 from ..errors import CheckpointError
 from .families import config_to_hf
+from .files import read_json, regular_file
 from .tensor_names import tensors_to_files
 
 
@@ -65,8 +66,8 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     index = path / "model.safetensors.index.json"
     if not files[0].exists() and index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as exc:
+            weight_map = read_json(index)["weight_map"]
+        except (KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: weight_map must map tensor names to file names, "
@@ -84,6 +85,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{f}: weights file not found" + (
                 f" ({pickled[0]} is there: parity reads safetensors only; resave with transformers' "
                 "save_pretrained, which writes them)" if pickled else ""))
+        regular_file(f, 1 << 50)  # (a FIFO hung load_file for good, through SIGTERM)
         try:
             shard = load_file(str(f))
         except (SafetensorError, OSError, ValueError) as exc:

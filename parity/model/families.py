@@ -13,12 +13,11 @@ Tensor names between checkpoint files and the model are `tensor_names.py`'s.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from . import hf_rope, hybrid
+from . import files, hf_rope, hybrid
 from .config import MODEL_TYPES, ModelConfig
 from .config_checks import LAYER_TYPES
 
@@ -61,14 +60,9 @@ _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except OSError as exc:  # a directory, no permission
-        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not Path(path).exists() and not Path(path).is_symlink():
+        raise ConfigError(f"{path}: no such config file")
+    data = files.read_json(path, ConfigError)  # (a regular file of bounded size: `files.py`)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return data

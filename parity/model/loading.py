@@ -6,7 +6,6 @@ before any weight is copied, so a bad file is refused, never half-loaded."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from ..dtypes import checkpoint_dtype
 from ..errors import CheckpointError, ConfigError
 from ..hardware import check_device
+from . import files
 from .checkpoint import read_tensors
 from .decoder import DEFAULT_BLOCK_SIZE, Model
 from .families import config_from_hf, read_json
@@ -44,7 +44,7 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
         config = config_from_hf(read_json(path / "config.json"), path / "config.json").with_context(context)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
-    raw = json.loads((path / "config.json").read_text())
+    raw = files.read_json(path / "config.json")  # (checked just above: a JSON object)
     if dtype is None:
         dtype = checkpoint_dtype(raw.get("dtype") or raw.get("torch_dtype"))
     try:

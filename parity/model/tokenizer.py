@@ -7,11 +7,32 @@ text (the `tiny` preset's 128 ids cover ASCII only); ids it cannot decode print 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 from ..errors import InputError
+from . import files
+
+MAX_TEXT_CHARS = 2_000_000
+"""The longest text handed to a tokenizer (~half a million tokens of English; the library takes
+~400 bytes a character while it works: 10 million characters took 3.9 GB)."""
+
+
+def _bounded(text: str, what: str = "text") -> str:
+    if isinstance(text, str) and len(text) > MAX_TEXT_CHARS:
+        raise InputError(f"{what} of {len(text):,} characters: more than the {MAX_TEXT_CHARS:,} a tokenizer "
+                         "is given (no model context holds it)")
+    return text
+
+
+def _library(call, *args):
+    """A tokenizers call, its Rust panic (a regex past its backtracking limit) as an InputError."""
+    try:
+        return call(*args)
+    except BaseException as exc:  # (pyo3's PanicException derives from BaseException)
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise InputError(f"the tokenizer failed: {str(exc).splitlines()[0][:200]}") from None
 
 
 class ByteTokenizer:
@@ -28,7 +49,7 @@ class ByteTokenizer:
         return self.encode(text)  # bytes have no special tokens
 
     def encode(self, text: str) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        ids = list(_bounded(text).encode("utf-8"))
         bad = [b for b in ids if b >= self.vocab_size]
         if bad:
             raise InputError(f"prompt: byte {bad[0]} is outside the vocabulary "
@@ -58,6 +79,7 @@ class HFTokenizer:
     def __init__(self, path: Path, directory: Path | None = None):
         from tokenizers import Tokenizer
 
+        files.regular_file(path, files.MAX_TOKENIZER_BYTES, InputError)  # (a FIFO hung here for good)
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # the library raises its own exception types
@@ -80,7 +102,7 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without the special tokens the tokenizer would add around it."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return _library(lambda: self._tok.encode(_bounded(text), add_special_tokens=False).ids)
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` as plain characters: the text of an added (special) token inside it,
@@ -89,14 +111,18 @@ class HFTokenizer:
         # the tokenizer's own normalizer, pre-tokenizer and model, without its added-token pass
         # (text cut around each added token and encoded piece by piece got a word-start marker
         # per piece from SentencePiece-style pre-tokenizers: '</s>' came back as '< /s>')
-        tok = self._tok
-        text = tok.normalizer.normalize_str(text) if tok.normalizer is not None else text
-        pieces = tok.pre_tokenizer.pre_tokenize_str(text) if tok.pre_tokenizer is not None else [(text, None)]
-        return [t.id for piece, _ in pieces for t in tok.model.tokenize(piece)]
+        tok, text = self._tok, _bounded(text)
+
+        def run():
+            normal = _bounded(tok.normalizer.normalize_str(text)) if tok.normalizer is not None else text
+            pieces = tok.pre_tokenizer.pre_tokenize_str(normal) if tok.pre_tokenizer is not None \
+                else [(normal, None)]
+            return [t.id for piece, _ in pieces for t in tok.model.tokenize(piece)]
+        return _library(run)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a raw prompt, with the tokenizer's own additions (a BOS token, say)."""
-        return self._tok.encode(text).ids
+        return _library(lambda: self._tok.encode(_bounded(text)).ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> list[int]:
@@ -131,12 +157,9 @@ class HFTokenizer:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})") from None
+    data = files.read_json(path, InputError)  # (a regular file of bounded size: `files.py`)
     return data if isinstance(data, dict) else {}
 
 
@@ -145,8 +168,8 @@ def _chat_template(config: dict, directory: Path) -> str | None:
     string, or a list of named templates of which "default" is taken), else the processor's
     `chat_template.json` (image-text checkpoints such as Gemma 3 4B-27B keep it there)."""
     jinja = directory / "chat_template.jinja"
-    if jinja.exists():
-        return jinja.read_text()
+    if jinja.exists() or jinja.is_symlink():
+        return files.read_text(jinja, files.MAX_TEMPLATE_BYTES, InputError)
     template = config.get("chat_template")
     if template is None:
         template = _read_json(directory / "chat_template.json").get("chat_template")
