@@ -43,6 +43,21 @@ def describe() -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "gpu": gpu}
 
 
+def available_memory(device: torch.device | str | None = None) -> int:
+    """Bytes of memory available to a new allocation now on `device`: a GPU's free memory
+    (`torch.cuda.mem_get_info`), else the host's (MemAvailable; physical memory when
+    /proc/meminfo is not there)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def check_device(device: torch.device | str | None, what: str = "device") -> torch.device:
     """`device` as a torch.device ('cpu', 'cuda', 'cuda:N'; None is the CPU), or a one-line
     ConfigError naming `what` when it is malformed or names a GPU this torch build cannot see."""

@@ -291,3 +291,25 @@ def test_moe_combine_sums_the_experts_in_rank_order():
     assert torch.equal(aligned.moe_combine(parts), in_order)
     assert all(torch.equal(aligned.moe_combine(parts[:t]), in_order[:t]) for t in (1, 3, 17))
     assert not torch.equal(standard.moe_combine(parts), in_order)
+
+
+def test_rope_tables_are_built_in_blocks_and_refused_past_the_memory_there(monkeypatch):
+    """The tables were built in float64 through several whole copies: max_position_embeddings of
+    1M took 4 GB for a 100 KB model, 8M asked for ~60 GB (the host's OOM killer). They are built
+    in blocks of positions now, the same bits, and a context whose tables alone would take more
+    than half the memory available is a one-line error naming the field and the way out."""
+    import torch
+
+    from parity.errors import ConfigError
+    from parity.model import rope
+
+    positions, head_dim, theta = 70_000, 8, 1e6  # (past one block of 65,536 positions)
+    cos, sin = rope.rope_tables(head_dim, theta, positions, None)
+    inv = rope.inverse_frequencies(head_dim, theta, None, positions)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv  # (the whole-table way)
+    angles = torch.cat([angles, angles], dim=-1)
+    assert torch.equal(cos, angles.cos().float()) and torch.equal(sin, angles.sin().float())
+    monkeypatch.setattr(rope, "available_memory", lambda device=None: 2**30)
+    with pytest.raises(ConfigError, match=r"max_position_embeddings = 8,388,608: its RoPE tables take "
+                                          r"16.0 GiB, more than half the 1.0 GiB available; serve a shorter"):
+        rope.rope_tables(256, theta, 8_388_608, None)

@@ -5,32 +5,17 @@ budget (`plan_cache`: the full layers' blocks, and a sliding-window model's wind
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
 
 from ..errors import InputError
+from ..hardware import available_memory
 from ..model import KVCache
 
 DEFAULT_KV_CACHE_MEMORY = 0.25
 """The KV cache's default budget: this fraction of the memory available on the model's device
 when the engine starts (the rest is the learner's, the weights' and the other processes')."""
-
-
-def available_memory(device: torch.device | str | None = None) -> int:
-    """Bytes of memory available to a new allocation now on `device`: a GPU's free memory
-    (`torch.cuda.mem_get_info`), else the host's (MemAvailable; physical memory when
-    /proc/meminfo is not there)."""
-    if device is not None and torch.device(device).type == "cuda":
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..hardware import available_memory
 
 _REQUIRED: dict[str, tuple[str, ...]] = {  # per type; other keys are read as transformers reads them
     "linear": ("factor",),
@@ -207,11 +208,21 @@ def rope_tables(head_dim: int, theta: float, positions: int, rs: dict[str, Any] 
     fewer rotated dimensions than head_dim, in `rotary_order`, the passed-through pairs at angle 0
     and unscaled (cos 1, sin 0)."""
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    need, free = 2 * positions * head_dim * 4, available_memory()
+    if need > free // 2:  # (1M positions took 4 GB for a 100 KB model; 8M asked for 60 GB)
+        raise ConfigError(f"max_position_embeddings = {positions:,}: its RoPE tables take "
+                          f"{need / 2**30:.1f} GiB, more than half the {free / 2**30:.1f} GiB available; "
+                          "serve a shorter context (model.context, --context)")
     inv_freq = inverse_frequencies(rotary_dim, theta, rs, positions)
     still = (head_dim - rotary_dim) // 2
-    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq
-    angles = torch.cat([angles, angles.new_zeros(positions, still)], dim=-1)
     scale = torch.cat([torch.full((rotary_dim // 2,), attention_factor(rs), dtype=torch.float64),
                        torch.ones(still, dtype=torch.float64)])
-    angles, scale = torch.cat([angles, angles], dim=-1), torch.cat([scale, scale])
-    return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+    scale = torch.cat([scale, scale])
+    cos, sin = torch.empty(positions, head_dim), torch.empty(positions, head_dim)
+    for start in range(0, positions, 1 << 16):  # in blocks of positions: float64 only for a block
+        stop = min(positions, start + (1 << 16))
+        angles = torch.arange(start, stop, dtype=torch.float64)[:, None] * inv_freq
+        angles = torch.cat([angles, angles.new_zeros(stop - start, still)], dim=-1)
+        angles = torch.cat([angles, angles], dim=-1)
+        cos[start:stop], sin[start:stop] = angles.cos() * scale, angles.sin() * scale
+    return cos, sin
