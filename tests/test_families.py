@@ -950,6 +950,11 @@ def test_special_files_in_a_checkpoint_are_refused_before_they_are_read(tmp_path
         make(d / name)
         with pytest.raises(InputError, match=message):
             HFTokenizer(d / "tokenizer.json")
+    d = copy()  # (true was read as id 1, and "1" or 1e3 dropped without a word)
+    for listed in ([2, True], ["1"], [1e3], [-1]):
+        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": listed}))
+        with pytest.raises(InputError, match="generation_config.json: eos_token_id .* is not a token id"):
+            HFTokenizer(d / "tokenizer.json")
 
 
 def test_transformers_defaults_and_buffers_are_honoured(tmp_path):

@@ -108,6 +108,20 @@ def test_prompts_the_tokenizer_cannot_spell_are_counted_at_load(tmp_path, tokeni
     assert "cannot spell" not in caplog.text
 
 
+def test_a_prompt_no_model_can_take_is_named_at_load_not_at_its_batch(tmp_path, tokenizer):
+    """A prompt the tokenizer cannot take (3 million characters: gigabytes inside the tokenizer) or
+    whose ids lie outside the model's vocabulary stopped the run at the batch that drew it, and
+    again at each --resume (the order is fixed); every prompt is now tokenized once at load, and a
+    bad one is a ConfigError naming its file and line."""
+    rows = additions(30) + [{"prompt": "1+1=" + "x" * 3_000_000, "answer": 2}]
+    with pytest.raises(ConfigError, match=r"big.jsonl:31: text of [\d,]+ characters: more than"):
+        DatasetEnv(tokenizer, write_jsonl(tmp_path / "big.jsonl", rows), heldout_size=5)
+    data = write_jsonl(tmp_path / "ok.jsonl", additions(30))
+    with pytest.raises(ConfigError, match=r"ok.jsonl:1: the prompt's token \d+ is outside the model's vocab"):
+        DatasetEnv(tokenizer, data, heldout_size=5, vocab_size=10)
+    assert DatasetEnv(tokenizer, data, heldout_size=5, vocab_size=tokenizer.vocab_size).heldout()
+
+
 def test_dataset_heldout_file_keeps_its_prompts_out_of_training(tmp_path, tokenizer):
     data = write_jsonl(tmp_path / "train.jsonl", additions(30))
     held = write_jsonl(tmp_path / "held.jsonl", additions(5, start=20) + additions(3, start=500))

@@ -46,8 +46,9 @@ MAX_LINE_BYTES = 16 << 20
 """The longest line read (a file without newlines is not read whole to find out)."""
 
 
-def read_problems(path: str, key: str, needs_answer: bool) -> list[dict]:
-    """The problems of a JSONL file; a one-line ConfigError naming the line otherwise."""
+def read_problems(path: str, key: str, needs_answer: bool, lines: list[int] | None = None) -> list[dict]:
+    """The problems of a JSONL file; a one-line ConfigError naming the line otherwise (`lines`
+    gets each problem's line number)."""
     rows: list[dict] = []
     size = number = 0
     try:
@@ -63,6 +64,8 @@ def read_problems(path: str, key: str, needs_answer: bool) -> list[dict]:
                     line = line[3:]
                 if line.strip():
                     rows.append(_check_row(_parse(line, path, number), f"{path}:{number}", needs_answer))
+                    if lines is not None:
+                        lines.append(number)
     except FileNotFoundError:
         raise ConfigError(f"{key}: {path}: no such file (a relative path is read from the working "
                           "directory)") from None
@@ -161,7 +164,7 @@ class DatasetEnv(Env):
 
     def __init__(self, tokenizer, data: str, reward: str | list[str] = "exact", seed: int = 0,
                  heldout_size: int = 200, heldout_data: str | None = None, max_prompt_tokens: int = 0,
-                 reward_weights: list[float] | None = None, sandbox=None):
+                 reward_weights: list[float] | None = None, sandbox=None, vocab_size: int | None = None):
         if tokenizer is None:
             raise ConfigError("task 'dataset' needs a tokenizer (model.checkpoint with a tokenizer.json)")
         self.tokenizer, self.seed = tokenizer, seed
@@ -190,14 +193,24 @@ class DatasetEnv(Env):
         self.reward_spec = " + ".join(spec if w == 1 else f"{w:g} x {spec}" for _, spec, _, w in self.rewards)
         needs_answer = any(fn is exact for _, _, fn, _ in self.rewards)
         self.threaded = any(fn is not exact for _, _, fn, _ in self.rewards)  # yours may wait (a judge)
-        rows = read_problems(data, "task.data", needs_answer)
-        held_rows = read_problems(heldout_data, "task.heldout_data", needs_answer) if heldout_data else None
+        numbers: tuple[list[int], list[int]] = ([], [])
+        rows = read_problems(data, "task.data", needs_answer, numbers[0])
+        held_rows = read_problems(heldout_data, "task.heldout_data", needs_answer, numbers[1]) \
+            if heldout_data else None
         if any("messages" in r for r in rows + (held_rows or [])) and not tokenizer.chat_template:
             raise ConfigError("task.data: a problem gives 'messages', which needs a checkpoint with a chat "
                               "template; this tokenizer has none (give a 'prompt' string instead)")
-        unk = getattr(tokenizer, "unk_token_id", None)  # (a character tokenizer's unknown characters)
-        unknown = sum(unk in self.prompt_ids(r) for r in rows + (held_rows or []) if "prompt" in r) \
-            if unk is not None else 0
+        unk, unknown = getattr(tokenizer, "unk_token_id", None), 0  # (a character tokenizer's unknowns)
+        for path, part, lines in ((data, rows, numbers[0]), (heldout_data, held_rows or [], numbers[1])):
+            for row, number in zip(part, lines):  # each prompt once, now: a bad row stopped the run at
+                try:  # the batch that drew it, and again at each --resume (the order is fixed)
+                    ids = self.prompt_ids(row)
+                except ParityError as exc:
+                    raise ConfigError(f"{path}:{number}: {exc}") from None
+                if vocab_size is not None and ids and max(ids) >= vocab_size:
+                    raise ConfigError(f"{path}:{number}: the prompt's token {max(ids)} is outside the "
+                                      f"model's vocabulary ({vocab_size} ids): another model's tokenizer?")
+                unknown += unk is not None and unk in ids
         if unknown:
             log.warning("task.data: %d prompt(s) hold characters this tokenizer cannot spell; the model "
                         "sees them as %s", unknown, tokenizer.decode([unk]))

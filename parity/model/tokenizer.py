@@ -96,7 +96,12 @@ class HFTokenizer:
         self.chat_template: str | None = _chat_template(config, directory)
         generation = _read_json(directory / "generation_config.json").get("eos_token_id")
         eos = [self.token_id(self.special_tokens["eos_token"])] if "eos_token" in self.special_tokens else []
-        eos += generation if isinstance(generation, list) else [generation] if generation is not None else []
+        listed = generation if isinstance(generation, list) else [] if generation is None else [generation]
+        bad = [e for e in listed if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < 2**31]
+        if bad:  # (true was read as id 1, "1" and 1e3 dropped without a word)
+            raise InputError(f"{directory / 'generation_config.json'}: eos_token_id {bad[0]!r} is not a "
+                             "token id")
+        eos += listed
         self.eos_token_ids: list[int] = sorted({e for e in eos if isinstance(e, int)})
         self.chat_template_kwargs: dict = {}  # the template's keywords for every render (a call's win)
 

@@ -83,7 +83,7 @@ def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
         from ..envs.dataset import DatasetEnv
 
         return DatasetEnv(tokenizer, t.data, t.reward, cfg.seed, t.heldout_size, t.heldout_data,
-                          t.max_prompt_tokens, t.reward_weights, ctx.sandbox)
+                          t.max_prompt_tokens, t.reward_weights, ctx.sandbox, vocab_size)
     if t.name == "math":
         from ..envs.math import MathEnv
 
