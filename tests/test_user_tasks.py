@@ -110,7 +110,8 @@ def test_prompts_the_tokenizer_cannot_spell_are_counted_at_load(tmp_path, tokeni
 
 def test_a_prompt_no_model_can_take_is_named_at_load_not_at_its_batch(tmp_path, tokenizer):
     """A prompt the tokenizer cannot take (3 million characters: gigabytes inside the tokenizer) or
-    whose ids lie outside the model's vocabulary stopped the run at the batch that drew it, and
+    whose ids lie outside the model's vocabulary, or that leaves no room to generate in the model's
+    context, stopped the run at the batch that drew it, and
     again at each --resume (the order is fixed); every prompt is now tokenized once at load, and a
     bad one is a ConfigError naming its file and line."""
     rows = additions(30) + [{"prompt": "1+1=" + "x" * 3_000_000, "answer": 2}]
@@ -120,6 +121,11 @@ def test_a_prompt_no_model_can_take_is_named_at_load_not_at_its_batch(tmp_path, 
     with pytest.raises(ConfigError, match=r"ok.jsonl:1: the prompt's token \d+ is outside the model's vocab"):
         DatasetEnv(tokenizer, data, heldout_size=5, vocab_size=10)
     assert DatasetEnv(tokenizer, data, heldout_size=5, vocab_size=tokenizer.vocab_size).heldout()
+    long = write_jsonl(tmp_path / "long.jsonl", additions(30) + [{"prompt": "1+1=" + "x" * 600, "answer": 2}])
+    with pytest.raises(ConfigError, match=r"long.jsonl:31: the prompt's 6\d\d tokens leave no room to "
+                                          r"generate in the model's context of 512 \(task.max_prompt_tokens"):
+        DatasetEnv(tokenizer, long, heldout_size=5, context=512)
+    assert DatasetEnv(tokenizer, long, heldout_size=5, context=512, max_prompt_tokens=500).too_long == 1
 
 
 def test_dataset_heldout_file_keeps_its_prompts_out_of_training(tmp_path, tokenizer):

@@ -164,7 +164,8 @@ class DatasetEnv(Env):
 
     def __init__(self, tokenizer, data: str, reward: str | list[str] = "exact", seed: int = 0,
                  heldout_size: int = 200, heldout_data: str | None = None, max_prompt_tokens: int = 0,
-                 reward_weights: list[float] | None = None, sandbox=None, vocab_size: int | None = None):
+                 reward_weights: list[float] | None = None, sandbox=None, vocab_size: int | None = None,
+                 context: int | None = None):
         if tokenizer is None:
             raise ConfigError("task 'dataset' needs a tokenizer (model.checkpoint with a tokenizer.json)")
         self.tokenizer, self.seed = tokenizer, seed
@@ -210,6 +211,11 @@ class DatasetEnv(Env):
                 if vocab_size is not None and ids and max(ids) >= vocab_size:
                     raise ConfigError(f"{path}:{number}: the prompt's token {max(ids)} is outside the "
                                       f"model's vocabulary ({vocab_size} ids): another model's tokenizer?")
+                kept = not max_prompt_tokens or len(ids) <= max_prompt_tokens  # (else left out below)
+                if context is not None and kept and len(ids) >= context:
+                    raise ConfigError(f"{path}:{number}: the prompt's {len(ids):,} tokens leave no room to "
+                                      f"generate in the model's context of {context:,} "
+                                      "(task.max_prompt_tokens leaves such prompts out)")
                 unknown += unk is not None and unk in ids
         if unknown:
             log.warning("task.data: %d prompt(s) hold characters this tokenizer cannot spell; the model "

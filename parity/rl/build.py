@@ -50,8 +50,9 @@ def tokenizer_path(cfg: TrainConfig) -> Path | None:
     return Path(path) / "tokenizer.json" if path and (Path(path) / "tokenizer.json").exists() else None
 
 
-def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
-    """The run's environment (text tasks read the checkpoint's tokenizer.json)."""
+def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None, context: int | None = None):
+    """The run's environment (text tasks read the checkpoint's tokenizer.json); with the model's
+    `context`, a dataset's prompt that leaves no room to generate is refused at load."""
     t = cfg.task
     if t.name == "target_tokens":
         from ..envs import TargetTokensTask
@@ -83,7 +84,7 @@ def build_env(cfg: TrainConfig, vocab_size: int, sandbox=None):
         from ..envs.dataset import DatasetEnv
 
         return DatasetEnv(tokenizer, t.data, t.reward, cfg.seed, t.heldout_size, t.heldout_data,
-                          t.max_prompt_tokens, t.reward_weights, ctx.sandbox, vocab_size)
+                          t.max_prompt_tokens, t.reward_weights, ctx.sandbox, vocab_size, context)
     if t.name == "math":
         from ..envs.math import MathEnv
 

@@ -91,7 +91,8 @@ class Controller:
                                   f"with --overwrite, or choose another run_dir")
             self.model = build_model(cfg)
             self.learner = Learner(self.model, cfg.learner)
-        self.env = build_env(cfg, self.model.config.vocab_size)  # a bad task fails here, not in a worker
+        self.env = build_env(cfg, self.model.config.vocab_size,  # a bad task fails here, not in a worker
+                             context=self.model.config.max_position_embeddings)
         self.task_description = self.env.describe()
         self.rollout = make_rollout(cfg, self.model.config, lambda: self.learner.history)
         self.rollout.should_stop = lambda: bool(self.interrupted)  # a wait for a batch gives way
