@@ -202,7 +202,9 @@ class DatasetEnv(Env):
             raise ConfigError("task.data: a problem gives 'messages', which needs a checkpoint with a chat "
                               "template; this tokenizer has none (give a 'prompt' string instead)")
         unk, unknown = getattr(tokenizer, "unk_token_id", None), 0  # (a character tokenizer's unknowns)
-        for path, part, lines in ((data, rows, numbers[0]), (heldout_data, held_rows or [], numbers[1])):
+        sizes: list[list[int]] = [[], []]  # (each prompt's tokens, for task.max_prompt_tokens below)
+        for path, part, lines, size in ((data, rows, numbers[0], sizes[0]),
+                                        (heldout_data, held_rows or [], numbers[1], sizes[1])):
             for row, number in zip(part, lines):  # each prompt once, now: a bad row stopped the run at
                 try:  # the batch that drew it, and again at each --resume (the order is fixed)
                     ids = self.prompt_ids(row)
@@ -217,13 +219,14 @@ class DatasetEnv(Env):
                                       f"generate in the model's context of {context:,} "
                                       "(task.max_prompt_tokens leaves such prompts out)")
                 unknown += unk is not None and unk in ids
+                size.append(len(ids))
         if unknown:
             log.warning("task.data: %d prompt(s) hold characters this tokenizer cannot spell; the model "
                         "sees them as %s", unknown, tokenizer.decode([unk]))
         self.too_long = 0
         if max_prompt_tokens:  # left out, as verl's filter_overlong_prompts does
-            fits = [r for r in rows if len(self.prompt_ids(r)) <= max_prompt_tokens]
-            held_fits = [r for r in held_rows if len(self.prompt_ids(r)) <= max_prompt_tokens] \
+            fits = [r for r, n in zip(rows, sizes[0]) if n <= max_prompt_tokens]
+            held_fits = [r for r, n in zip(held_rows, sizes[1]) if n <= max_prompt_tokens] \
                 if held_rows is not None else None
             self.too_long = len(rows) - len(fits) + (len(held_rows) - len(held_fits) if held_rows else 0)
             rows, held_rows = fits, held_fits
