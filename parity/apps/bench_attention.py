@@ -28,7 +28,7 @@ from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import ModelConfig
 from ..ops import standard
-from .timing import Rotating, l2_copies, seconds_per_call
+from .timing import l2_copies, rotating, seconds_per_call
 from .ui import collect, exit_status, status, table, term_as_interrupt
 
 PATHS = ("walk", "split", "auto", "standard")
@@ -46,11 +46,6 @@ class AttentionRow:
     same_bits: bool
     eager: list
     """Paths whose CUDA-graph capture failed, timed one eager call after another instead."""
-
-
-def _rotating(calls: list):
-    """One call per cache copy, cycled (`timing.Rotating`); the call itself where there is one."""
-    return calls[0] if len(calls) == 1 else Rotating(calls)
 
 
 def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: int, device: torch.device,
@@ -86,7 +81,7 @@ def bench_attention(preset: str, dtype: torch.dtype, batches, contexts, reps: in
             if progress:
                 progress(f"attention batch {batch} context {context}")
             walk, split = paths["walk"](*args), paths["split"](*args)  # (the bits check, untimed)
-            calls = {p: _rotating([partial(f, q, kc, vc, tables, q_pos) for kc, vc in caches])
+            calls = {p: rotating([partial(f, q, kc, vc, tables, q_pos) for kc, vc in caches])
                      for p, f in paths.items()}
             times: dict[str, list[float]] = {p: [] for p in calls}
             eager: list[str] = []

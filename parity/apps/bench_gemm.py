@@ -40,7 +40,7 @@ from .. import hardware
 from ..dtypes import dtype_from_name
 from ..errors import ParityError
 from ..model import ModelConfig
-from .timing import Rotating, l2_copies, seconds_per_call
+from .timing import l2_copies, rotating, seconds_per_call
 from .ui import collect, exit_status, status, table, term_as_interrupt
 
 CANDIDATES = {
@@ -209,10 +209,10 @@ def _shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progre
         for m in rows:
             if progress:
                 progress(f"{name} {n}x{k} M={m}: timing {len(runnable)} tiles beside cuBLAS")
-            fns = {"standard": _rotating([partial(F.linear, x[:m], v) for v in ws])}
+            fns = {"standard": rotating([partial(F.linear, x[:m], v) for v in ws])}
             for r in runnable:
                 tile = parse_tiles(r.tiles)
-                fns[r.tiles] = _rotating([partial(tg.matmul, x[:m], v, tiles=tile) for v in ws])
+                fns[r.tiles] = rotating([partial(tg.matmul, x[:m], v, tiles=tile) for v in ws])
             times: dict[str, list[float]] = {key: [] for key in fns}
             for rep in range(reps):  # interleaved: standard, each candidate; then the other way round
                 for key, fn in (list(fns.items()) if rep % 2 == 0 else list(fns.items())[::-1]):
@@ -238,12 +238,6 @@ def _shape_rows(tg, shapes, dtype, dtype_name, tiles, rows, reps, device, progre
             r.geomean = math.exp(statistics.fmean(math.log(v) for v in r.ratios.values()))
         done.append(name)
         yield shape_rows
-
-
-def _rotating(calls: list):
-    """One product per weight copy, cycled (`timing.Rotating`); the product itself where one copy
-    is all there is (a CPU, or a weight larger than the L2 cache)."""
-    return calls[0] if len(calls) == 1 else Rotating(calls)
 
 
 def best(rows: list[TileRow]) -> dict[str, TileRow]:

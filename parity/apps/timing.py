@@ -65,6 +65,12 @@ class Rotating:
         return call()
 
 
+def rotating(calls: list):
+    """`Rotating(calls)`, or the one call itself where there is one (a CPU, or data larger than
+    the L2 cache: `l2_copies`)."""
+    return calls[0] if len(calls) == 1 else Rotating(calls)
+
+
 def l2_copies(nbytes: int, device) -> int:
     """How many copies of `nbytes` of data a GPU timing cycles through: enough to fill twice the
     device's L2 cache, at most 64 (one where that data alone overflows it, and on a CPU, whose
