@@ -128,12 +128,16 @@ def test_a_hostile_chat_template_is_one_line_and_bounded(bpe_dir):
             ("{% for i in range(2000) %}{{ 'x' * 4000 }}{% endfor %}", f"passed {MAX_RENDER_CHARS:,} chara"),
             ("{{ 1 / 0 }}", "ZeroDivisionError"), ("{{ messages[0].content + 1 }}", "TypeError"),
             ("{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
-            ("{{ ''.__class__.__mro__ }}", "unsafe")]:
+            ("{{ ''.__class__.__mro__ }}", "unsafe"), ("{{ 'a'|center(10**12) }}", "center: a width of"),
+            ("{{ '%1000000000000s'|format('a') }}", "a format width"),
+            ("{{ '%1000000000000s' % 'a' }}", "a format width")]:
         with pytest.raises(InputError, match=message) as err:
             render_chat(template, hi)
         assert str(err.value).startswith("chat template: ") and "\n" not in str(err.value), template
     real = "{% for m in messages %}<{{ m.content }}>{% endfor %}{% for i in range(3) %}.{% endfor %}"
     assert render_chat(real, hi) == "<hi>..."
+    widths = "{{ '%-4s|%.2f'|format('ab', 1.234) }}{{ 'x'|center(3) }}{{ '%d' % 3 }}"  # (ordinary ones work)
+    assert render_chat(widths, hi) == "ab  |1.23 x 3"
     tok = HFTokenizer(bpe_dir / "tokenizer.json")
     with pytest.raises(InputError, match="text of 3,000,000 characters: more than"):
         tok.encode("x" * 3_000_000)  # (10 million took 3.9 GB in the tokenizer)

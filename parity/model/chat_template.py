@@ -65,9 +65,11 @@ def _compile(template: str):
         """The sandbox, with `*` and `**` refused where their result would be larger than a
         rendering may be (`"a" * 10**9`, `10**10**6`)."""
 
-        intercepted_binops = frozenset(["*", "**"])
+        intercepted_binops = frozenset(["*", "**", "%"])
 
         def call_binop(self, context, operator, left, right):
+            if operator == "%" and isinstance(left, str):
+                _check_widths(left)
             sized = (str, list, tuple)
             if operator == "*" and isinstance(left, int) and isinstance(right, sized):
                 left, right = right, left
@@ -89,12 +91,40 @@ def _compile(template: str):
     env = Bounded(trim_blocks=True, lstrip_blocks=True,
                   extensions=[GenerationBlock, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
+    for name in ("center", "indent", "wordwrap", "truncate", "format"):  # (widths past a rendering's size)
+        env.filters[name] = _bounded_filter(env.filters[name], name)
     env.globals.update(raise_exception=raise_exception, namespace=Namespace, range=bounded_range,
                        strftime_now=lambda fmt: datetime.now().strftime(fmt[:1000]))
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise InputError(f"chat template: syntax error on line {exc.lineno}: {exc.message}") from None
+
+
+def _check_widths(fmt: str) -> None:
+    """Refuse a %-format whose field widths or precisions pass a rendering's size ("%1000000000s")."""
+    import re
+
+    import jinja2
+
+    for number in re.findall(r"%[-+ #0]*(\d+)|\.(\d+)", fmt):
+        if any(n and int(n) > MAX_RENDER_CHARS for n in number):
+            raise jinja2.exceptions.SecurityError("a format width past a rendering's size")
+
+
+def _bounded_filter(fn, name: str):
+    """A width-taking filter (`center`, `indent`, ...) that refuses a width past a rendering's size."""
+    import jinja2
+
+    @functools.wraps(fn)
+    def bounded(*args, **kwargs):
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_RENDER_CHARS:
+                raise jinja2.exceptions.SecurityError(f"{name}: a width of {value:,}")
+            if name == "format" and isinstance(value, str):
+                _check_widths(value)
+        return fn(*args, **kwargs)
+    return bounded
 
 
 CALLER_VARIABLES = ("messages", "add_generation_prompt")
