@@ -157,6 +157,7 @@ def check_kept_build(out_dir: Path, record: dict, cfg, version: int) -> None:
     diff = [k for k in asked if built.get(k, defaults.get(k)) != asked[k]]
     if diff:
         k = diff[0]
-        raise ParityError(f"{out_dir} holds a base policy built with {k} = {built.get(k)!r}, not the "
+        had = built.get(k, defaults.get(k))
+        raise ParityError(f"{out_dir} holds a base policy built with {k} = {had!r}, not the "
                           f"{asked[k]!r} asked for: --force rebuilds it there, or choose another --out")
 

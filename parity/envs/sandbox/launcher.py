@@ -197,7 +197,7 @@ def pump(pid, pipes, errpipe_r, watch):
     over, next_watch = False, 0.0
     live = set(pipes) | {errpipe_r}
     while live:
-        ready, _, _ = select.select(list(live), [], [], WATCH_S)
+        ready, _, _ = select.select(list(live), [], [], WATCH_S if watch else 0.1)
         if watch and not over and done is None and time.monotonic() >= next_watch:
             next_watch = time.monotonic() + WATCH_S
             over = run_memory(run_tree()) > MEM << 20
