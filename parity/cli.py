@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--prompts", type=int, default=8)
     a.add_argument("--group", type=int, default=4)
     a.add_argument("--max-tokens", type=int, default=128)
-    a.add_argument("--reps", type=int, default=1)
+    a.add_argument("--reps", type=int, default=3, help="repetitions, modes taking turns (default 3)")
     a.add_argument("--backends", "--backend", type=_csv(str), default=["local"],
                    help="local and/or ray (default local)")
     a.add_argument("--workers", type=_csv(int), default=[1], help="rollout worker counts (default 1)")

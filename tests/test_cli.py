@@ -431,12 +431,14 @@ def test_train_runs_and_rejects_bad_config(tmp_path):
 
 def test_bench_async_json():
     proc = run("bench", "async", "--json", "--preset", "tiny", "--steps", "3", "--lags", "2",
-               "--prompts", "2", "--group", "2", "--max-tokens", "8", "--workers", "1,2")
+               "--prompts", "2", "--group", "2", "--max-tokens", "8", "--workers", "1,2", "--reps", "2")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert [(r["max_policy_lag"], r["workers"]) for r in out["rows"]] == [(0, 1), (2, 1), (2, 2)]
     assert out["rows"][0]["observed_lag_max"] == 0 and all(r["observed_lag_max"] <= 2 for r in out["rows"])
     assert out["ratios"]["local_x1_lag2_over_sync"] > 0 and out["ratios"]["local_x2_lag2_over_sync"] > 0
+    assert all(0 < low <= high for low, high in out["ratio_ranges"].values())
+    assert set(out["ratio_ranges"]) == set(out["ratios"])
     assert out["rows"][2]["bytes_moved"] == 2 * out["rows"][1]["bytes_moved"] > 0
     assert all(r["gemm_gflops"] > 0 and 0 < r["gemm_fraction"] == r["gflops"] / r["gemm_gflops"]
                for r in out["rows"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import socket
 import stat
 import struct
@@ -25,12 +26,13 @@ import time
 import pytest
 
 import parity.envs.sandbox as sandbox_module
-from parity.envs.sandbox import Sandbox, SandboxLimits, cgroup, host
+from parity.envs.sandbox import Sandbox, SandboxLimits, cgroup, host, landlock
 from parity.envs.sandbox.host import cgroup_support
 from parity.envs.sandbox.seccomp import (
     AUDIT_ARCH_X86_64,
     DENIED_X86_64,
     NEWEST_KNOWN,
+    PLAIN_SOCKET_FAMILIES,
     SOCKET_CALLS_X86_64,
     SOCKET_FAMILIES,
     build_filter,
@@ -276,9 +278,11 @@ def test_the_verdict_cannot_be_forged_through_the_run_directory_in_a_degraded_mo
     """Without namespaces (a machine that allows none) the code's working directory's parent is
     the run's directory, where the launcher's status file was: rewritten, it judged a busy loop
     'ok', and a garbage status made `Sandbox.run` raise. The verdict now comes over a pipe the
-    code never holds; the code's file there decides nothing."""
+    code never holds; the code's file there decides nothing. (Without Landlock, which refuses the
+    write before that.)"""
     import parity.envs.sandbox as sandbox_module
 
+    monkeypatch.setattr(host, "LANDLOCK", False)
     forced = sandbox_module._Probe("plain-keep-uid", "forced by the test")
     monkeypatch.setattr(sandbox_module, "_PROBE", forced)
     box = Sandbox(SandboxLimits(wall_s=2.0, cpu_s=1), require_isolation=False)
@@ -322,6 +326,12 @@ def test_the_filter_program_decides_as_documented() -> None:
     assert _run_filter(prog, 435) == 0x00050000 | errno.ENOSYS  # clone3
     assert _run_filter(prog, 0) == allow and _run_filter(prog, 0x40000000 | 41, 40) == kill  # x32
     assert _run_filter(prog, 41, 40, arch=0x40000003) == kill  # the 32-bit ABI
+    plain = build_filter(plain=True)  # (the plain modes: no network namespace, so no network sockets)
+    for call in SOCKET_CALLS_X86_64.values():
+        for family in range(64):
+            want = allow if family in PLAIN_SOCKET_FAMILIES.values() else eperm
+            assert _run_filter(plain, call, family) == want, (call, family)
+    assert all(_run_filter(plain, nr) == eperm for nr in DENIED_X86_64.values())
 
 
 FAMILIES = """
@@ -366,10 +376,13 @@ def degraded(monkeypatch) -> Sandbox:
     return Sandbox(SandboxLimits(wall_s=3.0, cpu_s=1), require_isolation=False)
 
 
-def test_the_host_reads_output_by_descriptor_not_by_name_in_a_degraded_mode(degraded: Sandbox) -> None:
+def test_the_host_reads_output_by_descriptor_not_by_name_in_a_degraded_mode(degraded: Sandbox,
+                                                                           monkeypatch) -> None:
     """The run directory is the code's working directory's parent there: `out` replaced by a FIFO
     hung the host for good, `err` replaced by a symlink had the host read, with its privileges,
-    a file the code could not (the error line was that file's last line)."""
+    a file the code could not (the error line was that file's last line). (Without Landlock,
+    which refuses both changes before that.)"""
+    monkeypatch.setattr(host, "LANDLOCK", False)
     # (as root with a per-run uid the run directory is not the code's to change: "refused")
     fifo = degraded.run("import os\ntry:\n    os.unlink('../out')\n    os.mkfifo('../out')\n    print('x')\n"
                         "except PermissionError:\n    print('refused')\n")
@@ -393,7 +406,11 @@ FORGE = """
 import os, sys
 forged = b"status 0\\ncpu 0.0\\ntimeout 0\\nout_bytes 0\\nerr_bytes 0\\noutput_exceeded 0\\n"
 opened = 0
-for pid in {os.getppid(), int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])}:
+try:  # (Landlock, where the kernel has it, refuses /proc: nothing is opened then)
+    pids = {os.getppid(), int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])}
+except OSError:
+    pids = set()
+for pid in pids:
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
@@ -423,7 +440,9 @@ def test_the_status_channel_cannot_be_reopened_through_proc_in_a_degraded_mode(d
     launcher's end of the status pipe for writing, wrote "status 0" and had a busy loop judged
     ok. The channel is a socket pair now, which /proc cannot reopen (the control: a pipe of
     this process's can be, by a plain child), and the launcher is not dumpable. (As root the
-    code's missing capabilities already kept it out; the forging run checks the verdict.)"""
+    code's missing capabilities already kept it out; the forging run checks the verdict. Without
+    Landlock, which refuses /proc before that.)"""
+    monkeypatch.setattr(host, "LANDLOCK", False)
     r_end, w_end = os.pipe()
     left, right = socket.socketpair()
     try:
@@ -577,3 +596,72 @@ def test_what_a_host_killed_mid_call_left_is_removed_by_the_next_one(monkeypatch
                         break
                     except OSError:
                         time.sleep(0.02)
+
+
+REACH = """
+import os, socket
+host_file, host_dir, shm = {args}
+def attempt(what, act):
+    try:
+        act()
+        print(what, "done")
+    except OSError as exc:
+        print(what, exc.errno)
+attempt("read", lambda: open(host_file).read())
+attempt("write", lambda: open(os.path.join(host_dir, "planted"), "w").write("x"))
+attempt("shm", lambda: open(shm, "w").write("x" * 4096))
+attempt("list", lambda: os.listdir("/"))
+attempt("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close())
+attempt("tcp", lambda: socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close())
+attempt("own", lambda: (os.makedirs("a/b"), open("a/b/f", "w").write("x"), os.remove("a/b/f")))
+"""
+
+
+@pytest.mark.skipif(landlock.abi() < 1 or build_filter() is None, reason="no Landlock or seccomp here")
+def test_a_degraded_run_is_held_to_its_own_directory_and_has_no_network(degraded: Sandbox, tmp_path) -> None:
+    """Without namespaces the code read and wrote what its uid could (root's files, as root), wrote
+    memory-backed files in /dev/shm that no process owns (out of the memory watch's sight, outliving
+    the run) and reached the network. Landlock now holds it to reading the Python runtime and
+    writing its own directory, and the seccomp filter refuses network sockets there; a plain child
+    process, the control, does all of it."""
+    host_dir = tmp_path / "open"
+    host_dir.mkdir(mode=0o777)
+    os.chmod(host_dir, 0o777)
+    secret = host_dir / "readable"
+    secret.write_text("host data\n")
+    os.chmod(secret, 0o644)
+    shm = f"/dev/shm/parity-test-{os.getpid()}"
+    args = f"{str(secret)!r}, {str(host_dir)!r}, {shm!r}"
+    try:
+        (tmp_path / "control").mkdir()
+        control = subprocess.run([sys.executable, "-c", REACH.format(args=args)], capture_output=True,
+                                 text=True, timeout=60, cwd=tmp_path / "control")
+        acts = ("read", "write", "shm", "list", "udp", "tcp", "own")
+        assert control.stdout.split("\n")[:7] == [f"{w} done" for w in acts], control
+        os.remove(host_dir / "planted")
+        os.remove(shm)
+        r = degraded.run(REACH.format(args=args))
+        denied, eperm = str(errno.EACCES), str(errno.EPERM)
+        assert r.ok and r.stdout.split("\n")[:7] == [f"read {denied}", f"write {denied}", f"shm {denied}",
+                                                      f"list {denied}", f"udp {eperm}", f"tcp {eperm}",
+                                                      "own done"], r
+        assert "landlock-fs" in r.protections and not os.path.exists(shm)
+        assert not (host_dir / "planted").exists()
+    finally:
+        if os.path.exists(shm):
+            os.remove(shm)
+
+
+@pytest.mark.skipif(landlock.abi() < 6, reason="Landlock's signal scope needs ABI 6 (Linux 6.12)")
+def test_a_degraded_run_cannot_signal_the_hosts_processes(degraded: Sandbox) -> None:
+    """As the host's uid (or root) the code could signal the host's processes: this one, its
+    training run. Landlock's scope (ABI 6) keeps signals within the run; the control is a plain
+    child of this process, and the run's own processes still signal each other."""
+    code = (f"import os, signal\ntry:\n    os.kill({os.getpid()}, 0)\n    print('reached')\n"
+            "except OSError as exc:\n    print(exc.errno)\n"
+            "pid = os.fork()\nif pid == 0:\n    signal.pause()\nos.kill(pid, signal.SIGKILL)\n"
+            "print(os.waitpid(pid, 0)[1] & 0x7f)\n")
+    assert unsandboxed(code).stdout.split() == ["reached", str(signal.SIGKILL.value)]
+    r = degraded.run(code)
+    assert r.ok and r.stdout.split() == [str(errno.EPERM), str(signal.SIGKILL.value)], r
+    assert "landlock-scope" in r.protections

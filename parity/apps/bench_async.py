@@ -77,9 +77,9 @@ def _measure(cfg: TrainConfig) -> tuple[float, ...]:
 
 
 def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8, 64), prompts: int = 8,
-                group: int = 4, max_tokens: int = 128, reps: int = 1, dtype: str = "float32",
+                group: int = 4, max_tokens: int = 128, reps: int = 3, dtype: str = "float32",
                 backends: Sequence[str] = ("local",), workers: Sequence[int] = (1,),
-                progress: Callable[[str], None] | None = None) -> tuple[list[AsyncRow], dict]:
+                progress: Callable[[str], None] | None = None) -> tuple[list[AsyncRow], dict, dict]:
     """Train the same task and model for `steps` updates synchronously (lag 0, local backend, one
     worker) and asynchronously (each lag in `lags`, on each backend with each worker count) on
     long-tail response lengths; modes take turns per repetition. Steady-state throughput excludes
@@ -113,11 +113,18 @@ def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8
     sync = rows[0].steps_per_hour
     ratios = {f"{r.backend}_x{r.workers}_lag{r.max_policy_lag}_over_sync": r.steps_per_hour / sync
               for r in rows[1:]}
-    return rows, ratios
+    # each repetition's own ratio (its async run over its sync run, which ran beside it): the spread
+    spreads = {}
+    for key, mode in zip(ratios, modes[1:], strict=True):
+        per_rep = [a[0] / s[0] for a, s in zip(per_mode[mode], per_mode[modes[0]], strict=True)]
+        spreads[key] = (min(per_rep), max(per_rep))
+    return rows, ratios, spreads
 
 
 def main(args) -> int:
     """`parity bench async`."""
+    if args.reps < 1:
+        raise ParityError("--reps must be at least 1")
     if args.steps < 2:
         raise ParityError("--steps must be at least 2 (the first step is start-up and not timed)")
     if any(lag < 1 for lag in args.lags):
@@ -125,13 +132,14 @@ def main(args) -> int:
     dtype_from_name(args.dtype, "--dtype")
     if any(b not in ("local", "ray") for b in args.backends) or any(n < 1 for n in args.workers):
         raise ParityError("--backends takes local and/or ray, --workers positive integers")
-    rows, ratios = bench_async(args.preset, args.steps, args.lags, args.prompts, args.group, args.max_tokens,
-                               args.reps, args.dtype, args.backends, args.workers, progress=status)
+    rows, ratios, spreads = bench_async(args.preset, args.steps, args.lags, args.prompts, args.group,
+                                        args.max_tokens, args.reps, args.dtype, args.backends, args.workers,
+                                        progress=status)
     status("")
     if args.json:
         print(json.dumps({"machine": hardware.describe(), "cores": os.cpu_count(),
                           "rows": [{**asdict(r), "gemm_fraction": r.gemm_fraction} for r in rows],
-                          "ratios": ratios}, indent=2))
+                          "ratios": ratios, "ratio_ranges": spreads}, indent=2))
         return 0
     print(f"parity bench async: {args.preset} {args.dtype}, {args.steps} learner steps of "
           f"{args.prompts}x{args.group} responses, geometric lengths up to {args.max_tokens} tokens; "
@@ -147,5 +155,6 @@ def main(args) -> int:
     print(f"GEMM rate (2048^3, same run): {args.dtype} {rows[0].gemm_gflops:,.0f} GFLOP/s; GFLOP/s counts "
           f"4 forwards per sequence token (rollout, learner forward and backward)")
     for k, v in ratios.items():
-        print(f"{k}: {v:.2f}")
+        low, high = spreads[k]
+        print(f"{k}: {v:.2f}" + (f" (each repetition's own: {low:.2f}-{high:.2f})" if args.reps > 1 else ""))
     return 0

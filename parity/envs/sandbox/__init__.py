@@ -17,7 +17,9 @@ What works is probed once per process. Where namespaces are not permitted, `Sand
 environment (an operator's switch for every run on such a machine), accepts a degraded sandbox there: a
 separate process with rlimits, an empty environment and its own temp directory, under a per-run uid where
 the host is root and Python is open to other uids, else under the host's own uid (root without
-capabilities, where the host is root), and `describe()` says in capitals what is missing.
+capabilities, where the host is root), with no network sockets (seccomp) and, where the kernel has
+Landlock, reading only the Python runtime and writing only its own directory (`landlock.py`); and
+`describe()` says in capitals what is missing.
 """
 
 from __future__ import annotations
@@ -53,11 +55,29 @@ class _Probe:
 
 _DEGRADED = {
     "plain": ("as your own uid: it can read, write and signal what you can" if os.geteuid() != 0 else
-              "under a per-run uid: it can read what every user can and reach the network"),
+              "under a per-run uid: it can read what every user can"),
     "plain-keep-uid": "as root without capabilities: it can read and write every file root owns, "
                       "signal root's processes and leave its cgroup",
 }
-"""What model-written code can do in each degraded mode (the refusal and the start-up line say it)."""
+"""What model-written code can do in each degraded mode without Landlock (the refusal and the
+start-up line say it). Network sockets are refused by the seccomp filter in these modes."""
+
+_LANDLOCKED = {
+    "plain": "as your own uid" if os.geteuid() != 0 else "under a per-run uid",
+    "plain-keep-uid": "as root without capabilities",
+}
+"""The same where Landlock holds the code to reading the runtime and writing its own directory."""
+
+
+def _degraded(mode: str, protections: tuple[str, ...]) -> str:
+    """What model-written code can do in degraded `mode` with the launcher's `protections`."""
+    if "landlock-fs" not in protections:
+        return _DEGRADED[mode]
+    uid = "root" if mode == "plain-keep-uid" else "your uid" if os.geteuid() != 0 else "every user"
+    signals = "" if "landlock-scope" in protections else " and signal the processes of its uid"
+    return (f"{_LANDLOCKED[mode]}, held by Landlock to reading the Python runtime and writing its own "
+            f"directory: it can connect to the UNIX sockets {uid} can reach by path{signals}")
+
 
 ALLOW_DEGRADED = "PARITY_ALLOW_DEGRADED_SANDBOX"
 """Set to 1 in the environment: the degraded sandbox is accepted where isolation is unavailable,
@@ -133,8 +153,9 @@ class Sandbox:
         self.unavailable_reason: str | None = probe.reason
         self.isolated: bool = probe.mode in ("root", "user")
         if require_isolation and not self.isolated and os.environ.get(ALLOW_DEGRADED) != "1":
+            can = _degraded(probe.mode, probe.protections)
             raise ParityError(f"sandbox isolation is unavailable ({probe.reason}); model-written code "
-                              f"would run in the degraded sandbox, {_DEGRADED[probe.mode]} "
+                              f"would run in the degraded sandbox, {can} "
                               f"(task.require_isolation = false, or {ALLOW_DEGRADED}=1, allows it)")
         lim = self.limits
         rlimits = (
@@ -159,8 +180,12 @@ class Sandbox:
             protections.append("no_new_privs")
         protections += [rlimits, f"wall {lim.wall_s:g} s", "output through pipes"]
         active, missing = set(probe.protections), []
+        if "landlock-fs" in active:
+            protections.append("Landlock: reads the Python runtime, writes its own directory only")
+        if "landlock-scope" in active:
+            protections.append("Landlock: signals and abstract sockets within the run")
         if "seccomp" in active:
-            protections.append(seccomp.describe(seccomp.build_filter()))
+            protections.append(seccomp.describe(seccomp.build_filter(), plain=not self.isolated))
         else:
             missing.append(seccomp.describe(seccomp.build_filter()).replace("no ", "NO ", 1)
                            if seccomp.build_filter() is None else "NO seccomp filter (it did not load)")
@@ -182,7 +207,9 @@ class Sandbox:
         self.protections: list[str] = protections
         self._description = "sandbox: " + ", ".join(protections)
         if not self.isolated:
-            missing.insert(0, f"NO filesystem/network isolation ({probe.reason}): {_DEGRADED[probe.mode]}")
+            what = ("namespaces" if "landlock-fs" in active else
+                    "filesystem isolation" if "seccomp" in active else "filesystem/network isolation")
+            missing.insert(0, f"NO {what} ({probe.reason}): {_degraded(probe.mode, probe.protections)}")
         if missing:
             self._description += "; " + "; ".join(missing)
 

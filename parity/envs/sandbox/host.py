@@ -40,6 +40,9 @@ LAUNCHER = Path(__file__).with_name("launcher.py")
 """The script that builds the sandbox and runs the code (never imported by the host)."""
 
 _HOST_MARGIN_S = 2.0  # the launcher enforces wall_s itself; the host kills it only if it is this late
+LANDLOCK = True
+"""The plain modes restrict the code with Landlock where the kernel has it (False: not; the tests
+use it to check the defences behind it, as on a kernel without Landlock)."""
 _ERROR_MAX_CHARS = 500  # one-line errors are cut to this length
 _ERR_TAIL_BYTES = 8192  # how much of the end of stderr is read to find the last line
 
@@ -274,7 +277,7 @@ def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
         os.mkdir(os.path.join(tmp, "work"), 0o700)
         with open(os.path.join(tmp, "work", "main.py"), "wb") as f:
             f.write(code)
-        program = seccomp.build_filter()
+        program = seccomp.build_filter(plain=mode.startswith("plain"))
         if program is not None:
             with open(os.path.join(tmp, "seccomp.bpf"), "wb") as f:
                 f.write(program)
@@ -291,9 +294,10 @@ def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
         exe, _ = python_paths()
         argv = [exe, "-I", "-S", "-B", str(LAUNCHER), tmp, mode, exe, repr(float(limits.wall_s))]
         numbers = (limits.cpu_s, limits.memory_mb, limits.output_bytes, limits.nproc, limits.fs_mb)
-        plan = [] if mode.startswith("plain") else [x for triple in mount_plan() for x in triple]
+        plan = [x for triple in mount_plan() for x in triple]  # (the plain modes: Landlock's rules)
         argv += [str(v) for v in numbers] + [",".join(group.paths) if group else "-",
-                                             *(str(fd) for fd in (status_w, *fds[:2])), *plan]
+                                             *(str(fd) for fd in (status_w, *fds[:2])), str(int(LANDLOCK)),
+                                             *plan]
         proc = subprocess.Popen(argv, env={}, cwd=tmp, stdin=subprocess.DEVNULL, stdout=fds[2],
                                 stderr=fds[2], close_fds=True, pass_fds=(status_w, *fds[:2]),
                                 start_new_session=True)

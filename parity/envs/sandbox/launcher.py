@@ -4,12 +4,14 @@ The host (`parity.envs.sandbox`) never imports this file; it runs it as a script
 environment, with an isolated interpreter that sees no site-packages:
 
     python -I -S -B launcher.py TMP MODE EXE WALL CPU MEM OUT NPROC FS_MB CGROUPS STATUS_FD OUT_FD ERR_FD
-        [KIND SRC ARG]...
+        LANDLOCK [KIND SRC ARG]...
 
 MODE is "root" (namespaces, per-run uid), "user" (a user namespace too), "plain" (no namespaces;
 per-run uid when root) or "plain-keep-uid" (no namespaces, uid unchanged). The launcher enters new
 mount/pid/net/ipc/uts namespaces, forks the child that becomes pid 1 of the pid namespace (so
-everything it starts dies with it), and enforces the wall-clock limit. The child builds a private
+everything it starts dies with it), and enforces the wall-clock limit. (In the plain modes the
+child stays in the host's namespaces and restricts itself with Landlock where the kernel has it,
+to the same paths, `landlock.py`, unless LANDLOCK is 0.) The child builds a private
 root on a tmpfs from the mount plan (KIND SRC ARG triples: read-only binds of the Python runtime,
 device nodes, symlinks, empty tmpfs masks over installed packages), pivots into it, drops privileges
 and capabilities, joins a fresh anonymous session keyring, sets rlimits, loads the seccomp filter
@@ -44,6 +46,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # rootfs.py, tree.py (python -I)
+from landlock import restrict  # noqa: E402
 from rootfs import (  # noqa: E402
     CLONE_NEWIPC,
     CLONE_NEWNET,
@@ -126,6 +129,11 @@ def child(code, out, err, alive_r, errpipe_w, program):
         script, home, tmp = "/work/main.py", "/work", "/tmp"
     null = os.open("/dev/null", os.O_RDWR)
     drop_privileges()
+    if PLAIN and LANDLOCK:  # no private root: Landlock holds the code to the runtime and its own directory
+        for name in restrict([src for kind, src, _ in PLAN if kind == "ro"],
+                             [src for kind, src, _ in PLAN if kind == "file"],
+                             [src for kind, src, _ in PLAN if kind == "dev"], os.getcwd()):
+            report(errpipe_w, name)
     # a keyring of this run's own: the caller's session keyring is out of reach (and the keyring
     # system calls are refused below, so no key outlives the run)
     if SYS_KEYCTL is not None and libc.syscall(SYS_KEYCTL, KEYCTL_JOIN_SESSION_KEYRING, None) >= 0:
@@ -327,7 +335,7 @@ def main():
 def configure(argv):
     """Read the host's arguments (see the module docstring) into this module's settings."""
     global T, MODE, EXE, PLAIN, DROP_UID, WALL, CPU, MEM, OUTB, NPROC, FS_MB, CGROUPS, PLAN, UID
-    global STATUS_FD, OUT_FD, ERR_FD
+    global STATUS_FD, OUT_FD, ERR_FD, LANDLOCK
     T, MODE, EXE = argv[1:4]
     PLAIN = MODE.startswith("plain")
     DROP_UID = os.geteuid() == 0 and MODE in ("root", "plain")
@@ -335,7 +343,8 @@ def configure(argv):
     CPU, MEM, OUTB, NPROC, FS_MB = (int(a) for a in argv[5:10])
     CGROUPS = [] if argv[10] == "-" else argv[10].split(",")
     STATUS_FD, OUT_FD, ERR_FD = (int(a) for a in argv[11:14])
-    rest = argv[14:]
+    LANDLOCK = argv[14] == "1"
+    rest = argv[15:]
     PLAN = [tuple(rest[i:i + 3]) for i in range(0, len(rest), 3)]
     # a fresh random uid per run: no kernel state keyed by uid carries over from an earlier run
     UID = 1500000000 + int.from_bytes(os.urandom(4), "little") % (1 << 28)

@@ -10,7 +10,8 @@ memory, semaphores and message queues (their memory is no process's: without an 
 the plain modes, a run held 1.6 GiB past a 512 MiB limit in detached segments that outlived it); and
 sockets of any family but AF_UNIX, AF_INET and AF_INET6 (`socket`, `socketpair`): the network
 namespace isolates those, not every family (AF_VSOCK reached the hypervisor's port space from inside
-a Firecracker guest). Every call numbered past `NEWEST_KNOWN` (those a later kernel adds: listmount,
+a Firecracker guest); in the plain modes, which have no network namespace, AF_UNIX only (no TCP
+or UDP at all). Every call numbered past `NEWEST_KNOWN` (those a later kernel adds: listmount,
 open_tree_attr, ... reached the kernel) answers ENOSYS, as on an older kernel, so the list cannot
 fall behind the kernel. A call from another ABI than the filter's (x86-64's x32, 32-bit entry) kills
 the process. x86-64 only; elsewhere `build_filter` returns None and the sandbox says seccomp is
@@ -49,14 +50,18 @@ NEWEST_KNOWN = 452
 SOCKET_CALLS_X86_64 = {"socket": 41, "socketpair": 53}
 SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10}
 """The only socket families the code may create (`socket`, `socketpair`; EPERM for the others)."""
+PLAIN_SOCKET_FAMILIES = {"AF_UNIX": 1}
+"""The same in the plain modes: no network namespace holds the code there, so no network sockets."""
 
 
 def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("<HBBI", code, jt, jf, k)
 
 
-def build_filter(machine: str | None = None) -> bytes | None:
-    """The filter as packed `struct sock_filter` entries, or None where it is not implemented."""
+def build_filter(machine: str | None = None, plain: bool = False) -> bytes | None:
+    """The filter as packed `struct sock_filter` entries, or None where it is not implemented;
+    `plain`: for the plain modes (sockets: PLAIN_SOCKET_FAMILIES)."""
+    allowed = PLAIN_SOCKET_FAMILIES if plain else SOCKET_FAMILIES
     if (machine or platform.machine()) != "x86_64":
         return None
     eperm, enosys = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
@@ -73,9 +78,9 @@ def build_filter(machine: str | None = None) -> bytes | None:
     prog += [_insn(JEQ, 0, 1, CLONE3), _insn(RET, 0, 0, enosys),
              # socket / socketpair: the family (arg0) must be one of SOCKET_FAMILIES
              _insn(JEQ, 1, 0, SOCKET_CALLS_X86_64["socket"]),
-             _insn(JEQ, 0, 3 + len(SOCKET_FAMILIES), SOCKET_CALLS_X86_64["socketpair"]),
+             _insn(JEQ, 0, 3 + len(allowed), SOCKET_CALLS_X86_64["socketpair"]),
              _insn(LD_ABS, 0, 0, OFF_ARG0)]
-    families = sorted(SOCKET_FAMILIES.values())
+    families = sorted(allowed.values())
     for i, family in enumerate(families):  # jump to the ALLOW after the last test, else on
         prog.append(_insn(JEQ, len(families) - 1 - i, 1 if i == len(families) - 1 else 0, family))
     prog += [_insn(RET, 0, 0, RET_ALLOW), _insn(RET, 0, 0, eperm),
@@ -87,8 +92,9 @@ def build_filter(machine: str | None = None) -> bytes | None:
     return b"".join(prog)
 
 
-def describe(program: bytes | None) -> str:
+def describe(program: bytes | None, plain: bool = False) -> str:
     if program is None:
         return f"no seccomp filter (not implemented for {platform.machine()})"
+    allowed = PLAIN_SOCKET_FAMILIES if plain else SOCKET_FAMILIES
     return (f"seccomp filter ({len(DENIED_X86_64) + 2} syscalls refused and any newer than Linux 6.6, "
-            f"sockets only {'/'.join(f.removeprefix('AF_') for f in SOCKET_FAMILIES)})")
+            f"sockets only {'/'.join(f.removeprefix('AF_') for f in allowed)})")
