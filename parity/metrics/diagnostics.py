@@ -34,7 +34,8 @@ def mismatch_stats(learner_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: tor
 
 def importance_weight_stats(learner_lp: torch.Tensor, rollout_lp: torch.Tensor,
                             mask: torch.Tensor) -> dict[str, float]:
-    """mean, median, max, peak/median, normalised effective sample size of w."""
+    """mean, median, max, peak/median, normalised effective sample size of w. The median is the lower
+    middle value of an even count (torch's): [1, 3] gives 1. (The golden recordings hold it so.)"""
     w = (_masked(learner_lp, mask) - _masked(rollout_lp, mask)).exp()
     if w.numel() == 0:
         return {}

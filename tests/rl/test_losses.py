@@ -223,6 +223,20 @@ def test_unknown_loss_and_bad_config():
         LossConfig(gspo_eps_low=-1e-4)
 
 
+def test_seq_gate_k3_keeps_its_precision_near_zero_in_float32():
+    """The gate's mean k3 was exp(d) - 1 - d in float32, which cancels for d ~ 1e-5: 6.8e-9 for a
+    true 7.5e-11, so `gate_max_k3` = 1e-9 rejected a response the learner nearly agreed with.
+    Now expm1(d) - d. The control is the old formula on the same numbers, over the limit."""
+    lp = torch.zeros(1, 4, requires_grad=True)
+    rollout = -torch.tensor([[1e-5, -1e-5, 2e-5, 0.0]])
+    mask, adv = torch.ones(1, 4), torch.tensor([1.0])
+    d = (lp - rollout).detach()
+    true_k3 = float(((d.double().exp() - 1 - d.double())).mean())
+    assert float((d.exp() - 1 - d).mean()) > 1e-9 > true_k3  # the old formula would reject
+    _, stats = get_loss("seq_gate")(lp, rollout, mask, adv, LossConfig(gate_max_k3=1e-9))
+    assert stats["loss/frac_rejected"] == (0.0, 1.0)
+
+
 def test_k3_sees_one_ulp_gaps():
     """k3 = mean(w - 1 - log w) read exactly 0 for float32 log-probs one ulp apart near 0 (exp(d) - 1
     cancels d ~ 1e-8 in float64), so a zero k3 did not mean equal log-probs; now expm1(d) - d. The
