@@ -416,6 +416,37 @@ def test_bench_sampler_json_and_bad_batches():
     assert bad.returncode == 2 and bad.stderr.startswith("parity: error: --batches")
 
 
+def test_bench_sampler_compares_the_calls_both_paths_made(monkeypatch):
+    """The timing calls a faster path more times per sample than a slower one, so the fused and
+    counter paths' token lists differ in length: compared whole, they read "not the same tokens"
+    on a GPU where every draw agreed. Both compare over the calls both made; the control (another
+    seed for one path) still differs."""
+    from parity.apps import bench_sampler
+
+    def uneven(fns, reps):  # the fused path timed at 3 calls, the others at 5
+        for k, fn in fns.items():
+            for _ in range(3 if k == "fused" else 5):
+                fn()
+        return dict.fromkeys(fns, 1e-3)
+
+    monkeypatch.setattr(bench_sampler, "_paths", lambda device: ["generator", "counter", "fused"])
+    monkeypatch.setattr(bench_sampler, "interleaved", uneven)
+    row, = bench_sampler.bench_sampler(300, [4], torch.float32, 1, torch.device("cpu"))
+    assert row.same_tokens is True
+    made, real = [], bench_sampler.Sampler
+
+    def sampler(model, seed, draws):  # (the control: the third, the fused path's, picks other tokens)
+        made.append(real(model, seed=seed, draws=draws))
+        if len(made) == 3:
+            sample = made[-1].sample
+            made[-1].sample = lambda seqs, logits: [(t + 1, lp, v) for t, lp, v in sample(seqs, logits)]
+        return made[-1]
+
+    monkeypatch.setattr(bench_sampler, "Sampler", sampler)
+    row, = bench_sampler.bench_sampler(300, [4], torch.float32, 1, torch.device("cpu"))
+    assert row.same_tokens is False
+
+
 def test_train_runs_and_rejects_bad_config(tmp_path):
     sets = ["steps=2", "model.preset=\"tiny\"", f"run_dir=\"{tmp_path}\"", "rollout.prompts_per_step=2",
             "max_policy_lag=1"]

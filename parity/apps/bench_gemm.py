@@ -290,7 +290,10 @@ def apply_tiles(path: str) -> int:
 
     try:
         with open(path) as f:
-            doc = json.load(f)
+            text = f.read(1 << 24)
+        lines = text.splitlines()  # (a log with a line or two before the JSON, as a device call's may hold)
+        start = next((i for i, line in enumerate(lines) if line.startswith("{")), 0)
+        doc = json.loads("\n".join(lines[start:]))
     except (OSError, ValueError) as err:
         raise ParityError(f"--gemm-tiles: cannot read {path}: {err}") from err
     entries = doc.get("gemm_tiles") if isinstance(doc, dict) else None
