@@ -32,6 +32,9 @@ from parity.envs.sandbox.seccomp import (
     AUDIT_ARCH_X86_64,
     DENIED_X86_64,
     NEWEST_KNOWN,
+    NUMBERS_X86_64,
+    OWN_PROCESS_ONLY_X86_64,
+    PLAIN_DENIED_X86_64,
     PLAIN_SOCKET_FAMILIES,
     SOCKET_CALLS_X86_64,
     SOCKET_FAMILIES,
@@ -295,9 +298,9 @@ def test_the_verdict_cannot_be_forged_through_the_run_directory_in_a_degraded_mo
     assert garbage.ok and garbage.stdout == "written\n", garbage
 
 
-def _run_filter(program: bytes, nr: int, arg0: int = 0, arch: int = AUDIT_ARCH_X86_64) -> int:
+def _run_filter(program: bytes, nr: int, arg0: int = 0, arch: int = AUDIT_ARCH_X86_64, arg1: int = 0) -> int:
     """What the classic-BPF `program` returns for one system call (the instructions it uses)."""
-    data = struct.pack("<iI", nr, arch) + struct.pack("<Q", 0) + struct.pack("<Q", arg0) + bytes(40)
+    data = struct.pack("<iI", nr, arch) + struct.pack("<Q", 0) + struct.pack("<QQ", arg0, arg1) + bytes(32)
     insns = [struct.unpack("<HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
     acc, pc = 0, 0
     while True:
@@ -326,12 +329,20 @@ def test_the_filter_program_decides_as_documented() -> None:
     assert _run_filter(prog, 435) == 0x00050000 | errno.ENOSYS  # clone3
     assert _run_filter(prog, 0) == allow and _run_filter(prog, 0x40000000 | 41, 40) == kill  # x32
     assert _run_filter(prog, 41, 40, arch=0x40000003) == kill  # the 32-bit ABI
-    plain = build_filter(plain=True)  # (the plain modes: no network namespace, so no network sockets)
-    for call in SOCKET_CALLS_X86_64.values():
-        for family in range(64):
-            want = allow if family in PLAIN_SOCKET_FAMILIES.values() else eperm
-            assert _run_filter(plain, call, family) == want, (call, family)
-    assert all(_run_filter(plain, nr) == eperm for nr in DENIED_X86_64.values())
+    plain = build_filter(plain=True)  # (the plain modes: no namespaces)
+    for family in range(64):
+        assert _run_filter(plain, SOCKET_CALLS_X86_64["socket"], family) == eperm, family
+        want = allow if family in PLAIN_SOCKET_FAMILIES.values() else eperm
+        assert _run_filter(plain, SOCKET_CALLS_X86_64["socketpair"], family) == want, family
+    assert all(_run_filter(plain, nr) == eperm for nr in {**DENIED_X86_64, **PLAIN_DENIED_X86_64}.values())
+    assert all(_run_filter(prog, nr) == allow for nr in PLAIN_DENIED_X86_64.values())  # (isolated: allowed)
+    for program in (prog, plain):  # scheduling, priorities, limits: of the caller's own processes only
+        for name, checks in OWN_PROCESS_ONLY_X86_64.items():
+            nr, args = NUMBERS_X86_64[name], dict(checks)
+            assert _run_filter(program, nr, args.get(0, 0), arg1=args.get(1, 0)) == allow, name
+            for arg, value in checks:  # any one argument otherwise: refused
+                other = {**args, arg: value + 4242}
+                assert _run_filter(program, nr, other.get(0, 0), arg1=other.get(1, 0)) == eperm, (name, arg)
 
 
 FAMILIES = """
@@ -665,3 +676,68 @@ def test_a_degraded_run_cannot_signal_the_hosts_processes(degraded: Sandbox) -> 
     r = degraded.run(code)
     assert r.ok and r.stdout.split() == [str(errno.EPERM), str(signal.SIGKILL.value)], r
     assert "landlock-scope" in r.protections
+
+
+HOST_REACH = """
+import ctypes, os, resource
+libc = ctypes.CDLL(None, use_errno=True)
+def attempt(what, act):
+    try:
+        act()
+        print(what, "done")
+    except OSError as exc:
+        print(what, exc.errno)
+def check(rc):
+    if rc < 0:
+        raise OSError(ctypes.get_errno(), "")
+    return rc
+def queue():
+    check(libc.mq_open(b"/parity-test-{pid}", os.O_CREAT | os.O_RDWR, 0o600, None))
+    check(libc.mq_unlink(b"/parity-test-{pid}"))
+def reserve():
+    fd = os.open("reserved", os.O_RDWR | os.O_CREAT)
+    check(libc.fallocate(fd, 1, ctypes.c_long(0), ctypes.c_long(1 << 20)))  # FALLOC_FL_KEEP_SIZE
+attempt("chmod", lambda: os.chmod({path!r}, 0o4755))
+attempt("utime", lambda: os.utime({path!r}, (0, 0)))
+attempt("prlimit", lambda: resource.prlimit({pid}, resource.RLIMIT_NOFILE))
+attempt("mq", queue)
+attempt("fallocate", reserve)
+attempt("unix", lambda: __import__("socket").socket(1).close())
+"""
+
+
+@pytest.mark.skipif(build_filter() is None, reason="the seccomp filter is x86-64 only")
+def test_a_degraded_run_cannot_change_the_hosts_files_or_processes(degraded: Sandbox, tmp_path) -> None:
+    """As a uid of the host's the code changed what Landlock does not cover (red team, 2026-12-07):
+    it made a root-owned binary setuid, reset the host's open-file limit to 12 (its next tool call
+    failed), left a POSIX message queue whose name the next run read, reserved 2 GiB of disk past
+    the file-size limit, and could reach any UNIX socket by path. The seccomp filter of the plain
+    modes refuses all of it; a plain child process, the control, does all of it."""
+    target = tmp_path / "host-file"
+    target.write_text("x")
+    code = HOST_REACH.format(path=str(target), pid=os.getpid())
+    (tmp_path / "control").mkdir()
+    control = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             cwd=tmp_path / "control")
+    acts = ("chmod", "utime", "prlimit", "mq", "fallocate", "unix")
+    assert control.stdout.split("\n")[:6] == [f"{a} done" for a in acts], control
+    target.chmod(0o644)
+    stamp = target.stat().st_mtime
+    r = degraded.run(code)
+    assert r.ok and r.stdout.split("\n")[:6] == [f"{a} {errno.EPERM}" for a in acts], r
+    assert target.stat().st_mode & 0o7777 == 0o644 and target.stat().st_mtime == stamp
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC holds every uid but root's")
+def test_a_degraded_run_without_a_cgroup_is_held_to_its_process_count(degraded: Sandbox, monkeypatch) -> None:
+    """The kernel exempts root from RLIMIT_NPROC: as root without a cgroup (plain-keep-uid) 40
+    forks went through a limit of 16, sharing their pages, so the memory watch barely saw them.
+    The watch counts the run's processes too; the control is the same code under the limit."""
+    monkeypatch.setattr(host, "_CGROUP", (None, "no cgroup: forced by the test"))
+    code = ("import os, time\nfor _ in range({n}):\n    if os.fork() == 0:\n        time.sleep(2)\n"
+            "        os._exit(0)\nprint('forked', flush=True)\ntime.sleep(1)\n")
+    r = degraded.run(code.format(n=40))
+    assert not r.ok and r.limit == "processes", r
+    assert r.error == f"sandbox: process limit exceeded ({degraded.limits.nproc} processes for the whole run)"
+    r = degraded.run(code.format(n=4))
+    assert r.ok and r.stdout == "forked\n", r

@@ -73,10 +73,13 @@ def _degraded(mode: str, protections: tuple[str, ...]) -> str:
     """What model-written code can do in degraded `mode` with the launcher's `protections`."""
     if "landlock-fs" not in protections:
         return _DEGRADED[mode]
-    uid = "root" if mode == "plain-keep-uid" else "your uid" if os.geteuid() != 0 else "every user"
-    signals = "" if "landlock-scope" in protections else " and signal the processes of its uid"
-    return (f"{_LANDLOCKED[mode]}, held by Landlock to reading the Python runtime and writing its own "
-            f"directory: it can connect to the UNIX sockets {uid} can reach by path{signals}")
+    text = (f"{_LANDLOCKED[mode]}, held by Landlock to reading /usr and the Python runtime (installed "
+            f"packages included, which the isolated root hides) and writing its own directory")
+    if "landlock-scope" not in protections:
+        text += "; it can signal the processes of its uid"
+    if "seccomp" not in protections:
+        text += "; it can change the mode, owner and times of the files its uid owns and reach the network"
+    return text
 
 
 ALLOW_DEGRADED = "PARITY_ALLOW_DEGRADED_SANDBOX"
@@ -181,11 +184,12 @@ class Sandbox:
         protections += [rlimits, f"wall {lim.wall_s:g} s", "output through pipes"]
         active, missing = set(probe.protections), []
         if "landlock-fs" in active:
-            protections.append("Landlock: reads the Python runtime, writes its own directory only")
+            protections.append("Landlock: reads /usr and the Python runtime, writes its own directory only")
         if "landlock-scope" in active:
             protections.append("Landlock: signals and abstract sockets within the run")
         if "seccomp" in active:
-            protections.append(seccomp.describe(seccomp.build_filter(), plain=not self.isolated))
+            plain = not self.isolated
+            protections.append(seccomp.describe(seccomp.build_filter(plain=plain), plain=plain))
         else:
             missing.append(seccomp.describe(seccomp.build_filter()).replace("no ", "NO ", 1)
                            if seccomp.build_filter() is None else "NO seccomp filter (it did not load)")

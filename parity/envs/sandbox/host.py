@@ -93,7 +93,7 @@ class ToolResult:
     elapsed_s: float
     """Wall-clock seconds the run took on the host, start-up included."""
     limit: str | None = None
-    """The limit the run hit — 'time', 'cpu', 'memory' or 'output' — decided from the launcher's
+    """The limit the run hit — 'time', 'cpu', 'memory', 'processes' or 'output' — decided from the launcher's
     status and the kernel alone, never from anything the code printed; None otherwise."""
     protections: tuple[str, ...] = ()
     """What the launcher reports in force for this run (cgroup, ipc-limits, session-keyring, seccomp)."""
@@ -131,7 +131,7 @@ def _new_file(tmp: str, name: str) -> int:
 
 
 _STATUS_KEYS = {"status", "cpu", "timeout", "out_bytes", "err_bytes", "output_exceeded", "memory_exceeded",
-                "protections", "setup"}
+                "nproc_exceeded", "protections", "setup"}
 
 
 def _read_status(fd: int) -> dict[str, str]:
@@ -348,6 +348,9 @@ def _collect(fds: list[int], limits: SandboxLimits, info: dict[str, str], host_t
         return done(f"sandbox: time limit exceeded ({float(limits.wall_s)} s wall)", "time")
     if oom:
         return done(f"sandbox: memory limit exceeded ({limits.memory_mb} MiB for the whole run)", "memory")
+    if info.get("nproc_exceeded") == "1":
+        return done(f"sandbox: process limit exceeded ({limits.nproc} processes for the whole run)",
+                    "processes")
     if code is None:
         log, _ = _read_tail(fds[2], _ERR_TAIL_BYTES)
         # not `infra`: in the plain modes the code runs as the launcher's uid and can kill it

@@ -19,7 +19,8 @@ the host built (TMP/seccomp.bpf) and execs a fresh interpreter on TMP/work/main.
 else the launcher joins the run's cgroups (CGROUPS: comma-separated directories, or "-"), so every
 process of the run counts against the whole-run memory, process and CPU limits; where there are
 none, it sums the memory of every process of the run every 50 ms and kills the run beyond MEM MiB
-(each process is also held to MEM MiB of address space). In the new IPC namespace it sets the SysV
+(each process is also held to MEM MiB of address space) or beyond NPROC processes (RLIMIT_NPROC
+does not hold root's). In the new IPC namespace it sets the SysV
 IPC limits to zero. The code's stdout and stderr are pipes: the launcher keeps at most OUT bytes of
 each (in the files the host opened, OUT_FD and ERR_FD) and kills the run when either goes beyond, so
 nothing the code does grows a file on the host disk. The code's processes are the OOM killer's first
@@ -30,9 +31,9 @@ names and the code never holds (it is closed when the code's interpreter is exec
 in TMP could be rewritten by the code in the plain modes, where TMP is within its reach, and a pipe
 reopened through /proc), as "key value" lines: status (wait status of the child), cpu (its cpu
 seconds), timeout (1 when the wall limit killed it), out_bytes / err_bytes (what the code wrote),
-output_exceeded, memory_exceeded (the watch killed it), protections (the ones in force), setup (why
-the sandbox could not be built, when it could not). Only these lines decide a verdict; what the code
-prints never does.
+output_exceeded, memory_exceeded / nproc_exceeded (the watch killed it), protections (the ones
+in force), setup (why the sandbox could not be built, when it could not). Only these lines decide
+a verdict; what the code prints never does.
 
 Only modules that are built in or cheap to import are used, to keep start-up fast: no json, no re.
 """
@@ -198,17 +199,19 @@ def pump(pid, pipes, errpipe_r, watch):
     """Read the child's stdout/stderr pipes into the capped files and its setup reports, until
     the pipes close (or shortly after the child exits); kill the run when output goes beyond the
     cap and, with `watch` (no cgroup holds the run), when its processes together hold more than
-    MEM MiB (polled every WATCH_S). Returns (wait status, rusage, reports, bytes per pipe, output
-    exceeded, memory exceeded)."""
+    MEM MiB or are more than NPROC (polled every WATCH_S). Returns (wait status, rusage, reports,
+    bytes per pipe, output exceeded, memory exceeded, processes exceeded)."""
     counts = {fd: 0 for fd in pipes}
     reports, exceeded, done, done_at = b"", False, None, 0.0
-    over, next_watch = False, 0.0
+    over, crowded, next_watch = False, False, 0.0
     live = set(pipes) | {errpipe_r}
     while live:
         ready, _, _ = select.select(list(live), [], [], WATCH_S if watch else 0.1)
         if watch and not over and done is None and time.monotonic() >= next_watch:
             next_watch = time.monotonic() + WATCH_S
-            over = run_memory(run_tree()) > MEM << 20
+            tree = run_tree()  # (root's processes are exempt from RLIMIT_NPROC: counted here)
+            crowded = len(tree) > NPROC
+            over = crowded or run_memory(tree) > MEM << 20
         if over:  # (again each round: in the plain modes, orphans of the processes killed)
             kill_run(pid, done is None, PLAIN)
         for fd in ready:
@@ -237,7 +240,7 @@ def pump(pid, pipes, errpipe_r, watch):
     if done is None:
         _, status, usage = os.wait4(pid, 0)
         done = (status, usage)
-    return done[0], done[1], reports, list(counts.values()), exceeded, over
+    return done[0], done[1], reports, list(counts.values()), exceeded, over and not crowded, crowded
 
 
 def main():
@@ -314,7 +317,7 @@ def main():
     if not CGROUPS:
         protections.append("memory-watch")
     pipes = {out_r: out, err_r: err}
-    status, usage, reports, sizes, exceeded, over = pump(pid, pipes, errpipe_r, not CGROUPS)
+    status, usage, reports, sizes, exceeded, over, crowded = pump(pid, pipes, errpipe_r, not CGROUPS)
     signal.setitimer(signal.ITIMER_REAL, 0)
     if PLAIN:
         reap_children()
@@ -322,7 +325,8 @@ def main():
         reap_uid()
     cpu = usage.ru_utime + usage.ru_stime
     lines = [f"status {status}", f"cpu {cpu:.3f}", f"timeout {int(bool(timed_out))}", f"out_bytes {sizes[0]}",
-             f"err_bytes {sizes[1]}", f"output_exceeded {int(exceeded)}", f"memory_exceeded {int(over)}"]
+             f"err_bytes {sizes[1]}", f"output_exceeded {int(exceeded)}", f"memory_exceeded {int(over)}",
+             f"nproc_exceeded {int(crowded)}"]
     text = reports.decode("utf-8", "replace").splitlines()
     protections += [ln[3:] for ln in text if ln.startswith("ok ")]
     lines.append("protections " + " ".join(protections))
