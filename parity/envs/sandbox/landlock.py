@@ -3,14 +3,15 @@
 Where namespaces are not permitted (the plain modes: a container's default seccomp profile, a kernel
 without unprivileged user namespaces), Landlock, an unprivileged Linux security module (5.13+), still
 lets a process restrict itself and every process it starts. `restrict` allows reading and executing
-the Python runtime (the directories and files of the host's mount plan: the same view the isolated
-root gives), reading and writing the device nodes of the plan, everything within the run's own working
-directory, and nothing else: not the host's files, /proc, or /dev/shm (whose files are memory no
-process owns, out of the memory watch's sight). From ABI 6 (Linux 6.12) it also scopes signals and
-abstract UNIX sockets to the run: the code cannot signal the host's processes or connect to their
-abstract sockets. (TCP and UDP are refused in the plain modes by the seccomp filter, whatever the ABI.)
-What stays reachable: UNIX sockets by path (Landlock does not cover connecting to them) and what /proc
-would show of other processes, which the filesystem rule already closes.
+the directories and files of the host's mount plan (/usr, the interpreter's prefix, the libraries:
+what the isolated root binds, though not its masks, so the installed packages and /usr/local stay
+readable: Landlock cannot take back a path below one it allows), reading and writing the plan's
+device nodes, everything within the run's own working directory, and nothing else: not the host's
+files, /proc, or /dev/shm (whose files are memory no process owns, out of the memory watch's
+sight). From ABI 6 (Linux 6.12) it also scopes signals and abstract UNIX sockets to the run: the
+code cannot signal the host's processes or connect to their abstract sockets. What Landlock does
+not cover (a file's mode, owner, times and attributes; sockets by path; resource limits of other
+processes) the plain modes' seccomp filter refuses (`seccomp.py`).
 
 Imported by `launcher.py` (built-in modules only: it runs under `python -I -S`) and by the host, for
 `abi()`. x86-64, aarch64 and riscv64 share the system call numbers.
