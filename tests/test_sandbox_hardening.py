@@ -609,15 +609,18 @@ def test_what_a_host_killed_mid_call_left_is_removed_by_the_next_one(monkeypatch
                         time.sleep(0.02)
 
 
-REACH = """
-import os, socket
-host_file, host_dir, shm = {args}
-def attempt(what, act):
+ATTEMPT = """
+def attempt(what, act):  # one line per act: done, or the errno it met
     try:
         act()
         print(what, "done")
     except OSError as exc:
         print(what, exc.errno)
+"""
+
+REACH = ATTEMPT + """
+import os, socket
+host_file, host_dir, shm = {args}
 attempt("read", lambda: open(host_file).read())
 attempt("write", lambda: open(os.path.join(host_dir, "planted"), "w").write("x"))
 attempt("shm", lambda: open(shm, "w").write("x" * 4096))
@@ -678,15 +681,9 @@ def test_a_degraded_run_cannot_signal_the_hosts_processes(degraded: Sandbox) -> 
     assert "landlock-scope" in r.protections
 
 
-HOST_REACH = """
+HOST_REACH = ATTEMPT + """
 import ctypes, os, resource
 libc = ctypes.CDLL(None, use_errno=True)
-def attempt(what, act):
-    try:
-        act()
-        print(what, "done")
-    except OSError as exc:
-        print(what, exc.errno)
 def check(rc):
     if rc < 0:
         raise OSError(ctypes.get_errno(), "")
