@@ -17,9 +17,10 @@ What works is probed once per process. Where namespaces are not permitted, `Sand
 environment (an operator's switch for every run on such a machine), accepts a degraded sandbox there: a
 separate process with rlimits, an empty environment and its own temp directory, under a per-run uid where
 the host is root and Python is open to other uids, else under the host's own uid (root without
-capabilities, where the host is root), with no network sockets (seccomp) and, where the kernel has
-Landlock, reading only the Python runtime and writing only its own directory (`landlock.py`); and
-`describe()` says in capitals what is missing.
+capabilities, where the host is root), with no sockets but UNIX socket pairs and no changes to a
+file's mode, owner, times or attributes (seccomp), its processes counted, and, where the kernel has
+Landlock, reading only /usr and the Python runtime and writing only its own directory
+(`landlock.py`); and `describe()` says in capitals what is missing.
 """
 
 from __future__ import annotations
