@@ -69,6 +69,25 @@ def test_a_worker_that_finished_early_is_not_restarted(tmp_path):
     assert [m["step"] for m in metrics] == [0, 1, 2] and controller.rollout.restarts == 0
 
 
+def test_every_shipped_config_loads_and_validates():
+    """configs/ and examples/ hold what the README, the study and scripts/gpu_check.sh run: each
+    loads and validates (a study's every run and seed too), so a renamed or retired key shows here,
+    not in a device call's training step."""
+    from pathlib import Path
+
+    from parity.apps.study_grid import load_study, run_config
+
+    root = Path(__file__).resolve().parents[2]
+    files = sorted([*root.glob("configs/*.toml"), *root.glob("examples/*.toml")])
+    assert len(files) >= 7
+    for path in files:
+        if path.name.startswith("study"):
+            study = load_study(str(path))
+            assert [run_config(study, run, seed) for run in study.runs for seed in study.seeds], path
+        else:
+            assert load_config(path).steps > 0, path
+
+
 def test_config_is_validated_and_round_trips(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key rollout.max_tokns"):
         load_config(None, ["rollout.max_tokns=3"])
