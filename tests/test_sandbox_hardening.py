@@ -29,12 +29,13 @@ import parity.envs.sandbox as sandbox_module
 from parity.envs.sandbox import Sandbox, SandboxLimits, cgroup, host, landlock
 from parity.envs.sandbox.host import cgroup_support
 from parity.envs.sandbox.seccomp import (
+    ARGS_ONLY_X86_64,
     AUDIT_ARCH_X86_64,
     DENIED_X86_64,
     NEWEST_KNOWN,
-    NUMBERS_X86_64,
-    OWN_PROCESS_ONLY_X86_64,
+    PLAIN_ARGS_ONLY_X86_64,
     PLAIN_DENIED_X86_64,
+    PLAIN_IOCTLS_REFUSED,
     PLAIN_SOCKET_FAMILIES,
     SOCKET_CALLS_X86_64,
     SOCKET_FAMILIES,
@@ -336,13 +337,19 @@ def test_the_filter_program_decides_as_documented() -> None:
         assert _run_filter(plain, SOCKET_CALLS_X86_64["socketpair"], family) == want, family
     assert all(_run_filter(plain, nr) == eperm for nr in {**DENIED_X86_64, **PLAIN_DENIED_X86_64}.values())
     assert all(_run_filter(prog, nr) == allow for nr in PLAIN_DENIED_X86_64.values())  # (isolated: allowed)
-    for program in (prog, plain):  # scheduling, priorities, limits: of the caller's own processes only
-        for name, checks in OWN_PROCESS_ONLY_X86_64.items():
-            nr, args = NUMBERS_X86_64[name], dict(checks)
-            assert _run_filter(program, nr, args.get(0, 0), arg1=args.get(1, 0)) == allow, name
+    rules = [(prog, ARGS_ONLY_X86_64), (plain, {**ARGS_ONLY_X86_64, **PLAIN_ARGS_ONLY_X86_64})]
+    for program, table in rules:  # fallocate's mode; in the plain modes the caller's own processes only
+        for nr, checks in table.items():
+            args = dict(checks)
+            assert _run_filter(program, nr, args.get(0, 0), arg1=args.get(1, 0)) == allow, nr
             for arg, value in checks:  # any one argument otherwise: refused
                 other = {**args, arg: value + 4242}
-                assert _run_filter(program, nr, other.get(0, 0), arg1=other.get(1, 0)) == eperm, (name, arg)
+                assert _run_filter(program, nr, other.get(0, 0), arg1=other.get(1, 0)) == eperm, (nr, arg)
+    assert all(_run_filter(prog, nr, 4242, arg1=4242) == allow for nr in PLAIN_ARGS_ONLY_X86_64)  # (pid ns)
+    for request in PLAIN_IOCTLS_REFUSED:  # a file's flags: refused in the plain modes only
+        assert _run_filter(plain, 16, 3, arg1=request) == eperm
+        assert _run_filter(prog, 16, 3, arg1=request) == allow
+    assert _run_filter(plain, 16, 3, arg1=0x5401) == allow  # (TCGETS, as isatty asks)
 
 
 FAMILIES = """
@@ -384,6 +391,15 @@ def degraded(monkeypatch) -> Sandbox:
     keep_uid = os.geteuid() == 0 and not sandbox_module._others_can_run_python()
     forced = sandbox_module._Probe("plain-keep-uid" if keep_uid else "plain", "forced by the test")
     monkeypatch.setattr(sandbox_module, "_PROBE", forced)
+    return Sandbox(SandboxLimits(wall_s=3.0, cpu_s=1), require_isolation=False)
+
+
+@pytest.fixture
+def as_host_uid(monkeypatch) -> Sandbox:
+    """A degraded sandbox whose code runs as the host's uid (root without capabilities, as root):
+    what it is refused, the uid's own permissions would allow, so the refusal is the sandbox's."""
+    mode = "plain-keep-uid" if os.geteuid() == 0 else "plain"
+    monkeypatch.setattr(sandbox_module, "_PROBE", sandbox_module._Probe(mode, "forced by the test"))
     return Sandbox(SandboxLimits(wall_s=3.0, cpu_s=1), require_isolation=False)
 
 
@@ -632,12 +648,13 @@ attempt("own", lambda: (os.makedirs("a/b"), open("a/b/f", "w").write("x"), os.re
 
 
 @pytest.mark.skipif(landlock.abi() < 1 or build_filter() is None, reason="no Landlock or seccomp here")
-def test_a_degraded_run_is_held_to_its_own_directory_and_has_no_network(degraded: Sandbox, tmp_path) -> None:
+def test_a_degraded_run_is_held_to_its_own_directory_and_has_no_network(as_host_uid: Sandbox, tmp_path,
+                                                                         monkeypatch) -> None:
     """Without namespaces the code read and wrote what its uid could (root's files, as root), wrote
     memory-backed files in /dev/shm that no process owns (out of the memory watch's sight, outliving
     the run) and reached the network. Landlock now holds it to reading the Python runtime and
-    writing its own directory, and the seccomp filter refuses network sockets there; a plain child
-    process, the control, does all of it."""
+    writing its own directory, and the seccomp filter refuses network sockets there. The controls:
+    a plain child process does all of it, the same run without Landlock all but the sockets."""
     host_dir = tmp_path / "open"
     host_dir.mkdir(mode=0o777)
     os.chmod(host_dir, 0o777)
@@ -645,17 +662,24 @@ def test_a_degraded_run_is_held_to_its_own_directory_and_has_no_network(degraded
     secret.write_text("host data\n")
     os.chmod(secret, 0o644)
     shm = f"/dev/shm/parity-test-{os.getpid()}"
-    args = f"{str(secret)!r}, {str(host_dir)!r}, {shm!r}"
+    code = REACH.format(args=f"{str(secret)!r}, {str(host_dir)!r}, {shm!r}")
+    denied, eperm = str(errno.EACCES), str(errno.EPERM)
+    acts = ("read", "write", "shm", "list", "udp", "tcp", "own")
     try:
         (tmp_path / "control").mkdir()
-        control = subprocess.run([sys.executable, "-c", REACH.format(args=args)], capture_output=True,
-                                 text=True, timeout=60, cwd=tmp_path / "control")
-        acts = ("read", "write", "shm", "list", "udp", "tcp", "own")
+        control = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                                 cwd=tmp_path / "control")
         assert control.stdout.split("\n")[:7] == [f"{w} done" for w in acts], control
-        os.remove(host_dir / "planted")
-        os.remove(shm)
-        r = degraded.run(REACH.format(args=args))
-        denied, eperm = str(errno.EACCES), str(errno.EPERM)
+        for leftover in (host_dir / "planted", shm):
+            os.remove(leftover)
+        monkeypatch.setattr(host, "LANDLOCK", False)
+        r = as_host_uid.run(code)
+        assert r.ok and r.stdout.split("\n")[:7] == [*(f"{w} done" for w in acts[:4]), f"udp {eperm}",
+                                                      f"tcp {eperm}", "own done"], r
+        for leftover in (host_dir / "planted", shm):
+            os.remove(leftover)
+        monkeypatch.setattr(host, "LANDLOCK", True)
+        r = as_host_uid.run(code)
         assert r.ok and r.stdout.split("\n")[:7] == [f"read {denied}", f"write {denied}", f"shm {denied}",
                                                       f"list {denied}", f"udp {eperm}", f"tcp {eperm}",
                                                       "own done"], r
@@ -667,16 +691,19 @@ def test_a_degraded_run_is_held_to_its_own_directory_and_has_no_network(degraded
 
 
 @pytest.mark.skipif(landlock.abi() < 6, reason="Landlock's signal scope needs ABI 6 (Linux 6.12)")
-def test_a_degraded_run_cannot_signal_the_hosts_processes(degraded: Sandbox) -> None:
+def test_a_degraded_run_cannot_signal_the_hosts_processes(as_host_uid: Sandbox, monkeypatch) -> None:
     """As the host's uid (or root) the code could signal the host's processes: this one, its
-    training run. Landlock's scope (ABI 6) keeps signals within the run; the control is a plain
-    child of this process, and the run's own processes still signal each other."""
+    training run. Landlock's scope (ABI 6) keeps signals within the run; the control is the same
+    run without Landlock, and the run's own processes still signal each other."""
     code = (f"import os, signal\ntry:\n    os.kill({os.getpid()}, 0)\n    print('reached')\n"
             "except OSError as exc:\n    print(exc.errno)\n"
             "pid = os.fork()\nif pid == 0:\n    signal.pause()\nos.kill(pid, signal.SIGKILL)\n"
             "print(os.waitpid(pid, 0)[1] & 0x7f)\n")
-    assert unsandboxed(code).stdout.split() == ["reached", str(signal.SIGKILL.value)]
-    r = degraded.run(code)
+    monkeypatch.setattr(host, "LANDLOCK", False)
+    r = as_host_uid.run(code)
+    assert r.ok and r.stdout.split() == ["reached", str(signal.SIGKILL.value)], r
+    monkeypatch.setattr(host, "LANDLOCK", True)
+    r = as_host_uid.run(code)
     assert r.ok and r.stdout.split() == [str(errno.EPERM), str(signal.SIGKILL.value)], r
     assert "landlock-scope" in r.protections
 
@@ -694,7 +721,13 @@ def queue():
 def reserve():
     fd = os.open("reserved", os.O_RDWR | os.O_CREAT)
     check(libc.fallocate(fd, 1, ctypes.c_long(0), ctypes.c_long(1 << 20)))  # FALLOC_FL_KEEP_SIZE
+def flags():
+    import fcntl
+    fd = os.open({path!r}, os.O_RDONLY)
+    fcntl.ioctl(fd, 0x40086602, (0x40).to_bytes(8, "little"))  # FS_IOC_SETFLAGS: nodump
 attempt("chmod", lambda: os.chmod({path!r}, 0o4755))
+attempt("xattr", lambda: os.setxattr({path!r}, "user.stash", b"answer"))
+attempt("flags", flags)
 attempt("utime", lambda: os.utime({path!r}, (0, 0)))
 attempt("prlimit", lambda: resource.prlimit({pid}, resource.RLIMIT_NOFILE))
 attempt("mq", queue)
@@ -704,37 +737,50 @@ attempt("unix", lambda: __import__("socket").socket(1).close())
 
 
 @pytest.mark.skipif(build_filter() is None, reason="the seccomp filter is x86-64 only")
-def test_a_degraded_run_cannot_change_the_hosts_files_or_processes(degraded: Sandbox, tmp_path) -> None:
+def test_a_degraded_run_cannot_change_the_hosts_files_or_processes(as_host_uid: Sandbox, tmp_path,
+                                                                    monkeypatch) -> None:
     """As a uid of the host's the code changed what Landlock does not cover (red team, 2026-12-07):
     it made a root-owned binary setuid, reset the host's open-file limit to 12 (its next tool call
     failed), left a POSIX message queue whose name the next run read, reserved 2 GiB of disk past
     the file-size limit, and could reach any UNIX socket by path. The seccomp filter of the plain
-    modes refuses all of it; a plain child process, the control, does all of it."""
+    modes refuses all of it (checked with Landlock off, which refuses opening the file for its
+    flags first); a plain child process, the control, does all of it."""
+    monkeypatch.setattr(host, "LANDLOCK", False)
     target = tmp_path / "host-file"
     target.write_text("x")
     code = HOST_REACH.format(path=str(target), pid=os.getpid())
     (tmp_path / "control").mkdir()
     control = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              cwd=tmp_path / "control")
-    acts = ("chmod", "utime", "prlimit", "mq", "fallocate", "unix")
-    assert control.stdout.split("\n")[:6] == [f"{a} done" for a in acts], control
-    target.chmod(0o644)
+    acts = ("chmod", "xattr", "flags", "utime", "prlimit", "mq", "fallocate", "unix")
+    assert control.stdout.split("\n")[:8] == [f"{a} done" for a in acts], control
+    target.unlink()
+    target.write_text("x")
+    os.chmod(target, 0o644)
     stamp = target.stat().st_mtime
-    r = degraded.run(code)
-    assert r.ok and r.stdout.split("\n")[:6] == [f"{a} {errno.EPERM}" for a in acts], r
+    r = as_host_uid.run(code)
+    assert r.ok and r.stdout.split("\n")[:8] == [f"{a} {errno.EPERM}" for a in acts], r
+    assert not os.listxattr(target)
     assert target.stat().st_mode & 0o7777 == 0o644 and target.stat().st_mtime == stamp
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC holds every uid but root's")
-def test_a_degraded_run_without_a_cgroup_is_held_to_its_process_count(degraded: Sandbox, monkeypatch) -> None:
+def test_a_degraded_run_without_a_cgroup_is_held_to_its_process_count(as_host_uid: Sandbox,
+                                                                       monkeypatch) -> None:
     """The kernel exempts root from RLIMIT_NPROC: as root without a cgroup (plain-keep-uid) 40
     forks went through a limit of 16, sharing their pages, so the memory watch barely saw them.
     The watch counts the run's processes too; the control is the same code under the limit."""
     monkeypatch.setattr(host, "_CGROUP", (None, "no cgroup: forced by the test"))
     code = ("import os, time\nfor _ in range({n}):\n    if os.fork() == 0:\n        time.sleep(2)\n"
             "        os._exit(0)\nprint('forked', flush=True)\ntime.sleep(1)\n")
-    r = degraded.run(code.format(n=40))
+    r = as_host_uid.run(code.format(n=40))
     assert not r.ok and r.limit == "processes", r
-    assert r.error == f"sandbox: process limit exceeded ({degraded.limits.nproc} processes for the whole run)"
-    r = degraded.run(code.format(n=4))
+    nproc = as_host_uid.limits.nproc
+    assert r.error == f"sandbox: process limit exceeded ({nproc} processes for the whole run)"
+    r = as_host_uid.run(code.format(n=4))
     assert r.ok and r.stdout == "forked\n", r
+    orphans = ("import os, time\nfor _ in range(30):\n    if os.fork() == 0:\n        if os.fork() == 0:\n"
+               "            os._exit(0)\n        os._exit(0)\n    os.wait()\n"
+               "time.sleep(0.3)\nprint('done')\n")
+    r = as_host_uid.run(orphans)  # (60 processes one after another, at most 3 at once: their zombies
+    assert r.ok and r.stdout == "done\n", r  # wait for the launcher, which adopted them, but run no more)

@@ -132,6 +132,9 @@ def main(args) -> int:
     dtype_from_name(args.dtype, "--dtype")
     if any(b not in ("local", "ray") for b in args.backends) or any(n < 1 for n in args.workers):
         raise ParityError("--backends takes local and/or ray, --workers positive integers")
+    for name, values in (("--lags", args.lags), ("--backends", args.backends), ("--workers", args.workers)):
+        if len(set(values)) != len(values):
+            raise ParityError(f"{name} names a value twice: {','.join(map(str, values))}")
     rows, ratios, spreads = bench_async(args.preset, args.steps, args.lags, args.prompts, args.group,
                                         args.max_tokens, args.reps, args.dtype, args.backends, args.workers,
                                         progress=status)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -290,10 +291,11 @@ def apply_tiles(path: str) -> int:
 
     try:
         with open(path) as f:
-            text = f.read(1 << 24)
-        lines = text.splitlines()  # (a log with a line or two before the JSON, as a device call's may hold)
-        start = next((i for i, line in enumerate(lines) if line.startswith("{")), 0)
-        doc = json.loads("\n".join(lines[start:]))
+            text = f.read()
+        # (a log with lines before or after the JSON, as a device call's may hold: the document
+        # that opens on the first line starting with "{")
+        start = next((m.start() for m in re.finditer(r"\n\{", "\n" + text)), 0)
+        doc, _ = json.JSONDecoder().raw_decode(text, start)
     except (OSError, ValueError) as err:
         raise ParityError(f"--gemm-tiles: cannot read {path}: {err}") from err
     entries = doc.get("gemm_tiles") if isinstance(doc, dict) else None

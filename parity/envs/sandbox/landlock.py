@@ -13,12 +13,13 @@ code cannot signal the host's processes or connect to their abstract sockets. Wh
 not cover (a file's mode, owner, times and attributes; sockets by path; resource limits of other
 processes) the plain modes' seccomp filter refuses (`seccomp.py`).
 
-Imported by `launcher.py` (built-in modules only: it runs under `python -I -S`) and by the host, for
-`abi()`. x86-64, aarch64 and riscv64 share the system call numbers.
+Imported by `launcher.py` (built-in modules only: it runs under `python -I -S`) and by the tests.
+x86-64, aarch64 and riscv64 share the system call numbers.
 """
 
 import ctypes
 import os
+import stat
 import struct
 
 SYS_CREATE_RULESET, SYS_ADD_RULE, SYS_RESTRICT_SELF = 444, 445, 446
@@ -57,7 +58,9 @@ def restrict(read_dirs, read_files, devices, own_dir) -> list[str]:
     """Restrict this process and its future children: read and execute `read_dirs` and `read_files`,
     read and write `devices`, do anything within `own_dir`. Needs no_new_privs set. Returns the names
     of the protections now in force ("landlock-fs", and "landlock-scope" from ABI 6); [] where the
-    kernel has no Landlock. Paths that do not exist or that this uid cannot reach are skipped."""
+    kernel has no Landlock. Paths that do not exist or that this uid cannot reach are skipped. An
+    OSError once the ruleset exists (the kernel refusing a rule or the restriction) leaves this
+    process unrestricted; the caller decides."""
     version = abi()
     if version < 1:
         return []
@@ -76,10 +79,10 @@ def restrict(read_dirs, read_files, devices, own_dir) -> list[str]:
         for path, access in rules:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            except (FileNotFoundError, PermissionError):  # (not this uid's to reach: no rule needed)
+            except OSError:  # (gone, or not this uid's to reach: no rule needed)
                 continue
             try:
-                if not os.path.isdir(path):
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
                     access &= FILE_RIGHTS
                 # struct landlock_path_beneath_attr {u64 allowed_access; s32 parent_fd} (packed)
                 rule = ctypes.create_string_buffer(struct.pack("<Qi", access & fs, fd), 12)

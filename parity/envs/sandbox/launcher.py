@@ -65,7 +65,7 @@ from rootfs import (  # noqa: E402
     prctl,
     put,
 )
-from tree import kill_run, reap_children, run_memory, run_tree  # noqa: E402
+from tree import kill_run, reap_children, run_memory, run_tree, running  # noqa: E402
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 PR_SET_CHILD_SUBREAPER = 36
@@ -131,9 +131,13 @@ def child(code, out, err, alive_r, errpipe_w, program):
     null = os.open("/dev/null", os.O_RDWR)
     drop_privileges()
     if PLAIN and LANDLOCK:  # no private root: Landlock holds the code to the runtime and its own directory
-        for name in restrict([src for kind, src, _ in PLAN if kind == "ro"],
-                             [src for kind, src, _ in PLAN if kind == "file"],
-                             [src for kind, src, _ in PLAN if kind == "dev"], os.getcwd()):
+        try:  # (a kernel that refuses it leaves the run as on a kernel without it: not reported in force)
+            held = restrict([src for kind, src, _ in PLAN if kind == "ro"],
+                            [src for kind, src, _ in PLAN if kind == "file"],
+                            [src for kind, src, _ in PLAN if kind == "dev"], os.getcwd())
+        except OSError:
+            held = []
+        for name in held:
             report(errpipe_w, name)
     # a keyring of this run's own: the caller's session keyring is out of reach (and the keyring
     # system calls are refused below, so no key outlives the run)
@@ -210,7 +214,7 @@ def pump(pid, pipes, errpipe_r, watch):
         if watch and not over and done is None and time.monotonic() >= next_watch:
             next_watch = time.monotonic() + WATCH_S
             tree = run_tree()  # (root's processes are exempt from RLIMIT_NPROC: counted here)
-            crowded = len(tree) > NPROC
+            crowded = running(tree) > NPROC
             over = crowded or run_memory(tree) > MEM << 20
         if over:  # (again each round: in the plain modes, orphans of the processes killed)
             kill_run(pid, done is None, PLAIN)

@@ -8,17 +8,18 @@ inotify and fanotify, the kernel log (syslog), ptrace and process_vm_readv/write
 (another process's file descriptors), module, kexec, reboot, swap and accounting calls; SysV shared
 memory, semaphores and message queues, and POSIX message queues (their memory is no process's:
 without an IPC namespace, in the plain modes, a run held 1.6 GiB past a 512 MiB limit in detached
-segments that outlived it, and a queue's name carried data to the next run); scheduling, priority
-and resource-limit calls on any process but the caller, and `fallocate` beyond the file size
-(`OWN_PROCESS_ONLY_X86_64`); and sockets of any family but AF_UNIX, AF_INET and AF_INET6 (`socket`,
-`socketpair`): the network namespace isolates those, not every family (AF_VSOCK reached the
-hypervisor's port space from inside a Firecracker guest). In the plain modes, which have no
-namespaces, also `socket` whatever the family (`socketpair` AF_UNIX only) and changes to a file's
-mode, owner, times and extended attributes (`PLAIN_DENIED_X86_64`). Every call numbered past
-`NEWEST_KNOWN` (those a later kernel adds: listmount, open_tree_attr, ... reached the kernel)
-answers ENOSYS, as on an older kernel, so the list cannot fall behind the kernel. A call from
-another ABI than the filter's (x86-64's x32, 32-bit entry) kills the process. x86-64 only; elsewhere
-`build_filter` returns None and the sandbox says seccomp is unavailable.
+segments that outlived it, and a queue's name carried data to the next run); `fallocate` beyond the
+file size (`ARGS_ONLY_X86_64`); and sockets of any family but AF_UNIX, AF_INET and AF_INET6
+(`socket`, `socketpair`): the network namespace isolates those, not every family (AF_VSOCK reached
+the hypervisor's port space from inside a Firecracker guest). In the plain modes, which have no
+namespaces, also `socket` whatever the family (`socketpair` AF_UNIX only), changes to a file's mode,
+owner, times, extended attributes and flags (`PLAIN_DENIED_X86_64`, `PLAIN_IOCTLS_REFUSED`), and
+scheduling, priority and resource-limit calls on any process but the caller
+(`PLAIN_ARGS_ONLY_X86_64`). Every call numbered past `NEWEST_KNOWN` (those a later kernel adds:
+listmount, open_tree_attr, ... reached the kernel) answers ENOSYS, as on an older kernel, so the
+list cannot fall behind the kernel. A call from another ABI than the filter's (x86-64's x32, 32-bit
+entry) kills the process. x86-64 only; elsewhere `build_filter` returns None and the sandbox says
+seccomp is unavailable.
 """
 
 from __future__ import annotations
@@ -59,21 +60,22 @@ PLAIN_DENIED_X86_64: dict[str, int] = {
 """Refused in the plain modes too: a file's mode, owner, times and extended attributes. Landlock
 does not cover them, and there the code's uid owns the host's files (root's, as root: a root-owned
 binary in reach was made setuid, and a file's attribute carried data from one run to the next)."""
-OWN_PROCESS_ONLY_X86_64: dict[str, tuple[tuple[int, int], ...]] = {
-    "sched_setparam": ((0, 0),), "sched_setscheduler": ((0, 0),), "sched_setaffinity": ((0, 0),),
-    "prlimit64": ((0, 0),), "sched_setattr": ((0, 0),),
-    "setpriority": ((0, 0), (1, 0)), "ioprio_set": ((0, 1), (1, 0)),
-    "fallocate": ((1, 0),),
+ARGS_ONLY_X86_64: dict[int, tuple[tuple[int, int], ...]] = {285: ((1, 0),)}  # fallocate
+"""Calls allowed only with these (argument index, value) pairs, EPERM otherwise, in every mode:
+`fallocate` with mode 0 (FALLOC_FL_KEEP_SIZE reserved 2 GiB of disk past the file-size limit)."""
+PLAIN_ARGS_ONLY_X86_64: dict[int, tuple[tuple[int, int], ...]] = {
+    142: ((0, 0),), 144: ((0, 0),), 203: ((0, 0),), 302: ((0, 0),), 314: ((0, 0),),
+    141: ((0, 0), (1, 0)), 251: ((0, 1), (1, 0)),
 }
-"""Calls allowed only with these (argument index, value) pairs, EPERM otherwise: the scheduling,
-priority and resource-limit calls on the calling process itself (pid 0; `setpriority` and
-`ioprio_set` by process, not by user or group). Without a pid namespace (the plain modes) the
-code reached the host's: `prlimit` set the host's open-file limit to 12 and its next tool call
-failed. And `fallocate` with mode 0 only: FALLOC_FL_KEEP_SIZE reserved 2 GiB of disk beyond the
-file-size limit."""
-NUMBERS_X86_64 = {"sched_setparam": 142, "sched_setscheduler": 144, "sched_setaffinity": 203,
-                  "prlimit64": 302, "sched_setattr": 314, "setpriority": 141, "ioprio_set": 251,
-                  "fallocate": 285}
+"""The same in the plain modes: sched_setparam, sched_setscheduler, sched_setaffinity, prlimit64 and
+sched_setattr of pid 0 only, setpriority and ioprio_set of the calling process only (not by user or
+group). Without a pid namespace the code reached the host's processes: `prlimit` set the host's
+open-file limit to 12 and its next tool call failed. (The isolated modes' pid namespace keeps the
+code to its own processes: `prlimit(os.getpid())` works there.)"""
+PLAIN_IOCTLS_REFUSED = (0x40086602, 0x40046602, 0x401C5820)
+"""`ioctl` requests refused in the plain modes: FS_IOC_SETFLAGS (64- and 32-bit) and
+FS_IOC_FSSETXATTR, a file's flags (nodump was set on a root-owned file out of the run)."""
+SYS_IOCTL = 16
 CLONE_X86_64, CLONE3 = 56, 435
 NEWEST_KNOWN = 452
 """fchmodat2 (Linux 6.6): calls numbered past it answer ENOSYS (libc falls back where it uses one)."""
@@ -88,6 +90,15 @@ the host (Landlock does not cover connecting to one)."""
 
 def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("<HBBI", code, jt, jf, k)
+
+
+def _refuse(nr: int, arg: int, values: tuple[int, ...], allow: int, eperm: int) -> list[bytes]:
+    """For call `nr`: EPERM if argument `arg` is one of `values`, else allowed; other calls jump
+    past it."""
+    body = [_insn(LD_ABS, 0, 0, OFF_ARG0 + ARG_SIZE * arg)]
+    body += [_insn(JEQ, len(values) - i, 0, v) for i, v in enumerate(values)]
+    body += [_insn(RET, 0, 0, allow), _insn(RET, 0, 0, eperm)]
+    return [_insn(JEQ, 0, len(body), nr)] + body
 
 
 def _rule(nr: int, checks: tuple[tuple[int, int], ...], allow: int, eperm: int) -> list[bytes]:
@@ -120,8 +131,10 @@ def build_filter(machine: str | None = None, plain: bool = False) -> bytes | Non
     for nr in sorted(denied.values()):
         prog += [_insn(JEQ, 0, 1, nr), _insn(RET, 0, 0, eperm)]
     prog += [_insn(JEQ, 0, 1, CLONE3), _insn(RET, 0, 0, enosys)]
-    for name, checks in OWN_PROCESS_ONLY_X86_64.items():
-        prog += _rule(NUMBERS_X86_64[name], checks, allow, eperm)
+    for nr, checks in {**ARGS_ONLY_X86_64, **(PLAIN_ARGS_ONLY_X86_64 if plain else {})}.items():
+        prog += _rule(nr, checks, allow, eperm)
+    if plain:
+        prog += _refuse(SYS_IOCTL, 1, PLAIN_IOCTLS_REFUSED, allow, eperm)
     if plain:  # socket refused; socketpair (the nr is still loaded) AF_UNIX only
         prog += [_insn(JEQ, 0, 1, SOCKET_CALLS_X86_64["socket"]), _insn(RET, 0, 0, eperm)]
         unix = PLAIN_SOCKET_FAMILIES["AF_UNIX"]
@@ -146,7 +159,9 @@ def describe(program: bytes | None, plain: bool = False) -> str:
     if program is None:
         return f"no seccomp filter (not implemented for {platform.machine()})"
     refused = len(DENIED_X86_64) + 2 + (len(PLAIN_DENIED_X86_64) if plain else 0)
-    sockets = ("no sockets but UNIX socket pairs, no chmod/chown/utime/xattr" if plain else
-               f"sockets only {'/'.join(f.removeprefix('AF_') for f in SOCKET_FAMILIES)}")
-    return (f"seccomp filter ({refused} syscalls refused and any newer than Linux 6.6, {sockets}, "
-            f"priorities and limits of its own processes only)")
+    if plain:
+        return (f"seccomp filter ({refused} syscalls refused and any newer than Linux 6.6, no sockets but "
+                f"UNIX socket pairs, no changes to a file's mode, owner, times, attributes or flags, "
+                f"priorities and limits of its own processes only)")
+    return (f"seccomp filter ({refused} syscalls refused and any newer than Linux 6.6, sockets only "
+            f"{'/'.join(f.removeprefix('AF_') for f in SOCKET_FAMILIES)})")

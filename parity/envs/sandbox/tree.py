@@ -92,6 +92,21 @@ def run_memory(pids):
     return total
 
 
+def running(pids):
+    """How many of `pids` are running: not zombies (an orphan the launcher adopted stays one until
+    the run ends and the launcher reaps it) and not gone."""
+    count = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X"):
+            count += 1
+    return count
+
+
 def kill_run(pid, alive, plain):
     """SIGKILL the run, by pids that cannot have been reused: with a pid namespace its first
     process `pid` (the kernel ends every process of the namespace with it), while it is not yet
