@@ -257,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--backends", "--backend", type=_csv(str), default=["local"],
                    help="local and/or ray (default local)")
     a.add_argument("--workers", type=_csv(int), default=[1], help="rollout worker counts (default 1)")
+    a.add_argument("--device", default="cpu",
+                   help="cpu, cuda or cuda:N (default cpu): the learner and its workers share it")
     a.add_argument("--json", action="store_true")
     _name_defaults(parser)
     return parser

@@ -469,6 +469,10 @@ def test_bench_async_json():
     assert out["rows"][0]["observed_lag_max"] == 0 and all(r["observed_lag_max"] <= 2 for r in out["rows"])
     assert out["ratios"]["local_x1_lag2_over_sync"] > 0 and out["ratios"]["local_x2_lag2_over_sync"] > 0
     assert out["ratio_ranges"] == {k: [v, v] for k, v in out["ratios"].items()}  # (one repetition)
+    assert out["device"] == "cpu"
+    for bad, named in ((["--device", "tpu"], "--device must"), (["--lags", "2,2"], "--lags names a value")):
+        refused = run("bench", "async", *bad)
+        assert refused.returncode == 2 and refused.stderr.startswith(f"parity: error: {named}"), refused
     assert out["rows"][2]["bytes_moved"] == 2 * out["rows"][1]["bytes_moved"] > 0
     assert all(r["gemm_gflops"] > 0 and 0 < r["gemm_fraction"] == r["gflops"] / r["gemm_gflops"]
                for r in out["rows"])
@@ -486,7 +490,7 @@ def test_bench_async_takes_turns_and_reports_each_repetitions_own_ratio(monkeypa
         return (float(next(speeds)), 0.1, 0.2, float(cfg.max_policy_lag), 0.001, 0.01, 1e6, 1.0)
 
     monkeypatch.setattr(bench_async, "_measure", measure)
-    monkeypatch.setattr(bench_async.hardware, "gemm_rate", lambda dtype: 10.0)
+    monkeypatch.setattr(bench_async.hardware, "gemm_rate", lambda dtype, device: 10.0)
     rows, ratios, ranges = bench_async.bench_async("tiny", steps=3, lags=[2], reps=3)
     assert order == [0, 2, 2, 0, 0, 2]
     assert [r.steps_per_hour for r in rows] == [100, 260]  # medians of (100, 200, 100) and (150, 300, 260)

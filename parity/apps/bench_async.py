@@ -79,18 +79,20 @@ def _measure(cfg: TrainConfig) -> tuple[float, ...]:
 def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8, 64), prompts: int = 8,
                 group: int = 4, max_tokens: int = 128, reps: int = 3, dtype: str = "float32",
                 backends: Sequence[str] = ("local",), workers: Sequence[int] = (1,),
-                progress: Callable[[str], None] | None = None) -> tuple[list[AsyncRow], dict, dict]:
+                progress: Callable[[str], None] | None = None,
+                device: str = "cpu") -> tuple[list[AsyncRow], dict, dict]:
     """Train the same task and model for `steps` updates synchronously (lag 0, local backend, one
     worker) and asynchronously (each lag in `lags`, on each backend with each worker count) on
     long-tail response lengths; modes take turns per repetition. Steady-state throughput excludes
     the first step (process or actor start-up). The kernel/lag decomposition is off in every mode:
     it is a diagnostic, and in async runs it costs the rollout side an extra scoring forward that
-    sync runs do not pay (12-15% of a worker's generation time), which would bias the ratio."""
+    sync runs do not pay (12-15% of a worker's generation time), which would bias the ratio. On a
+    GPU (`device`) the learner and its local rollout workers share it."""
     modes = [("local", 1, 0)] + [(b, n, lag) for b in backends for n in workers for lag in lags]
     if progress:
         progress(f"async bench: {dtype} GEMM rate")
     threads = torch.get_num_threads()  # the runs set this process's (the learner's) thread count
-    gemm = hardware.gemm_rate(dtype_from_name(dtype))
+    gemm = hardware.gemm_rate(dtype_from_name(dtype), device=device)
     per_mode: dict[tuple, list[tuple[float, ...]]] = {m: [] for m in modes}
     for r in range(reps):
         for mode in (modes if r % 2 == 0 else modes[::-1]):  # (the order reversed every other time)
@@ -100,7 +102,7 @@ def bench_async(preset: str = "small", steps: int = 12, lags: Sequence[int] = (8
             with tempfile.TemporaryDirectory() as tmp:
                 per_mode[mode].append(_measure(TrainConfig(
                     steps=steps, max_policy_lag=lag, run_dir=tmp, eval_every=0,
-                    model=ModelSection(preset=preset, dtype=dtype),
+                    model=ModelSection(preset=preset, dtype=dtype, device=device),
                     rollout=RolloutSection(prompts_per_step=prompts, group_size=group, max_tokens=max_tokens,
                                            lengths="geometric", backend=backend, workers=n),
                     learner=LearnerConfig(micro_batch_size=8, decompose_every=0))))
@@ -130,6 +132,7 @@ def main(args) -> int:
     if any(lag < 1 for lag in args.lags):
         raise ParityError("--lags must be positive (lag 0, synchronous, always runs)")
     dtype_from_name(args.dtype, "--dtype")
+    hardware.check_device(args.device, "--device")
     if any(b not in ("local", "ray") for b in args.backends) or any(n < 1 for n in args.workers):
         raise ParityError("--backends takes local and/or ray, --workers positive integers")
     for name, values in (("--lags", args.lags), ("--backends", args.backends), ("--workers", args.workers)):
@@ -137,14 +140,14 @@ def main(args) -> int:
             raise ParityError(f"{name} names a value twice: {','.join(map(str, values))}")
     rows, ratios, spreads = bench_async(args.preset, args.steps, args.lags, args.prompts, args.group,
                                         args.max_tokens, args.reps, args.dtype, args.backends, args.workers,
-                                        progress=status)
+                                        progress=status, device=args.device)
     status("")
     if args.json:
-        print(json.dumps({"machine": hardware.describe(), "cores": os.cpu_count(),
+        print(json.dumps({"machine": hardware.describe(), "cores": os.cpu_count(), "device": args.device,
                           "rows": [{**asdict(r), "gemm_fraction": r.gemm_fraction} for r in rows],
                           "ratios": ratios, "ratio_ranges": spreads}, indent=2))
         return 0
-    print(f"parity bench async: {args.preset} {args.dtype}, {args.steps} learner steps of "
+    print(f"parity bench async: {args.preset} {args.dtype} ({args.device}), {args.steps} learner steps of "
           f"{args.prompts}x{args.group} responses, geometric lengths up to {args.max_tokens} tokens; "
           f"steady state (first step excluded), median of {args.reps}")
     print(f"machine: {hardware.line()}")
