@@ -36,6 +36,7 @@
 #    aligned_kernels line reports): parity check on the 0.6B shape (the
 #    rows across batch sizes, decode steps, graphs and the engine, bit for bit with them in force),
 #    then bench kernels and bench learner on that shape again
+# 6. with the time still left, parity bench async on the GPU (sync vs async at lag 8, one repetition)
 # Steps run in the order of what the targets and its list need (bitwise_core, check, bench
 # kernels, bench learner, the training runs, bench rollout first; bench gemm's TMA tiles in a call
 # of their own, last). Each step runs under
@@ -286,5 +287,9 @@ sys.exit(0 if any(t != [64, 128, 64, 4, 3] for e in doc['gemm_tiles'] for _, t i
         --dtypes bfloat16 --batch 8 --length $LEN --reps $REPS --json --gemm-tiles "$OUT_DIR/bench_gemm.log"
 fi
 
+# 6. with whatever time is left: asynchronous against synchronous training on this GPU (the learner
+#    and its rollout worker sharing it, so not the published two-GPU setting)
+step bench_async 60 "$PY" -m parity.cli bench async --device "$DEVICE" --preset $SMALL --dtype bfloat16 \
+    --lags 8 --steps $STEPS --reps 1 --json
 if [ "$warm_rc" = 198 ]; then stop_warm; wait "$WARM" 2>/dev/null || true; fi  # (its 143 is not the run's)
 # finish (the EXIT trap) writes the summary once more and copies the results out
