@@ -1,4 +1,4 @@
-"""The `parity` command: demo, study, sft, eval, train, check, compile, generate,
+"""The `parity` command: demo, study, sft, eval, train, check, sandbox, compile, generate,
 bench kernels|rollout|learner|learner-memory|gemm|linear|attention|sampler|memory|async.
 
 This module is the parser and the dispatch; each command's body is `main(args)` in its module
@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     _gemm_tiles_option(p)
+
+    sb = _command(sub, "sandbox", "sandbox_check",
+                  "what model-written code could reach here: the sandbox's protections, and escapes tried")
+    sb.add_argument("--json", action="store_true", help="machine-readable output")
 
     c = _command(sub, "compile", "compile",
                  "compile the aligned Triton kernels for a GPU here, without one: resources per binary")

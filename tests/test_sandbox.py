@@ -413,3 +413,28 @@ def test_fallback_says_so_and_still_limits(no_isolation: None, monkeypatch: pyte
             refuses()
     monkeypatch.setenv("PARITY_ALLOW_DEGRADED_SANDBOX", "1")  # an operator's switch: accepted, and said
     assert "NO filesystem/network isolation" in Sandbox().describe()
+
+
+def test_parity_sandbox_tries_the_escapes_and_says_which_held(sb: Sandbox, capsys, monkeypatch) -> None:
+    """`parity sandbox` on this machine: every escape held (exit 0). The control is the degraded
+    sandbox as the host's uid without Landlock, where the code reads and writes the host's files,
+    fills /dev/shm and signals this process: those rows say NO and the command exits 1."""
+    import json
+
+    from parity.cli import main
+    from parity.envs.sandbox import host
+
+    require_isolation(sb)
+    assert main(["sandbox", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["isolated"] and out["all_held"] and len(out["escapes"]) == 7
+    assert all(e["held"] and e["detail"] != "done" for e in out["escapes"])
+    mode = "plain-keep-uid" if os.geteuid() == 0 else "plain"
+    monkeypatch.setattr(sandbox_mod, "_PROBE", sandbox_mod._Probe(mode, "forced by the test"))
+    monkeypatch.setattr(host, "LANDLOCK", False)
+    assert main(["sandbox", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    escaped = [e["name"] for e in out["escapes"] if not e["held"]]
+    assert not out["isolated"] and not out["all_held"] and escaped[:2] == [
+        "read a host file this process can read", "write into a host directory open to everyone"], out
+    assert all(e["detail"] == "done" for e in out["escapes"] if not e["held"])
