@@ -784,3 +784,22 @@ def test_a_degraded_run_without_a_cgroup_is_held_to_its_process_count(as_host_ui
                "time.sleep(0.3)\nprint('done')\n")
     r = as_host_uid.run(orphans)  # (60 processes one after another, at most 3 at once: their zombies
     assert r.ok and r.stdout == "done\n", r  # wait for the launcher, which adopted them, but run no more)
+
+
+@pytest.mark.skipif(landlock.abi() < 4, reason="Landlock's TCP rules need ABI 4 (Linux 6.7)")
+def test_without_a_seccomp_filter_landlock_still_refuses_tcp(as_host_uid: Sandbox, monkeypatch) -> None:
+    """Where the seccomp filter is not implemented (every machine but x86-64) a degraded run's
+    network was open: Landlock (ABI 4) refuses TCP bind and connect there too. The control is the
+    same run, filter still off, without Landlock: it reaches this process's listener."""
+    monkeypatch.setattr(host.seccomp, "build_filter", lambda **kwargs: None)  # (as on aarch64)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        code = ATTEMPT + (f"import socket\nattempt('connect', lambda: socket.create_connection("
+                          f"('127.0.0.1', {listener.getsockname()[1]}), timeout=2).close())\n")
+        monkeypatch.setattr(host, "LANDLOCK", False)
+        r = as_host_uid.run(code)
+        assert r.ok and r.stdout == "connect done\n" and "seccomp" not in r.protections, r
+        monkeypatch.setattr(host, "LANDLOCK", True)
+        r = as_host_uid.run(code)
+        assert r.ok and r.stdout == f"connect {errno.EACCES}\n" and "landlock-net" in r.protections, r

@@ -79,7 +79,8 @@ def _degraded(mode: str, protections: tuple[str, ...]) -> str:
     if "landlock-scope" not in protections:
         text += "; it can signal the processes of its uid"
     if "seccomp" not in protections:
-        text += "; it can change the mode, owner and times of the files its uid owns and reach the network"
+        text += "; it can change the mode, owner and times of the files its uid owns"
+        text += "" if "landlock-net" in protections else " and reach the network"
     return text
 
 
@@ -186,6 +187,8 @@ class Sandbox:
         active, missing = set(probe.protections), []
         if "landlock-fs" in active:
             protections.append("Landlock: reads /usr and the Python runtime, writes its own directory only")
+        if "landlock-net" in active:
+            protections.append("Landlock: no TCP bind or connect")
         if "landlock-scope" in active:
             protections.append("Landlock: signals and abstract sockets within the run")
         if "seccomp" in active:

@@ -1,16 +1,18 @@
 """Landlock for the sandbox's plain modes: the filesystem and signals held to the run, without namespaces.
 
 Where namespaces are not permitted (the plain modes: a container's default seccomp profile, a kernel
-without unprivileged user namespaces), Landlock, an unprivileged Linux security module (5.13+), still
-lets a process restrict itself and every process it starts. `restrict` allows reading and executing
-the directories and files of the host's mount plan (/usr, the interpreter's prefix, the libraries:
-what the isolated root binds, though not its masks, so the installed packages and /usr/local stay
-readable: Landlock cannot take back a path below one it allows), reading and writing the plan's
-device nodes, everything within the run's own working directory, and nothing else: not the host's
-files, /proc, or /dev/shm (whose files are memory no process owns, out of the memory watch's
-sight). From ABI 6 (Linux 6.12) it also scopes signals and abstract UNIX sockets to the run: the
-code cannot signal the host's processes or connect to their abstract sockets. What Landlock does
-not cover (a file's mode, owner, times and attributes; sockets by path; resource limits of other
+without unprivileged user namespaces), Landlock, an unprivileged Linux security module (5.13+),
+still lets a process restrict itself and every process it starts. `restrict` allows reading and
+executing the directories and files of the host's mount plan (/usr, the interpreter's prefix, the
+libraries: what the isolated root binds, though not its masks, so the installed packages and
+/usr/local stay readable: Landlock cannot take back a path below one it allows), reading and writing
+the plan's device nodes, everything within the run's own working directory, and nothing else: not
+the host's files, /proc, or /dev/shm (whose files are memory no process owns, out of the memory
+watch's sight). From ABI 6 (Linux 6.12) it also scopes signals and abstract UNIX sockets to the run:
+the code cannot signal the host's processes or connect to their abstract sockets. From ABI 4 (Linux
+6.7) it refuses TCP bind and connect, which the seccomp filter refuses too where there is one
+(x86-64 only: elsewhere this is the plain modes' only bound on the network). What Landlock does not
+cover (a file's mode, owner, times and attributes; sockets by path; resource limits of other
 processes) the plain modes' seccomp filter refuses (`seccomp.py`).
 
 Imported by `launcher.py` (built-in modules only: it runs under `python -I -S`) and by the tests.
@@ -30,6 +32,7 @@ FS_V1 = (1 << 13) - 1  # EXECUTE .. MAKE_SYM
 REFER, TRUNCATE = 1 << 13, 1 << 14  # ABI 2, ABI 3 (IOCTL_DEV, ABI 5, is left unhandled: ioctls as before)
 FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE  # (the rights a rule on a non-directory may hold)
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+BIND_TCP, CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4: handled with no rule, no TCP port is allowed
 READ_RUNTIME = EXECUTE | READ_FILE | READ_DIR
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -57,7 +60,8 @@ def _error(what: str) -> OSError:
 def restrict(read_dirs, read_files, devices, own_dir) -> list[str]:
     """Restrict this process and its future children: read and execute `read_dirs` and `read_files`,
     read and write `devices`, do anything within `own_dir`. Needs no_new_privs set. Returns the names
-    of the protections now in force ("landlock-fs", and "landlock-scope" from ABI 6); [] where the
+    of the protections now in force ("landlock-fs", "landlock-net" from ABI 4: no TCP bind or connect,
+    "landlock-scope" from ABI 6); [] where the
     kernel has no Landlock. Paths that do not exist or that this uid cannot reach are skipped. An
     OSError once the ruleset exists (the kernel refusing a rule or the restriction) leaves this
     process unrestricted; the caller decides."""
@@ -65,10 +69,11 @@ def restrict(read_dirs, read_files, devices, own_dir) -> list[str]:
     if version < 1:
         return []
     fs = handled_fs(version)
+    net = BIND_TCP | CONNECT_TCP if version >= 4 else 0
     scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if version >= 6 else 0
     # struct landlock_ruleset_attr {u64 handled_access_fs, handled_access_net, scoped}: as long as this
     # kernel's ABI knows it (an older kernel refuses a longer one whose extra fields are not zero)
-    attr = struct.pack("<QQQ", fs, 0, scoped) if scoped else struct.pack("<Q", fs)
+    attr = struct.pack("<QQQ", fs, net, scoped)[:24 if scoped else 16 if net else 8]
     buf = ctypes.create_string_buffer(attr, len(attr))
     ruleset = _libc.syscall(SYS_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
     if ruleset < 0:
@@ -95,4 +100,4 @@ def restrict(read_dirs, read_files, devices, own_dir) -> list[str]:
             raise _error("restrict_self")
     finally:
         os.close(ruleset)
-    return ["landlock-fs"] + (["landlock-scope"] if scoped else [])
+    return ["landlock-fs"] + (["landlock-net"] if net else []) + (["landlock-scope"] if scoped else [])
