@@ -54,27 +54,27 @@ class _Probe:
     protections: tuple[str, ...] = ()  # what the launcher reported in force on the probe run
 
 
-_DEGRADED = {
-    "plain": ("as your own uid: it can read, write and signal what you can" if os.geteuid() != 0 else
-              "under a per-run uid: it can read what every user can"),
-    "plain-keep-uid": "as root without capabilities: it can read and write every file root owns, "
-                      "signal root's processes and leave its cgroup",
-}
-"""What model-written code can do in each degraded mode without Landlock (the refusal and the
-start-up line say it). Network sockets are refused by the seccomp filter in these modes."""
-
-_LANDLOCKED = {
+_WHO = {
     "plain": "as your own uid" if os.geteuid() != 0 else "under a per-run uid",
     "plain-keep-uid": "as root without capabilities",
 }
-"""The same where Landlock holds the code to reading the runtime and writing its own directory."""
+"""Whom model-written code runs as in each degraded mode."""
+
+_DEGRADED = {
+    "plain": _WHO["plain"] + (": it can read, write and signal what you can" if os.geteuid() != 0 else
+                              ": it can read what every user can"),
+    "plain-keep-uid": _WHO["plain-keep-uid"] + ": it can read and write every file root owns, signal root's "
+                                               "processes and leave its cgroup",
+}
+"""What model-written code can do in each degraded mode without Landlock (the refusal and the
+start-up line say it). Network sockets are refused by the seccomp filter in these modes."""
 
 
 def _degraded(mode: str, protections: tuple[str, ...]) -> str:
     """What model-written code can do in degraded `mode` with the launcher's `protections`."""
     if "landlock-fs" not in protections:
         return _DEGRADED[mode]
-    text = (f"{_LANDLOCKED[mode]}, held by Landlock to reading /usr and the Python runtime (installed "
+    text = (f"{_WHO[mode]}, held by Landlock to reading /usr and the Python runtime (installed "
             f"packages included, which the isolated root hides) and writing its own directory")
     if "landlock-scope" not in protections:
         text += "; it can signal the processes of its uid"

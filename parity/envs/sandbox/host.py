@@ -38,11 +38,11 @@ __all__ = ["SandboxLimits", "ToolResult", "cgroup_support", "execute", "expected
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
 """The script that builds the sandbox and runs the code (never imported by the host)."""
-
-_HOST_MARGIN_S = 2.0  # the launcher enforces wall_s itself; the host kills it only if it is this late
 LANDLOCK = True
 """The plain modes restrict the code with Landlock where the kernel has it (False: not; the tests
 use it to check the defences behind it, as on a kernel without Landlock)."""
+
+_HOST_MARGIN_S = 2.0  # the launcher enforces wall_s itself; the host kills it only if it is this late
 _ERROR_MAX_CHARS = 500  # one-line errors are cut to this length
 _ERR_TAIL_BYTES = 8192  # how much of the end of stderr is read to find the last line
 
