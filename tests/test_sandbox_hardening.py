@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import errno
 import os
+import platform
+import re
 import signal
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import tempfile
@@ -29,18 +30,22 @@ import parity.envs.sandbox as sandbox_module
 from parity.envs.sandbox import Sandbox, SandboxLimits, cgroup, host, landlock
 from parity.envs.sandbox.host import cgroup_support
 from parity.envs.sandbox.seccomp import (
-    ARGS_ONLY_X86_64,
-    AUDIT_ARCH_X86_64,
-    DENIED_X86_64,
+    ARGS_ONLY,
+    DENIED,
     NEWEST_KNOWN,
-    PLAIN_ARGS_ONLY_X86_64,
-    PLAIN_DENIED_X86_64,
+    PLAIN_ARGS_ONLY,
+    PLAIN_DENIED,
     PLAIN_IOCTLS_REFUSED,
     PLAIN_SOCKET_FAMILIES,
-    SOCKET_CALLS_X86_64,
+    RET_ALLOW,
+    RET_ENOSYS,
+    RET_EPERM,
+    RET_KILL_PROCESS,
     SOCKET_FAMILIES,
     build_filter,
+    decide,
 )
+from parity.envs.sandbox.syscalls import AUDIT_ARCH, NUMBERS
 
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=4)
 
@@ -65,26 +70,31 @@ def call(nr, *args):
     return rc, ctypes.get_errno() if rc == -1 else 0
 """
 
-# (name, syscall number, args): every one is refused by the filter whatever its arguments
+NO_FILTER = "no seccomp filter for this architecture"
+NR = NUMBERS.get(platform.machine(), {})
+"""This machine's system call numbers, by name."""
+
+# (what, syscall name, args): every one is refused by the filter whatever its arguments
 KERNEL_CALLS = [
-    ("keyctl: read the caller's session keyring", 250, (0, -3, 0)),
-    ("add_key: plant a key", 248, (0, 0, 0, 0, -3)),
-    ("mount", 165, (0, 0, 0, 0, 0)),
-    ("bpf", 321, (0, 0, 0)),
-    ("perf_event_open", 298, (0, 0, -1, -1, 0)),
-    ("userfaultfd", 323, (0,)),
-    ("io_uring_setup", 425, (1, 0)),
-    ("inotify_init1: watch shared read-only files", 294, (0,)),
-    ("fanotify_init", 300, (0, 0)),
-    ("syslog: the kernel log", 103, (10, 0, 0)),
-    ("ptrace", 101, (0, 0, 0, 0)),
-    ("unshare: a nested user namespace (last: it changes what the control may do next)", 272, (0x10000000,)),
+    ("keyctl: read the caller's session keyring", "keyctl", (0, -3, 0)),
+    ("add_key: plant a key", "add_key", (0, 0, 0, 0, -3)),
+    ("mount", "mount", (0, 0, 0, 0, 0)),
+    ("bpf", "bpf", (0, 0, 0)),
+    ("perf_event_open", "perf_event_open", (0, 0, -1, -1, 0)),
+    ("userfaultfd", "userfaultfd", (0,)),
+    ("io_uring_setup", "io_uring_setup", (1, 0)),
+    ("inotify_init1: watch shared read-only files", "inotify_init1", (0,)),
+    ("fanotify_init", "fanotify_init", (0, 0)),
+    ("syslog: the kernel log", "syslog", (10, 0, 0)),
+    ("ptrace", "ptrace", (0, 0, 0, 0)),
+    ("unshare: a nested user namespace (last: it changes what the control may do next)", "unshare",
+     (0x10000000,)),
 ]
 
 
-@pytest.mark.skipif(build_filter() is None, reason="the seccomp filter is x86-64 only")
+@pytest.mark.skipif(build_filter() is None, reason=NO_FILTER)
 def test_kernel_surface_is_refused_and_reachable_without_the_sandbox(sb: Sandbox) -> None:
-    code = SYSCALLS + "".join(f"print(call({nr}, *{args})[1])\n" for _, nr, args in KERNEL_CALLS)
+    code = SYSCALLS + "".join(f"print(call({NR[name]}, *{args})[1])\n" for _, name, args in KERNEL_CALLS)
     control = unsandboxed(code)
     assert control.returncode == 0, control.stderr
     inside = sb.run(code)
@@ -92,12 +102,12 @@ def test_kernel_surface_is_refused_and_reachable_without_the_sandbox(sb: Sandbox
     for (name, _, _), outside, got in zip(KERNEL_CALLS, control.stdout.split(), inside.stdout.split()):
         assert int(got) == errno.EPERM, f"{name}: errno {got} in the sandbox"
         assert int(outside) != errno.EPERM, f"{name}: refused even without the sandbox (control)"
-    assert set(DENIED_X86_64) >= {"keyctl", "add_key", "request_key", "unshare", "setns", "mount", "bpf",
+    assert set(DENIED) >= {"keyctl", "add_key", "request_key", "unshare", "setns", "mount", "bpf",
                                   "perf_event_open", "userfaultfd", "io_uring_setup", "inotify_init",
                                   "inotify_init1", "fanotify_init", "syslog", "ptrace"}
 
 
-@pytest.mark.skipif(build_filter() is None, reason="the seccomp filter is x86-64 only")
+@pytest.mark.skipif(build_filter() is None, reason=NO_FILTER)
 def test_calls_newer_than_the_filter_answer_enosys(sb: Sandbox) -> None:
     """listmount, lsm_set_self_attr and open_tree_attr (Linux 6.8-6.15) reached the kernel from the
     sandbox (EINVAL there): a denylist falls behind each new kernel. Every call past
@@ -299,57 +309,78 @@ def test_the_verdict_cannot_be_forged_through_the_run_directory_in_a_degraded_mo
     assert garbage.ok and garbage.stdout == "written\n", garbage
 
 
-def _run_filter(program: bytes, nr: int, arg0: int = 0, arch: int = AUDIT_ARCH_X86_64, arg1: int = 0) -> int:
-    """What the classic-BPF `program` returns for one system call (the instructions it uses)."""
-    data = struct.pack("<iI", nr, arch) + struct.pack("<Q", 0) + struct.pack("<QQ", arg0, arg1) + bytes(32)
-    insns = [struct.unpack("<HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
-    acc, pc = 0, 0
-    while True:
-        code, jt, jf, k = insns[pc]
-        if code == 0x20:  # ld word at k
-            acc, pc = struct.unpack_from("<I", data, k)[0], pc + 1
-        elif code == 0x06:
-            return k
-        else:
-            taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
-            pc += 1 + (jt if taken else jf)
+@pytest.mark.parametrize("machine", sorted(NUMBERS))
+def test_the_filter_program_decides_as_documented(machine: str) -> None:
+    """The filter of each architecture run on a model of the kernel's BPF (`seccomp.decide`): every
+    refused call EPERM, sockets only of the allowed families, clone only without namespace flags,
+    other ABIs killed, the rest allowed."""
+    nr, arch = NUMBERS[machine], AUDIT_ARCH[machine]
+    prog, plain = build_filter(machine), build_filter(machine, plain=True)  # (plain: no namespaces)
 
+    def run(program: bytes, call: int, *args: int, abi: int = arch) -> int:
+        return decide(program, abi, call, *args)
 
-@pytest.mark.skipif(build_filter() is None, reason="the seccomp filter is x86-64 only")
-def test_the_filter_program_decides_as_documented() -> None:
-    """The filter run on a model of the kernel's BPF: every refused call EPERM, sockets only of
-    the allowed families, clone only without namespace flags, other ABIs killed, the rest allowed."""
-    prog, eperm, allow, kill = build_filter(), 0x00050000 | errno.EPERM, 0x7FFF0000, 0x80000000
-    for name, nr in DENIED_X86_64.items():
-        assert _run_filter(prog, nr) == eperm, name
-    for call in SOCKET_CALLS_X86_64.values():
+    assert {name for name in DENIED if name not in nr} == ({"inotify_init"} if machine != "x86_64" else set())
+    for name in DENIED:
+        assert name not in nr or run(prog, nr[name]) == RET_EPERM, name
+    for call in (nr["socket"], nr["socketpair"]):
         for family in range(64):
-            want = allow if family in SOCKET_FAMILIES.values() else eperm
-            assert _run_filter(prog, call, family) == want, (call, family)
-    assert _run_filter(prog, 56, 0x11) == allow and _run_filter(prog, 56, 0x10000000) == eperm  # clone
-    assert _run_filter(prog, 435) == 0x00050000 | errno.ENOSYS  # clone3
-    assert _run_filter(prog, 0) == allow and _run_filter(prog, 0x40000000 | 41, 40) == kill  # x32
-    assert _run_filter(prog, 41, 40, arch=0x40000003) == kill  # the 32-bit ABI
-    plain = build_filter(plain=True)  # (the plain modes: no namespaces)
+            want = RET_ALLOW if family in SOCKET_FAMILIES.values() else RET_EPERM
+            assert run(prog, call, family) == want, (call, family)
+    assert run(prog, nr["clone"], 0x11) == RET_ALLOW and run(prog, nr["clone"], 0x10000000) == RET_EPERM
+    assert run(prog, nr["clone3"]) == RET_ENOSYS and run(prog, NEWEST_KNOWN + 1) == RET_ENOSYS
+    assert run(prog, NEWEST_KNOWN, -1) == RET_ALLOW  # (fchmodat2, in the isolated modes)
+    allowed = {"x86_64": (0, 1, 2, 3, 9, 59), "aarch64": (56, 57, 63, 64, 221, 222)}  # read/openat .. execve
+    for call in allowed.get(machine, allowed["aarch64"]):
+        assert run(prog, call) == RET_ALLOW == run(plain, call), call
+    for other in set(AUDIT_ARCH.values()) - {arch} | {0x40000003, 0x40000028}:  # (i386, AArch32)
+        assert run(prog, 0, abi=other) == RET_KILL_PROCESS == run(plain, 0, abi=other), hex(other)
+    if machine == "x86_64":  # x32 shares x86-64's arch value
+        assert run(prog, 0x40000000 | 41, 40) == RET_KILL_PROCESS
     for family in range(64):
-        assert _run_filter(plain, SOCKET_CALLS_X86_64["socket"], family) == eperm, family
-        want = allow if family in PLAIN_SOCKET_FAMILIES.values() else eperm
-        assert _run_filter(plain, SOCKET_CALLS_X86_64["socketpair"], family) == want, family
-    assert all(_run_filter(plain, nr) == eperm for nr in {**DENIED_X86_64, **PLAIN_DENIED_X86_64}.values())
-    assert all(_run_filter(prog, nr) == allow for nr in PLAIN_DENIED_X86_64.values())  # (isolated: allowed)
-    rules = [(prog, ARGS_ONLY_X86_64), (plain, {**ARGS_ONLY_X86_64, **PLAIN_ARGS_ONLY_X86_64})]
+        assert run(plain, nr["socket"], family) == RET_EPERM, family
+        want = RET_ALLOW if family in PLAIN_SOCKET_FAMILIES.values() else RET_EPERM
+        assert run(plain, nr["socketpair"], family) == want, family
+    refused = [nr[name] for name in DENIED + PLAIN_DENIED if name in nr]
+    assert len(refused) == {"x86_64": 69}.get(machine, 62)  # (no chmod, chown, lchown, utime(s), futimesat)
+    assert all(run(plain, call) == RET_EPERM for call in refused)
+    assert all(run(prog, nr[name]) == RET_ALLOW for name in PLAIN_DENIED if name in nr)  # (isolated: allowed)
+    rules = [(prog, ARGS_ONLY), (plain, {**ARGS_ONLY, **PLAIN_ARGS_ONLY})]
     for program, table in rules:  # fallocate's mode; in the plain modes the caller's own processes only
-        for nr, checks in table.items():
+        for name, checks in table.items():
             args = dict(checks)
-            assert _run_filter(program, nr, args.get(0, 0), arg1=args.get(1, 0)) == allow, nr
+            assert run(program, nr[name], args.get(0, 0), args.get(1, 0)) == RET_ALLOW, name
             for arg, value in checks:  # any one argument otherwise: refused
                 other = {**args, arg: value + 4242}
-                assert _run_filter(program, nr, other.get(0, 0), arg1=other.get(1, 0)) == eperm, (nr, arg)
-    assert all(_run_filter(prog, nr, 4242, arg1=4242) == allow for nr in PLAIN_ARGS_ONLY_X86_64)  # (pid ns)
+                assert run(program, nr[name], other.get(0, 0), other.get(1, 0)) == RET_EPERM, (name, arg)
+    assert all(run(prog, nr[name], 4242, 4242) == RET_ALLOW for name in PLAIN_ARGS_ONLY)  # (pid ns)
     for request in PLAIN_IOCTLS_REFUSED:  # a file's flags: refused in the plain modes only
-        assert _run_filter(plain, 16, 3, arg1=request) == eperm
-        assert _run_filter(prog, 16, 3, arg1=request) == allow
-    assert _run_filter(plain, 16, 3, arg1=0x5401) == allow  # (TCGETS, as isatty asks)
+        assert run(plain, nr["ioctl"], 3, request) == RET_EPERM
+        assert run(prog, nr["ioctl"], 3, request) == RET_ALLOW
+    assert run(plain, nr["ioctl"], 3, 0x5401) == RET_ALLOW  # (TCGETS, as isatty asks)
+
+
+GENERIC_HEADER = "/usr/include/asm-generic/unistd.h"
+HEADERS = {"x86_64": "/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "aarch64": GENERIC_HEADER,
+           "riscv64": GENERIC_HEADER}
+
+
+@pytest.mark.parametrize("machine", sorted(NUMBERS))
+def test_the_syscall_numbers_are_the_kernel_headers(machine: str) -> None:
+    """Each table against the kernel's own header (x86-64's unistd_64.h; asm-generic's unistd.h,
+    which aarch64 and riscv64 use), where this machine has it. A call newer than the header must be
+    one that every architecture numbers alike (424 onward)."""
+    header = HEADERS[machine]
+    if not os.path.exists(header):
+        pytest.skip(f"no {header} here (the linux-libc-dev package)")
+    text = open(header).read()
+    found = re.finditer(r"#define __NR(?:3264)?_(\w+)\s+(\d+)\b", text)
+    defined = {m.group(1): int(m.group(2)) for m in found}
+    table = NUMBERS[machine]
+    assert {name: table[name] for name in table if name in defined} == {
+        name: defined[name] for name in table if name in defined}
+    assert all(table[name] >= 424 for name in table if name not in defined), sorted(set(table) - set(defined))
+    assert len([name for name in table if name in defined]) >= len(table) - 2
 
 
 FAMILIES = """
@@ -365,7 +396,7 @@ for family in (socket.AF_NETLINK, socket.AF_VSOCK, socket.AF_ALG, socket.AF_UNIX
 """
 
 
-@pytest.mark.skipif(build_filter() is None, reason="the seccomp filter is x86-64 only")
+@pytest.mark.skipif(build_filter() is None, reason=NO_FILTER)
 def test_socket_families_the_network_namespace_does_not_isolate_are_refused(sb: Sandbox) -> None:
     """AF_VSOCK has no network namespace: from inside a Firecracker guest's sandbox it bound
     ports of the guest's own vsock space (and could reach the hypervisor's). Only AF_UNIX,
@@ -736,7 +767,7 @@ attempt("unix", lambda: __import__("socket").socket(1).close())
 """
 
 
-@pytest.mark.skipif(build_filter() is None, reason="the seccomp filter is x86-64 only")
+@pytest.mark.skipif(build_filter() is None, reason=NO_FILTER)
 def test_a_degraded_run_cannot_change_the_hosts_files_or_processes(as_host_uid: Sandbox, tmp_path,
                                                                     monkeypatch) -> None:
     """As a uid of the host's the code changed what Landlock does not cover (red team, 2026-12-07):
@@ -788,10 +819,11 @@ def test_a_degraded_run_without_a_cgroup_is_held_to_its_process_count(as_host_ui
 
 @pytest.mark.skipif(landlock.abi() < 4, reason="Landlock's TCP rules need ABI 4 (Linux 6.7)")
 def test_without_a_seccomp_filter_landlock_still_refuses_tcp(as_host_uid: Sandbox, monkeypatch) -> None:
-    """Where the seccomp filter is not implemented (every machine but x86-64) a degraded run's
-    network was open: Landlock (ABI 4) refuses TCP bind and connect there too. The control is the
-    same run, filter still off, without Landlock: it reaches this process's listener."""
-    monkeypatch.setattr(host.seccomp, "build_filter", lambda **kwargs: None)  # (as on aarch64)
+    """Where the seccomp filter is not implemented (before 2026-12-07, every machine but x86-64) a
+    degraded run's network was open: Landlock (ABI 4) refuses TCP bind and connect there too. The
+    control is the same run, filter still off, without Landlock: it reaches this process's
+    listener."""
+    monkeypatch.setattr(host.seccomp, "build_filter", lambda **kwargs: None)  # (as on a machine without one)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)

@@ -9,17 +9,17 @@ inotify and fanotify, the kernel log (syslog), ptrace and process_vm_readv/write
 memory, semaphores and message queues, and POSIX message queues (their memory is no process's:
 without an IPC namespace, in the plain modes, a run held 1.6 GiB past a 512 MiB limit in detached
 segments that outlived it, and a queue's name carried data to the next run); `fallocate` beyond the
-file size (`ARGS_ONLY_X86_64`); and sockets of any family but AF_UNIX, AF_INET and AF_INET6
+file size (`ARGS_ONLY`); and sockets of any family but AF_UNIX, AF_INET and AF_INET6
 (`socket`, `socketpair`): the network namespace isolates those, not every family (AF_VSOCK reached
 the hypervisor's port space from inside a Firecracker guest). In the plain modes, which have no
 namespaces, also `socket` whatever the family (`socketpair` AF_UNIX only), changes to a file's mode,
-owner, times, extended attributes and flags (`PLAIN_DENIED_X86_64`, `PLAIN_IOCTLS_REFUSED`), and
+owner, times, extended attributes and flags (`PLAIN_DENIED`, `PLAIN_IOCTLS_REFUSED`), and
 scheduling, priority and resource-limit calls on any process but the caller
-(`PLAIN_ARGS_ONLY_X86_64`). Every call numbered past `NEWEST_KNOWN` (those a later kernel adds:
+(`PLAIN_ARGS_ONLY`). Every call numbered past `NEWEST_KNOWN` (those a later kernel adds:
 listmount, open_tree_attr, ... reached the kernel) answers ENOSYS, as on an older kernel, so the
-list cannot fall behind the kernel. A call from another ABI than the filter's (x86-64's x32, 32-bit
-entry) kills the process. x86-64 only; elsewhere `build_filter` returns None and the sandbox says
-seccomp is unavailable.
+list cannot fall behind the kernel. A call from another ABI than the filter's (x86-64's x32 and 32-bit
+entry, AArch32) kills the process. For x86-64, aarch64 and riscv64 (`syscalls.py` has their
+numbers); elsewhere `build_filter` returns None and the sandbox says seccomp is unavailable.
 """
 
 from __future__ import annotations
@@ -28,44 +28,44 @@ import errno
 import platform
 import struct
 
-AUDIT_ARCH_X86_64 = 0xC000003E
+from .syscalls import AUDIT_ARCH, NUMBERS
+
 X32_SYSCALL_BIT = 0x40000000
 RET_KILL_PROCESS, RET_ALLOW = 0x80000000, 0x7FFF0000
+RET_EPERM, RET_ENOSYS = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS  # SECCOMP_RET_ERRNO | errno
 LD_ABS, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, ..., BPF_RET|K
 OFF_NR, OFF_ARCH, OFF_ARG0 = 0, 4, 16  # struct seccomp_data (little-endian: arg0's low word at 16)
 ARG_SIZE = 8  # (argument i's low word at OFF_ARG0 + 8 i; pids, flags and modes are 32-bit ints)
 
 CLONE_NEW_FLAGS = 0x7E020080  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 
-DENIED_X86_64: dict[str, int] = {
-    "ptrace": 101, "syslog": 103, "chroot": 161, "acct": 163, "mount": 165, "umount2": 166,
-    "swapon": 167, "swapoff": 168, "reboot": 169, "init_module": 175, "delete_module": 176,
-    "pivot_root": 155, "kexec_load": 246, "add_key": 248, "request_key": 249, "keyctl": 250,
-    "inotify_init": 253, "unshare": 272, "inotify_init1": 294, "perf_event_open": 298,
-    "fanotify_init": 300, "name_to_handle_at": 303, "open_by_handle_at": 304, "setns": 308,
-    "process_vm_readv": 310, "process_vm_writev": 311, "finit_module": 313, "kexec_file_load": 320,
-    "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
-    "io_uring_register": 427, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
-    "fsmount": 432, "fspick": 433, "pidfd_getfd": 438, "mount_setattr": 442,
-    "shmget": 29, "shmat": 30, "semget": 64, "msgget": 68,
-    "mq_open": 240, "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244,
-    "mq_getsetattr": 245,
-}
-PLAIN_DENIED_X86_64: dict[str, int] = {
-    "chmod": 90, "fchmod": 91, "chown": 92, "fchown": 93, "lchown": 94, "utime": 132,
-    "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198,
-    "fremovexattr": 199, "utimes": 235, "fchownat": 260, "futimesat": 261, "fchmodat": 268,
-    "utimensat": 280, "fchmodat2": 452,
-}
+DENIED = (
+    "ptrace", "syslog", "chroot", "acct", "mount", "umount2", "swapon", "swapoff", "reboot", "init_module",
+    "delete_module", "pivot_root", "kexec_load", "add_key", "request_key", "keyctl", "inotify_init",
+    "unshare", "inotify_init1", "perf_event_open", "fanotify_init", "name_to_handle_at",
+    "open_by_handle_at", "setns", "process_vm_readv", "process_vm_writev", "finit_module",
+    "kexec_file_load", "bpf", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "pidfd_getfd", "mount_setattr",
+    "shmget", "shmat", "semget", "msgget",
+    "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
+)
+"""Refused (EPERM) in every mode, by name: a name the architecture lacks (x86-64's legacy
+`inotify_init` on aarch64) has nothing to refuse there."""
+PLAIN_DENIED = (
+    "chmod", "fchmod", "chown", "fchown", "lchown", "utime", "setxattr", "lsetxattr", "fsetxattr",
+    "removexattr", "lremovexattr", "fremovexattr", "utimes", "fchownat", "futimesat", "fchmodat",
+    "utimensat", "fchmodat2",
+)
 """Refused in the plain modes too: a file's mode, owner, times and extended attributes. Landlock
 does not cover them, and there the code's uid owns the host's files (root's, as root: a root-owned
 binary in reach was made setuid, and a file's attribute carried data from one run to the next)."""
-ARGS_ONLY_X86_64: dict[int, tuple[tuple[int, int], ...]] = {285: ((1, 0),)}  # fallocate
+ARGS_ONLY: dict[str, tuple[tuple[int, int], ...]] = {"fallocate": ((1, 0),)}
 """Calls allowed only with these (argument index, value) pairs, EPERM otherwise, in every mode:
 `fallocate` with mode 0 (FALLOC_FL_KEEP_SIZE reserved 2 GiB of disk past the file-size limit)."""
-PLAIN_ARGS_ONLY_X86_64: dict[int, tuple[tuple[int, int], ...]] = {
-    142: ((0, 0),), 144: ((0, 0),), 203: ((0, 0),), 302: ((0, 0),), 314: ((0, 0),),
-    141: ((0, 0), (1, 0)), 251: ((0, 1), (1, 0)),
+PLAIN_ARGS_ONLY: dict[str, tuple[tuple[int, int], ...]] = {
+    "sched_setparam": ((0, 0),), "sched_setscheduler": ((0, 0),), "sched_setaffinity": ((0, 0),),
+    "prlimit64": ((0, 0),), "sched_setattr": ((0, 0),), "setpriority": ((0, 0), (1, 0)),
+    "ioprio_set": ((0, 1), (1, 0)),
 }
 """The same in the plain modes: sched_setparam, sched_setscheduler, sched_setaffinity, prlimit64 and
 sched_setattr of pid 0 only, setpriority and ioprio_set of the calling process only (not by user or
@@ -74,12 +74,10 @@ open-file limit to 12 and its next tool call failed. (The isolated modes' pid na
 code to its own processes: `prlimit(os.getpid())` works there.)"""
 PLAIN_IOCTLS_REFUSED = (0x40086602, 0x40046602, 0x401C5820)
 """`ioctl` requests refused in the plain modes: FS_IOC_SETFLAGS (64- and 32-bit) and
-FS_IOC_FSSETXATTR, a file's flags (nodump was set on a root-owned file out of the run)."""
-SYS_IOCTL = 16
-CLONE_X86_64, CLONE3 = 56, 435
+FS_IOC_FSSETXATTR, a file's flags (nodump was set on a root-owned file out of the run). The
+generic ioctl encoding gives them the same values on every architecture the filter has."""
 NEWEST_KNOWN = 452
 """fchmodat2 (Linux 6.6): calls numbered past it answer ENOSYS (libc falls back where it uses one)."""
-SOCKET_CALLS_X86_64 = {"socket": 41, "socketpair": 53}
 SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10}
 """The only socket families the code may create (`socket`, `socketpair`; EPERM for the others)."""
 PLAIN_SOCKET_FAMILIES = {"AF_UNIX": 1}
@@ -113,41 +111,42 @@ def _rule(nr: int, checks: tuple[tuple[int, int], ...], allow: int, eperm: int) 
 
 
 def build_filter(machine: str | None = None, plain: bool = False) -> bytes | None:
-    """The filter as packed `struct sock_filter` entries, or None where it is not implemented;
-    `plain`: for the plain modes (PLAIN_DENIED_X86_64 refused too; `socket` refused, `socketpair`
-    AF_UNIX only)."""
-    if (machine or platform.machine()) != "x86_64":
+    """The filter for `machine` (this one's by default) as packed `struct sock_filter` entries, or
+    None where it is not implemented (an architecture without a table in `syscalls.NUMBERS`);
+    `plain`: for the plain modes (PLAIN_DENIED and PLAIN_ARGS_ONLY too; `socket` refused,
+    `socketpair` AF_UNIX only)."""
+    arch = machine or platform.machine()
+    if arch not in NUMBERS:
         return None
-    allow, eperm, enosys = RET_ALLOW, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
+    nr = NUMBERS[arch]
+    allow, eperm = RET_ALLOW, RET_EPERM
     prog = [_insn(LD_ABS, 0, 0, OFF_ARCH),
-            _insn(JEQ, 1, 0, AUDIT_ARCH_X86_64),
+            _insn(JEQ, 1, 0, AUDIT_ARCH[arch]),
             _insn(RET, 0, 0, RET_KILL_PROCESS),
-            _insn(LD_ABS, 0, 0, OFF_NR),
-            _insn(JGE, 0, 1, X32_SYSCALL_BIT),
-            _insn(RET, 0, 0, RET_KILL_PROCESS),
-            _insn(JGE, 0, 1, NEWEST_KNOWN + 1),
-            _insn(RET, 0, 0, enosys)]
-    denied = {**DENIED_X86_64, **(PLAIN_DENIED_X86_64 if plain else {})}
-    for nr in sorted(denied.values()):
-        prog += [_insn(JEQ, 0, 1, nr), _insn(RET, 0, 0, eperm)]
-    prog += [_insn(JEQ, 0, 1, CLONE3), _insn(RET, 0, 0, enosys)]
-    for nr, checks in {**ARGS_ONLY_X86_64, **(PLAIN_ARGS_ONLY_X86_64 if plain else {})}.items():
-        prog += _rule(nr, checks, allow, eperm)
+            _insn(LD_ABS, 0, 0, OFF_NR)]
+    if arch == "x86_64":  # x32 shares the arch value; its calls carry this bit
+        prog += [_insn(JGE, 0, 1, X32_SYSCALL_BIT), _insn(RET, 0, 0, RET_KILL_PROCESS)]
+    prog += [_insn(JGE, 0, 1, NEWEST_KNOWN + 1), _insn(RET, 0, 0, RET_ENOSYS)]
+    denied = [name for name in DENIED + (PLAIN_DENIED if plain else ()) if name in nr]
+    for number in sorted(nr[name] for name in denied):
+        prog += [_insn(JEQ, 0, 1, number), _insn(RET, 0, 0, eperm)]
+    prog += [_insn(JEQ, 0, 1, nr["clone3"]), _insn(RET, 0, 0, RET_ENOSYS)]
+    for name, checks in {**ARGS_ONLY, **(PLAIN_ARGS_ONLY if plain else {})}.items():
+        prog += _rule(nr[name], checks, allow, eperm)
     if plain:
-        prog += _refuse(SYS_IOCTL, 1, PLAIN_IOCTLS_REFUSED, allow, eperm)
+        prog += _refuse(nr["ioctl"], 1, PLAIN_IOCTLS_REFUSED, allow, eperm)
     if plain:  # socket refused; socketpair (the nr is still loaded) AF_UNIX only
-        prog += [_insn(JEQ, 0, 1, SOCKET_CALLS_X86_64["socket"]), _insn(RET, 0, 0, eperm)]
-        unix = PLAIN_SOCKET_FAMILIES["AF_UNIX"]
-        prog += _rule(SOCKET_CALLS_X86_64["socketpair"], ((0, unix),), allow, eperm)
+        prog += [_insn(JEQ, 0, 1, nr["socket"]), _insn(RET, 0, 0, eperm)]
+        prog += _rule(nr["socketpair"], ((0, PLAIN_SOCKET_FAMILIES["AF_UNIX"]),), allow, eperm)
     else:  # socket / socketpair: the family (arg0) must be one of SOCKET_FAMILIES
-        prog += [_insn(JEQ, 1, 0, SOCKET_CALLS_X86_64["socket"]),
-                 _insn(JEQ, 0, 3 + len(SOCKET_FAMILIES), SOCKET_CALLS_X86_64["socketpair"]),
+        prog += [_insn(JEQ, 1, 0, nr["socket"]),
+                 _insn(JEQ, 0, 3 + len(SOCKET_FAMILIES), nr["socketpair"]),
                  _insn(LD_ABS, 0, 0, OFF_ARG0)]
         families = sorted(SOCKET_FAMILIES.values())
         for i, family in enumerate(families):  # jump to the ALLOW after the last test, else on
             prog.append(_insn(JEQ, len(families) - 1 - i, 1 if i == len(families) - 1 else 0, family))
         prog += [_insn(RET, 0, 0, allow), _insn(RET, 0, 0, eperm)]
-    prog += [_insn(JEQ, 0, 3, CLONE_X86_64),
+    prog += [_insn(JEQ, 0, 3, nr["clone"]),
              _insn(LD_ABS, 0, 0, OFF_ARG0),
              _insn(JSET, 0, 1, CLONE_NEW_FLAGS),
              _insn(RET, 0, 0, eperm),
@@ -155,10 +154,30 @@ def build_filter(machine: str | None = None, plain: bool = False) -> bytes | Non
     return b"".join(prog)
 
 
+def decide(program: bytes, arch: int, nr: int, *args: int) -> int:
+    """What `program` returns for call `nr` with `args` from an ABI whose `seccomp_data.arch` is
+    `arch`: the kernel's classic-BPF semantics for the instructions `build_filter` emits (the tests
+    and `scripts/seccomp_vm_check.py` hold it to a kernel's verdicts)."""
+    words = [a & 0xFFFFFFFFFFFFFFFF for a in args] + [0] * (6 - len(args))
+    data = struct.pack("<II", nr & 0xFFFFFFFF, arch) + struct.pack("<Q", 0) + struct.pack("<6Q", *words)
+    insns = [struct.unpack("<HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = insns[pc]
+        if code == LD_ABS:
+            acc, pc = struct.unpack_from("<I", data, k)[0], pc + 1
+        elif code == RET:
+            return k
+        else:
+            taken = {JEQ: acc == k, JGE: acc >= k, JSET: bool(acc & k)}[code]
+            pc += 1 + (jt if taken else jf)
+
+
 def describe(program: bytes | None, plain: bool = False) -> str:
     if program is None:
         return f"no seccomp filter (not implemented for {platform.machine()})"
-    refused = len(DENIED_X86_64) + 2 + (len(PLAIN_DENIED_X86_64) if plain else 0)
+    nr = NUMBERS[platform.machine()]
+    refused = sum(name in nr for name in DENIED + (PLAIN_DENIED if plain else ())) + 2
     if plain:
         return (f"seccomp filter ({refused} syscalls refused and any newer than Linux 6.6, no sockets but "
                 f"UNIX socket pairs, no changes to a file's mode, owner, times, attributes or flags, "
