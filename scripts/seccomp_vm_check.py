@@ -1,21 +1,25 @@
 #!/usr/bin/env python3
-"""The sandbox's aarch64 seccomp filter, checked on a real aarch64 kernel in a virtual machine.
+"""The sandbox's aarch64 and riscv64 seccomp filters, checked on a real kernel of that architecture.
 
 The unit tests run every architecture's filter on a model of the kernel's BPF (`seccomp.decide`)
-and, on x86-64, the real filter in the real sandbox. This script closes the gap for aarch64 on a
-machine that is not one: it boots an aarch64 Linux kernel under `qemu-system-aarch64` (TCG, no
-hardware needed) with an initramfs whose init (`seccomp_vm_runner.c`, built static with
-`aarch64-linux-gnu-gcc`) makes each call of a list, every refused one included, in a child
-process of its own: once without a filter (the control), once under the isolated modes' filter,
-once under the plain modes' and once under the x86-64 filter (a foreign architecture's calls:
-every one must be killed). The calls' numbers come from the cross toolchain's headers, not from
-`syscalls.py`, and the verdict each should get from the documented policy (`seccomp.DENIED`, ...
-by name); the kernel and the model (`seccomp.decide`) must both give it. One line per filter;
+and, on x86-64, the real filter in the real sandbox. This script closes the gap for aarch64 and
+riscv64 on a machine that is neither: it boots that architecture's Linux kernel under
+`qemu-system-<arch>` (TCG, no hardware needed) with an initramfs whose init (`seccomp_vm_runner.c`,
+built static with the cross compiler) makes each call of a list, every refused one included, in a
+child process of its own: once without a filter (the control), once under the isolated modes'
+filter, once under the plain modes' and once under the x86-64 filter (a foreign architecture's
+calls: every one must be killed). The calls' numbers come from the cross toolchain's headers, not
+from `syscalls.py`, and the verdict each should get from the documented policy (`seccomp.DENIED`,
+... by name); the kernel and the model (`seccomp.decide`) must both give it. One line per filter;
 exit 0 only when every call agrees.
 
     apt-get install qemu-system-arm gcc-aarch64-linux-gnu libc6-dev-arm64-cross
     dpkg --add-architecture arm64 && apt-get update && apt-get download linux-image-6.1.0-57-arm64:arm64
     python scripts/seccomp_vm_check.py --kernel linux-image-6.1.0-57-arm64_*.deb [--json out.json]
+
+    apt-get install qemu-system-misc opensbi gcc-riscv64-linux-gnu libc6-dev-riscv64-cross
+    # a riscv64 linux-image .deb (Debian 13's pool/main/l/linux/), then
+    python scripts/seccomp_vm_check.py --arch riscv64 --kernel linux-image-6.12.*-riscv64_*.deb
 
 `--kernel` takes the kernel's Image (or vmlinuz) or a Debian linux-image .deb holding one.
 """
@@ -38,7 +42,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from parity.envs.sandbox import seccomp  # noqa: E402
 from parity.envs.sandbox.syscalls import AUDIT_ARCH  # noqa: E402
 
-MACHINE = "aarch64"
+ARCHS = {
+    "aarch64": {"gcc": "aarch64-linux-gnu-gcc", "console": "ttyAMA0",
+                "qemu": ["qemu-system-aarch64", "-M", "virt", "-cpu", "max"]},
+    "riscv64": {"gcc": "riscv64-linux-gnu-gcc", "console": "ttyS0",
+                "qemu": ["qemu-system-riscv64", "-M", "virt", "-bios", "default"]},
+}
+"""Per architecture: the cross compiler, the machine qemu emulates and its serial console."""
+MACHINE = "aarch64"  # (main sets it from --arch)
 SIGSYS = 31
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -47,9 +58,9 @@ ALLOW, EPERM, ENOSYS, KILL = "allow", "EPERM", "ENOSYS", "killed"
 
 
 def toolchain_numbers() -> dict[str, int]:
-    """aarch64's call numbers as the cross toolchain's own headers define them: independent of
+    """The call numbers as the cross toolchain's own headers define them: independent of
     `syscalls.py`, so a wrong number there shows as a call the kernel did not refuse."""
-    out = subprocess.run(["aarch64-linux-gnu-gcc", "-E", "-dM", "-include", "asm/unistd.h", "-x", "c",
+    out = subprocess.run([ARCHS[MACHINE]["gcc"], "-E", "-dM", "-include", "asm/unistd.h", "-x", "c",
                           os.devnull], capture_output=True, text=True, check=True).stdout
     defines = dict(line.split()[1:3] for line in out.splitlines() if line.startswith("#define __NR"))
     numbers = {name: defines.get(value, value) for name, value in defines.items()}  # (__NR3264_mmap)
@@ -120,9 +131,9 @@ def kernel_image(path: str, tmp: str) -> str:
     if not path.endswith(".deb"):
         return path
     subprocess.run(["dpkg-deb", "-x", path, os.path.join(tmp, "deb")], check=True)
-    found = sorted(glob.glob(os.path.join(tmp, "deb", "boot", "vmlinuz-*")))
+    found = sorted(glob.glob(os.path.join(tmp, "deb", "boot", "vmlinu[xz]-*")))
     if not found:
-        raise SystemExit(f"error: no boot/vmlinuz-* in {path}")
+        raise SystemExit(f"error: no boot/vmlinuz-* or boot/vmlinux-* in {path}")
     return found[-1]
 
 
@@ -139,11 +150,15 @@ def verdicts(lines: list[str]) -> dict[tuple[str, int], tuple]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernel", required=True, help="an aarch64 kernel Image, or a linux-image .deb")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="aarch64", help="the kernel's architecture")
+    ap.add_argument("--kernel", required=True, help="the kernel's Image (or vmlinuz), or a linux-image .deb")
     ap.add_argument("--json", help="write the verdicts and the summary here")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the machine's run")
     args = ap.parse_args()
-    for tool in ("qemu-system-aarch64", "aarch64-linux-gnu-gcc"):
+    global MACHINE
+    MACHINE = args.arch
+    spec = ARCHS[MACHINE]
+    for tool in (spec["qemu"][0], spec["gcc"]):
         if shutil.which(tool) is None:
             print(f"error: {tool} is not installed (see this script's docstring)", file=sys.stderr)
             return 2
@@ -155,7 +170,7 @@ def main() -> int:
     calls = cases(toolchain_numbers())
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        subprocess.run(["aarch64-linux-gnu-gcc", "-static", "-O1", "-o", init,
+        subprocess.run([spec["gcc"], "-static", "-O1", "-o", init,
                         os.path.join(HERE, "seccomp_vm_runner.c")], check=True)
         entries = [("dev", 0o40755, b"", (0, 0)), ("dev/console", 0o20600, b"", (5, 1)),
                    ("init", 0o100755, open(init, "rb").read(), (0, 0)),
@@ -167,10 +182,10 @@ def main() -> int:
             f.write(cpio(entries))
         image = kernel_image(args.kernel, tmp)
         start = time.monotonic()
-        run = subprocess.run(["qemu-system-aarch64", "-M", "virt", "-cpu", "max", "-m", "512", "-nographic",
+        run = subprocess.run([*spec["qemu"], "-m", "512", "-nographic",
                               "-nic", "none",
                               "-no-reboot", "-kernel", image, "-initrd", os.path.join(tmp, "initrd"),
-                              "-append", "console=ttyAMA0 rdinit=/init panic=-1 quiet"],
+                              "-append", f"console={spec['console']} rdinit=/init panic=-1 quiet"],
                              capture_output=True, text=True, errors="replace", timeout=args.timeout)
         seconds = time.monotonic() - start
     lines = run.stdout.replace("\r", "").split("\n")
@@ -214,7 +229,7 @@ def main() -> int:
               f"allowed and answered as unfiltered")
     for line in failures:
         print("MISMATCH " + line)
-    print(f"kernel {release} (aarch64, qemu TCG), {seconds:.0f} s: "
+    print(f"kernel {release} ({MACHINE}, qemu TCG), {seconds:.0f} s: "
           + ("all agree" if not failures else f"{len(failures)} disagree"))
     if args.json:
         with open(args.json, "w") as f:
