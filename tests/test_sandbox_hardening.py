@@ -12,6 +12,7 @@ code's reach.
 
 from __future__ import annotations
 
+import ast
 import errno
 import os
 import platform
@@ -358,6 +359,31 @@ def test_the_filter_program_decides_as_documented(machine: str) -> None:
         assert run(plain, nr["ioctl"], 3, request) == RET_EPERM
         assert run(prog, nr["ioctl"], 3, request) == RET_ALLOW
     assert run(plain, nr["ioctl"], 3, 0x5401) == RET_ALLOW  # (TCGETS, as isatty asks)
+
+
+def test_the_launchers_own_call_numbers_are_the_tables() -> None:
+    """The launcher, rootfs.py and landlock.py run by path with built-in modules only, so they keep
+    the numbers of their own calls (keyctl, pivot_root, Landlock's) themselves: on every
+    architecture they must be those of `syscalls.py`, which the headers check."""
+    here = os.path.dirname(sandbox_module.__file__)
+
+    def constant(module: str, name: str):
+        tree = ast.parse(open(os.path.join(here, module)).read())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], (ast.Name, ast.Tuple)):
+                names = [t.id for t in getattr(node.targets[0], "elts", [node.targets[0]])]
+                if name in names:
+                    value = ast.literal_eval(node.value)
+                    return value[names.index(name)] if len(names) > 1 else value
+        raise AssertionError(f"no {name} in {module}")
+
+    for machine, table in NUMBERS.items():
+        assert constant("launcher.py", "KEYCTL_NR")[machine] == table["keyctl"], machine
+        assert constant("rootfs.py", "PIVOT_ROOT_NR")[machine] == table["pivot_root"], machine
+        for name in ("SYS_CREATE_RULESET", "SYS_ADD_RULE", "SYS_RESTRICT_SELF"):
+            call = {"SYS_CREATE_RULESET": "landlock_create_ruleset", "SYS_ADD_RULE": "landlock_add_rule",
+                    "SYS_RESTRICT_SELF": "landlock_restrict_self"}[name]
+            assert constant("landlock.py", name) == table[call], (machine, name)
 
 
 GENERIC_HEADER = "/usr/include/asm-generic/unistd.h"

@@ -11,9 +11,9 @@ the host's files, /proc, or /dev/shm (whose files are memory no process owns, ou
 watch's sight). From ABI 6 (Linux 6.12) it also scopes signals and abstract UNIX sockets to the run:
 the code cannot signal the host's processes or connect to their abstract sockets. From ABI 4 (Linux
 6.7) it refuses TCP bind and connect, which the seccomp filter refuses too where there is one
-(x86-64 only: elsewhere this is the plain modes' only bound on the network). What Landlock does not
-cover (a file's mode, owner, times and attributes; sockets by path; resource limits of other
-processes) the plain modes' seccomp filter refuses (`seccomp.py`).
+(x86-64, aarch64 and riscv64: elsewhere this is the plain modes' only bound on the network). What
+Landlock does not cover (a file's mode, owner, times and attributes; sockets by path; resource
+limits of other processes) the plain modes' seccomp filter refuses (`seccomp.py`).
 
 Imported by `launcher.py` (built-in modules only: it runs under `python -I -S`) and by the tests.
 x86-64, aarch64 and riscv64 share the system call numbers.
