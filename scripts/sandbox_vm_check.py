@@ -119,6 +119,14 @@ def main() -> int:
         print("error: qemu-system-aarch64 is not installed (apt-get install qemu-system-arm)",
               file=sys.stderr)
         return 2
+    if not os.path.exists(args.kernel):
+        print(f"error: no kernel at {args.kernel}", file=sys.stderr)
+        return 2
+    debs = os.listdir(args.debs) if os.path.isdir(args.debs) else []
+    if not any(d.startswith("python3.11-minimal") for d in debs):
+        print(f"error: {args.debs} holds no python3.11-minimal .deb (see this script's docstring)",
+              file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         root = os.path.join(tmp, "root")
         for deb in sorted(os.listdir(args.debs)):
