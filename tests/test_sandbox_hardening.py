@@ -380,9 +380,9 @@ def test_the_launchers_own_call_numbers_are_the_tables() -> None:
     for machine, table in NUMBERS.items():
         assert constant("launcher.py", "KEYCTL_NR")[machine] == table["keyctl"], machine
         assert constant("rootfs.py", "PIVOT_ROOT_NR")[machine] == table["pivot_root"], machine
-        for name in ("SYS_CREATE_RULESET", "SYS_ADD_RULE", "SYS_RESTRICT_SELF"):
-            call = {"SYS_CREATE_RULESET": "landlock_create_ruleset", "SYS_ADD_RULE": "landlock_add_rule",
-                    "SYS_RESTRICT_SELF": "landlock_restrict_self"}[name]
+        for name, call in (("SYS_CREATE_RULESET", "landlock_create_ruleset"),
+                           ("SYS_ADD_RULE", "landlock_add_rule"),
+                           ("SYS_RESTRICT_SELF", "landlock_restrict_self")):
             assert constant("landlock.py", name) == table[call], (machine, name)
 
 
