@@ -747,6 +747,96 @@ def test_a_degraded_run_is_held_to_its_own_directory_and_has_no_network(as_host_
             os.remove(shm)
 
 
+def _a_file_under_each_mask() -> dict[str, str]:
+    """One readable regular file (not a link) under each of the mount plan's masks that holds one."""
+    found = {}
+    for kind, mask, _ in host.mount_plan():
+        if kind != "mask":
+            continue
+        for parent, dirs, files in os.walk(mask):
+            dirs.sort()
+            name = next((f for f in sorted(files) if os.path.isfile(os.path.join(parent, f))
+                         and not os.path.islink(os.path.join(parent, f))), None)
+            if name is not None:
+                found[mask] = os.path.join(parent, name)
+                break
+    return found
+
+
+HIDDEN = ATTEMPT + """
+import json, decimal, os  # the standard library beside the packages stays readable
+paths = {args}
+for mask, path in paths.items():
+    try:
+        print("list", mask, "names" if os.listdir(mask) else "empty")
+    except OSError as exc:
+        print("list", mask, exc.errno)
+    attempt("read " + path, lambda: open(path, "rb").read(1))
+print("stdlib", bool(open(os.__file__).read(1)), decimal.Decimal("1.5") + 1, json.dumps([1]))
+"""
+
+
+def _hidden_outcome(r, paths: dict[str, str]) -> list[str]:
+    assert r.ok, r
+    lines = r.stdout.strip().split("\n")
+    assert lines[-1] == "stdlib True 2.5 [1]" and len(lines) == 2 * len(paths) + 1, r
+    return lines[:-1]
+
+
+def test_the_isolated_root_hides_the_installed_packages(sb: Sandbox) -> None:
+    """The isolated root masks the installed packages and /usr/local with empty tmpfs: they list as
+    empty and their files are not there, while the standard library is. The control: the host reads
+    each of those files."""
+    paths = _a_file_under_each_mask()
+    if not paths:
+        pytest.skip("no mask of the mount plan holds a file here")
+    for path in paths.values():
+        assert open(path, "rb").read(1) is not None  # the control: readable on the host
+    r = sb.run(HIDDEN.format(args=repr(paths)))
+    assert _hidden_outcome(r, paths) == [x for mask, path in paths.items()
+                                         for x in (f"list {mask} empty", f"read {path} {errno.ENOENT}")]
+
+
+@pytest.mark.skipif(landlock.abi() < 1, reason="no Landlock here")
+def test_a_degraded_run_cannot_read_the_installed_packages(as_host_uid: Sandbox, monkeypatch) -> None:
+    """The plain modes allowed all of /usr and the interpreter's prefix, the installed packages and
+    /usr/local among them, which the isolated root hides: Landlock allows a path with all below it.
+    Now a directory with a mask below it is allowed entry by entry (`landlock.carve`): the files
+    below a mask are refused (their names stay listable: Landlock allows listing a whole hierarchy,
+    and the interpreter lists the directories it imports from), the standard library still reads and
+    imports. The control is the same run without Landlock, which reads them all."""
+    paths = _a_file_under_each_mask()
+    if not paths:
+        pytest.skip("no mask of the mount plan holds a file here")
+    code = HIDDEN.format(args=repr(paths))
+    monkeypatch.setattr(host, "LANDLOCK", False)
+    r = as_host_uid.run(code)
+    assert _hidden_outcome(r, paths) == [x for mask, path in paths.items()
+                                         for x in (f"list {mask} names", f"read {path} done")]
+    monkeypatch.setattr(host, "LANDLOCK", True)
+    r = as_host_uid.run(code)
+    denied = errno.EACCES
+    assert _hidden_outcome(r, paths) == [x for mask, path in paths.items()
+                                         for x in (f"list {mask} names", f"read {path} {denied}")]
+    assert "landlock-fs" in r.protections
+
+
+def test_carve_leaves_out_the_masks_and_only_them(tmp_path) -> None:
+    """`carve` replaces a directory with a mask below it by its entries, down to the mask, leaves
+    out links (Landlock judges what a link reaches) and keeps every other path whole; the directories
+    it replaced are allowed to be listed."""
+    for d in ("top/a/hidden/deep", "top/a/kept", "top/b", "other"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "top/a/file").write_text("x")
+    (tmp_path / "top/link").symlink_to(tmp_path / "top/a/hidden")
+    t = str(tmp_path)
+    got = landlock.carve([f"{t}/top", f"{t}/other"], [f"{t}/top/a/hidden"])
+    assert got == ([f"{t}/top/a/file", f"{t}/top/a/kept", f"{t}/top/b", f"{t}/other"],
+                   [f"{t}/top", f"{t}/top/a"])
+    assert landlock.carve([f"{t}/top"], [f"{t}/top"]) == ([], [])
+    assert landlock.carve([f"{t}/top"], []) == ([f"{t}/top"], [])
+
+
 @pytest.mark.skipif(landlock.abi() < 6, reason="Landlock's signal scope needs ABI 6 (Linux 6.12)")
 def test_a_degraded_run_cannot_signal_the_hosts_processes(as_host_uid: Sandbox, monkeypatch) -> None:
     """As the host's uid (or root) the code could signal the host's processes: this one, its

@@ -19,8 +19,9 @@ separate process with rlimits, an empty environment and its own temp directory, 
 the host is root and Python is open to other uids, else under the host's own uid (root without
 capabilities, where the host is root), with no sockets but UNIX socket pairs and no changes to a
 file's mode, owner, times or attributes (seccomp), its processes counted, and, where the kernel has
-Landlock, reading only /usr and the Python runtime and writing only its own directory
-(`landlock.py`); and `describe()` says in capitals what is missing.
+Landlock, reading only /usr and the Python runtime (not the installed packages or /usr/local, as in
+the isolated root) and writing only its own directory (`landlock.py`); and `describe()` says in
+capitals what is missing.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def _degraded(mode: str, protections: tuple[str, ...]) -> str:
     """What model-written code can do in degraded `mode` with the launcher's `protections`."""
     if "landlock-fs" not in protections:
         return _DEGRADED[mode]
-    text = (f"{_WHO[mode]}, held by Landlock to reading /usr and the Python runtime (installed "
-            f"packages included, which the isolated root hides) and writing its own directory")
+    text = (f"{_WHO[mode]}, held by Landlock to reading /usr and the Python runtime (not the installed "
+            f"packages or /usr/local, whose names stay listable) and writing its own directory")
     if "landlock-scope" not in protections:
         text += "; it can signal the processes of its uid"
     if "seccomp" not in protections:

@@ -4,8 +4,10 @@ Where namespaces are not permitted (the plain modes: a container's default secco
 without unprivileged user namespaces), Landlock, an unprivileged Linux security module (5.13+),
 still lets a process restrict itself and every process it starts. `restrict` allows reading and
 executing the directories and files of the host's mount plan (/usr, the interpreter's prefix, the
-libraries: what the isolated root binds, though not its masks, so the installed packages and
-/usr/local stay readable: Landlock cannot take back a path below one it allows), reading and writing
+libraries: what the isolated root binds) but not the files below its masks (the installed
+packages, /usr/local: Landlock cannot take back a path below one it allows, so a directory with a
+mask below it is allowed entry by entry, the entry on the way to the mask left out; `carve`; the
+names there stay listable), reading and writing
 the plan's device nodes, everything within the run's own working directory, and nothing else: not
 the host's files, /proc, or /dev/shm (whose files are memory no process owns, out of the memory
 watch's sight). From ABI 6 (Linux 6.12) it also scopes signals and abstract UNIX sockets to the run:
@@ -57,9 +59,47 @@ def _error(what: str) -> OSError:
     return OSError(err, f"landlock {what}: {os.strerror(err)}")
 
 
-def restrict(read_dirs, read_files, devices, own_dir) -> list[str]:
-    """Restrict this process and its future children: read and execute `read_dirs` and `read_files`,
-    read and write `devices`, do anything within `own_dir`. Needs no_new_privs set. Returns the names
+def _within(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def carve(read_dirs, masks) -> tuple[list[str], list[str]]:
+    """The paths to allow so that all of `read_dirs` but `masks` can be read: (wholly, listed only).
+    A directory with no mask below it is allowed wholly; one with a mask below it is replaced by its
+    entries, the entry on the way to the mask carved in turn and a mask itself left out, and is
+    allowed to be listed (the interpreter lists the directories it imports from). Landlock allows
+    listing a whole hierarchy, so the names below a mask stay listable; their contents do not.
+    Symbolic links among the entries are left out: opening one follows it, and Landlock judges the
+    file it reaches, which is either allowed by its own entry or was not readable through the link
+    before. Masks are real paths (the mount plan's); a directory that cannot be listed is left out."""
+    wholly: list[str] = []
+    listed: list[str] = []
+
+    def walk(path: str) -> None:
+        if any(_within(path, m) for m in masks):
+            return
+        if not any(_within(m, path) for m in masks):
+            wholly.append(path)
+            return
+        try:
+            names = sorted(os.listdir(path))
+        except OSError:
+            return
+        listed.append(path)
+        for name in names:
+            entry = os.path.join(path, name)
+            if not os.path.islink(entry):
+                walk(entry)
+
+    for top in read_dirs:
+        walk(top)
+    return wholly, listed
+
+
+def restrict(read_dirs, read_files, devices, own_dir, masks=()) -> list[str]:
+    """Restrict this process and its future children: read and execute `read_dirs` (but not `masks`
+    below them: `carve`) and `read_files`, read and write `devices`, do anything within `own_dir`.
+    Needs no_new_privs set. Returns the names
     of the protections now in force ("landlock-fs", "landlock-net" from ABI 4: no TCP bind or connect,
     "landlock-scope" from ABI 6); [] where the
     kernel has no Landlock. Paths that do not exist or that this uid cannot reach are skipped. An
@@ -79,7 +119,9 @@ def restrict(read_dirs, read_files, devices, own_dir) -> list[str]:
     if ruleset < 0:
         raise _error("create_ruleset")
     try:
-        rules = [(p, READ_RUNTIME) for p in read_dirs] + [(p, READ_FILE | EXECUTE) for p in read_files]
+        wholly, listed = carve(read_dirs, masks)
+        rules = [(p, READ_RUNTIME) for p in wholly] + [(p, READ_DIR) for p in listed]
+        rules += [(p, READ_FILE | EXECUTE) for p in read_files]
         rules += [(p, READ_FILE | WRITE_FILE | TRUNCATE) for p in devices] + [(own_dir, fs)]
         for path, access in rules:
             try:

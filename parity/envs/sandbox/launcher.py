@@ -135,7 +135,8 @@ def child(code, out, err, alive_r, errpipe_w, program):
         try:  # (a kernel that refuses it leaves the run as on a kernel without it: not reported in force)
             held = restrict([src for kind, src, _ in PLAN if kind == "ro"],
                             [src for kind, src, _ in PLAN if kind == "file"],
-                            [src for kind, src, _ in PLAN if kind == "dev"], os.getcwd())
+                            [src for kind, src, _ in PLAN if kind == "dev"], os.getcwd(),
+                            [src for kind, src, _ in PLAN if kind == "mask"])
         except OSError:
             held = []
         for name in held:
