@@ -96,10 +96,10 @@ def carve(read_dirs, masks) -> tuple[list[str], list[str]]:
     return wholly, listed
 
 
-def restrict(read_dirs, read_files, devices, own_dir, masks=()) -> list[str]:
-    """Restrict this process and its future children: read and execute `read_dirs` (but not `masks`
-    below them: `carve`) and `read_files`, read and write `devices`, do anything within `own_dir`.
-    Needs no_new_privs set. Returns the names
+def restrict(read_dirs, read_files, devices, own_dir, listed=()) -> list[str]:
+    """Restrict this process and its future children: read and execute `read_dirs` and `read_files`,
+    list `listed` (`carve` makes both lists from a plan's directories and masks), read and write
+    `devices`, do anything within `own_dir`. Needs no_new_privs set. Returns the names
     of the protections now in force ("landlock-fs", "landlock-net" from ABI 4: no TCP bind or connect,
     "landlock-scope" from ABI 6); [] where the
     kernel has no Landlock. Paths that do not exist or that this uid cannot reach are skipped. An
@@ -119,8 +119,7 @@ def restrict(read_dirs, read_files, devices, own_dir, masks=()) -> list[str]:
     if ruleset < 0:
         raise _error("create_ruleset")
     try:
-        wholly, listed = carve(read_dirs, masks)
-        rules = [(p, READ_RUNTIME) for p in wholly] + [(p, READ_DIR) for p in listed]
+        rules = [(p, READ_RUNTIME) for p in read_dirs] + [(p, READ_DIR) for p in listed]
         rules += [(p, READ_FILE | EXECUTE) for p in read_files]
         rules += [(p, READ_FILE | WRITE_FILE | TRUNCATE) for p in devices] + [(own_dir, fs)]
         for path, access in rules:

@@ -47,7 +47,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # rootfs.py, tree.py (python -I)
-from landlock import restrict  # noqa: E402
+from landlock import carve, restrict  # noqa: E402
 from rootfs import (  # noqa: E402
     CLONE_NEWIPC,
     CLONE_NEWNET,
@@ -130,13 +130,14 @@ def child(code, out, err, alive_r, errpipe_w, program):
         os.chdir("/work")
         script, home, tmp = "/work/main.py", "/work", "/tmp"
     null = os.open("/dev/null", os.O_RDWR)
+    if PLAIN and LANDLOCK:  # (carved with the launcher's rights: a run's uid may not list a directory)
+        wholly, listed = carve([src for kind, src, _ in PLAN if kind == "ro"],
+                               [src for kind, src, _ in PLAN if kind == "mask"])
     drop_privileges()
     if PLAIN and LANDLOCK:  # no private root: Landlock holds the code to the runtime and its own directory
         try:  # (a kernel that refuses it leaves the run as on a kernel without it: not reported in force)
-            held = restrict([src for kind, src, _ in PLAN if kind == "ro"],
-                            [src for kind, src, _ in PLAN if kind == "file"],
-                            [src for kind, src, _ in PLAN if kind == "dev"], os.getcwd(),
-                            [src for kind, src, _ in PLAN if kind == "mask"])
+            held = restrict(wholly, [src for kind, src, _ in PLAN if kind == "file"],
+                            [src for kind, src, _ in PLAN if kind == "dev"], os.getcwd(), listed)
         except OSError:
             held = []
         for name in held:
