@@ -2,12 +2,12 @@
 experts (Qwen2-MoE adds a shared expert every token goes through, gated by a sigmoid).
 
 Each token goes to its top-k experts; the block's output is the routing-weighted sum of those
-experts' outputs. Routing (softmax, top-k with a fixed tie-break) and the final sum (a fixed
-order over the k ranks) come from the kernel bundle. Each expert runs one GEMM chain over the
-tokens routed to it; with aligned kernels a row's result does not depend on how many rows the
-GEMM has (small GEMMs padded or computed in the GEMM's order, as everywhere), so a token's expert
-outputs do not depend on how many other tokens chose the same expert, nor on the batch, padding
-or chunking around it.
+experts' outputs. Routing (softmax, top-k with a fixed tie-break), the experts (`moe_experts`:
+each expert runs one GEMM chain over the tokens routed to it) and the final sum (a fixed order over
+the k ranks) come from the kernel bundle. With aligned kernels a row's result does not depend on
+how many rows the GEMM has (small GEMMs padded or computed in the GEMM's order, as everywhere), so
+a token's expert outputs do not depend on how many other tokens chose the same expert, nor on the
+batch, padding or chunking around it.
 """
 
 from __future__ import annotations
@@ -59,18 +59,7 @@ class SparseMoE(nn.Module):
         logits = kernels.linear(h, self.gate.weight)
         weights, idx = kernels.moe_route(logits, self.top_k, self.normalize)
         t, k = idx.shape
-        flat = idx.reshape(-1)  # slot j of token i sits at i * k + j
-        # one view per expert (under autograd, unbind's backward assembles the gradient once;
-        # indexing per expert would allocate a whole zero gradient per expert)
-        gate_up_w, down_w = self.experts.gate_up_proj.unbind(0), self.experts.down_proj.unbind(0)
-        outs, where = [], []
-        for e in flat.unique().tolist():
-            slots = (flat == e).nonzero().flatten()
-            gate_up = kernels.linear(h[slots // k], gate_up_w[e])
-            act = kernels.silu_mul(gate_up)
-            outs.append(kernels.linear(act, down_w[e]))
-            where.append(slots)
-        parts = h.new_zeros(t * k, h.shape[1]).index_copy(0, torch.cat(where), torch.cat(outs))
+        parts = kernels.moe_experts(h, idx, self.experts.gate_up_proj, self.experts.down_proj)
         weights = weights if self.float32_weights else weights.to(h.dtype)
         parts = (parts.view(t, k, -1) * weights.unsqueeze(-1)).to(h.dtype)
         out = kernels.moe_combine(parts)

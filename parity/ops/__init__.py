@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from . import aligned, gemm, native, standard
+from . import aligned, gemm, moe, native, standard
 from .functions import AttentionFn, RMSNormFn, SiluMulFn
 
 BACKENDS: tuple[str, ...] = ("aligned", "standard")
@@ -59,6 +59,10 @@ class Kernels:
     weights in float32 (the MoE block casts them as its family does)."""
     moe_combine: Callable
     """`moe_combine(parts [T, k, H]) -> [T, H]`: a token's weighted expert outputs summed."""
+    moe_experts: Callable
+    """`moe_experts(h [T, H], expert ids [T, k], gate_up [E, 2I, H], down [E, H, I]) -> [T * k, H]`:
+    each slot's expert output (slot j of token i at row i * k + j), one GEMM chain per expert
+    (`moe.py`)."""
     index_dtype: torch.dtype = torch.int64
     """The integer dtype attention takes block tables and query positions in (a model forward
     converts them once, not every layer): int64 on the CPU backends, int32 for Triton."""
@@ -112,6 +116,7 @@ _ALIGNED = Kernels(
     rope=aligned.rope,
     moe_route=aligned.moe_route,
     moe_combine=aligned.moe_combine,
+    moe_experts=moe.aligned_experts(gemm.linear, _aligned_silu_mul),
 )
 
 def _plain_pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -138,6 +143,7 @@ _STANDARD = Kernels(
     rope=standard.rope,
     moe_route=standard.moe_route,
     moe_combine=standard.moe_combine,
+    moe_experts=moe.expert_loop(standard.linear, standard.silu_mul),
 )
 
 

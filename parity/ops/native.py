@@ -88,6 +88,8 @@ def _build() -> ctypes.CDLL:
     lib.parity_amx_ready.argtypes = []
     lib.parity_amx_linear_bf16.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
     lib.parity_gemm_f32.argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+    lib.parity_moe_experts_f32.argtypes = [p, p, p, i64, i64, p, p] + [i64] * 5 + [p] * 5 + [ctypes.c_int]
+    lib.parity_moe_experts_f32.restype = i64
     return lib
 
 

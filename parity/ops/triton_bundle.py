@@ -19,6 +19,7 @@ from . import triton_kernels as tk
 from . import triton_norm_rope as norm_rope
 from .common import check_logprob_args, compute_dtype, rope
 from .functions import AttentionFn, RMSNormFn, SiluMulFn, rms_norm_backward
+from .moe import expert_loop
 
 
 def _needs_grad(*tensors) -> bool:
@@ -201,6 +202,7 @@ TRITON_ALIGNED = Kernels(
     rope=rope,
     moe_route=moe_route,
     moe_combine=aligned.moe_combine,
+    moe_experts=expert_loop(linear, silu_mul),
     index_dtype=torch.int32,
     impl="triton",
 )

@@ -753,3 +753,69 @@ void parity_gemv_bf16w(const float *x, const uint16_t *w, const float *bias, flo
                        int64_t k, int64_t n, int64_t kc, int threads) {
     gemv_run(x, w, 1, bias, y, m, k, n, kc, threads);
 }
+
+/* A mixture-of-experts layer's routed experts, in one call, for the experts that got 1-`max_rows`
+ * slots (decode: `ops/moe.py`). The slots (token i's rank j is slot i * topk + j) come sorted by
+ * expert: order[offs[e] .. offs[e + 1]) are expert e's, ascending. Per such expert, the chain
+ * `gemm.linear` (gate/up) -> `silu_mul` -> `gemm.linear` (down) of the per-expert loop, each
+ * product by gemv_block (the matrix-vector kernel, per element its fixed K order, whoever computes
+ * it) and the activation by parity_silu_mul_f32's expression, so every value has the loop's bits.
+ * The scratch rows xs/gu/act/ys hold the served experts' slots one after another, in expert order
+ * (the caller sizes them: the sum of those experts' slot counts); out[slot] receives the expert's
+ * output row; the other experts' slots are left as they are. Returns the number of experts served,
+ * -1 without memory for two lists of n_exp entries. */
+int64_t parity_moe_experts_f32(const float *x, const int64_t *order, const int64_t *offs, int64_t n_exp,
+                               int64_t topk, const float *w1, const float *w2, int64_t h, int64_t inter,
+                               int64_t kc1, int64_t kc2, int64_t max_rows, float *xs, float *gu,
+                               float *act, float *ys, float *out, int threads) {
+    int64_t *sel = (int64_t *)malloc((size_t)(2 * n_exp + 1) * sizeof(int64_t));
+    if (!sel) return -1;
+    int64_t *at = sel + n_exp;  /* at[s]: the first scratch row of the s-th served expert */
+    int64_t g = 0, rows = 0;
+    for (int64_t e = 0; e < n_exp; e++) {
+        const int64_t m = offs[e + 1] - offs[e];
+        if (m >= 1 && m <= max_rows && m <= 8) {
+            sel[g] = e;
+            at[g++] = rows;
+            rows += m;
+        }
+    }
+    const int64_t n1 = 2 * inter, nb1 = n1 / 16 + 1, nb2 = h / 16 + 1;
+    #pragma omp parallel num_threads(threads)
+    {
+        FP_ENTER
+        #pragma omp for schedule(static)
+        for (int64_t s = 0; s < g; s++)
+            for (int64_t p = offs[sel[s]]; p < offs[sel[s] + 1]; p++)
+                memcpy(xs + (at[s] + p - offs[sel[s]]) * h, x + (order[p] / topk) * h, (size_t)h * sizeof(float));
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < g * nb1; item++) {
+            const int64_t s = item / nb1, e = sel[s], n0 = (item % nb1) * 16;
+            const int64_t width = n1 - n0 < 16 ? n1 - n0 : 16;
+            if (width > 0)
+                gemv_block(xs + at[s] * h, w1 + e * n1 * h, 0, 0, gu + at[s] * n1, offs[e + 1] - offs[e], h,
+                           n1, kc1, n0, width);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t q = 0; q < rows; q++)
+            for (int64_t c = 0; c < inter; c++) {
+                const float v = gu[q * n1 + c];
+                act[q * inter + c] = v / (1.0f + fixed_exp(-v)) * gu[q * n1 + inter + c];
+            }
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < g * nb2; item++) {
+            const int64_t s = item / nb2, e = sel[s], n0 = (item % nb2) * 16;
+            const int64_t width = h - n0 < 16 ? h - n0 : 16;
+            if (width > 0)
+                gemv_block(act + at[s] * inter, w2 + e * h * inter, 0, 0, ys + at[s] * h, offs[e + 1] - offs[e],
+                           inter, h, kc2, n0, width);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t s = 0; s < g; s++)
+            for (int64_t p = offs[sel[s]]; p < offs[sel[s] + 1]; p++)
+                memcpy(out + order[p] * h, ys + (at[s] + p - offs[sel[s]]) * h, (size_t)h * sizeof(float));
+        FP_LEAVE
+    }
+    free(sel);
+    return g;
+}
