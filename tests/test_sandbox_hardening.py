@@ -824,15 +824,20 @@ def test_a_degraded_run_cannot_read_the_installed_packages(as_host_uid: Sandbox,
 def test_carve_leaves_out_the_masks_and_only_them(tmp_path) -> None:
     """`carve` replaces a directory with a mask below it by its entries, down to the mask, leaves
     out links (Landlock judges what a link reaches) and keeps every other path whole; the directories
-    it replaced are allowed to be listed."""
+    it replaced are allowed to be listed. Paths are compared as real paths."""
     for d in ("top/a/hidden/deep", "top/a/kept", "top/b", "other"):
         (tmp_path / d).mkdir(parents=True)
     (tmp_path / "top/a/file").write_text("x")
     (tmp_path / "top/link").symlink_to(tmp_path / "top/a/hidden")
-    t = str(tmp_path)
+    t = os.path.realpath(tmp_path)
+    (tmp_path / "top/a/hidden_link").symlink_to("hidden")
     got = landlock.carve([f"{t}/top", f"{t}/other"], [f"{t}/top/a/hidden"])
     assert got == ([f"{t}/top/a/file", f"{t}/top/a/kept", f"{t}/top/b", f"{t}/other"],
                    [f"{t}/top", f"{t}/top/a"])
+    # a mask (or a directory) written through a link, with `.` or `//`: the same real path (the red
+    # team's case: a string no directory matched, and its parent was allowed whole)
+    for mask in (f"{t}//top/a/hidden", f"{t}/top/./a/hidden", f"{t}/top/a/hidden_link", f"{t}/top/a/hidden/"):
+        assert landlock.carve([f"{t}/top/", f"{t}/other"], [mask]) == got, mask
     assert landlock.carve([f"{t}/top"], [f"{t}/top"]) == ([], [])
     assert landlock.carve([f"{t}/top"], []) == ([f"{t}/top"], [])
 

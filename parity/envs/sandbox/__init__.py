@@ -76,7 +76,8 @@ def _degraded(mode: str, protections: tuple[str, ...]) -> str:
     if "landlock-fs" not in protections:
         return _DEGRADED[mode]
     text = (f"{_WHO[mode]}, held by Landlock to reading /usr and the Python runtime (not the installed "
-            f"packages or /usr/local, whose names stay listable) and writing its own directory")
+            f"packages or /usr/local, whose names, sizes and times stay visible) and writing its own "
+            f"directory")
     if "landlock-scope" not in protections:
         text += "; it can signal the processes of its uid"
     if "seccomp" not in protections:

@@ -7,7 +7,7 @@ executing the directories and files of the host's mount plan (/usr, the interpre
 libraries: what the isolated root binds) but not the files below its masks (the installed
 packages, /usr/local: Landlock cannot take back a path below one it allows, so a directory with a
 mask below it is allowed entry by entry, the entry on the way to the mask left out; `carve`; the
-names there stay listable), reading and writing
+names, sizes and times there stay visible), reading and writing
 the plan's device nodes, everything within the run's own working directory, and nothing else: not
 the host's files, /proc, or /dev/shm (whose files are memory no process owns, out of the memory
 watch's sight). From ABI 6 (Linux 6.12) it also scopes signals and abstract UNIX sockets to the run:
@@ -68,10 +68,14 @@ def carve(read_dirs, masks) -> tuple[list[str], list[str]]:
     A directory with no mask below it is allowed wholly; one with a mask below it is replaced by its
     entries, the entry on the way to the mask carved in turn and a mask itself left out, and is
     allowed to be listed (the interpreter lists the directories it imports from). Landlock allows
-    listing a whole hierarchy, so the names below a mask stay listable; their contents do not.
+    listing a whole hierarchy, so below a mask names and what `stat` and `readlink` say (sizes,
+    times, link targets) stay visible; contents do not.
     Symbolic links among the entries are left out: opening one follows it, and Landlock judges the
     file it reaches, which is either allowed by its own entry or was not readable through the link
-    before. Masks are real paths (the mount plan's); a directory that cannot be listed is left out."""
+    before. Paths are compared as real paths (a mask written through a link or with `.` or `//` in
+    it was a string no directory matched, and its parent was allowed whole); a directory that cannot
+    be listed is left out."""
+    masks = [os.path.realpath(m) for m in masks]
     wholly: list[str] = []
     listed: list[str] = []
 
@@ -92,7 +96,7 @@ def carve(read_dirs, masks) -> tuple[list[str], list[str]]:
                 walk(entry)
 
     for top in read_dirs:
-        walk(top)
+        walk(os.path.realpath(top))
     return wholly, listed
 
 

@@ -52,13 +52,16 @@ def mount_plan() -> list[tuple[str, str, str]]:
         if os.path.exists(dev):
             plan.append(("dev", dev, ""))
     masks: list[str] = []
-    if os.path.isdir("/usr/local") and not any(_under(p, ["/usr/local"]) for p in [exe, *prefixes]):
-        masks.append("/usr/local")
+    local = os.path.realpath("/usr/local")  # (the real path: /usr/local may be a link within /usr)
+    if os.path.isdir(local) and _under(local, binds) and not any(_under(p, [local])
+                                                                  for p in [exe, *prefixes]):
+        masks.append(local)
     version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
     for base in [*prefixes, "/usr", "/usr/local"]:
         for sub in (
             f"lib/{version}/site-packages",
             f"lib/{version}/dist-packages",
+            f"lib64/{version}/site-packages",  # (Fedora's and RHEL's compiled packages)
             "lib/python3/dist-packages",
         ):
             path = os.path.join(base, sub)
