@@ -35,9 +35,12 @@ def expert_loop(linear: Callable, silu_mul: Callable) -> Callable:
             act = silu_mul(linear(h[slots // k], gate_up_w[e]))
             outs.append(linear(act, down_w[e]))
             where.append(slots)
-        if parts is None:
-            parts = h.new_zeros(t * k, h.shape[1])
-        return parts.index_copy(0, torch.cat(where), torch.cat(outs)) if outs else parts
+        if not outs:
+            return h.new_zeros(t * k, h.shape[1]) if parts is None else parts
+        slots, rows = torch.cat(where), torch.cat(outs)
+        if parts is None:  # (differentiable: out of place)
+            return h.new_zeros(t * k, h.shape[1]).index_copy(0, slots, rows)
+        return parts.index_copy_(0, slots, rows)  # (the native call's parts: nothing to differentiate)
 
     return moe_experts
 
@@ -55,7 +58,22 @@ def _fused_applies(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -
     if lib is None or not hasattr(lib, "parity_moe_experts_f32"):
         return False
     return (gemm._gemv_applies(h[:1], gate_up[0], None)
-            and gemm._gemv_applies(h.new_empty(1, down.shape[2]), down[0], None))
+            and gemm._gemv_applies(down[0, :1], down[0], None))  # (an x of the width's K)
+
+
+ROWS = min(gemm.GEMV_ROWS, 8)
+"""The most slots an expert may have to be served by the native call (its kernel takes 1-8 rows)."""
+
+
+def _check(h: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    """The shapes the native call reads through raw pointers (the loop raised on each; a wrong one
+    read out of bounds there): one-line ValueErrors."""
+    e, i2, hidden = gate_up.shape
+    native._need(idx.dim() == 2 and idx.shape[0] == h.shape[0] and idx.dtype == torch.int64,
+                 f"moe_experts: expert ids {tuple(idx.shape)} {idx.dtype} for {h.shape[0]} tokens")
+    native._need(hidden == h.shape[1] and i2 % 2 == 0 and down.shape == (e, hidden, i2 // 2),
+                 f"moe_experts: h {tuple(h.shape)}, gate_up {tuple(gate_up.shape)} and down "
+                 f"{tuple(down.shape)} do not fit")
 
 
 def aligned_experts(linear: Callable, silu_mul: Callable) -> Callable:
@@ -67,13 +85,15 @@ def aligned_experts(linear: Callable, silu_mul: Callable) -> Callable:
                     down: torch.Tensor) -> torch.Tensor:
         if not _fused_applies(h, gate_up, down):
             return loop(h, idx, gate_up, down)
+        _check(h, idx, gate_up, down)
         t, k = idx.shape
         n_exp, inter, hidden = gate_up.shape[0], down.shape[2], h.shape[1]
         h, flat = h.contiguous(), idx.reshape(-1)
-        counts = torch.bincount(flat, minlength=n_exp)
+        counts = torch.bincount(flat, minlength=n_exp)  # (a negative id raises here)
+        native._need(counts.numel() == n_exp, f"moe_experts: an expert id past the {n_exp} experts")
         sizes = counts.tolist()
-        rest = [e for e, c in enumerate(sizes) if c > gemm.GEMV_ROWS]
-        served = sum(c for c in sizes if c <= gemm.GEMV_ROWS)
+        rest = [e for e, c in enumerate(sizes) if c > ROWS]
+        served = sum(c for c in sizes if c <= ROWS)
         if not served:  # (prefill: every expert has more than 8 slots)
             return loop(h, idx, gate_up, down, experts=rest)
         order = torch.argsort(flat, stable=True)
@@ -84,10 +104,11 @@ def aligned_experts(linear: Callable, silu_mul: Callable) -> Callable:
         done = native.library().parity_moe_experts_f32(
             native._ptr(h), native._ptr(order), native._ptr(offs), n_exp, k, native._ptr(gate_up),
             native._ptr(down), hidden, inter, gemm._gemv_kblock(hidden), gemm._gemv_kblock(inter),
-            gemm.GEMV_ROWS, native._ptr(xs), native._ptr(gu), native._ptr(act), native._ptr(ys),
+            ROWS, native._ptr(xs), native._ptr(gu), native._ptr(act), native._ptr(ys),
             native._ptr(parts), torch.get_num_threads())
         if done < 0:
             raise MemoryError("moe_experts: no memory for the list of experts")
+        assert done == sum(1 for c in sizes if 0 < c <= ROWS), (done, sizes)  # (every slot written once)
         return loop(h, idx, gate_up, down, experts=rest, parts=parts) if rest else parts
 
     return moe_experts

@@ -86,3 +86,17 @@ def test_the_engine_decodes_through_the_one_call_experts_and_matches_the_learner
     if not any(taken):
         pytest.skip("the one-call path does not apply on this machine (the matrix-vector kernel's order)")
     assert not all(taken)  # (the learner's forward under autograd, and prefill chunks of 9+ slots, loop)
+
+
+def test_shapes_the_native_call_would_misread_are_one_line_errors() -> None:
+    """The native call reads through raw pointers: weights of another width, more ids than tokens or
+    an id past the experts read out of bounds (garbage, NaN) or left a slot at zero, where the loop
+    raised. Each is a one-line ValueError now."""
+    x, idx, gate_up, down = _layer(1, 3, 2, 8, 64, 48, False)
+    _need_fused(x, gate_up, down)
+    for args, what in (((torch.randn(3, 48), idx, gate_up, down), "do not fit"),
+                       ((x, torch.cat([idx, idx]), gate_up, down), "for 3 tokens"),
+                       ((x, torch.where(idx == idx[0, 0], 8, idx), gate_up, down), "past the 8 experts"),
+                       ((x, idx, gate_up, down[:, :, :40]), "do not fit")):
+        with pytest.raises(ValueError, match=what):
+            ALIGNED.moe_experts(*args)
