@@ -53,6 +53,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        max_position_embeddings=40960, rope_theta=1000000.0),
+    # Qwen3-30B-A3B's layer (the published runs' model: 128 experts of width 768, 8 per token, hidden
+    # 2048, 32 query and 4 key-value heads) in 2 of its 48 layers: 1.9B parameters, 622M of them the
+    # untied embeddings (random weights; MoE at a real expert count in `bench kernels` and `rollout`)
+    "qwen3-30b-a3b-2l": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=2,
+                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                             max_position_embeddings=40960, rope_theta=1000000.0, model_type="qwen3_moe",
+                             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                             norm_topk_prob=True, tie_word_embeddings=False),
     # Gemma 2 2B's shape (2.6B parameters, 590M of them the embedding; random weights): every other
     # layer slides over 4096 keys, attention scores and logits soft-capped
     "gemma2-2b": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
