@@ -158,6 +158,27 @@ def test_work_and_tmp_are_writable(sb: Sandbox) -> None:
     assert r.stdout.split()[1:] == ["hello", "tmp"]
 
 
+def test_multiprocessing_runs_on_the_runs_own_dev_shm(sb: Sandbox) -> None:
+    """The isolated root had no /dev/shm, so `multiprocessing.Pool`, `ProcessPoolExecutor` and
+    `shared_memory` failed (FileNotFoundError: their locks and blocks are files there). The root now
+    has a /dev/shm of the run's own, in its writable tmpfs: they work, the host's /dev/shm gets
+    nothing, and the next run finds it empty again."""
+    require_isolation(sb)
+    before = set(os.listdir("/dev/shm"))
+    code = ("import multiprocessing as mp, os\n"
+            "from concurrent.futures import ProcessPoolExecutor\n"
+            "from multiprocessing import shared_memory\n"
+            "with mp.Pool(2) as pool:\n    print(pool.map(abs, [-1, -2, -3]))\n"
+            "with ProcessPoolExecutor(2) as ex:\n    print(list(ex.map(abs, [-4, -5])))\n"
+            "m = shared_memory.SharedMemory(create=True, size=4096)\nm.buf[0] = 7\n"
+            "print(m.buf[0], len(os.listdir('/dev/shm')) > 0)\nm.close()\n")
+    r = sb.run(code)
+    assert r.ok and r.stdout.split("\n")[:3] == ["[1, 2, 3]", "[4, 5]", "7 True"], r
+    r = sb.run("import os\nprint(os.listdir('/dev/shm'))")
+    assert r.ok and r.stdout.strip() == "[]", r
+    assert set(os.listdir("/dev/shm")) - before == set()
+
+
 def test_temp_dir_is_removed(sb: Sandbox) -> None:
     # this process's only: other runs on the machine (a study, a CI job beside this one) make theirs
     pattern = os.path.join(tempfile.gettempdir(), f"parity-sandbox-{os.getpid()}-*")

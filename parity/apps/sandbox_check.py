@@ -4,7 +4,8 @@ Before a run executes model-written code on a new machine (a cluster node, a con
 wants to know what that code could reach there. This command starts the sandbox the tool task would
 use (the degraded one too, where namespaces are not permitted, so that it can be judged) and runs a
 few escapes in it, each the kind of thing a model's code has done or a red team tried: read and write
-a host file this process can, fill /dev/shm (memory no process owns), reach a TCP listener of this
+a host file this process can, fill the host's /dev/shm (memory no process owns; the isolated root has
+a /dev/shm of the run's own), reach a TCP listener of this
 process, signal this process, see its environment, and outlast the time limit. A table says, for
 each, whether the sandbox held it, with what the code met. Exit 0 only when every escape was held.
 """
@@ -48,7 +49,7 @@ def _escapes(host_file: str, host_dir: str, shm: str, port: int, secret: str) ->
         ("read a host file this process can read", f"attempt(lambda: open({host_file!r}).read())"),
         ("write into a host directory open to everyone",
          f"attempt(lambda: open(os.path.join({host_dir!r}, 'planted'), 'w').write('x'))"),
-        ("write a file in /dev/shm (memory no process owns)",
+        ("write a file in the host's /dev/shm (memory no process owns)",
          f"attempt(lambda: open({shm!r}, 'w').write('x'))"),
         ("connect to a TCP listener of this process",
          f"attempt(lambda: socket.create_connection(('127.0.0.1', {port}), timeout=2).close())"),
@@ -81,6 +82,8 @@ def run_escapes(box: Sandbox) -> list[Escape]:
             for name, line in _escapes(host_file, host_dir, shm, listener.getsockname()[1], secret):
                 r = box.run(_ATTEMPT + line + "\n")
                 said = r.stdout.strip().splitlines()[-1] if r.ok and r.stdout.strip() else (r.error or "?")
+                if "/dev/shm" in name and said == "done" and not os.path.exists(shm):
+                    said = "wrote its own /dev/shm"  # (the isolated root's, in the run's memory)
                 results.append(Escape(name, said != "done", said))
             r = box.run("while True:\n    pass\n")  # (the wall and cpu limits end it)
             results.append(Escape(f"run past the time limit ({box.limits.wall_s:g} s)",

@@ -2,7 +2,7 @@
 
 Imported only by `launcher.py` (which puts this directory on its path: it runs under `python -I`),
 never by the host. `build_root` gives the child a mount namespace of its own and a read-only root
-on a tmpfs built from the host's mount plan, with a small writable /work and /tmp, and pivots
+on a tmpfs built from the host's mount plan, with a small writable /work, /tmp and /dev/shm, and pivots
 into it. Only built-in modules are used (start-up speed).
 """
 
@@ -108,9 +108,10 @@ def build_root(t, code, plan, fs_mb, owner):
     # (inodes bounded too: empty directories take no blocks, only kernel memory)
     flags, inodes = MS_NOSUID | MS_NODEV | MS_NOEXEC, fs_mb * 256
     mount("tmpfs", rw, "tmpfs", flags, f"size={fs_mb}m,nr_inodes={inodes},mode=755")
-    os.mkdir(rw + "/work", 0o755)
-    os.mkdir(rw + "/tmp", 0o755)
+    for name in ("work", "tmp", "shm"):
+        os.mkdir(rw + "/" + name, 0o755)
     os.chmod(rw + "/tmp", 0o1777)
+    os.chmod(rw + "/shm", 0o1777)
     fd = os.open(rw + "/work/main.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, code)
@@ -147,6 +148,10 @@ def build_root(t, code, plan, fs_mb, owner):
     for name in ("work", "tmp"):
         os.mkdir(root + "/" + name, 0o755)
         mount(rw + "/" + name, root + "/" + name, None, MS_BIND)
+    # /dev/shm of the run's own (POSIX shared memory and semaphores: multiprocessing's locks and
+    # queues, shared_memory), in the writable tmpfs: within fs_mb, its pages charged to the run
+    os.makedirs(root + "/dev/shm", 0o755, exist_ok=True)
+    mount(rw + "/shm", root + "/dev/shm", None, MS_BIND)
     os.chdir(root)
     if SYS_PIVOT_ROOT is not None and libc.syscall(SYS_PIVOT_ROOT, b".", b".") == 0:
         check(libc.umount2(b".", MNT_DETACH), "umount old root")
