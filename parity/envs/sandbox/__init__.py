@@ -5,12 +5,12 @@ empty environment in its own session and temporary directory. The launcher enter
 `unshare(2)` (mount, pid, net, ipc, uts; plus user when not root), forks the child that becomes pid 1 of
 the new pid namespace, and enforces the wall-clock limit. The child builds a private root on a tmpfs
 (read-only bind mounts of /usr and the Python prefix only, installed packages masked, a small writable
-/work, /tmp and /dev/shm), pivots into it, drops privileges (a per-run unprivileged uid when root, no capabilities,
-no_new_privs), sets rlimits (cpu, address space, file size, process count, open files, core) and execs a
-fresh interpreter on the code. When pid 1 dies the kernel kills every process left in the namespace, so
-fork bombs and background processes are cleaned up. stdout and stderr come back through pipes
-the launcher caps into files the host opened; the host reads them back bounded, by descriptor,
-and maps the outcome to a one-line error.
+/work, /tmp and /dev/shm), pivots into it, drops privileges (a per-run unprivileged uid when root, no
+capabilities, no_new_privs), sets rlimits (cpu, address space, file size, process count, open files,
+core) and execs a fresh interpreter on the code. When pid 1 dies the kernel kills every process left
+in the namespace, so fork bombs and background processes are cleaned up. stdout and stderr come back
+through pipes the launcher caps into files the host opened; the host reads them back bounded, by
+descriptor, and maps the outcome to a one-line error.
 
 What works is probed once per process. Where namespaces are not permitted, `Sandbox()` refuses to start
 (one line naming why); `Sandbox(require_isolation=False)`, or `PARITY_ALLOW_DEGRADED_SANDBOX=1` in the
