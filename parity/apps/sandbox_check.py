@@ -5,9 +5,9 @@ wants to know what that code could reach there. This command starts the sandbox 
 use (the degraded one too, where namespaces are not permitted, so that it can be judged) and runs a
 few escapes in it, each the kind of thing a model's code has done or a red team tried: read and write
 a host file this process can, fill the host's /dev/shm (memory no process owns; the isolated root has
-a /dev/shm of the run's own), reach a TCP listener of this
-process, signal this process, see its environment, and outlast the time limit. A table says, for
-each, whether the sandbox held it, with what the code met. Exit 0 only when every escape was held.
+a /dev/shm of the run's own), reach a TCP listener of this process, signal this process, see its
+environment, and outlast the time limit. A table says, for each, whether the sandbox held it, with
+what the code met. Exit 0 only when every escape was held.
 """
 
 from __future__ import annotations

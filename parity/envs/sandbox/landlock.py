@@ -69,12 +69,11 @@ def carve(read_dirs, masks) -> tuple[list[str], list[str]]:
     entries, the entry on the way to the mask carved in turn and a mask itself left out, and is
     allowed to be listed (the interpreter lists the directories it imports from). Landlock allows
     listing a whole hierarchy, so below a mask names and what `stat` and `readlink` say (sizes,
-    times, link targets) stay visible; contents do not.
-    Symbolic links among the entries are left out: opening one follows it, and Landlock judges the
-    file it reaches, which is either allowed by its own entry or was not readable through the link
-    before. Paths are compared as real paths (a mask written through a link or with `.` or `//` in
-    it was a string no directory matched, and its parent was allowed whole); a directory that cannot
-    be listed is left out."""
+    times, link targets) stay visible; contents do not. Symbolic links among the entries are left
+    out: opening one follows it, and Landlock judges the file it reaches, which is either allowed by
+    its own entry or was not readable through the link before. Paths are compared as real paths (a
+    mask written through a link or with `.` or `//` in it was a string no directory matched, and its
+    parent was allowed whole); a directory that cannot be listed is left out."""
     masks = [os.path.realpath(m) for m in masks]
     wholly: list[str] = []
     listed: list[str] = []

@@ -787,7 +787,8 @@ int64_t parity_moe_experts_f32(const float *x, const int64_t *order, const int64
         #pragma omp for schedule(static)
         for (int64_t s = 0; s < g; s++)
             for (int64_t p = offs[sel[s]]; p < offs[sel[s] + 1]; p++)
-                memcpy(xs + (at[s] + p - offs[sel[s]]) * h, x + (order[p] / topk) * h, (size_t)h * sizeof(float));
+                memcpy(xs + (at[s] + p - offs[sel[s]]) * h, x + (order[p] / topk) * h,
+                       (size_t)h * sizeof(float));
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < g * nb1; item++) {
             const int64_t s = item / nb1, e = sel[s], n0 = (item % nb1) * 16;
