@@ -42,21 +42,25 @@ class Escape:
     """What the code met (an errno name, the sandbox's verdict, or 'done')."""
 
 
-def _escapes(host_file: str, host_dir: str, shm: str, port: int, secret: str) -> list[tuple[str, str]]:
-    """(name, code) of each escape: the code prints 'done' where it got through."""
+def _escapes(host_file: str, host_dir: str, shm: str, port: int,
+             secret: str) -> list[tuple[str, str, str | None]]:
+    """(name, code, written) of each escape: the code prints 'done' where it got through; `written`,
+    for a write, is the host path it leaves (a write that leaves none went to a path of the run's
+    own: the isolated root has a /dev/shm of its own)."""
     pid = os.getpid()
+    planted = os.path.join(host_dir, "planted")
     return [
-        ("read a host file this process can read", f"attempt(lambda: open({host_file!r}).read())"),
+        ("read a host file this process can read", f"attempt(lambda: open({host_file!r}).read())", None),
         ("write into a host directory open to everyone",
-         f"attempt(lambda: open(os.path.join({host_dir!r}, 'planted'), 'w').write('x'))"),
+         f"attempt(lambda: open({planted!r}, 'w').write('x'))", planted),
         ("write a file in the host's /dev/shm (memory no process owns)",
-         f"attempt(lambda: open({shm!r}, 'w').write('x'))"),
+         f"attempt(lambda: open({shm!r}, 'w').write('x'))", shm),
         ("connect to a TCP listener of this process",
-         f"attempt(lambda: socket.create_connection(('127.0.0.1', {port}), timeout=2).close())"),
+         f"attempt(lambda: socket.create_connection(('127.0.0.1', {port}), timeout=2).close())", None),
         ("signal this process",  # (in a pid namespace the number may be one of the run's own)
-         f"print('its own pid') if {pid} == os.getpid() else attempt(lambda: os.kill({pid}, 0))"),
+         f"print('its own pid') if {pid} == os.getpid() else attempt(lambda: os.kill({pid}, 0))", None),
         ("see this process's environment",
-         f"print('done' if {secret!r} in str(os.environ) else 'not there')"),
+         f"print('done' if {secret!r} in str(os.environ) else 'not there')", None),
     ]
 
 
@@ -79,11 +83,11 @@ def run_escapes(box: Sandbox) -> list[Escape]:
         listener.listen(1)
         os.environ["PARITY_SANDBOX_CHECK"] = secret
         try:
-            for name, line in _escapes(host_file, host_dir, shm, listener.getsockname()[1], secret):
+            for name, line, written in _escapes(host_file, host_dir, shm, listener.getsockname()[1], secret):
                 r = box.run(_ATTEMPT + line + "\n")
                 said = r.stdout.strip().splitlines()[-1] if r.ok and r.stdout.strip() else (r.error or "?")
-                if "/dev/shm" in name and said == "done" and not os.path.exists(shm):
-                    said = "wrote its own /dev/shm"  # (the isolated root's, in the run's memory)
+                if said == "done" and written is not None and not os.path.exists(written):
+                    said = "wrote a path of its own"
                 results.append(Escape(name, said != "done", said))
             r = box.run("while True:\n    pass\n")  # (the wall and cpu limits end it)
             results.append(Escape(f"run past the time limit ({box.limits.wall_s:g} s)",
