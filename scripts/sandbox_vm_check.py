@@ -7,8 +7,10 @@ launcher, namespaces, cgroup v2, Landlock and the filter, under an aarch64 CPyth
 packages, booted with `qemu-system-aarch64` (TCG). In the VM, as root: the isolated sandbox, then
 the degraded one (no namespaces, forced as the tests force it, per-run uid, Landlock), each running
 `parity sandbox`'s escapes and calls into the kernel surface (keyctl, unshare, bpf, io_uring,
-an AF_VSOCK socket, clone with CLONE_NEWUSER; in the degraded one also chmod and any socket) that a
-plain child process makes unrefused, the control. Prints what held; exit 0 only when all did.
+an AF_VSOCK socket, clone with CLONE_NEWUSER; in the degraded one also a setuid chmod and any socket)
+that a plain child process makes unrefused, the control, and a host file's mode, which the per-run
+uid may not change; its own file's mode and `shutil.copy2` must work in both. Prints what held;
+exit 0 only when all did.
 
     dpkg --add-architecture arm64 && apt-get update
     apt-get download python3.11-minimal:arm64 libpython3.11-minimal:arm64 libpython3.11-stdlib:arm64 \\
@@ -76,13 +78,16 @@ def call(what, nr, *args):
     ("socket_AF_VSOCK", "socket", (40, 1, 0)),
     ("clone_CLONE_NEWUSER", "clone", (0x10000000 | 17, 0, 0, 0, 0)),
     ("unshare_CLONE_NEWUSER", "unshare", (0x10000000,)))) + """
-import tempfile
+import shutil, tempfile
 path = tempfile.mkstemp(dir=".")[1]
-try:
-    os.chmod(path, 0o4755)
-    print("chmod done")
-except OSError as exc:
-    print("chmod", errno.errorcode[exc.errno])
+for what, act in (("chmod", lambda: os.chmod(path, 0o4755)), ("chmod_own", lambda: os.chmod(path, 0o640)),
+                  ("copy2", lambda: shutil.copy2(path, path + ".copy")),
+                  ("chmod_host", lambda: os.chmod("/opt/check.py", 0o644))):
+    try:
+        act()
+        print(what, "done")
+    except OSError as exc:
+        print(what, errno.errorcode[exc.errno])
 try:
     __import__("socket").socket(1).close()
     print("socket_AF_UNIX done")
@@ -183,7 +188,12 @@ def main() -> int:
             what, said = line.split(" ", 1)
             allowed = what in ("chmod", "socket_AF_UNIX") and name == "isolated"  # (its own file; no network)
             unrefused = control.get(what, "EPERM") != "EPERM"  # (the control: the kernel lets it through)
-            good = (said != "EPERM") if allowed else (said == "EPERM" and unrefused)
+            if what in ("chmod_own", "copy2"):  # (a mode and times of its own: the per-run uid's too)
+                good = said == "done"
+            elif what == "chmod_host":  # (the kernel's refusal: the per-run uid owns no host file)
+                good = said != "done" and control.get(what) == "done"
+            else:
+                good = (said != "EPERM") if allowed else (said == "EPERM" and unrefused)
             ok &= good
             print(f"  {'ok' if good else 'WRONG'}: {what} {said} "
                   f"(a plain child process: {control.get(what)})")

@@ -17,6 +17,7 @@ import errno
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -34,6 +35,8 @@ from parity.envs.sandbox.seccomp import (
     ARGS_ONLY,
     DENIED,
     NEWEST_KNOWN,
+    OWN_FILES_MODE_ARG,
+    OWN_FILES_TIMES,
     PLAIN_ARGS_ONLY,
     PLAIN_DENIED,
     PLAIN_IOCTLS_REFUSED,
@@ -359,6 +362,19 @@ def test_the_filter_program_decides_as_documented(machine: str) -> None:
         assert run(plain, nr["ioctl"], 3, request) == RET_EPERM
         assert run(prog, nr["ioctl"], 3, request) == RET_ALLOW
     assert run(plain, nr["ioctl"], 3, 0x5401) == RET_ALLOW  # (TCGETS, as isatty asks)
+    own = build_filter(machine, plain=True, per_run_uid=True)  # (a uid that owns no host file)
+    for name, arg in OWN_FILES_MODE_ARG.items():  # its own files' modes, but setuid and setgid
+        if name in nr:
+            for mode, want in ((0o644, RET_ALLOW), (0o1777, RET_ALLOW), (0o4755, RET_EPERM),
+                               (0o2755, RET_EPERM), (0o6755, RET_EPERM)):
+                args = [3, 0, 0][:arg] + [mode]
+                assert run(own, nr[name], *args) == want, (name, oct(mode))
+                assert run(plain, nr[name], *args) == RET_EPERM, name
+    assert all(run(own, nr[name]) == RET_ALLOW for name in OWN_FILES_TIMES if name in nr)
+    relaxed = {nr[name] for name in (*OWN_FILES_MODE_ARG, *OWN_FILES_TIMES) if name in nr}
+    kept = [nr[name] for name in PLAIN_DENIED if name in nr and nr[name] not in relaxed]
+    assert len(kept) == {"x86_64": 10}.get(machine, 8) and all(run(own, call) == RET_EPERM for call in kept)
+    assert all(run(own, call) == run(plain, call) for call in range(NEWEST_KNOWN + 2) if call not in relaxed)
 
 
 def test_the_launchers_own_call_numbers_are_the_tables() -> None:
@@ -914,6 +930,72 @@ def test_a_degraded_run_cannot_change_the_hosts_files_or_processes(as_host_uid: 
     assert r.ok and r.stdout.split("\n")[:8] == [f"{a} {errno.EPERM}" for a in acts], r
     assert not os.listxattr(target)
     assert target.stat().st_mode & 0o7777 == 0o644 and target.stat().st_mtime == stamp
+
+
+OWN_FILES = ATTEMPT + """
+import os, shutil
+open("a", "w").write("x")
+attempt("chmod", lambda: os.chmod("a", 0o640))
+attempt("utime", lambda: os.utime("a", (1, 2)))
+attempt("copy2", lambda: shutil.copy2("a", "b"))
+attempt("copy", lambda: shutil.copy("a", "c"))
+print("modes", oct(os.stat("a").st_mode & 0o7777), *[oct(os.stat(f).st_mode & 0o7777) for f in "bc" if
+      os.path.exists(f)], os.stat("b").st_mtime if os.path.exists("b") else None)
+attempt("setuid", lambda: os.chmod("a", 0o4755))
+attempt("setgid", lambda: os.chmod("a", 0o2755))
+attempt("host", lambda: os.chmod({host!r}, 0o600))
+"""
+
+
+@pytest.mark.skipif(build_filter() is None, reason=NO_FILTER)
+def test_a_per_run_uids_filter_lets_it_copy_files_but_not_make_them_setuid(as_host_uid: Sandbox, tmp_path,
+                                                                           monkeypatch) -> None:
+    """`shutil.copy` copies the mode and `copy2` the times too: both failed (EPERM) in every plain mode.
+    Under a per-run uid, which owns none of the host's files, the filter allows a file's mode but
+    setuid and setgid, and its times. Checked on this kernel with that filter loaded in the mode run
+    as the host's uid (the plain mode's per-run uid needs an interpreter every uid can reach), which
+    then also changes a host file's mode: the reason the host's uid keeps the stricter filter, the
+    control, under which the copies fail. A plain child process makes the file setuid."""
+    target = tmp_path / "host-file"
+    target.write_text("x")
+    code = OWN_FILES.format(host=str(target))
+    (tmp_path / "control").mkdir()
+    control = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             cwd=tmp_path / "control")
+    assert control.stdout.split("\n")[-4:-2] == ["setuid done", "setgid done"], control
+    strict = as_host_uid.run(code)
+    said = [line.split()[-1] for line in strict.stdout.split("\n")[:4]]
+    assert strict.ok and said == [str(errno.EPERM)] * 4, strict
+    monkeypatch.setattr(host, "per_run_uid", lambda mode: True)
+    os.chmod(target, 0o644)
+    r = as_host_uid.run(code)
+    assert r.ok and r.stdout.split("\n")[:-1] == [
+        "chmod done", "utime done", "copy2 done", "copy done", "modes 0o640 0o640 0o640 2.0",
+        f"setuid {errno.EPERM}", f"setgid {errno.EPERM}", "host done"], r
+    assert target.stat().st_mode & 0o7777 == 0o600  # (the host's uid owns it: why this filter is not its)
+
+
+@pytest.mark.skipif(os.geteuid() or not sandbox_module._others_can_run_python() or build_filter() is None,
+                    reason="a per-run uid needs root and an interpreter every uid can reach")
+def test_a_per_run_uid_copies_its_own_files_and_cannot_change_the_hosts(monkeypatch, tmp_path) -> None:
+    """The plain mode as root, its code under a per-run uid: the copies work, setuid is refused by
+    the filter and a host file's mode by the kernel (its uid owns none of the host's files)."""
+    monkeypatch.setattr(sandbox_module, "_PROBE", sandbox_module._Probe("plain", "forced by the test"))
+    box = Sandbox(SandboxLimits(wall_s=3.0, cpu_s=1), require_isolation=False)
+    shared = tempfile.mkdtemp()
+    try:
+        os.chmod(shared, 0o755)
+        target = os.path.join(shared, "host-file")
+        with open(target, "w") as f:
+            f.write("x")
+        os.chmod(target, 0o666)
+        r = box.run(OWN_FILES.format(host=target))
+        assert r.ok and r.stdout.split("\n")[:-1] == [
+            "chmod done", "utime done", "copy2 done", "copy done", "modes 0o640 0o640 0o640 2.0",
+            f"setuid {errno.EPERM}", f"setgid {errno.EPERM}", f"host {errno.EPERM}"], r
+        assert os.stat(target).st_mode & 0o7777 == 0o666
+    finally:
+        shutil.rmtree(shared)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC holds every uid but root's")

@@ -18,8 +18,9 @@ environment (an operator's switch for every run on such a machine), accepts a de
 separate process with rlimits, an empty environment and its own temp directory, under a per-run uid where
 the host is root and Python is open to other uids, else under the host's own uid (root without
 capabilities, where the host is root), with no sockets but UNIX socket pairs and no changes to a
-file's mode, owner, times or attributes (seccomp), its processes counted, and, where the kernel has
-Landlock, reading only /usr and the Python runtime (not the installed packages or /usr/local, as in
+file's mode, owner, times or attributes (seccomp; under a per-run uid, which owns none of the host's
+files, its own files' modes but setuid and setgid, and times), its processes counted, and, where the
+kernel has Landlock, reading only /usr and the Python runtime (not the installed packages or /usr/local, as in
 the isolated root) and writing only its own directory (`landlock.py`); and `describe()` says in
 capitals what is missing.
 """
@@ -40,6 +41,7 @@ from .host import (
     expected_root_listing,
     fmt_bytes,
     others_can_run_python,
+    per_run_uid,
 )
 
 __all__ = ["Sandbox", "SandboxLimits", "ToolResult"]
@@ -194,8 +196,9 @@ class Sandbox:
         if "landlock-scope" in active:
             protections.append("Landlock: signals and abstract sockets within the run")
         if "seccomp" in active:
-            plain = not self.isolated
-            protections.append(seccomp.describe(seccomp.build_filter(plain=plain), plain=plain))
+            plain, own = not self.isolated, per_run_uid(probe.mode)
+            program = seccomp.build_filter(plain=plain, per_run_uid=own)
+            protections.append(seccomp.describe(program, plain=plain, per_run_uid=own))
         else:
             missing.append(seccomp.describe(seccomp.build_filter()).replace("no ", "NO ", 1)
                            if seccomp.build_filter() is None else "NO seccomp filter (it did not load)")

@@ -266,6 +266,12 @@ def cgroup_support() -> tuple[str | None, str]:
     return _CGROUP
 
 
+def per_run_uid(mode: str) -> bool:
+    """Whether a plain `mode` runs the code under a per-run uid (as root: the launcher's rule), a uid
+    that owns none of the host's files."""
+    return mode == "plain" and os.geteuid() == 0
+
+
 def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
     """Run `code` once in `mode`; the host side of the launcher protocol."""
     start = time.monotonic()
@@ -277,7 +283,7 @@ def execute(mode: str, code: bytes, limits: SandboxLimits) -> ToolResult:
         os.mkdir(os.path.join(tmp, "work"), 0o700)
         with open(os.path.join(tmp, "work", "main.py"), "wb") as f:
             f.write(code)
-        program = seccomp.build_filter(plain=mode.startswith("plain"))
+        program = seccomp.build_filter(plain=mode.startswith("plain"), per_run_uid=per_run_uid(mode))
         if program is not None:
             with open(os.path.join(tmp, "seccomp.bpf"), "wb") as f:
                 f.write(program)

@@ -59,6 +59,16 @@ PLAIN_DENIED = (
 """Refused in the plain modes too: a file's mode, owner, times and extended attributes. Landlock
 does not cover them, and there the code's uid owns the host's files (root's, as root: a root-owned
 binary in reach was made setuid, and a file's attribute carried data from one run to the next)."""
+OWN_FILES_MODE_ARG = {"chmod": 1, "fchmod": 1, "fchmodat": 2, "fchmodat2": 2}
+"""Under a per-run uid (the plain mode as root), which owns none of the host's files, a file's mode
+may change (the kernel refuses it on files of other uids) but for SETID_BITS: the calls and the
+index of their mode argument. `shutil.copy` copies the mode: it failed there (EPERM)."""
+OWN_FILES_TIMES = ("utime", "utimes", "futimesat", "utimensat")
+"""Allowed under a per-run uid too (`shutil.copy2` copies the times): the kernel lets a uid set the
+times of its own files, and only to now on others' it may write."""
+SETID_BITS = 0o6000
+"""S_ISUID | S_ISGID: refused in a mode under a per-run uid (a program of its own made setuid or
+setgid would run as that uid for whoever ran it)."""
 ARGS_ONLY: dict[str, tuple[tuple[int, int], ...]] = {"fallocate": ((1, 0),)}
 """Calls allowed only with these (argument index, value) pairs, EPERM otherwise, in every mode:
 `fallocate` with mode 0 (FALLOC_FL_KEEP_SIZE reserved 2 GiB of disk past the file-size limit)."""
@@ -110,11 +120,20 @@ def _rule(nr: int, checks: tuple[tuple[int, int], ...], allow: int, eperm: int) 
     return [_insn(JEQ, 0, len(body), nr)] + body
 
 
-def build_filter(machine: str | None = None, plain: bool = False) -> bytes | None:
+def _unless_bits(nr: int, arg: int, bits: int, allow: int, eperm: int) -> list[bytes]:
+    """For call `nr`: EPERM if argument `arg` has any of `bits` set, else allowed; other calls jump
+    past it."""
+    body = [_insn(LD_ABS, 0, 0, OFF_ARG0 + ARG_SIZE * arg), _insn(JSET, 0, 1, bits),
+            _insn(RET, 0, 0, eperm), _insn(RET, 0, 0, allow)]
+    return [_insn(JEQ, 0, len(body), nr)] + body
+
+
+def build_filter(machine: str | None = None, plain: bool = False, per_run_uid: bool = False) -> bytes | None:
     """The filter for `machine` (this one's by default) as packed `struct sock_filter` entries, or
     None where it is not implemented (an architecture without a table in `syscalls.NUMBERS`);
     `plain`: for the plain modes (PLAIN_DENIED and PLAIN_ARGS_ONLY too; `socket` refused,
-    `socketpair` AF_UNIX only)."""
+    `socketpair` AF_UNIX only); `per_run_uid` (with `plain`): the code's uid owns none of the host's
+    files, so its own files' modes (but SETID_BITS) and times may change."""
     arch = machine or platform.machine()
     if arch not in NUMBERS:
         return None
@@ -127,7 +146,8 @@ def build_filter(machine: str | None = None, plain: bool = False) -> bytes | Non
     if arch == "x86_64":  # x32 shares the arch value; its calls carry this bit
         prog += [_insn(JGE, 0, 1, X32_SYSCALL_BIT), _insn(RET, 0, 0, RET_KILL_PROCESS)]
     prog += [_insn(JGE, 0, 1, NEWEST_KNOWN + 1), _insn(RET, 0, 0, RET_ENOSYS)]
-    denied = [name for name in DENIED + (PLAIN_DENIED if plain else ()) if name in nr]
+    own = (*OWN_FILES_MODE_ARG, *OWN_FILES_TIMES) if plain and per_run_uid else ()
+    denied = [name for name in DENIED + (PLAIN_DENIED if plain else ()) if name in nr and name not in own]
     for number in sorted(nr[name] for name in denied):
         prog += [_insn(JEQ, 0, 1, number), _insn(RET, 0, 0, eperm)]
     prog += [_insn(JEQ, 0, 1, nr["clone3"]), _insn(RET, 0, 0, RET_ENOSYS)]
@@ -135,6 +155,9 @@ def build_filter(machine: str | None = None, plain: bool = False) -> bytes | Non
         prog += _rule(nr[name], checks, allow, eperm)
     if plain:
         prog += _refuse(nr["ioctl"], 1, PLAIN_IOCTLS_REFUSED, allow, eperm)
+    if own:  # (the times calls are simply not denied)
+        prog += [x for name, arg in OWN_FILES_MODE_ARG.items() if name in nr
+                 for x in _unless_bits(nr[name], arg, SETID_BITS, allow, eperm)]
     if plain:  # socket refused; socketpair (the nr is still loaded) AF_UNIX only
         prog += [_insn(JEQ, 0, 1, nr["socket"]), _insn(RET, 0, 0, eperm)]
         prog += _rule(nr["socketpair"], ((0, PLAIN_SOCKET_FAMILIES["AF_UNIX"]),), allow, eperm)
@@ -173,14 +196,16 @@ def decide(program: bytes, arch: int, nr: int, *args: int) -> int:
             pc += 1 + (jt if taken else jf)
 
 
-def describe(program: bytes | None, plain: bool = False) -> str:
+def describe(program: bytes | None, plain: bool = False, per_run_uid: bool = False) -> str:
     if program is None:
         return f"no seccomp filter (not implemented for {platform.machine()})"
     nr = NUMBERS[platform.machine()]
-    refused = sum(name in nr for name in DENIED + (PLAIN_DENIED if plain else ())) + 2
+    own = (*OWN_FILES_MODE_ARG, *OWN_FILES_TIMES) if plain and per_run_uid else ()
+    refused = sum(name in nr and name not in own for name in DENIED + (PLAIN_DENIED if plain else ())) + 2
     if plain:
+        files = ("no setuid or setgid modes, no changes to a file's owner, attributes or flags" if own else
+                 "no changes to a file's mode, owner, times, attributes or flags")
         return (f"seccomp filter ({refused} syscalls refused and any newer than Linux 6.6, no sockets but "
-                f"UNIX socket pairs, no changes to a file's mode, owner, times, attributes or flags, "
-                f"priorities and limits of its own processes only)")
+                f"UNIX socket pairs, {files}, priorities and limits of its own processes only)")
     return (f"seccomp filter ({refused} syscalls refused and any newer than Linux 6.6, sockets only "
             f"{'/'.join(f.removeprefix('AF_') for f in SOCKET_FAMILIES)})")
