@@ -116,9 +116,10 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["bench", "kernels", "--presets", ""], "got nothing"),
         (["check", "--cases", ","], "got nothing"),
         (["generate", "--prompt-ids", "1,,2"], "expected comma-separated integers, got '1,,2'"),  # (was 1,2)
-        (["bench", "kernels", "--batches", "a"], "--batches: expected a comma-separated list, got 'a'"),
+        (["bench", "kernels", "--batches", "a"], "list of integers, got 'a'"),
         (["sft", "--recipe", "junk"], "invalid choice: 'junk'"),  # (argparse's: a usage block, then this)
         (["bench", "kernels", "--presets", "qwen3-0.6b", "--batches", "100000"], "GiB is available"),
+        (["bench", "learner", "--presets", "qwen3-0.6b", "--batch", "100000"], "GiB is available"),
         (["eval", "-k", "-1"], "--k must be >= 0"),
         (["eval", "-k", "100000"], "--k must be at most 64"),
         (["generate", "--seed", str(10**23), "--prompt", "x"], "--seed"),
@@ -128,6 +129,10 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["generate", "--prompt-ids", "1,2", "--chat"], "--chat wraps text prompts"),
         (["bench", "learner", "--length", "1", "--presets", "tiny"], "--length must be at least 2"),
         (["bench", "memory", "--dtype", "junk"], "--dtype must be one of float32, bfloat16, got 'junk'"),
+        (["bench", "memory", "--preset", "nope"], "unknown model preset 'nope': expected one of tiny,"),
+        (["study", "--seeds", "a,b"], "--seeds: expected a comma-separated list of integers, got 'a,b'"),
+        (["train", *toy, "--set", 'model.dtype="float64"'], "must be one of float32, bfloat16 or auto"),
+        (["train", *toy, "--set", "task.heldout_size=-1"], "task.heldout_size must be >= 1, got -1"),
         (["train", "--set", "..=3"], "a key is dotted names"),  # (was "unknown config key " naming none)
         (["train", *toy, "--set", 'run_dir="/proc/self/x"'], "run_dir /proc/self/x cannot be used"),
         (["eval", "--set", "learner.lr=1"], "keys only (--n"),  # (offered task.learner.lr)

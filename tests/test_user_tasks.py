@@ -686,3 +686,60 @@ def test_a_held_out_set_larger_than_what_training_left_out_is_refused(tmp_path):
     check(base, heldout_size=300, math_task="mul")
     check_unseen(config_from_dict({"model": {"checkpoint": str(base)}, "eval_prompts": 1,
                                    "task": {"name": "tool", "heldout_size": 300, "kinds": ["mul"]}}))
+
+
+def test_a_datasets_held_out_set_that_holds_training_prompts_is_refused(tmp_path, tokenizer):
+    """A dataset task holds out the task.heldout_size prompts a fixed hash ranks first, so `parity eval
+    --config RUN/config.toml --set task.heldout_size=10` on a run that held out 4 scored 6 prompts it
+    trained on, without a word (a README review). Refused now, as are two more ways in: the data's
+    hash-ranked set where the run held out a file of its own, and a stricter task.max_prompt_tokens
+    (shorter training prompts move up). The controls: each leak measured on the environment itself;
+    the run's own settings, a smaller set, a looser filter, a held-out file."""
+    from parity.apps.heldout import check_unseen
+
+    rows = additions(40, start=85)  # prompts of 5 characters (85..99) and of 6 (100..124)
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    held = write_jsonl(tmp_path / "h.jsonl", additions(5, start=500))
+
+    def run(name, **task):
+        (tmp_path / name / "checkpoint-3").mkdir(parents=True)
+        cfg = config_from_dict({"eval_prompts": 1, "model": {"checkpoint": str(tmp_path / "start")},
+                                "task": {"name": "dataset", "data": data, **task}})
+        (tmp_path / name / "config.toml").write_text(to_toml(cfg))  # (as a run writes it)
+        return tmp_path / name / "checkpoint-3"
+
+    def check(where, **task):
+        check_unseen(config_from_dict({"model": {"checkpoint": str(where)}, "eval_prompts": 1,
+                                       "task": {"name": "dataset", "data": data, **task}}))
+
+    def trained(**task):
+        return {r["prompt"] for r in DatasetEnv(tokenizer, data, **task).problems(0, 100)}
+
+    def heldout(**task):
+        return {r["prompt"] for r in DatasetEnv(tokenizer, data, **task).heldout()}
+
+    plain, with_file = run("plain", heldout_size=4), run("file", heldout_data=held)
+    short = len(DatasetEnv(tokenizer, data, heldout_size=4).prompt_ids(rows[0]))  # (85+1=: 7 with markers)
+    assert len(heldout(heldout_size=10) & trained(heldout_size=4)) == 6  # the leak
+    with pytest.raises(ConfigError, match=r"task.heldout_size 10 exceeds the 4 held-out problems the run"):
+        check(plain, heldout_size=10)
+    assert heldout(heldout_size=4) & trained(heldout_data=held)  # evaluated on the data, trained on it
+    with pytest.raises(ConfigError, match=r"held out task.heldout_data .*h.jsonl and trained on every other"):
+        check(with_file, heldout_size=4)
+    leaked = heldout(heldout_size=4, max_prompt_tokens=short) & trained(heldout_size=4)
+    assert leaked and all(len(p) == 5 for p in leaked)  # the short prompts moved up
+    with pytest.raises(ConfigError, match=r"task.max_prompt_tokens 7 leaves out prompts the run in .* kept "
+                                          r"\(its task.max_prompt_tokens: 0\).* \(use 0\)"):
+        check(plain, heldout_size=4, max_prompt_tokens=short)
+    strict = run("strict", heldout_size=4, max_prompt_tokens=short)
+    assert not heldout(heldout_size=4) & trained(heldout_size=4, max_prompt_tokens=short)  # looser: safe
+    check(strict, heldout_size=4)  # the controls
+    check(strict, heldout_size=4, max_prompt_tokens=short + 1)
+    check(plain, heldout_size=4)
+    check(plain, heldout_size=3)
+    check(with_file, heldout_data=held, heldout_size=5)
+    task = {"name": "dataset", "data": data, "heldout_size": 4}  # the default 32 eval_prompts: held to the
+    start = {"checkpoint": str(tmp_path / "start")}  # held-out size only where the run evaluates (it
+    config_from_dict({"eval_every": 0, "model": start, "task": task})  # refused a run that never does)
+    with pytest.raises(ConfigError, match=r"eval_prompts \(32\) must be at most task.heldout_size \(4\)"):
+        config_from_dict({"eval_every": 1, "model": start, "task": task})

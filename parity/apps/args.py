@@ -42,7 +42,9 @@ def csv(kind):
         try:
             return [kind(x) for x in parts]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+            what = {int: "integers", float: "numbers"}.get(kind, getattr(kind, "__name__", "values"))
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, "
+                                             f"got {text!r}") from None
     return parse
 
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from .. import hardware
 from ..dtypes import dtype_from_name
 from ..errors import ParityError
+from ..model import ModelConfig
 from .ui import fresh_process, status, table
 
 
@@ -83,6 +84,7 @@ def main(args) -> int:
     if any(lag < 1 for lag in args.lags):
         raise ParityError("--lags must all be >= 1")
     dtype_from_name(args.dtype, "--dtype")  # (was "the lag-1 run failed: ...ConfigError: model.dtype")
+    ModelConfig.preset(args.preset)  # (the same, naming model.preset)
     if args.after < 1 or args.max_held_versions < 0:
         raise ParityError("--after must be >= 1 and --max-held-versions >= 0")
     if max(args.lags) + args.after > 10_000_000:  # (each run trains lag + after steps)

@@ -24,11 +24,15 @@ held-out size, which its `MathTask` and `ToolEnv` use)."""
 
 
 def _identity(task: dict) -> tuple | None:
-    """What fixes a task's held-out stream: its name, level and kind(s); None for other tasks."""
+    """What fixes a task's held-out stream: its name, level and kind(s); a dataset's file and
+    whether its held-out set is a file of its own; None for other tasks (a custom environment's
+    `heldout` is its author's)."""
     if task.get("name") == "math":
         return "math", task.get("math_task", "add"), task.get("level", 1)
     if task.get("name") == "tool":
         return "tool", tuple(sorted(task.get("kinds", ["mul", "sum"]))), task.get("level", 1)
+    if task.get("name") == "dataset":
+        return "dataset", task.get("data"), task.get("heldout_data")
     return None
 
 
@@ -54,21 +58,39 @@ def _trainings(path: Path, depth: int = 0):
             return
         task = run.get("task", {})
         yield _identity(task), task.get("heldout_size", 200), f"the run in {path.parent}"
+        if task.get("name") == "dataset" and not task.get("heldout_data"):  # (its prompt filter, below)
+            yield ("dataset-filter", task.get("data")), task.get("max_prompt_tokens", 0), \
+                f"the run in {path.parent}"
         start = run.get("model", {}).get("checkpoint")
         if isinstance(start, str) and start:
             yield from _trainings(base_dir(RECIPES[start]) if names_recipe(start) else Path(start), depth + 1)
 
 
 def check_unseen(cfg: TrainConfig) -> None:
-    """Refuse a tool or math held-out set larger than what the training behind `cfg.model.checkpoint`
-    (a base policy, a run's checkpoint and where that run started) left out of the same task."""
-    task = {"name": cfg.task.name, "math_task": cfg.task.math_task, "level": cfg.task.level,
-            "kinds": list(cfg.task.kinds)}
+    """Refuse a held-out set of the tool, math or dataset task that holds problems the training behind
+    `cfg.model.checkpoint` (a base policy, a run's checkpoint and where that run started) trained
+    on: a larger one than it left out of the same task, a dataset's hash-ranked one where it held
+    out a file of its own or filtered prompts by length less strictly (shorter prompts then move
+    up into the held-out set)."""
+    t = cfg.task
+    task = {"name": t.name, "math_task": t.math_task, "level": t.level, "kinds": list(t.kinds),
+            "data": t.data, "heldout_data": t.heldout_data}
     mine = _identity(task)
-    if mine is None or not cfg.model.checkpoint:
-        return
+    if mine is None or not cfg.model.checkpoint or (t.name == "dataset" and t.heldout_data):
+        return  # (a held-out file: the run left out of task.data every prompt it holds)
     for identity, left_out, what in _trainings(Path(cfg.model.checkpoint)):
-        if identity == mine and cfg.task.heldout_size > left_out:
+        if t.name == "dataset" and identity and identity[0] == "dataset" and identity[1] == t.data \
+                and identity[2]:
+            raise ConfigError(f"{what} held out task.heldout_data {identity[2]} and trained on every other "
+                              f"prompt of task.data: evaluate on that file (task.heldout_data)")
+        if identity == ("dataset-filter", t.data):  # (left_out: that run's task.max_prompt_tokens)
+            if t.max_prompt_tokens and (not left_out or t.max_prompt_tokens < left_out):
+                raise ConfigError(f"task.max_prompt_tokens {t.max_prompt_tokens} leaves out prompts {what} "
+                                  f"kept (its task.max_prompt_tokens: {left_out}): its training prompts "
+                                  f"move up into the held-out set (use {left_out or 0}"
+                                  f"{' or more' if left_out else ''})")
+            continue
+        if identity == mine and t.heldout_size > left_out:
             raise ConfigError(f"task.heldout_size {cfg.task.heldout_size} exceeds the {left_out} held-out "
                               f"problems {what} left out of this task: its problems {left_out}.."
                               f"{cfg.task.heldout_size - 1} were training problems (use at most {left_out})")

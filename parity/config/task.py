@@ -101,8 +101,9 @@ class TaskSection:
             raise ConfigError("task.prompt_len must be >= 1 and task.targets non-empty")
         if self.max_prompt_tokens < 0:
             raise ConfigError(f"task.max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
-        if self.heldout_size < 1 or self.max_tool_calls < 1:
-            raise ConfigError("task.heldout_size and task.max_tool_calls must be >= 1")
+        for key in ("heldout_size", "max_tool_calls"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"task.{key} must be >= 1, got {getattr(self, key)}")
         top = {"tool": 3, "math": 5}.get(self.name)  # (checked here: `parity eval` built the base first)
         if top and not 1 <= self.level <= top:
             raise ConfigError(f"{self.name} task level must be 1..{top}, got {self.level}")

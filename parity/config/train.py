@@ -86,7 +86,8 @@ class ModelSection:
         if self.dtype == "auto":  # (a GPU's answer is bf16 whatever its host CPU has)
             self.dtype = "bfloat16" if self.device.startswith("cuda") else hardware.preferred_dtype()
         if self.dtype not in DTYPE_NAMES:
-            raise ConfigError(f"model.dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+            raise ConfigError(f"model.dtype must be one of {', '.join(DTYPE_NAMES)} or auto, "
+                              f"got {self.dtype!r}")
         if self.preset not in PRESET_NAMES:
             raise ConfigError(f"model.preset must be one of {', '.join(PRESET_NAMES)}, got {self.preset!r}")
         if not 0 <= self.seed <= MAX_SEED:
@@ -267,7 +268,7 @@ class TrainConfig:
             raise ConfigError(f"eval_prompts must be at most {MAX_PROBLEMS:,}, got {self.eval_prompts:,}")
         sized = self.task.name in ("tool", "math", "custom") or (self.task.name == "dataset"
                                                                  and not self.task.heldout_data)
-        if sized and self.eval_prompts > self.task.heldout_size:
+        if sized and self.eval_every and self.eval_prompts > self.task.heldout_size:  # (0: no evaluation)
             raise ConfigError(f"eval_prompts ({self.eval_prompts}) must be at most task.heldout_size "
                               f"({self.task.heldout_size}): evaluation uses the held-out set's first ones")
         if self.task.name not in ("target_tokens", "custom") and not self.model.checkpoint:
