@@ -93,6 +93,9 @@ def test_bad_input_is_one_line_no_traceback(tmp_path):
         assert proc.returncode == 2
         assert "Traceback" not in proc.stderr
         assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("parity: error:")
+    proc = subprocess.run([sys.executable, "-m", "parity", "check", "--preset", "huge"], capture_output=True,
+                          text=True, timeout=600)  # (`python -m parity`, as the command)
+    assert proc.returncode == 2 and proc.stderr.startswith("parity: error: unknown model preset 'huge'"), proc
 
 
 def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
