@@ -7,10 +7,10 @@ launcher, namespaces, cgroup v2, Landlock and the filter, under an aarch64 CPyth
 packages, booted with `qemu-system-aarch64` (TCG). In the VM, as root: the isolated sandbox, then
 the degraded one (no namespaces, forced as the tests force it, per-run uid, Landlock), each running
 `parity sandbox`'s escapes and calls into the kernel surface (keyctl, unshare, bpf, io_uring,
-an AF_VSOCK socket, clone with CLONE_NEWUSER; in the degraded one also a setuid chmod and any socket)
-that a plain child process makes unrefused, the control, and a host file's mode, which the per-run
-uid may not change; its own file's mode and `shutil.copy2` must work in both. Prints what held;
-exit 0 only when all did.
+an AF_VSOCK socket, clone with CLONE_NEWUSER; in the degraded one also a setuid chmod, a setuid file
+made, and any socket) that a plain child process makes unrefused, the control, and a host file's
+mode, which the per-run uid may not change; its own file's mode and `shutil.copy2` must work in
+both. Prints what held; exit 0 only when all did.
 
     dpkg --add-architecture arm64 && apt-get update
     apt-get download python3.11-minimal:arm64 libpython3.11-minimal:arm64 libpython3.11-stdlib:arm64 \\
@@ -82,7 +82,8 @@ import shutil, tempfile
 path = tempfile.mkstemp(dir=".")[1]
 for what, act in (("chmod", lambda: os.chmod(path, 0o4755)), ("chmod_own", lambda: os.chmod(path, 0o640)),
                   ("copy2", lambda: shutil.copy2(path, path + ".copy")),
-                  ("chmod_host", lambda: os.chmod("/opt/check.py", 0o644))):
+                  ("chmod_host", lambda: os.chmod("/opt/check.py", 0o644)),
+                  ("made_setuid", lambda: os.close(os.open(path + ".s", os.O_CREAT | os.O_WRONLY, 0o4755)))):
     try:
         act()
         print(what, "done")
@@ -186,7 +187,7 @@ def main() -> int:
             print(f"  {'held' if held else 'NOT HELD'}: {escape} ({detail})")
         for line in part["calls"]:
             what, said = line.split(" ", 1)
-            allowed = what in ("chmod", "socket_AF_UNIX") and name == "isolated"  # (its own file; no network)
+            allowed = what in ("chmod", "made_setuid", "socket_AF_UNIX") and name == "isolated"  # (own files)
             unrefused = control.get(what, "EPERM") != "EPERM"  # (the control: the kernel lets it through)
             if what in ("chmod_own", "copy2"):  # (a mode and times of its own: the per-run uid's too)
                 good = said == "done"

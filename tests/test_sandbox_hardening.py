@@ -33,6 +33,7 @@ from parity.envs.sandbox import Sandbox, SandboxLimits, cgroup, host, landlock
 from parity.envs.sandbox.host import cgroup_support
 from parity.envs.sandbox.seccomp import (
     ARGS_ONLY,
+    CREATE_MODE_ARG,
     DENIED,
     NEWEST_KNOWN,
     OWN_FILES_MODE_ARG,
@@ -362,6 +363,12 @@ def test_the_filter_program_decides_as_documented(machine: str) -> None:
         assert run(plain, nr["ioctl"], 3, request) == RET_EPERM
         assert run(prog, nr["ioctl"], 3, request) == RET_ALLOW
     assert run(plain, nr["ioctl"], 3, 0x5401) == RET_ALLOW  # (TCGETS, as isatty asks)
+    for name, arg in CREATE_MODE_ARG.items():  # no setuid or setgid file made, in the plain modes
+        if name in nr:
+            args = [3, 0, 0, 0][:arg]
+            assert run(plain, nr[name], *args, 0o755) == RET_ALLOW == run(prog, nr[name], *args, 0o4755)
+            assert run(plain, nr[name], *args, 0o4755) == RET_EPERM == run(plain, nr[name], *args, 0o2700)
+    assert run(plain, nr["openat2"]) == RET_ENOSYS and run(prog, nr["openat2"]) == RET_ALLOW
     own = build_filter(machine, plain=True, per_run_uid=True)  # (a uid that owns no host file)
     for name, arg in OWN_FILES_MODE_ARG.items():  # its own files' modes, but setuid and setgid
         if name in nr:
@@ -944,6 +951,9 @@ print("modes", oct(os.stat("a").st_mode & 0o7777), *[oct(os.stat(f).st_mode & 0o
 attempt("setuid", lambda: os.chmod("a", 0o4755))
 attempt("setgid", lambda: os.chmod("a", 0o2755))
 attempt("host", lambda: os.chmod({host!r}, 0o600))
+os.umask(0)
+attempt("made-setuid", lambda: os.close(os.open("s", os.O_CREAT | os.O_WRONLY, 0o6755)))
+attempt("made-setgid", lambda: os.mknod("m", 0o102755))
 """
 
 
@@ -955,23 +965,29 @@ def test_a_per_run_uids_filter_lets_it_copy_files_but_not_make_them_setuid(as_ho
     setuid and setgid, and its times. Checked on this kernel with that filter loaded in the mode run
     as the host's uid (the plain mode's per-run uid needs an interpreter every uid can reach), which
     then also changes a host file's mode: the reason the host's uid keeps the stricter filter, the
-    control, under which the copies fail. A plain child process makes the file setuid."""
+    control, under which the copies fail. A plain child process makes the file setuid, and makes
+    setuid and setgid files (red team: `os.open` with mode 0o6755 got round the filter); the
+    plain modes refuse those bits in a new file's mode whatever the uid."""
     target = tmp_path / "host-file"
     target.write_text("x")
     code = OWN_FILES.format(host=str(target))
     (tmp_path / "control").mkdir()
     control = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              cwd=tmp_path / "control")
-    assert control.stdout.split("\n")[-4:-2] == ["setuid done", "setgid done"], control
+    made = ["made-setuid", "made-setgid"]
+    assert control.stdout.split("\n")[-6:-1] == ["setuid done", "setgid done", "host done",
+                                                 *[f"{m} done" for m in made]], control
     strict = as_host_uid.run(code)
     said = [line.split()[-1] for line in strict.stdout.split("\n")[:4]]
     assert strict.ok and said == [str(errno.EPERM)] * 4, strict
+    assert strict.stdout.split("\n")[-3:-1] == [f"{m} {errno.EPERM}" for m in made], strict
     monkeypatch.setattr(host, "per_run_uid", lambda mode: True)
     os.chmod(target, 0o644)
     r = as_host_uid.run(code)
     assert r.ok and r.stdout.split("\n")[:-1] == [
         "chmod done", "utime done", "copy2 done", "copy done", "modes 0o640 0o640 0o640 2.0",
-        f"setuid {errno.EPERM}", f"setgid {errno.EPERM}", "host done"], r
+        f"setuid {errno.EPERM}", f"setgid {errno.EPERM}", "host done", f"made-setuid {errno.EPERM}",
+        f"made-setgid {errno.EPERM}"], r
     assert target.stat().st_mode & 0o7777 == 0o600  # (the host's uid owns it: why this filter is not its)
 
 
@@ -992,7 +1008,8 @@ def test_a_per_run_uid_copies_its_own_files_and_cannot_change_the_hosts(monkeypa
         r = box.run(OWN_FILES.format(host=target))
         assert r.ok and r.stdout.split("\n")[:-1] == [
             "chmod done", "utime done", "copy2 done", "copy done", "modes 0o640 0o640 0o640 2.0",
-            f"setuid {errno.EPERM}", f"setgid {errno.EPERM}", f"host {errno.EPERM}"], r
+            f"setuid {errno.EPERM}", f"setgid {errno.EPERM}", f"host {errno.EPERM}",
+            f"made-setuid {errno.EPERM}", f"made-setgid {errno.EPERM}"], r
         assert os.stat(target).st_mode & 0o7777 == 0o666
     finally:
         shutil.rmtree(shared)

@@ -17,9 +17,9 @@ What works is probed once per process. Where namespaces are not permitted, `Sand
 environment (an operator's switch for every run on such a machine), accepts a degraded sandbox there: a
 separate process with rlimits, an empty environment and its own temp directory, under a per-run uid where
 the host is root and Python is open to other uids, else under the host's own uid (root without
-capabilities, where the host is root), with no sockets but UNIX socket pairs and no changes to a
-file's mode, owner, times or attributes (seccomp; under a per-run uid, which owns none of the host's
-files, its own files' modes but setuid and setgid, and times), its processes counted, and, where the
+capabilities, where the host is root), with no sockets but UNIX socket pairs, no setuid or setgid
+files and no changes to a file's mode, owner, times or attributes (seccomp; under a per-run uid,
+which owns none of the host's files, its own files' modes and times), its processes counted, and, where the
 kernel has Landlock, reading only /usr and the Python runtime (not the installed packages or /usr/local, as in
 the isolated root) and writing only its own directory (`landlock.py`); and `describe()` says in
 capitals what is missing.

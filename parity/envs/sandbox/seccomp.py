@@ -13,7 +13,9 @@ file size (`ARGS_ONLY`); and sockets of any family but AF_UNIX, AF_INET and AF_I
 (`socket`, `socketpair`): the network namespace isolates those, not every family (AF_VSOCK reached
 the hypervisor's port space from inside a Firecracker guest). In the plain modes, which have no
 namespaces, also `socket` whatever the family (`socketpair` AF_UNIX only), changes to a file's mode,
-owner, times, extended attributes and flags (`PLAIN_DENIED`, `PLAIN_IOCTLS_REFUSED`), and
+owner, times, extended attributes and flags (`PLAIN_DENIED`, `PLAIN_IOCTLS_REFUSED`; under a per-run
+uid its own files' modes and times may change, `OWN_FILES_MODE_ARG`), setuid or setgid files made
+(`CREATE_MODE_ARG`), and
 scheduling, priority and resource-limit calls on any process but the caller
 (`PLAIN_ARGS_ONLY`). Every call numbered past `NEWEST_KNOWN` (those a later kernel adds:
 listmount, open_tree_attr, ... reached the kernel) answers ENOSYS, as on an older kernel, so the
@@ -68,7 +70,14 @@ OWN_FILES_TIMES = ("utime", "utimes", "futimesat", "utimensat")
 times of its own files, and only to now on others' it may write."""
 SETID_BITS = 0o6000
 """S_ISUID | S_ISGID: refused in a mode under a per-run uid (a program of its own made setuid or
-setgid would run as that uid for whoever ran it)."""
+setgid would run as that uid for whoever ran it), and, in every plain mode, in a new file's mode
+(CREATE_MODE_ARG)."""
+CREATE_MODE_ARG = {"open": 2, "creat": 1, "mknod": 1, "mkdir": 1, "openat": 3, "mknodat": 2, "mkdirat": 2}
+"""The calls that make a file or directory with a mode, and the index of that argument: in the
+plain modes one with SETID_BITS is refused (EPERM). `os.open(p, O_CREAT, 0o6755)` made a setuid
+and setgid file (root's, as root without capabilities; without Landlock one in /tmp outlived the
+run). libc passes 0 where no file is made. `openat2`, whose mode sits in a struct the filter cannot
+read, answers ENOSYS there (libc and Python open with `openat`)."""
 ARGS_ONLY: dict[str, tuple[tuple[int, int], ...]] = {"fallocate": ((1, 0),)}
 """Calls allowed only with these (argument index, value) pairs, EPERM otherwise, in every mode:
 `fallocate` with mode 0 (FALLOC_FL_KEEP_SIZE reserved 2 GiB of disk past the file-size limit)."""
@@ -158,6 +167,10 @@ def build_filter(machine: str | None = None, plain: bool = False, per_run_uid: b
     if own:  # (the times calls are simply not denied)
         prog += [x for name, arg in OWN_FILES_MODE_ARG.items() if name in nr
                  for x in _unless_bits(nr[name], arg, SETID_BITS, allow, eperm)]
+    if plain:  # no setuid or setgid file made either
+        prog += [x for name, arg in CREATE_MODE_ARG.items() if name in nr
+                 for x in _unless_bits(nr[name], arg, SETID_BITS, allow, eperm)]
+        prog += [_insn(JEQ, 0, 1, nr["openat2"]), _insn(RET, 0, 0, RET_ENOSYS)]
     if plain:  # socket refused; socketpair (the nr is still loaded) AF_UNIX only
         prog += [_insn(JEQ, 0, 1, nr["socket"]), _insn(RET, 0, 0, eperm)]
         prog += _rule(nr["socketpair"], ((0, PLAIN_SOCKET_FAMILIES["AF_UNIX"]),), allow, eperm)
@@ -203,8 +216,8 @@ def describe(program: bytes | None, plain: bool = False, per_run_uid: bool = Fal
     own = (*OWN_FILES_MODE_ARG, *OWN_FILES_TIMES) if plain and per_run_uid else ()
     refused = sum(name in nr and name not in own for name in DENIED + (PLAIN_DENIED if plain else ())) + 2
     if plain:
-        files = ("no setuid or setgid modes, no changes to a file's owner, attributes or flags" if own else
-                 "no changes to a file's mode, owner, times, attributes or flags")
+        files = ("no setuid or setgid files, no changes to a file's owner, attributes or flags" if own else
+                 "no setuid or setgid files, no changes to a file's mode, owner, times, attributes or flags")
         return (f"seccomp filter ({refused} syscalls refused and any newer than Linux 6.6, no sockets but "
                 f"UNIX socket pairs, {files}, priorities and limits of its own processes only)")
     return (f"seccomp filter ({refused} syscalls refused and any newer than Linux 6.6, sockets only "
