@@ -7,8 +7,9 @@ riscv64 on a machine that is neither: it boots that architecture's Linux kernel 
 `qemu-system-<arch>` (TCG, no hardware needed) with an initramfs whose init (`seccomp_vm_runner.c`,
 built static with the cross compiler) makes each call of a list, every refused one included, in a
 child process of its own: once without a filter (the control), once under the isolated modes'
-filter, once under the plain modes' and once under the x86-64 filter (a foreign architecture's
-calls: every one must be killed). The calls' numbers come from the cross toolchain's headers, not
+filter, once under the plain modes', once under the plain mode's for a per-run uid (`own`) and
+once under the x86-64 filter (a foreign architecture's calls: every one must be killed). The
+calls' numbers come from the cross toolchain's headers, not
 from `syscalls.py`, and the verdict each should get from the documented policy (`seccomp.DENIED`,
 ... by name); the kernel and the model (`seccomp.decide`) must both give it. One line per filter;
 exit 0 only when every call agrees.
@@ -74,14 +75,28 @@ def cases(machine: str, nr: dict[str, int]) -> list[tuple[str, tuple[int, ...], 
     fail harmlessly unfiltered (fd -1, NULL pointers)."""
     out = []
 
-    def add(what: str, number: int, args: tuple[int, ...], isolated: str, plain: str) -> None:
+    def add(what: str, number: int, args: tuple[int, ...], isolated: str, plain: str,
+            own: str | None = None) -> None:  # (own: the plain mode's per-run uid; plain's by default)
         call = (number, *args, *[0] * (6 - len(args)))
-        out.append((what, call, {"isolated": isolated, "plain": plain, "foreign": KILL}))
+        out.append((what, call, {"isolated": isolated, "plain": plain, "own": own or plain, "foreign": KILL}))
 
+    relaxed = (*seccomp.OWN_FILES_MODE_ARG, *seccomp.OWN_FILES_TIMES)
     for name in seccomp.DENIED + seccomp.PLAIN_DENIED:
         if name in nr or name in seccomp.NUMBERS[machine]:  # (fchmodat2: newer than the headers)
             number = nr.get(name, seccomp.NUMBERS[machine][name])
-            add(name, number, (-1,), EPERM if name in seccomp.DENIED else ALLOW, EPERM)
+            add(name, number, (-1,), EPERM if name in seccomp.DENIED else ALLOW, EPERM,
+                ALLOW if name in relaxed else None)
+    for name, arg in seccomp.OWN_FILES_MODE_ARG.items():  # a mode with setuid: refused to the per-run uid
+        if name in nr or name in seccomp.NUMBERS[machine]:
+            args = [-1] + [0] * (arg - 1) + [0o4755]
+            add(f"{name} setuid", nr.get(name, seccomp.NUMBERS[machine][name]), tuple(args), ALLOW, EPERM,
+                EPERM)
+    for name, arg in seccomp.CREATE_MODE_ARG.items():  # a file made setuid: refused in the plain modes
+        if name in nr:
+            args = [-100 if name.endswith("at") else 0] + [0] * (arg - 1)  # (a NULL path: EFAULT)
+            add(f"{name} 0644", nr[name], (*args, 0o644), ALLOW, ALLOW)
+            add(f"{name} setuid", nr[name], (*args, 0o4755), ALLOW, EPERM)
+    add("openat2", nr["openat2"], (-100, 0, 0, 24), ALLOW, ENOSYS)
     for table, plain_only in ((seccomp.ARGS_ONLY, False), (seccomp.PLAIN_ARGS_ONLY, True)):
         for name, checks in table.items():
             base = [-1, 0, 0, 0, 0, 0]
@@ -164,7 +179,9 @@ def main() -> int:
         print(f"error: no kernel at {args.kernel}", file=sys.stderr)
         return 2
     filters = {"none": None, "isolated": seccomp.build_filter(machine),
-               "plain": seccomp.build_filter(machine, plain=True), "foreign": seccomp.build_filter("x86_64")}
+               "plain": seccomp.build_filter(machine, plain=True),
+               "own": seccomp.build_filter(machine, plain=True, per_run_uid=True),
+               "foreign": seccomp.build_filter("x86_64")}
     calls = cases(machine, toolchain_numbers(machine))
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
