@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as stop:  # a training run inside demo, study, bench async...: its checkpoint
         kept = f"checkpoint saved to {stop.path}" if Path(stop.path).exists() else \
             "nothing kept (the run was a benchmark's, in a temporary directory)"
+        if args.module == "demo" and Path(stop.path).exists():  # (a new demo starts its run over)
+            kept += f" (finish it with: parity train --resume {Path(stop.path).parent})"
         print(f"parity: interrupted ({stop.signal_name}); {kept}", file=sys.stderr)
         return 143 if stop.signal_name == "SIGTERM" else 130
     except BrokenPipeError:  # stdout piped into `head`, say: the work is done, its reader gone

@@ -237,14 +237,16 @@ def test_an_allocator_failure_is_said_as_out_of_memory_with_its_size():
 def test_a_training_interrupted_inside_any_command_is_one_line(monkeypatch, capsys, tmp_path, signal_name,
                                                                code):
     """The checkpoint a stopped run saved is named in one line with the signal's exit status,
-    whichever command ran the training (demo here; train has its own line with a resume hint).
+    whichever command ran the training (demo here, with the way to finish it: a new demo starts over;
+    train has its own line with a resume hint).
     A benchmark's run lived in a temporary directory that is gone by then: not named as saved."""
     import parity.apps.demo as demo
     from parity.errors import Interrupted
 
     saved = tmp_path / "checkpoint-3"
     saved.mkdir()
-    for path, said in ((saved, f"checkpoint saved to {saved}"),
+    hint = f"(finish it with: parity train --resume {tmp_path})"
+    for path, said in ((saved, f"checkpoint saved to {saved} {hint}"),
                        (tmp_path / "gone" / "checkpoint-3", "nothing kept (the run was a benchmark's")):
         def stopped(args, path=path):
             raise Interrupted(path, signal_name)

@@ -173,7 +173,7 @@ def run_rows(metrics: Metrics) -> list[tuple[str, str]]:
         ("policy lag max / mean",
          f"{max(series(metrics, 'lag/max'), default=0):.0f} / {token_mean(metrics, 'lag/mean'):.2f}"),
         ("learner steps/hour (after the first step, evaluations out)", f"{steady(metrics[-1]):,.0f}"),
-        ("wall time (s), start-up and evaluations included", val("time/wall_s", "{:.1f}")),
+        ("wall time (s) from the workers' start, evaluations included", val("time/wall_s", "{:.1f}")),
         ("held-out pass@1: start / peak / end",
          f"{evals[0]:.3f} / {max(evals):.3f} / {evals[-1]:.3f}" if evals else "-"),
     ]
@@ -209,7 +209,8 @@ def demo_rows(metrics: Metrics) -> list[tuple[str, str]]:
          f"{mean(series(last10, 'rollout/tool_calls')):.2f}"),
         ("learner steps/hour (after the first step, evaluations out); sampled tokens/s",
          f"{steady(last):,.0f}; {last.get('throughput/tokens_per_s', NAN):,.0f}"),
-        ("wall time (s), start-up and evaluations included", f"{last.get('time/wall_s', NAN):.0f}"),
+        ("wall time (s) from the workers' start, evaluations included",
+         f"{last.get('time/wall_s', NAN):.0f}"),
     ]
 
 
@@ -229,7 +230,8 @@ def row_figures(metrics: Metrics) -> dict[str, float]:
     - grad_norm_max: largest gradient norm before clipping;
     - reward_first5 / reward_last5: mean reward over the first / last 5% of updates;
     - pass1_start / pass1_peak / pass1_end: held-out greedy pass@1;
-    - wall_s (everything: start-up and evaluations included); steps_per_hour: training steps per
+    - wall_s (from the rollout workers' start: their first batches and the evaluations included,
+      the model's build and the workers' or Ray's start-up not); steps_per_hour: training steps per
       hour after the first step, evaluation time taken out (`throughput/steady_steps_per_hour`;
       runs recorded before it: all steps over the wall time); lag_mean, lag_max: observed lag.
     """

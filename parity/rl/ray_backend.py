@@ -109,7 +109,9 @@ class RayRollout:
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 where = cfg.ray.address or "this machine"
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise ParityError(f"cannot start or join Ray at {where}: {reason}") from None
+                hint = "" if cfg.ray.address in (None, "auto", "local") else \
+                    " (is it the head's GCS port, 6379 by default, or its ray:// client port?)"
+                raise ParityError(f"cannot start or join Ray at {where}: {reason}{hint}") from None
         total = ray.cluster_resources().get("CPU", 0)
         if total < needed:
             raise ConfigError(f"the Ray cluster has {total:g} CPUs; rollout.workers={self.n} x "
@@ -172,16 +174,16 @@ class RayRollout:
         first = first_batch(i, self.n, from_batch)
         while first in self.ready:  # restored from a checkpoint: not sampled again
             first += self.n
-        version = start_version(self.cfg, history, first)
+        todo = [b for b in range(first, self.cfg.steps, self.n) if b not in self.ready]
+        version = start_version(self.cfg, history, first) if todo else max(history)  # (none left: idle)
         need = max(self.floor, first - self.cfg.max_policy_lag)
-        if self.cfg.deterministic and need <= max(history) and need != version:
+        if todo and self.cfg.deterministic and need <= max(history) and need != version:
             raise ParityError(f"batch {first} needs weight version {need}, which was not kept (kept: "
                               f"{sorted(history)})")  # a bug: it would wait for it forever
         if version not in history:
             raise ParityError(f"batch {first} needs weight version {version}, which is not kept (a "
                               "checkpoint resumed with another max_policy_lag?); resume with the run's lag")
         threads = max(1, int(self.cfg.ray.cpus_per_worker))
-        todo = [b for b in range(first, self.cfg.steps, self.n) if b not in self.ready]
         actor = self._actor_class.remote(self.cfg, self.model_config, self._ref(version, history[version]),
                                          version, threads, self.floor, todo)
         for v in sorted(history):
