@@ -27,10 +27,14 @@ def _engine(model):
 
 
 def test_a_one_dimensional_prompt_tensor_is_not_one_prompt_per_token(tiny):
-    """generate(torch.tensor([5, 6, 7])) ran three one-token prompts; now it says to wrap it."""
+    """generate(torch.tensor([5, 6, 7])) ran three one-token prompts; now it says to wrap it. So does
+    a flat list of ids (a review, 2026-12-07: three outputs, each with an error)."""
     engine = _engine(tiny)
     with pytest.raises(InputError, match="got a 1-D Tensor .wrap one prompt in a list"):
         engine.generate(torch.tensor([5, 6, 7]), SamplingParams(max_tokens=2))
+    with pytest.raises(InputError, match="got one list of ints .wrap one prompt in a list"):
+        engine.generate([5, 6, 7], SamplingParams(max_tokens=2))
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))) == 1  # (the control)
     with pytest.raises(InputError, match="params must be a SamplingParams or a list of them, got dict"):
         engine.generate([[5, 6]], {"temperature": 1.0})
     with pytest.raises(InputError, match="before_step must be callable"):
@@ -239,3 +243,18 @@ def test_an_unknown_keyword_names_the_class_and_the_nearest_field():
             build()
     assert dataclasses.replace(TrainConfig(), steps=3).steps == 3
     assert SamplingParams(temperature=0.5).temperature == 0.5
+
+
+def test_a_decoder_release_of_a_sequence_it_does_not_hold_is_one_line(tiny):
+    """`Decoder.release(42)` of an id it never held, or a second release, did nothing (a review,
+    2026-12-07); `Engine.release` refused the same. The control: a release of a held sequence frees
+    its blocks."""
+    dec = parity.Decoder(tiny, max_tokens=256)
+    free = dec.blocks.free_blocks
+    dec.extend({7: [5, 6, 7]})
+    assert dec.blocks.free_blocks != free
+    dec.release(7)
+    assert dec.blocks.free_blocks == free
+    for seq in (7, 42):
+        with pytest.raises(InputError, match=f"release: sequence {seq} is not in this decoder"):
+            dec.release(seq)

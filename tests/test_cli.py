@@ -133,6 +133,8 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["bench", "learner", "--length", "1", "--presets", "tiny"], "--length must be at least 2"),
         (["bench", "memory", "--dtype", "junk"], "--dtype must be one of float32, bfloat16, got 'junk'"),
         (["bench", "memory", "--preset", "nope"], "unknown model preset 'nope': expected one of tiny,"),
+        (["bench", "gemm"], "FLOP of interpreted work, hours or days; give small shapes"),  # (ran for days)
+        (["bench", "learner-memory", "--device", "cuda"], "--device='cuda' but this torch build"),
         (["study", "--seeds", "a,b"], "--seeds: expected a comma-separated list of integers, got 'a,b'"),
         (["train", *toy, "--set", 'model.dtype="float64"'], "must be one of float32, bfloat16 or auto"),
         (["train", *toy, "--set", "task.heldout_size=-1"], "task.heldout_size must be >= 1, got -1"),

@@ -459,3 +459,27 @@ def test_parity_sandbox_tries_the_escapes_and_says_which_held(sb: Sandbox, capsy
     assert not out["isolated"] and not out["all_held"] and escaped[:2] == [
         "read a host file this process can read", "write into a host directory open to everyone"], out
     assert all(e["detail"] == "done" for e in out["escapes"] if not e["held"])
+
+
+def test_parity_sandbox_says_not_tried_where_the_sandbox_cannot_run_code(monkeypatch, capsys) -> None:
+    """A sandbox that cannot be set up runs no code: six escapes read "held yes" with the launcher's
+    error as what the code met (a review), the time limit "NO". Each is "not tried" now, and the
+    command exits 1 saying the sandbox could not run code here. The control: the real sandbox's
+    rows above are all tried."""
+    import json
+
+    from parity.cli import main
+    from parity.envs.sandbox.host import ToolResult
+
+    monkeypatch.setattr(sandbox_mod, "_PROBE", sandbox_mod._Probe("plain", "forced by the test"))
+    failed = ToolResult(False, "", "sandbox setup failed: the launcher could not start (EAGAIN)", 0.0,
+                        infra=True)
+    monkeypatch.setattr(sandbox_mod, "execute", lambda mode, code, limits: failed)
+    assert main(["sandbox", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["all_held"] and len(out["escapes"]) == 7
+    assert all(not e["held"] and not e["tried"] and "launcher could not start" in e["detail"]
+               for e in out["escapes"]), out
+    assert main(["sandbox"]) == 1
+    text = capsys.readouterr().out
+    assert text.count("not tried") == 8 and "7 escape(s) not tried: the sandbox could not run code" in text

@@ -328,6 +328,12 @@ def apply_tiles(path: str) -> int:
     return len(table_)
 
 
+INTERPRETED_FLOP = 2e10
+"""The most interpreted work (2 N K M per product, every candidate, every repetition) `bench gemm`
+takes on a CPU, where Triton's interpreter runs some 2e7 multiply-adds a second here: the defaults
+(the 0.6B shapes at rows up to 8,192, nine tiles) would run for days."""
+
+
 def main(args) -> int:
     """`parity bench gemm`."""
     if not args.rows or any(m <= 0 for m in args.rows):
@@ -335,6 +341,16 @@ def main(args) -> int:
     for c in args.candidates or []:
         parse_tiles(c)
     device = str(hardware.check_device(args.device, "--device"))
+    if torch.device(device).type == "cpu":  # (a smoke run: refused where it would not end)
+        tiles = len(args.candidates or CANDIDATES.get(args.dtype, CANDIDATES["float32"]))
+        shapes = weight_shapes(ModelConfig.preset(args.preset)).values()
+        work = sum(2 * n * k for n, k in shapes) * sum(args.rows) * tiles * (args.reps + 1)
+        if work > INTERPRETED_FLOP:
+            rows = ",".join(map(str, args.rows))
+            raise ParityError(f"on a CPU the tiles run in Triton's interpreter (a smoke run, no timing worth "
+                              f"reading): {args.preset} at --rows {rows} with {tiles} candidate(s) is "
+                              f"{work:.1e} FLOP of interpreted work, hours or days; give small shapes "
+                              f"(--preset tiny --rows 4,16) or --device cuda")
     stopped: list[str] = []
     with term_as_interrupt():  # a time limit's SIGTERM: report the shapes done so far
         rows = bench_gemm(args.preset, args.dtype, tuple(args.rows), args.candidates, args.reps, device,

@@ -13,6 +13,7 @@ fraction of this machine's GEMM rate for the dtype, measured in the same run (`h
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -180,6 +181,10 @@ def main(args) -> int:
     for name in args.dtypes:
         dtype_from_name(name, "--dtypes")
     device = str(hardware.check_device(args.device, "--device"))
+    if args.eager_decode and torch.device(device).type == "cpu":  # (said, not refused: a GPU script's dry run
+        # passes it on a CPU)
+        print("parity: warning: --eager-decode: decode on a CPU is eager already (CUDA graphs are a "
+              "GPU's), so there are no 'decode-eager' rows", file=sys.stderr)
     if torch.device(device).type == "cpu":  # a refusal now, not the kernel's OOM kill mid-run
         free = available_memory()
         for p, name in ((p, n) for p in args.presets for n in args.dtypes):

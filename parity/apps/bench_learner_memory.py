@@ -115,8 +115,12 @@ def main(args) -> int:
     """`parity bench learner-memory`."""
     if args.batch < 1 or args.reps < 1:
         raise ParityError("--batch and --reps must be >= 1")
+    from ..model import ModelConfig
+
+    ModelConfig.preset(args.preset)  # (each before a child process starts: it named `device=` and
+    device = str(hardware.check_device(args.device, "--device"))  # a module path)
     rows = bench_learner_memory(args.preset, args.dtype, args.kernels, args.batch, args.length,
-                                args.head_chunk, args.reps, args.device,
+                                args.head_chunk, args.reps, device,
                                 progress=lambda m: status(f"bench {m}"))
     status("")
     if args.json:

@@ -7,7 +7,8 @@ few escapes in it, each the kind of thing a model's code has done or a red team 
 a host file this process can, fill the host's /dev/shm (memory no process owns; the isolated root has
 a /dev/shm of the run's own), reach a TCP listener of this process, signal this process, see its
 environment, and outlast the time limit. A table says, for each, whether the sandbox held it, with
-what the code met. Exit 0 only when every escape was held.
+what the code met ("not tried" where the sandbox could not be set up to run it). Exit 0 only when
+every escape was held.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ class Escape:
     held: bool
     """Whether the sandbox stopped it."""
     detail: str
-    """What the code met (an errno name, the sandbox's verdict, or 'done')."""
+    """What the code met (an errno name, the sandbox's verdict, or 'done'), or why it did not run."""
+    tried: bool = True
+    """False where the sandbox could not be set up for it (held is then False: nothing was shown)."""
 
 
 def _escapes(host_file: str, host_dir: str, shm: str, port: int,
@@ -85,13 +88,17 @@ def run_escapes(box: Sandbox) -> list[Escape]:
         try:
             for name, line, written in _escapes(host_file, host_dir, shm, listener.getsockname()[1], secret):
                 r = box.run(_ATTEMPT + line + "\n")
+                if r.infra:  # (no code ran: neither held nor got through)
+                    results.append(Escape(name, False, r.error or "the sandbox could not be set up", False))
+                    continue
                 said = r.stdout.strip().splitlines()[-1] if r.ok and r.stdout.strip() else (r.error or "?")
                 if said == "done" and written is not None and not os.path.exists(written):
                     said = "wrote a path of its own"
                 results.append(Escape(name, said != "done", said))
             r = box.run("while True:\n    pass\n")  # (the wall and cpu limits end it)
             results.append(Escape(f"run past the time limit ({box.limits.wall_s:g} s)",
-                                  r.limit in ("time", "cpu"), r.error or "ran to its end"))
+                                  r.limit in ("time", "cpu") and not r.infra, r.error or "ran to its end",
+                                  not r.infra))
         finally:
             os.environ.pop("PARITY_SANDBOX_CHECK", None)
             if os.path.exists(shm):
@@ -113,10 +120,13 @@ def main(args) -> int:
         return 0 if held else 1
     print(box.describe())
     print(table(["escape", "held", "what the code met"],
-                [[e.name, "yes" if e.held else "NO", e.detail] for e in results]))
+                [[e.name, "yes" if e.held else "NO" if e.tried else "not tried", e.detail] for e in results]))
     if not box.isolated:
         print("namespaces are not permitted here: a run refuses this sandbox unless "
               "task.require_isolation = false or PARITY_ALLOW_DEGRADED_SANDBOX=1")
+    untried = sum(not e.tried for e in results)
     print("every escape held" if held else
+          f"{untried} escape(s) not tried: the sandbox could not run code here (a run's tool calls would "
+          f"fail the same way)" if untried else
           "NOT every escape held: model-written code could reach this machine")
     return 0 if held else 1

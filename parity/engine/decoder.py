@@ -87,6 +87,9 @@ class Decoder:
         return dict(zip(ids, self.model.logits(hidden[last])))
 
     def release(self, seq_id: int) -> None:
-        """Free a finished sequence's cache blocks."""
+        """Free a finished sequence's cache blocks (an id this decoder does not hold is an
+        `InputError`, as in `Engine.release`: a release twice, or of another decoder's id)."""
+        if seq_id not in self.lengths and not self.blocks.owns(seq_id):
+            raise InputError(f"release: sequence {seq_id!r} is not in this decoder")
         self.blocks.release(seq_id)
         self.lengths.pop(seq_id, None)

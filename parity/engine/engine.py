@@ -350,6 +350,9 @@ class Engine:
             raise InputError(f"generate: prompts must be a list of token-id lists, got a {prompts.ndim}-D "
                              f"{type(prompts).__name__} (wrap one prompt in a list)")
         prompts = list(prompts)  # (a generator was a TypeError: no len())
+        if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            raise InputError("generate: prompts must be a list of token-id lists, got one list of ints "
+                             "(wrap one prompt in a list)")  # (each id was run as a prompt of its own)
         if params is None or isinstance(params, SamplingParams):
             if params is not None and params.seed is not None and params.temperature > 0 \
                     and repeats(prompts):  # (a GRPO group drawn so has no variance: nothing to learn)
