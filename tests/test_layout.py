@@ -134,8 +134,7 @@ def test_one_kv_allocator_and_one_driver():
         text = path.read_text()
         if name != "parity.engine.block_manager":
             assert "class BlockManager" not in text and "Allocator" not in text, name
-        if name not in ("parity.engine.model_runner", "parity.model.kv_cache", "parity.model",
-                        "parity.model.qwen3"):
+        if name not in ("parity.engine.model_runner", "parity.model.kv_cache", "parity.model"):
             assert "KVCache(" not in text, f"{name} builds its own KV cache"
 
 

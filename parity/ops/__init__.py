@@ -1,9 +1,11 @@
 """Kernel backends behind one switch: `get_kernels("aligned")` or `get_kernels("standard")`.
 
 The model, the engine's sampler and the learner ask for a `Kernels` bundle and call its functions;
-they never know which backend they run on, and nothing outside `parity/ops/` imports a backend
-module. Everything backend-specific is a field of the bundle: the op functions, the smallest row
-count token-wise work is padded to (`token_rows`: aligned, 4-row multiples below 12 rows unless
+they never know which backend they run on, and no model, engine or learner code imports a backend
+module (the tools that measure or compile one backend's kernels do: `apps/bench_*`, `apps/compile`,
+and the GPU sampler, `engine/draws_triton.py`, which is a Triton kernel of its own). Everything
+backend-specific is a field of the bundle: the op functions, the smallest row count token-wise
+work is padded to (`token_rows`: aligned, 4-row multiples below 12 rows unless
 its matrix-vector kernel serves them, the standard one not at all) and
 how element-wise transcendental functions are applied (`pointwise`). Both backends can be used by
 different model instances in one process.

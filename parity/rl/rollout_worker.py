@@ -11,7 +11,7 @@ Everything the rollout side does lives here, whatever process or actor hosts it:
   and feeds observations back (`loss_mask` 0, cache kept);
 - **trajectories**: the batch leaves as one `RolloutBatch`; in async runs, on the batches the learner
   will decompose, each token also carries the learner path's log-prob under the weights that sampled
-  it (`sampled_learner_logprobs`): the learner keeps no old weights for its kernel/lag split.
+  it (`sampled_learner_logprobs`): the kernel/lag split needs no old weights on the learner's side.
 
 A batch's content depends only on (seed, batch index, the version that sampled it).
 """
