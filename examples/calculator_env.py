@@ -16,8 +16,8 @@ code runs only through `ctx.sandbox().run(code)`, never in this process.
 from __future__ import annotations
 
 import random
-import re
 
+from parity.envs.answers import NUMBER, extract_answer, matches
 from parity.envs.base import Env, Episode, Turn
 from parity.envs.chat import prompt_ids, turn_text
 
@@ -83,6 +83,8 @@ class CalculatorEnv(Env):
     def step(self, episode: Episode, turn_ids: list[int]) -> Turn:
         episode.turns += 1
         text = turn_text(self.tokenizer, turn_ids)
+        if self.close_id is None and CLOSE in text:  # (a stop string: the token that completed it may
+            text = text[:text.rfind(CLOSE) + len(CLOSE)]  # carry a few more characters: dropped)
         if text.rstrip().endswith(CLOSE) and OPEN in text:  # a tool call
             episode.tool_calls += 1
             if episode.tool_calls > self.max_calls:
@@ -96,9 +98,9 @@ class CalculatorEnv(Env):
             tok = self.tokenizer
             observation = tok.encode("<result>") + tok.encode_plain(shown) + tok.encode("</result>")
             return Turn(observation, done=False)
-        marks = list(re.finditer("answer:", text, re.IGNORECASE))  # the last one
-        found = re.findall(r"-?\d+", text[marks[-1].end():]) if marks else []
-        episode.answered = bool(found)
-        episode.passed = bool(found) and int(found[-1]) == episode.problem["answer"]
+        # the answer as parity's own tasks read it: the first number after the last `answer:`
+        # (exactly, as a decimal: no int() of a model-written 5,000-digit string, which raises)
+        episode.answered = NUMBER.search(extract_answer(text)) is not None
+        episode.passed = matches(text, episode.problem["answer"])
         episode.reward = float(episode.passed)
         return Turn(None, True, episode.reward)

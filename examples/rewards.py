@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import re
 
-from parity.envs.answers import extract_answer
+from parity.envs.answers import NUMBER, extract_answer, matches
+
+_INTEGER = re.compile(r"-?\d+")
 
 
 def digits(response: str, problem: dict) -> float:
-    """1 for the exact answer, else the share of the answer's digits right in place (partial
-    credit: a denser signal than right/wrong while the policy is weak). The answer is read as
-    `reward = "exact"` reads it: the first number on the first line after the last `answer:`."""
-    found = re.findall(r"-?\d+", extract_answer(response))
-    if not found:
-        return 0.0
-    said, want = found[0], str(problem["answer"])
-    if said == want:
+    """1 for the exact answer (as `reward = "exact"` judges it: the first number on the first line
+    after the last `answer:`, `3.5`, `1,234` and `1e3` included), else, for an integer answer, the
+    share of its digits right in place, both numbers aligned on their last digit (partial credit:
+    a denser signal than right/wrong while the policy is weak)."""
+    if matches(response, problem["answer"]):
         return 1.0
-    right = sum(a == b for a, b in zip(said.rjust(len(want)), want))
-    return 0.9 * right / max(len(want), len(said))
+    found = NUMBER.search(extract_answer(response))
+    said, want = (found.group().replace(",", "") if found else ""), str(problem["answer"])
+    if not (_INTEGER.fullmatch(said) and _INTEGER.fullmatch(want)):
+        return 0.0
+    width = max(len(said), len(want))
+    right = sum(a == b for a, b in zip(said.rjust(width), want.rjust(width)))
+    return 0.9 * right / width

@@ -250,7 +250,11 @@ def test_output_cannot_grow_files_on_the_host_disk(sb: Sandbox) -> None:
                                    # (2026-12-07) look-alikes in both "sandbox" and "limit" (it read
                                    # as a verdict), and in the wording alone
                                    "s\u0430ndbox: time l\u0456mit exceeded (5.0 s wall)",
-                                   "error: time l\u0456m\u0456t \u0435xceeded"])
+                                   "error: time l\u0456m\u0456t \u0435xceeded",
+                                   # (a review, 2026-12-07, sixth) Lisu and Coptic letters, a variation
+                                   # selector after the first letter
+                                   "\ua4e2\u2c81\ua4e0\ua4d2\ua4f3\ua4eb: time \ua4e1imit exceeded",
+                                   "s\ufe0fandbox: time limit exceeded (5.0 s wall)"])
 def test_printed_verdicts_are_not_verdicts(sb: Sandbox, claim: str) -> None:
     r = sb.run(f"import sys\nsys.stderr.write({claim!r} + '\\n')\nsys.exit(1)\n")
     assert not r.ok and r.limit is None and r.error == "stderr: " + host.clean(claim)
@@ -265,7 +269,10 @@ def test_ordinary_output_is_not_taken_for_a_verdict() -> None:
         assert not host._verdict_like(line) and not host.looks_like_error(line), line
     for line in ("errors: 0", "error_rate = 0.5", "ErrorHandler ok", "Sandbox ok", "rate limit exceeded"):
         assert not host.looks_like_error(line), line
-    for line in ("error: x", " Error : y", "ERR\u041er: z", "s\u0430ndbox: time limit exceeded"):
+    for line in ("error: x", " Error : y", "ERR\u041er: z", "s\u0430ndbox: time limit exceeded",
+                 # (2026-12-07, sixth) a variation selector, colon look-alikes, Lisu letters
+                 host.clean("e\ufe0frror: sandbox: time limit exceeded"), "error\u02d0 x", "error\u2236 x",
+                 "\ua4f0\ua4e3\ua4e3\ua4f3\ua4e3: x"):
         assert host.looks_like_error(line), line
 
 

@@ -625,6 +625,10 @@ def test_the_calculator_example_runs_its_tool_in_the_sandbox_and_scores_the_answ
     assert env.step(episode, tokenizer.encode(f"answer: {problem['answer']}")).reward == 1.0
     wrong = env.start(problem)
     assert env.step(wrong, tokenizer.encode(f"answer: {problem['answer'] + 1}")).reward == 0.0
+    # (a review: 5,000 digits raised inside int() and stopped the run; the last number was read)
+    assert env.step(env.start(problem), tokenizer.encode("answer: " + "9" * 5000)).reward == 0.0
+    said = f"answer: {problem['answer']} (the sum of 5 terms)"
+    assert env.step(env.start(problem), tokenizer.encode(said)).reward == 1.0
     with pytest.raises(ConfigError, match=r"digits must be 1..18 or \[fewest, most\], got \[3, 2\]"):
         build_custom_env(spec, {**options, "digits": [3, 2]}, TaskContext(tokenizer, 512, 0, 4))
     with pytest.raises(ConfigError, match="terms must be 1..50, got 0"):  # (all "What is ?": a hang)
@@ -743,3 +747,24 @@ def test_a_datasets_held_out_set_that_holds_training_prompts_is_refused(tmp_path
     config_from_dict({"eval_every": 0, "model": start, "task": task})  # refused a run that never does)
     with pytest.raises(ConfigError, match=r"eval_prompts \(32\) must be at most task.heldout_size \(4\)"):
         config_from_dict({"eval_every": 1, "model": start, "task": task})
+
+
+def test_the_digits_reward_example_reads_the_answer_as_exact_does():
+    """examples/rewards.py:digits read `-?\\d+`: `3.5`, `1,234` and `1e3` scored 0 where `exact`
+    gives 1, and a longer number was compared from its first digit (a review, 2026-12-07). It
+    takes `exact`'s verdict now, and its partial credit aligns both numbers on their last digit."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "rewards.py"
+    spec = importlib.util.spec_from_file_location("example_rewards", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for said, answer in (("3.5", 3.5), ("1,234", 1234), ("1e3", 1000), ("-7", -7), ("132", "132")):
+        assert module.digits(f"answer: {said}", {"answer": answer}) == 1.0 == exact(f"answer: {said}",
+                                                                                   {"answer": answer})
+    assert module.digits("answer: 124", {"answer": 123}) == pytest.approx(0.6)  # two of three digits
+    assert module.digits("answer: 23", {"answer": 123}) == pytest.approx(0.6)
+    assert module.digits("answer: 99123", {"answer": 123}) == pytest.approx(0.9 * 3 / 5)  # (was 0)
+    assert module.digits("answer: 3.4", {"answer": 3.5}) == 0.0 == module.digits("no answer", {"answer": 3})
+    assert module.digits("answer: " + "9" * 5000, {"answer": 5}) == 0.0

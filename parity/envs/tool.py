@@ -9,8 +9,8 @@ many numbers). An episode, in the chat format of `chat.py`:
     answer: 440040051<|eos|>                             model turn 2, reward 1 if exact
 
 Up to `max_tool_calls` calls per episode. Everything the model writes is handled without an
-exception: a call without `<python>`, a call after the answer, a call over the limit or code
-that fails or times out comes back as an `error:` line in the result block (a tool error); an
+exception: a call without `<python>`, a call after the answer, or code that fails or times out
+comes back as an `error:` line in the result block (a tool error); a call over the limit, an
 unterminated call or an answer that does not parse ends the episode with reward 0. The code runs
 only in `Sandbox` (a separate, isolated process), never in this interpreter.
 """

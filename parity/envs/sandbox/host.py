@@ -158,14 +158,20 @@ def _read_status(fd: int) -> dict[str, str]:
     return info
 
 
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180e"
-                      "\u200b-\u200f\u2028-\u202e\u2060-\u206f\u3164\ufeff\uffa0\ufff9-\ufffb"
-                      "\U000e0000-\U000e007f]")  # (and the fillers and joiners that show as nothing)
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u034f\u061c\u115f\u1160\u17b4\u17b5"
+                      "\u180b-\u180f\u200b-\u200f\u2028-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f"
+                      "\ufeff\uffa0\ufff9-\ufffb\U000e0000-\U000e007f\U000e0100-\U000e01ef]")
+# (and the fillers, joiners and variation selectors that show as nothing)
 
 
-_LOOK_ALIKES = "\\u00c0-\\u058f\\u13a0-\\u13ff\\u1d00-\\u1eff"
+_LOOK_ALIKES = ("\\u00c0-\\u058f\\u10a0-\\u10ff\\u13a0-\\u13ff\\u1c80-\\u1c8f\\u1d00-\\u1eff\\u2c60-\\u2cff"
+                "\\ua4d0-\\ua4ff\\ua640-\\ua69f\\ua720-\\ua7ff\\uab30-\\uabbf")
 """Letters of the scripts with Latin look-alikes that NFKC folding leaves as they are: accented and
-extended Latin, IPA, Greek, Cyrillic, Armenian, Cherokee, phonetic extensions."""
+extended Latin (A to E), IPA, Greek, Coptic, Cyrillic (and its extensions), Armenian, Georgian,
+Cherokee, Lisu, phonetic extensions."""
+_COLONS = ":\u02d0\u02f8\u0589\u05c3\u1361\u16ec\u1804\u205a\u2236\ua4fd\ua789\ufe13\ufe55\uff1a"
+"""A colon and the marks that look like one (modifier letters, Armenian, Hebrew, Ethiopic, runic,
+Mongolian, ratio, Lisu, Latin Ext-D and the presentation forms NFKC would fold anyway)."""
 
 
 def _loose(words: str) -> str:
@@ -198,7 +204,7 @@ def looks_like_error(line: str) -> bool:
     return _ERROR_LIKE.match(unicodedata.normalize("NFKC", line).casefold()) is not None
 
 
-_ERROR_LIKE = re.compile(r"[\W_]*(" + _loose("error") + r"|\w?" + _loose("andbox") + r")\s*:")
+_ERROR_LIKE = re.compile(r"[\W_]*(" + _loose("error") + r"|\w?" + _loose("andbox") + r")\s*[" + _COLONS + "]")
 
 
 def _one_line(text: str) -> str:
