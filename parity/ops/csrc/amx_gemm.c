@@ -266,6 +266,11 @@ static int wide(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
     const int all_w = n * k * 2 <= W_ALL;
     int64_t cb = XCHUNK / (k * 32);  /* row blocks per x chunk: an even number, 16 to 64 */
     cb = cb < 16 ? 16 : cb > 64 ? 64 : cb & ~(int64_t)1;
+    if (!all_w) {  /* chunks of equal shares, still even (a few row blocks past a whole chunk made a
+                    * chunk of their own, and the static schedule gave one thread every full one) */
+        const int64_t chunks = (mblocks + cb - 1) / cb;
+        cb = ((mblocks + chunks - 1) / chunks + 1) & ~(int64_t)1;
+    }
     const int64_t items = all_w ? (mblocks + 1) / 2 : (mblocks + cb - 1) / cb * pairs;
     operand X;
     uint16_t *wall = all_w ? grown(&packed_buf, &packed_len, (size_t)pairs * 2 * kc * 512) : NULL;

@@ -104,6 +104,9 @@ int parity_gemm_f32(const float *x, const float *w, const float *bias, float *y,
     int64_t chunk = ((int64_t)1 << 20) / (k * 4) / MR * MR;  /* rows: ~1 MB of x stays in L2 */
     chunk = chunk < 64 ? 64 : chunk > 1024 ? 1024 : chunk;
     const int64_t np = (n + NR - 1) / NR, chunks = (m + chunk - 1) / chunk;
+    /* equal shares of the rows (a row's bits do not depend on its chunk): a few rows past a whole
+     * chunk made a chunk of their own, and the static schedule gave one thread every full one */
+    chunk = (m + chunks - 1) / chunks;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
