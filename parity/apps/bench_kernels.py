@@ -181,10 +181,9 @@ def main(args) -> int:
     for name in args.dtypes:
         dtype_from_name(name, "--dtypes")
     device = str(hardware.check_device(args.device, "--device"))
-    if args.eager_decode and torch.device(device).type == "cpu":  # (said, not refused: a GPU script's dry run
-        # passes it on a CPU)
+    if args.eager_decode and torch.device(device).type == "cpu":  # (said, not refused: the GPU
         print("parity: warning: --eager-decode: decode on a CPU is eager already (CUDA graphs are a "
-              "GPU's), so there are no 'decode-eager' rows", file=sys.stderr)
+              "GPU's), so there are no 'decode-eager' rows", file=sys.stderr)  # script's dry run passes it)
     if torch.device(device).type == "cpu":  # a refusal now, not the kernel's OOM kill mid-run
         free = available_memory()
         for p, name in ((p, n) for p in args.presets for n in args.dtypes):

@@ -118,7 +118,7 @@ def main(args) -> int:
         for p, name in ((p, n) for p in args.presets for n in args.dtypes):
             need = memory_floor(ModelConfig.preset(p), dtype_from_name(name), args.batch * args.length)
             if need > free:
-                hint = "" if name == "bfloat16" else "; --dtypes bfloat16 halves the weights'"
+                hint = "" if name == "bfloat16" else "; with --dtypes bfloat16 the weights take half"
                 raise ParityError(f"--presets {p}: its {name} rows need at least {need / 2**30:.1f} GiB "
                                   f"(two copies of the weights, one of the gradients, the logits), "
                                   f"{free / 2**30:.1f} GiB is available{hint}")

@@ -19,10 +19,10 @@ separate process with rlimits, an empty environment and its own temp directory, 
 the host is root and Python is open to other uids, else under the host's own uid (root without
 capabilities, where the host is root), with no sockets but UNIX socket pairs, no setuid or setgid
 files and no changes to a file's mode, owner, times or attributes (seccomp; under a per-run uid,
-which owns none of the host's files, its own files' modes and times), its processes counted, and, where the
-kernel has Landlock, reading only /usr and the Python runtime (not the installed packages or /usr/local, as in
-the isolated root) and writing only its own directory (`landlock.py`); and `describe()` says in
-capitals what is missing.
+which owns none of the host's files, its own files' modes and times), its processes counted, and,
+where the kernel has Landlock, reading only /usr and the Python runtime (not the installed packages
+or /usr/local, as in the isolated root) and writing only its own directory (`landlock.py`); and
+`describe()` says in capitals what is missing.
 """
 
 from __future__ import annotations
