@@ -94,7 +94,7 @@ def test_deterministic_metrics_are_the_same_on_every_backend_and_worker_count(ra
 @pytest.mark.parametrize("stop_at", [4, 5])
 def test_a_deterministic_ray_run_stopped_near_its_end_resumes(ray_cluster, tmp_path, stop_at):
     """Stopped after step 4 or at its last step (5), a deterministic run on 2 actors did not resume:
-    "batch 6 needs weight version 0, which was not kept" (a review): the actor whose next batch is
+    "batch 6 needs weight version 4, which was not kept" (a review): the actor whose next batch is
     past the run's end, with nothing left to sample, was held to that batch's version. The local
     backend resumed the same checkpoint. Both resumes now end as the run never stopped."""
     from parity.errors import Interrupted

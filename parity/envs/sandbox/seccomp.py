@@ -129,6 +129,11 @@ def _rule(nr: int, checks: tuple[tuple[int, int], ...], allow: int, eperm: int) 
     return [_insn(JEQ, 0, len(body), nr)] + body
 
 
+def _relaxed(plain: bool, per_run_uid: bool) -> tuple[str, ...]:
+    """The PLAIN_DENIED calls a per-run uid's filter lets through (its own files' modes and times)."""
+    return (*OWN_FILES_MODE_ARG, *OWN_FILES_TIMES) if plain and per_run_uid else ()
+
+
 def _unless_bits(nr: int, arg: int, bits: int, allow: int, eperm: int) -> list[bytes]:
     """For call `nr`: EPERM if argument `arg` has any of `bits` set, else allowed; other calls jump
     past it."""
@@ -155,7 +160,7 @@ def build_filter(machine: str | None = None, plain: bool = False, per_run_uid: b
     if arch == "x86_64":  # x32 shares the arch value; its calls carry this bit
         prog += [_insn(JGE, 0, 1, X32_SYSCALL_BIT), _insn(RET, 0, 0, RET_KILL_PROCESS)]
     prog += [_insn(JGE, 0, 1, NEWEST_KNOWN + 1), _insn(RET, 0, 0, RET_ENOSYS)]
-    own = (*OWN_FILES_MODE_ARG, *OWN_FILES_TIMES) if plain and per_run_uid else ()
+    own = _relaxed(plain, per_run_uid)
     denied = [name for name in DENIED + (PLAIN_DENIED if plain else ()) if name in nr and name not in own]
     for number in sorted(nr[name] for name in denied):
         prog += [_insn(JEQ, 0, 1, number), _insn(RET, 0, 0, eperm)]
@@ -213,7 +218,7 @@ def describe(program: bytes | None, plain: bool = False, per_run_uid: bool = Fal
     if program is None:
         return f"no seccomp filter (not implemented for {platform.machine()})"
     nr = NUMBERS[platform.machine()]
-    own = (*OWN_FILES_MODE_ARG, *OWN_FILES_TIMES) if plain and per_run_uid else ()
+    own = _relaxed(plain, per_run_uid)
     refused = sum(name in nr and name not in own for name in DENIED + (PLAIN_DENIED if plain else ())) + 2
     if plain:
         files = ("no setuid or setgid files, no changes to a file's owner, attributes or flags" if own else
