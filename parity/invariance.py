@@ -4,7 +4,8 @@ Each case compares a reference (the sequence scored alone by `sequence_logprobs`
 the same sequence's log-probs computed another way: inside random batches, behind padding, at
 another offset, by prefill + decode steps or random prefill chunks over the engine's paged KV
 cache (`Decoder`), by decode steps padded to a graph's batch bucket (`graphs`), by the rollout
-engine itself (continuous batching, chunked prefill, sampling),
+engine itself (continuous batching, chunked prefill, sampling; and requests sharing cached
+prompt blocks: `prefix`),
 under autograd, on another thread count, or in a separate process. A comparison is one
 sequence's whole float32 log-prob vector under `torch.equal`. `parity check` and `tests/parity/`
 both run these functions; with `standard` kernels some of them must fail (the control).
@@ -143,7 +144,8 @@ def case_graphs(model, seqs, refs, rng: random.Random, temperature=1.0) -> Pairs
     return pairs
 
 
-def case_engine(model, prompts: Sequence[torch.Tensor], rng: random.Random, temperature=1.0) -> Pairs:
+def case_engine(model, prompts: Sequence[torch.Tensor], rng: random.Random, temperature=1.0,
+                case: str = "engine") -> Pairs:
     """The rollout engine samples continuations of `prompts` under continuous batching with a
     random token budget (chunked prefill), batch limit and response lengths; each request's
     recorded log-probs against its whole sequence scored alone."""
@@ -156,11 +158,27 @@ def case_engine(model, prompts: Sequence[torch.Tensor], rng: random.Random, temp
     pairs = []
     for prompt, out in zip(prompts, outs):
         if out.error:
-            raise ParityError(f"check 'engine': {out.error}")
+            raise ParityError(f"check '{case}': {out.error}")
         full = torch.tensor(out.full_token_ids)
         ref = reference(model, [full], temperature)[0][prompt.numel() - 1:]
         pairs.append((ref, torch.tensor(out.logprobs, dtype=torch.float32)))
     return pairs
+
+
+def case_prefix(model, prompts: Sequence[torch.Tensor], rng: random.Random, max_len: int,
+                temperature=1.0) -> Pairs:
+    """The engine's prefix caching: each prompt asked 2-4 times (a GRPO group) and once more
+    behind another prompt's full blocks, in a random order, so requests start on blocks other
+    requests computed and prefill only the rest (`case_engine` then scores them)."""
+    bs, asked = model.block_size, []
+    for p in prompts:
+        asked += [p] * rng.randint(2, 4)
+        other = prompts[rng.randrange(len(prompts))]
+        k = min((other.numel() - 1) // bs, (max_len - 17) // bs) * bs  # (its full blocks, room left)
+        if k:
+            asked.append(torch.cat([other[:k], p[:max_len - 16 - k]]))
+    rng.shuffle(asked)
+    return case_engine(model, asked, rng, temperature, case="prefix")
 
 
 def case_autograd(model, seqs, refs, temperature=1.0) -> Pairs:
@@ -245,7 +263,8 @@ def random_chunks(rng: random.Random, length: int) -> list[int]:
     return out
 
 
-CASES = ("batch", "padding", "offset", "decode", "graphs", "engine", "autograd", "threads", "process")
+CASES = ("batch", "padding", "offset", "decode", "graphs", "engine", "prefix", "autograd", "threads",
+         "process")
 
 
 def _run_case(c: str, model, seqs, refs, rng: random.Random, temperature: float, max_len: int) -> Pairs:
@@ -264,8 +283,10 @@ def _run_case(c: str, model, seqs, refs, rng: random.Random, temperature: float,
         return case_decode(model, seqs, refs, [random_chunks(rng, s.numel()) for s in seqs], temperature)
     if c == "graphs":
         return case_graphs(model, seqs, refs, rng, temperature)
-    if c == "engine":
+    if c in ("engine", "prefix"):
         prompts = [s[:max(1, min(s.numel() - 1, max_len - 16))] for s in seqs]
+        if c == "prefix":
+            return case_prefix(model, prompts, rng, max_len, temperature)
         return case_engine(model, prompts, rng, temperature)
     if c == "autograd":
         return case_autograd(model, seqs, refs, temperature)

@@ -122,6 +122,11 @@ class RolloutSection:
     once per batch-size bucket instead of launching its kernels one by one (dense models; MoE
     decode runs eagerly). On aligned kernels the recorded log-probs are the same bits either way;
     false: every step eager. No effect on a CPU."""
+    prefix_caching: bool = True
+    """A request whose prompt starts with full KV blocks of tokens another request computed under
+    the weights loaded now starts on those blocks and prefills only the rest (a group's members
+    share their prompt's). On aligned kernels the recorded log-probs are the same bits either
+    way; on standard kernels they are not (a known source of rollout-learner mismatch)."""
     weight_update: str = "drain"
     """'drain' (finish on old weights, then load) or 'inflight' (switch between tokens)."""
     lengths: str = "fixed"

@@ -8,10 +8,22 @@ no stale, possibly non-finite value outlives its sequence.
 A cache with a window group (`KVCache`: a model's sliding layers in blocks of their own) has one
 manager per group behind `KVPages`; the window group's `trim` gives back, as a sequence advances,
 the blocks every later query's window has passed (their table entries become the pad block).
+
+Prefix caching: a block whose keys and values are computed, from the first token on, under the
+weights loaded now is entered in an index under (the serial of the block before it, its tokens);
+a new request whose prompt starts with the same tokens takes those blocks (`share`, counted in
+`refs`) instead of computing them again, and prefills the rest (a block goes back to the free
+list when no sequence holds it). The serial names a whole prefix and is never reused, so a key
+cannot match a block that was freed and handed to other tokens; the index is emptied when the
+weights change (`forget`). Shared blocks are full and never written again (a request always
+computes its prompt's last token and everything after it), so no block is copied on write. With
+aligned kernels a request that shares a prefix records the same log-prob bits as one that
+computes it (`tests/engine/test_prefix_cache.py`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from functools import partial
 
@@ -28,6 +40,11 @@ class BlockManager:
         self.free: list[int] = list(range(num_blocks, 0, -1))
         self.tables: dict[int, list[int]] = {}
         self.trimmed: dict[int, int] = {}  # per sequence: how many leading entries trim cleared
+        self.refs: dict[int, int] = {}  # per block handed out: how many sequences hold it
+        self.index: dict[tuple, int] = {}  # (serial of the block before, tokens) -> a computed block
+        self.keys: dict[int, tuple[tuple, int]] = {}  # indexed block -> (its key, its serial)
+        self.serials = itertools.count(1)  # (0: the start of every prompt)
+        self.entered: dict[int, tuple[int, int]] = {}  # per sequence: blocks looked at, last serial
 
     @property
     def capacity_tokens(self) -> int:
@@ -45,8 +62,59 @@ class BlockManager:
         """Give `seq_id` enough blocks for `length` tokens (caller checked `can_grow`)."""
         table = self.tables.setdefault(seq_id, [])
         for _ in range(self.blocks_needed(seq_id, length)):
-            table.append(self.free.pop())
+            block = self.free.pop()
+            self.refs[block] = 1
+            table.append(block)
         return table
+
+    # ------------------------------------------------------------------ prefix caching
+    def enter(self, seq_id: int, tokens: list[int], computed: int) -> None:
+        """Index `seq_id`'s full blocks among its first `computed` tokens (their keys and values
+        are in the cache, computed under the weights loaded now, from the first token on)."""
+        table = self.tables.get(seq_id)
+        done, serial = self.entered.get(seq_id, (0, 0))
+        if table is None or serial < 0:
+            return
+        bs = self.block_size
+        for i in range(done, min(computed // bs, len(table))):
+            block = table[i]
+            if not block:  # (trimmed: what follows has no indexed block before it)
+                self.entered[seq_id] = (i, -1)
+                return
+            key = (serial, tuple(tokens[i * bs:(i + 1) * bs]))
+            known = self.index.get(key)
+            if known is None:  # (else the same tokens were computed twice: the first block stands)
+                self.index[key], known = block, block
+                self.keys[block] = (key, next(self.serials))
+            serial = self.keys[known][1]
+            self.entered[seq_id] = (i + 1, serial)
+
+    def match(self, tokens: list[int], limit: int) -> list[int]:
+        """The indexed blocks that hold the keys and values of `tokens`' first full blocks, at
+        most `limit` of them."""
+        blocks, serial, bs = [], 0, self.block_size
+        for i in range(limit):
+            block = self.index.get((serial, tuple(tokens[i * bs:(i + 1) * bs])))
+            if block is None:
+                break
+            blocks.append(block)
+            serial = self.keys[block][1]
+        return blocks
+
+    def share(self, seq_id: int, blocks: list[int]) -> None:
+        """`seq_id` (holding no blocks) starts with `blocks`, indexed ones from `match`."""
+        self.tables[seq_id] = list(blocks)
+        for b in blocks:
+            self.refs[b] += 1
+        if blocks:
+            self.entered[seq_id] = (len(blocks), self.keys[blocks[-1]][1])
+
+    def forget(self) -> None:
+        """Empty the index (new weights: no block computed before holds what they would compute);
+        the sequences keep their blocks."""
+        self.index.clear()
+        self.keys.clear()
+        self.entered.clear()
 
     def trim(self, seq_id: int, start: int) -> None:
         """With a window: free `seq_id`'s blocks whose keys no query at position `start` or later
@@ -70,12 +138,23 @@ class BlockManager:
 
     def release(self, seq_id: int) -> None:
         self.trimmed.pop(seq_id, None)
+        self.entered.pop(seq_id, None)
         self._give_back([b for b in self.tables.pop(seq_id, []) if b])  # (trimmed entries: the pad block)
 
     def _give_back(self, blocks: list[int]) -> None:
+        """Drop one hold on each block; those no sequence holds any more are zeroed and freed."""
+        freed = []
+        for b in blocks:
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                del self.refs[b]
+                freed.append(b)
+                key = self.keys.pop(b, None)
+                if key is not None and self.index.get(key[0]) == b:
+                    del self.index[key[0]]
         if self.on_release is not None:
-            self.on_release(blocks)
-        self.free.extend(reversed(blocks))
+            self.on_release(freed)
+        self.free.extend(reversed(freed))
 
 
 class KVPages:
@@ -145,6 +224,26 @@ class KVPages:
         """Free the window groups' blocks no query of `seq_id` from position `start` on sees."""
         for g in self.groups:
             g.trim(seq_id, start)
+
+    def enter(self, seq_id: int, tokens: list[int], computed: int) -> None:
+        """Index `seq_id`'s computed full blocks in every group (`BlockManager.enter`)."""
+        for g in self.groups:
+            g.enter(seq_id, tokens, computed)
+
+    def share_prefix(self, seq_id: int, tokens: list[int], limit: int) -> int:
+        """Give `seq_id` (holding no blocks) the indexed blocks of its first full blocks, the
+        same count in every group, at most `limit` tokens' worth; returns the tokens they hold."""
+        found = [g.match(tokens, limit // self.block_size) for g in self.groups]
+        n = min(map(len, found))
+        if n:
+            for g, blocks in zip(self.groups, found):
+                g.share(seq_id, blocks[:n])
+        return n * self.block_size
+
+    def forget(self) -> None:
+        """New weights: no indexed block may be shared any more."""
+        for g in self.groups:
+            g.forget()
 
     def table(self, seq_id: int):
         if len(self.groups) == 1:

@@ -39,13 +39,15 @@ WEIGHT_MODES = ("inflight", "drain")
 class Engine:
     def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_tokens: int | None = None, tokenizer=None, seed: int = 0,
-                 kv_cache_memory: float | int | str = DEFAULT_KV_CACHE_MEMORY, graphs: str = "auto"):
+                 kv_cache_memory: float | int | str = DEFAULT_KV_CACHE_MEMORY, graphs: str = "auto",
+                 prefix_caching: bool = True):
         """`kv_cache_tokens` fixes the cache size; otherwise it holds what `kv_cache_memory` (a
         fraction of the memory available on the model's device, or bytes) allows, and never more
         than `max_num_seqs` sequences of min(max_position_embeddings, 2048) tokens can use.
         `graphs`: decode steps replayed as CUDA graphs on a GPU ('auto', dense models), never
         ('off'), or their static padded step run eagerly ('emulate': tests on a CPU); see
-        `graphs.py`."""
+        `graphs.py`. `prefix_caching`: a request whose prompt starts with full blocks of tokens
+        already in the cache, computed under the weights loaded now, shares them (`block_manager.py`)."""
         sizes = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                  "kv_cache_tokens": 1 if kv_cache_tokens is None else kv_cache_tokens}
         for name, value in sizes.items():
@@ -75,7 +77,7 @@ class Engine:
         log.debug("engine: %s", self.describe_cache())
         self.runner = ModelRunner(model, num_blocks, graphs, window_blocks)
         self.blocks = self.runner.pages
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, prefix_caching)
         self.sampler = Sampler(model, seed)
         # the model's end-of-sequence ids, and those the tokenizer's directory adds (generation_config)
         self._eos = frozenset(model.config.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
@@ -220,6 +222,7 @@ class Engine:
             for name, value in state.items():
                 params[name].copy_(value)
         self.model.invalidate_fused()
+        self.scheduler.new_weights(version)
         if drained:  # the caches of turns not under way were built by the old weights
             self.scheduler.drop_caches()
         self.policy_version = version

@@ -10,6 +10,11 @@ arrived running sequences are preempted: their blocks are freed and their tokens
 While a drain-mode weight update waits (`admit` False), no new turn starts, but a sequence that
 has sampled tokens in its current turn (a running one, or one preempted mid-turn) is *started*:
 it is still admitted and finishes its turn on the old weights before they are replaced.
+
+With prefix caching a new request starts with the indexed blocks of its prompt's first full
+blocks (`KVPages.share_prefix`) and prefills the rest; a request whose prompt shares full blocks
+with one still prefilling them waits for that prefill (a GRPO group's other members are admitted
+a step after the first, and prefill only their last block).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from operator import attrgetter
 
+from ..errors import InputError
 from .block_manager import KVPages
 from .sequence import Sequence, Status
 
@@ -32,8 +38,15 @@ class CacheFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, blocks: KVPages, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: KVPages, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix_caching: bool = True):
+        if not isinstance(prefix_caching, bool):  # (the engine's argument)
+            raise InputError(f"Engine prefix_caching must be True or False, got {prefix_caching!r}")
         self.blocks = blocks
+        self.prefix_caching = prefix_caching
+        self.version = 0  # the weights' version now
+        self.epoch = 0  # weight loads so far (a load may reuse a version): this one's blocks are shared
+        self.shared_tokens = 0  # prompt tokens whose keys and values were shared, not computed
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -52,6 +65,48 @@ class Scheduler:
         self.paused.pop(seq.request_id, None)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+
+    def new_weights(self, version: int) -> None:
+        """Weights of `version` are loaded: no block computed before is shared from now on."""
+        self.version = version
+        self.epoch += 1
+        self.blocks.forget()
+
+    def _prefilling(self) -> dict[tuple, list[Sequence]]:
+        """Running sequences still prefilling keys of the weights now, by their first block."""
+        bs, out = self.blocks.block_size, {}
+        for s in self.running:
+            if s.cache_epoch == self.epoch and len(s.token_ids) - s.num_computed > 1:
+                out.setdefault(tuple(s.token_ids[:bs]), []).append(s)
+        return out
+
+    def _waits_for_prefix(self, seq: Sequence, prefilling: dict[tuple, list[Sequence]]) -> bool:
+        """Whether `seq` (new) could share full blocks that a prefilling sequence computes later."""
+        if not self.prefix_caching or seq.num_computed or self.blocks.owns(seq.request_id):
+            return False
+        bs, ids = self.blocks.block_size, seq.token_ids
+        if len(ids) <= bs:  # (no full block before its last token)
+            return False
+        for other in prefilling.get(tuple(ids[:bs]), ()):
+            end = bs
+            while end + bs < len(ids) and ids[end:end + bs] == other.token_ids[end:end + bs]:
+                end += bs  # (full blocks in common, the last token of `ids` left to compute)
+            if other is not seq and other.num_computed < end:
+                return True
+        return False
+
+    def _share(self, seq: Sequence) -> int:
+        """Start a new sequence on the indexed blocks of its prompt; the tokens they hold."""
+        if not self.prefix_caching or seq.num_computed or self.blocks.owns(seq.request_id):
+            return 0
+        seq.cache_version, seq.cache_epoch = self.version, self.epoch
+        seq.num_computed = self.blocks.share_prefix(seq.request_id, seq.token_ids, len(seq.token_ids) - 1)
+        return seq.num_computed
+
+    def _unshare(self, seq: Sequence, shared: int) -> None:
+        if shared:
+            self.blocks.release(seq.request_id)
+            seq.num_computed = 0
 
     def drop_caches(self) -> None:
         """Free the caches of sequences not running (paused, or continued and waiting): built by
@@ -100,8 +155,10 @@ class Scheduler:
         """This step's (sequence, number of new tokens to feed) pairs."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
-        for seq in self.running:  # (a sliding layer's blocks behind every later query's window)
-            self.blocks.trim(seq.request_id, seq.num_computed)
+        for seq in self.running:
+            if self.prefix_caching and seq.cache_epoch == self.epoch:  # (its cache is these weights')
+                self.blocks.enter(seq.request_id, seq.token_ids, seq.num_computed)
+            self.blocks.trim(seq.request_id, seq.num_computed)  # (a sliding layer's blocks no query sees)
         for seq in sorted(self.running, key=_ARRIVAL):
             pending = len(seq.token_ids) - seq.num_computed
             if seq.status is not Status.RUNNING or pending == 0 or budget == 0:
@@ -125,28 +182,40 @@ class Scheduler:
                 batch.append((seq, n))
                 budget -= n
         batch = [(s, n) for s, n in batch if s.status is Status.RUNNING]
+        prefilling = self._prefilling() if self.prefix_caching and self.waiting else {}
+        later: set[int] = set()  # new requests waiting for a prefix another one computes
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0] if self.admit else next((s for s in self.waiting if s.turn_tokens), None)
-            if seq is None:  # a drain waits: only turns already started go on
+            seq = next((s for s in self.waiting if (self.admit or s.turn_tokens)  # (a drain waits: only
+                        and s.request_id not in later), None)  # turns already started go on)
+            if seq is None:
                 break
+            if self._waits_for_prefix(seq, prefilling):
+                later.add(seq.request_id)
+                continue
+            shared = self._share(seq)
             n = min(seq.num_pending, budget)
             self.blocks.trim(seq.request_id, seq.num_computed)  # (a continued turn's cache)
             if not self.blocks.can_grow(seq.request_id, seq.num_computed + n):
                 victims = self._cached_idle(seq)
-                if victims:
+                if victims or self.running or batch:
+                    self._unshare(seq, shared)  # (it is admitted later, and shares then)
+                    if not victims:
+                        break
                     self._preempt(victims[0])
                     continue
-                if self.running or batch:
-                    break
                 room = self.blocks.room(seq.request_id) - seq.num_computed
                 if room < 1:  # nothing else could free memory
+                    self._unshare(seq, shared)
                     self.waiting.remove(seq)
                     raise CacheFull(seq)
                 n = min(n, room)  # alone: feed what fits (a window's blocks free as the prefill moves on)
+            self.shared_tokens += shared
             self.waiting.remove(seq)
             self.blocks.grow(seq.request_id, seq.num_computed + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            if shared or not seq.num_computed:
+                prefilling.setdefault(tuple(seq.token_ids[:self.blocks.block_size]), []).append(seq)
             batch.append((seq, n))
             budget -= n
         return batch

@@ -96,6 +96,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     cache_version: int | None = None  # weights that computed the oldest cached keys/values
+    cache_epoch: int = -1  # the scheduler's count of weight loads when its cache started (prefix caching)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # per token; 0.0 where not sampled
     sampled_logprobs: list[float] = field(default_factory=list)  # under the truncated dist

@@ -246,9 +246,10 @@ class RolloutWorker:
         self.cfg = cfg
         self._beat = beat
         self.env = env
-        self.engine = Engine(model, max_num_seqs=cfg.rollout.max_num_seqs, tokenizer=env.tokenizer,
-                             kv_cache_memory=cfg.rollout.kv_cache_memory,
-                             graphs="auto" if cfg.rollout.cuda_graphs else "off")
+        ro = cfg.rollout
+        self.engine = Engine(model, max_num_seqs=ro.max_num_seqs, tokenizer=env.tokenizer,
+                             kv_cache_memory=ro.kv_cache_memory, prefix_caching=ro.prefix_caching,
+                             graphs="auto" if ro.cuda_graphs else "off")
         self.engine.policy_version = version
         self.held: dict[int, State] = {}  # versions received and needed, not loaded now
         self.loaded: State | None = state  # the tensors of the loaded version, when known
@@ -258,8 +259,7 @@ class RolloutWorker:
         self.todo: list[int] | None = None
         """This worker's batches not sampled yet, when its host plans them (then, in deterministic
         mode, only versions one of them needs are held and batches may be sampled out of turn)."""
-        self._poll = poll
-        self._load_s = 0.0  # seconds spent loading weights for the batch being sampled
+        self._poll, self._load_s = poll, 0.0  # (_load_s: seconds loading weights for the batch sampled)
 
     @property
     def version(self) -> int:

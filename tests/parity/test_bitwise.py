@@ -226,10 +226,17 @@ def test_control_standard_engine_differs():
     assert _standard_mismatches("float32", "tiny", 3, cases=("engine",)) > 0
 
 
+def test_control_standard_prefix_differs():
+    """Requests that start on another request's cached prompt blocks (prefix caching) and
+    prefill only the rest, against the learner's, with standard kernels."""
+    assert _standard_mismatches("float32", "tiny", 3, cases=("prefix",)) > 0
+
+
 def test_control_same_suite_on_aligned_passes():
     for dtype, preset, rounds in (("float32", "tiny", 3), ("bfloat16", "small", 3)):
         model = cached_model(preset, "aligned", dtype, 0, 0.02)
-        results = run_checks(model, rounds=rounds, seed=2, cases=("batch", "padding", "decode", "engine"))
+        results = run_checks(model, rounds=rounds, seed=2,
+                             cases=("batch", "padding", "decode", "engine", "prefix"))
         assert sum(r.mismatches for r in results) == 0
 
 
@@ -246,7 +253,8 @@ def test_every_family_is_invariant_and_its_standard_control_differs(preset):
     (norms after each block only, q/k normed over the whole projection, sliding layers), Phi-3
     (fused projections in its files, a window on every layer): the same cases, zero mismatches on
     aligned kernels in both dtypes; the standard control fails."""
-    cases = ("batch", "padding", "offset", "decode", "engine", "autograd") + (("threads",) if ON_CPU else ())
+    cases = ("batch", "padding", "offset", "decode", "engine", "prefix", "autograd")
+    cases += ("threads",) if ON_CPU else ()
     for dtype, seed in (("float32", 7), ("bfloat16", 8)):
         model = cached_model(preset, "aligned", dtype, seed, 0.1)
         results = run_checks(model, rounds=3, seed=seed, cases=cases)
