@@ -71,11 +71,14 @@ def test_control_standard_kernels_record_other_bits_when_sharing():
     computes its first sampled token's log-prob in another GEMM shape than the full prefill, and
     records other bits (so the aligned test above can fail)."""
     model = cached_model("tiny", "standard", "float32", 0, 0.1)
-    prompts, params = groups(1)
-    shared, _ = generate(model, prompts, params)
-    plain, _ = generate(model, prompts, params, prefix_caching=False)
-    assert sum(not torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
-               for a, b in zip(shared, plain)) > 0
+    differ = 0
+    for seed in (1, 2):  # (on one thread, 3 and 5 of 24 requests differ on an Intel Xeon; 11 and 12 on two)
+        prompts, params = groups(seed, n=6)
+        shared, _ = generate(model, prompts, params)
+        plain, _ = generate(model, prompts, params, prefix_caching=False)
+        differ += sum(not torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+                      for a, b in zip(shared, plain))
+    assert differ > 0
 
 
 def test_a_block_matches_only_behind_the_same_tokens():
