@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--mean-len", type=float, default=48, help="mean response length (geometric)")
     r.add_argument("--max-len", type=int, default=256)
     r.add_argument("--reps", type=int, default=3)
+    r.add_argument("--group-size", type=int, default=1,
+                   help="each prompt asked this many times, as a GRPO group (> 1: also times the aligned "
+                        "engine without prefix caching)")
+    r.add_argument("--prompt-len", type=int, default=0, help="every prompt this long (default 0: 16-64)")
     r.add_argument("--vs-transformers", action="store_true", help="also time HF generate()")
     r.add_argument("--json", action="store_true")
     r.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")

@@ -406,6 +406,23 @@ def test_bench_rollout_json():
     assert out["ratios"]["float32/aligned_over_standard"] > 0
     assert all(r["gemm_gflops"] > 0 and 0 < r["gemm_fraction"] == r["gflops"] / r["gemm_gflops"]
                for r in out["rows"])
+    assert not any(r["shared_prompt_tokens"] for r in out["rows"])  # (16-64 random tokens each)
+
+
+def test_bench_rollout_groups_time_prefix_caching():
+    """Each prompt asked 4 times: the aligned engine without prefix caching is timed beside, and
+    the engines with it took 3 of each group's 4 prompts' full blocks (64 of 70 tokens) from the cache."""
+    proc = run("bench", "rollout", "--json", "--preset", "tiny", "--num-seqs", "8", "--max-num-seqs", "8",
+               "--reps", "1", "--dtypes", "float32", "--mean-len", "4", "--max-len", "8",
+               "--group-size", "4", "--prompt-len", "70")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    shared = {r["system"]: r["shared_prompt_tokens"] for r in out["rows"]}
+    assert shared == {"parity-aligned": 2 * 3 * 64, "parity-standard": 2 * 3 * 64,
+                      "parity-aligned-no-prefix": 0}
+    assert out["ratios"]["float32/prefix_caching_speedup"] > 0
+    proc = run("bench", "rollout", "--preset", "tiny", "--group-size", "0")
+    assert proc.returncode != 0 and "--group-size must be at least 1" in proc.stderr
 
 
 def test_bench_attention_json():

@@ -1,10 +1,13 @@
 """`parity bench rollout`: engine output tokens/s on a long-tail workload, aligned vs standard.
 
-The workload is the shape of RL rollouts: prompts of 16-64 tokens and geometric response lengths
-(mean `--mean-len`, capped at `--max-len`), so a few long responses keep the batch busy while
-the rest finish early. Both backends run the same prompts and lengths, rounds interleaved, and
-the medians are compared; `--vs-transformers` adds Hugging Face `generate()` on the same saved
-checkpoint (batched, KV cache, each batch until its longest response).
+The workload is the shape of RL rollouts: prompts of 16-64 tokens (`--prompt-len`: all of one
+length) and geometric response lengths (mean `--mean-len`, capped at `--max-len`), so a few long
+responses keep the batch busy while the rest finish early. Both backends run the same prompts
+and lengths, rounds interleaved, and the medians are compared; `--group-size G` asks each prompt
+G times in a row (a GRPO group) and adds the aligned engine without prefix caching
+(`aligned-no-prefix`: the speedup of sharing the group's prompt blocks); `--vs-transformers` adds
+Hugging Face `generate()` on the same saved checkpoint (batched, KV cache, each batch until its
+longest response).
 """
 
 from __future__ import annotations
@@ -38,9 +41,13 @@ class RolloutWorkload:
     lengths: list[int]
 
     @staticmethod
-    def make(n: int, vocab: int, mean_len: float = 48, max_len: int = 256, seed: int = 0) -> RolloutWorkload:
+    def make(n: int, vocab: int, mean_len: float = 48, max_len: int = 256, seed: int = 0, group: int = 1,
+             prompt_len: int = 0) -> RolloutWorkload:
+        """`n` requests: prompts of `prompt_len` tokens (0: 16-64), each asked `group` times in a row."""
         rnd = random.Random(seed)
-        prompts = [[rnd.randrange(vocab) for _ in range(rnd.randint(16, 64))] for _ in range(n)]
+        prompts = [[rnd.randrange(vocab) for _ in range(prompt_len or rnd.randint(16, 64))]
+                   for _ in range(-(-n // group))]
+        prompts = [p for p in prompts for _ in range(group)][:n]
         return RolloutWorkload(prompts, geometric_lengths(rnd, n, mean_len, max_len))
 
     @property
@@ -94,6 +101,9 @@ def _run_transformers(hf, work: RolloutWorkload, batch_size: int) -> float:
     return time.perf_counter() - t0
 
 
+NO_PREFIX = "aligned-no-prefix"
+
+
 @dataclass
 class RolloutRow:
     system: str
@@ -107,6 +117,8 @@ class RolloutRow:
     """Achieved model GFLOP/s (`RolloutWorkload.forward_flops` over the median time)."""
     gemm_gflops: float = 0.0
     """This machine's GEMM rate for the dtype, measured in the same run."""
+    shared_prompt_tokens: int = 0
+    """Prompt tokens a pass of the workload took from the prefix cache instead of computing."""
 
     @property
     def gemm_fraction(self) -> float:
@@ -120,14 +132,15 @@ def _pct(values: list[float], q: float) -> float:
 
 def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bfloat16"), num_seqs: int = 256,
                   max_num_seqs: int = 64, mean_len: float = 48, max_len: int = 256, reps: int = 3,
-                  vs_transformers: bool = False,
+                  vs_transformers: bool = False, group: int = 1, prompt_len: int = 0,
                   progress: Callable[[str], None] | None = None,
                   device: str = "cpu", stopped: list[str] | None = None) -> tuple[list[RolloutRow], dict]:
     """Engine output tokens/s, aligned vs standard (interleaved), optionally vs HF generate().
     Interrupted (Ctrl-C, or SIGTERM under `term_as_interrupt`) with a `stopped` list, it reports
     the rounds every system finished (none: that dtype is left out) and says so there."""
     cfg = ModelConfig.preset(preset)
-    work = RolloutWorkload.make(num_seqs, cfg.vocab_size, mean_len, max_len)
+    work = RolloutWorkload.make(num_seqs, cfg.vocab_size, mean_len, max_len, group=group,
+                                prompt_len=prompt_len)
     rows: list[RolloutRow] = []
     ratios: dict = {}
     for dtype_name in dtypes:
@@ -143,8 +156,14 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
                 systems.append("transformers")
             times: dict[str, list[float]] = {k: [] for k in systems}
             steps: dict[str, list[float]] = {k: [] for k in systems}
+            shared: dict[str, int] = {}
             engines = {k: Engine(models[k], max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
                        for k in models}
+            if group > 1:  # (the same aligned model, every prompt block computed by each request)
+                engines[NO_PREFIX] = Engine(models["aligned"], max_num_seqs=max_num_seqs,
+                                            max_num_batched_tokens=2048, prefix_caching=False)
+                systems.append(NO_PREFIX)
+                times[NO_PREFIX], steps[NO_PREFIX] = [], []
             try:
                 for r in range(reps + 1):  # round 0 warms up; systems take turns in every round,
                     for k in (systems if r % 2 == 0 else systems[::-1]):  # reversed every other one
@@ -153,7 +172,9 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
                         if k == "transformers":
                             elapsed, step_times = _run_transformers(hf, work, max_num_seqs), []
                         else:
+                            before = engines[k].scheduler.shared_tokens
                             elapsed, step_times = _run_engine(engines[k], work)
+                            shared[k] = engines[k].scheduler.shared_tokens - before
                         if r > 0:
                             times[k].append(elapsed)
                             steps[k] += step_times
@@ -175,10 +196,12 @@ def bench_rollout(preset: str = "small", dtypes: Sequence[str] = ("float32", "bf
             name = k if k == "transformers" else f"parity-{k}"
             pct = [_pct(steps[k], q) if steps[k] else None for q in (0.5, 0.9, 0.99)]
             rows.append(RolloutRow(name, dtype_name, work.output_tokens, work.output_tokens / med[k], *pct,
-                                   flops / med[k] / 1e9, gemm))
+                                   flops / med[k] / 1e9, gemm, shared.get(k, 0)))
         ratios[f"{dtype_name}/aligned_over_standard"] = med["standard"] / med["aligned"]
         if vs_transformers:
             ratios[f"{dtype_name}/aligned_over_transformers"] = med["transformers"] / med["aligned"]
+        if group > 1:
+            ratios[f"{dtype_name}/prefix_caching_speedup"] = med[NO_PREFIX] / med["aligned"]
         if stopped:
             break
     if not stopped:
@@ -191,8 +214,12 @@ def main(args) -> int:
     limit = ModelConfig.preset(args.preset).max_position_embeddings
     if not args.mean_len >= 1:
         raise ParityError("--mean-len must be at least 1")
-    if args.max_len + 64 > limit:
-        raise ParityError(f"--max-len {args.max_len} plus 64 prompt tokens exceeds preset "
+    if args.group_size < 1 or args.prompt_len < 0 or args.prompt_len == 1:
+        raise ParityError(f"--group-size must be at least 1 and --prompt-len 0 or at least 2, got "
+                          f"{args.group_size} and {args.prompt_len}")
+    prompt = args.prompt_len or 64
+    if args.max_len + prompt > limit:
+        raise ParityError(f"--max-len {args.max_len} plus {prompt} prompt tokens exceeds preset "
                           f"{args.preset}'s max_position_embeddings={limit}")
     for name in args.dtypes:
         dtype_from_name(name, "--dtypes")
@@ -207,6 +234,7 @@ def main(args) -> int:
     with term_as_interrupt():  # a time limit's SIGTERM: report the rounds done so far
         rows, ratios = bench_rollout(args.preset, args.dtypes, args.num_seqs, args.max_num_seqs,
                                      args.mean_len, args.max_len, args.reps, args.vs_transformers,
+                                     args.group_size, args.prompt_len,
                                      progress=lambda m: status(f"bench rollout: {m}"), device=device,
                                      stopped=stopped)
     status("")
@@ -216,8 +244,10 @@ def main(args) -> int:
                           "rows": [{**asdict(r), "gemm_fraction": r.gemm_fraction} for r in rows],
                           "ratios": ratios, "stopped": stopped}, indent=2))
         return exit_status(stopped)
-    print(f"parity bench rollout: {args.preset}, {args.num_seqs} requests, geometric response lengths "
-          f"(mean {args.mean_len}, max {args.max_len}), max_num_seqs {args.max_num_seqs}, "
+    prompts = f"prompts of {args.prompt_len} tokens" if args.prompt_len else "prompts of 16-64 tokens"
+    prompts += f" each asked {args.group_size} times" if args.group_size > 1 else ""
+    print(f"parity bench rollout: {args.preset}, {args.num_seqs} requests, {prompts}, geometric response "
+          f"lengths (mean {args.mean_len}, max {args.max_len}), max_num_seqs {args.max_num_seqs}, "
           f"medians of {args.reps} rounds")
 
     def ms(v):
@@ -230,7 +260,8 @@ def main(args) -> int:
                 [[r.system, r.dtype, str(r.output_tokens), f"{r.tok_s:,.0f}", ms(r.step_ms_p50),
                   ms(r.step_ms_p90), ms(r.step_ms_p99), f"{r.gflops:,.1f}", f"{r.gemm_fraction:.0%}"]
                  for r in rows]))
-    print(gemm_line(rows) + "; GFLOP/s counts the forwards the engine runs (the LM head where it samples)")
+    print(gemm_line(rows) + "; GFLOP/s counts the forwards the engine runs (the LM head where it samples"
+          + ("; a group's shared prompt blocks as if computed)" if args.group_size > 1 else ")"))
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}")
     if note := busy_note():
