@@ -145,14 +145,15 @@ def case_graphs(model, seqs, refs, rng: random.Random, temperature=1.0) -> Pairs
 
 
 def case_engine(model, prompts: Sequence[torch.Tensor], rng: random.Random, temperature=1.0,
-                case: str = "engine") -> Pairs:
+                case: str = "engine", most_tokens: int = 16) -> Pairs:
     """The rollout engine samples continuations of `prompts` under continuous batching with a
     random token budget (chunked prefill), batch limit and response lengths; each request's
     recorded log-probs against its whole sequence scored alone."""
     engine = Engine(model, max_num_seqs=rng.randint(1, len(prompts)),
                     max_num_batched_tokens=rng.choice([5, 16, 37, 2048]), seed=rng.randrange(2**31))
     room = model.config.max_position_embeddings - max(p.numel() for p in prompts)
-    params = [SamplingParams(temperature=temperature, max_tokens=rng.randint(1, max(1, min(16, room))),
+    most = max(1, min(most_tokens, room))
+    params = [SamplingParams(temperature=temperature, max_tokens=rng.randint(1, most),
                              seed=rng.randrange(2**31), ignore_eos=True) for _ in prompts]
     outs = engine.generate([p.tolist() for p in prompts], params)
     pairs = []
@@ -167,18 +168,18 @@ def case_engine(model, prompts: Sequence[torch.Tensor], rng: random.Random, temp
 
 def case_prefix(model, prompts: Sequence[torch.Tensor], rng: random.Random, max_len: int,
                 temperature=1.0) -> Pairs:
-    """The engine's prefix caching: each prompt asked 2-4 times (a GRPO group) and once more
+    """The engine's prefix caching: each prompt asked 2-3 times (a GRPO group) and once more
     behind another prompt's full blocks, in a random order, so requests start on blocks other
-    requests computed and prefill only the rest (`case_engine` then scores them)."""
+    requests computed and prefill only the rest; up to 6 tokens each (`case_engine` scores them)."""
     bs, asked = model.block_size, []
     for p in prompts:
-        asked += [p] * rng.randint(2, 4)
+        asked += [p] * rng.randint(2, 3)
         other = prompts[rng.randrange(len(prompts))]
         k = min((other.numel() - 1) // bs, (max_len - 17) // bs) * bs  # (its full blocks, room left)
         if k:
             asked.append(torch.cat([other[:k], p[:max_len - 16 - k]]))
     rng.shuffle(asked)
-    return case_engine(model, asked, rng, temperature, case="prefix")
+    return case_engine(model, asked, rng, temperature, case="prefix", most_tokens=6)
 
 
 def case_autograd(model, seqs, refs, temperature=1.0) -> Pairs:
