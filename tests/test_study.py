@@ -183,7 +183,8 @@ name = "a"
     assert main(["study", str(study), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "a-seed0 holds a run of other settings" in err and "--overwrite" in err
-    assert len(err.splitlines()) == 1
+    # (one line; a CPU without bf16 instructions may warn before it, as every bf16 command does there)
+    assert len([line for line in err.splitlines() if not line.startswith("parity: warning:")]) == 1
     assert (out / "a-seed0" / "report.md").read_text() == finished  # untouched
     assert main(["study", str(study), "--out", str(out), "--overwrite"]) == 0
     assert len(read_metrics(out / "a-seed0")) == 1
