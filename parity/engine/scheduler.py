@@ -14,7 +14,9 @@ it is still admitted and finishes its turn on the old weights before they are re
 With prefix caching a new request starts with the indexed blocks of its prompt's first full
 blocks (`KVPages.share_prefix`) and prefills the rest; a request whose prompt shares full blocks
 with one still prefilling them waits for that prefill (a GRPO group's other members are admitted
-a step after the first, and prefill only their last block).
+a step after the first, and prefill only their last block); their seats under `max_num_seqs`
+are kept for them, so later prompts do not take them and leave them to run after the blocks
+they would share are freed.
 """
 
 from __future__ import annotations
@@ -183,8 +185,8 @@ class Scheduler:
                 budget -= n
         batch = [(s, n) for s, n in batch if s.status is Status.RUNNING]
         prefilling = self._prefilling() if self.prefix_caching and self.waiting else {}
-        later: set[int] = set()  # new requests waiting for a prefix another one computes
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        later: set[int] = set()  # new requests waiting for a prefix another one computes (their seats
+        while self.waiting and budget > 0 and len(self.running) + len(later) < self.max_num_seqs:  # kept)
             seq = next((s for s in self.waiting if (self.admit or s.turn_tokens)  # (a drain waits: only
                         and s.request_id not in later), None)  # turns already started go on)
             if seq is None:
