@@ -72,7 +72,7 @@ def test_control_standard_kernels_record_other_bits_when_sharing():
     records other bits (so the aligned test above can fail)."""
     model = cached_model("tiny", "standard", "float32", 0, 0.1)
     differ = 0
-    for seed in (1, 2):  # (on one thread, 3 and 5 of 24 requests differ on an Intel Xeon; 11 and 12 on two)
+    for seed in (1, 2):  # (on one thread, 3 and 5 of 24 requests differ on an AMD EPYC; 11 and 12 on two)
         prompts, params = groups(seed, n=6)
         shared, _ = generate(model, prompts, params)
         plain, _ = generate(model, prompts, params, prefix_caching=False)
