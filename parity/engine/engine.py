@@ -266,6 +266,7 @@ class Engine:
             self._load(*self._pending, drained=True)
         t0 = time.perf_counter()
         try:
+            self.scheduler.version = self.policy_version  # (a rollout worker sets it at start-up)
             batch = self.scheduler.schedule()
         except CacheFull as full:  # (a safety net: the stop check keeps sequences within the cache)
             seq = full.seq

@@ -53,8 +53,11 @@ def test_a_group_shares_its_prompt_and_records_the_same_bits(dtype):
     without prefix caching bit for bit, and the learner's."""
     model = cached_model("tiny", "aligned", dtype, 0, 0.1)
     prompts, params = groups(1)
-    shared, eng = generate(model, prompts, params)
+    eng = parity.Engine(model, max_num_seqs=16)
+    eng.policy_version = 7  # (as a rollout worker starting at version 7 sets it)
+    shared = eng.generate(prompts, params)
     plain, off = generate(model, prompts, params, prefix_caching=False)
+    assert {v for o in shared for v in o.cache_versions + o.policy_versions} == {7}
     bs = model.block_size
     expected = 3 * sum((len(p) - 1) // bs * bs for p in prompts[::4])  # each group's 3 later members
     expected += 3 * bs  # and the later groups' first members the shared head's first block
@@ -123,6 +126,7 @@ def test_new_weights_are_not_served_blocks_the_old_ones_computed(version):
     # the paused request's been served, both would share and the first's bits would be wrong
     assert eng.scheduler.shared_tokens == (len(prompts[0]) - 1) // model.block_size * model.block_size
     assert check_outputs(model, outs, params) == 0  # (the model holds the new weights)
+    assert {v for o in outs for v in o.cache_versions} == {version}
 
 
 def test_a_continued_turn_after_a_shared_prompt():
