@@ -149,7 +149,8 @@ def case_engine(model, prompts: Sequence[torch.Tensor], rng: random.Random, temp
     """The rollout engine samples continuations of `prompts` under continuous batching with a
     random token budget (chunked prefill), batch limit and response lengths; each request's
     recorded log-probs against its whole sequence scored alone."""
-    engine = Engine(model, max_num_seqs=rng.randint(1, len(prompts)),
+    fewest = 1 if case == "engine" else 2  # (one at a time, a group's members would share nothing)
+    engine = Engine(model, max_num_seqs=rng.randint(fewest, len(prompts)),
                     max_num_batched_tokens=rng.choice([5, 16, 37, 2048]), seed=rng.randrange(2**31))
     room = model.config.max_position_embeddings - max(p.numel() for p in prompts)
     most = max(1, min(most_tokens, room))

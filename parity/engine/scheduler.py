@@ -46,6 +46,8 @@ class Scheduler:
             raise InputError(f"Engine prefix_caching must be True or False, got {prefix_caching!r}")
         self.blocks = blocks
         self.prefix_caching = prefix_caching
+        self.window = min((g.window for g in blocks.groups if g.window), default=0)
+        """The sliding layers' window (0: none): a block trimmed behind it ends what can be shared."""
         self.version = 0  # the weights' version now
         self.epoch = 0  # weight loads so far (a load may reuse a version): this one's blocks are shared
         self.shared_tokens = 0  # prompt tokens whose keys and values were shared, not computed
@@ -93,6 +95,8 @@ class Scheduler:
             end = bs
             while end + bs < len(ids) and ids[end:end + bs] == other.token_ids[end:end + bs]:
                 end += bs  # (full blocks in common, the last token of `ids` left to compute)
+            if self.window and end >= self.window + bs - 1:  # (its prefill trims the first block:
+                continue  # the sliding layers' prefix will not be there to share)
             if other is not seq and other.num_computed < end:
                 return True
         return False

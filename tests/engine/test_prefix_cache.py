@@ -97,6 +97,25 @@ def test_a_block_matches_only_behind_the_same_tokens():
     assert eng.scheduler.shared_tokens == 0 and check_outputs(model, outs, params) == 0
 
 
+@pytest.mark.parametrize("length, waits", [(70, True), (100, False)])
+def test_sliding_layers_wait_only_for_a_prefix_they_can_share(length, waits):
+    """Mistral's window of 40 keys: the first member's prefill frees the sliding layers' first
+    block once it passes 40 + 31 tokens, and a prefix is matched from its first block; so a
+    group's members wait for a 70-token prompt's prefill (and share its 64 tokens), not for a
+    100-token one's (nothing to share: they start at once). Every output is the learner's."""
+    model = cached_model("tiny-mistral", "aligned", "float32", 0, 0.1)
+    prompt = [random.Random(length).randrange(128) for _ in range(length)]
+    params = [SamplingParams(temperature=1.0, max_tokens=4, seed=i, ignore_eos=True) for i in range(4)]
+    eng = parity.Engine(model, max_num_seqs=8)
+    for q in params:
+        eng.add_request(prompt, q)
+    assert len(eng.scheduler.schedule()) == (1 if waits else 4)
+    eng = parity.Engine(model, max_num_seqs=8)
+    outs = eng.generate([prompt] * 4, params)
+    assert eng.scheduler.shared_tokens == (3 * 64 if waits else 0)
+    assert check_outputs(model, outs, params) == 0
+
+
 def test_a_small_cache_preempts_shared_blocks_and_gives_them_back():
     """A cache of a few blocks: sequences holding shared blocks are preempted and recomputed (and
     may share again); every output still equals the learner's, every block comes back."""
