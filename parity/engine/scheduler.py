@@ -188,7 +188,8 @@ class Scheduler:
                 batch.append((seq, n))
                 budget -= n
         batch = [(s, n) for s, n in batch if s.status is Status.RUNNING]
-        prefilling = self._prefilling() if self.prefix_caching and self.waiting else {}
+        admits = self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        prefilling = self._prefilling() if self.prefix_caching and admits else {}
         later: set[int] = set()  # new requests waiting for a prefix another one computes (their seats
         while self.waiting and budget > 0 and len(self.running) + len(later) < self.max_num_seqs:  # kept)
             seq = next((s for s in self.waiting if (self.admit or s.turn_tokens)  # (a drain waits: only
