@@ -222,7 +222,7 @@ class Engine:
             for name, value in state.items():
                 params[name].copy_(value)
         self.model.invalidate_fused()
-        self.scheduler.new_weights(version)
+        self.scheduler.new_weights()
         if drained:  # the caches of turns not under way were built by the old weights
             self.scheduler.drop_caches()
         self.policy_version = version

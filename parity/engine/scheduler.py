@@ -48,7 +48,7 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.window = min((g.window for g in blocks.groups if g.window), default=0)
         """The sliding layers' window (0: none): a block trimmed behind it ends what can be shared."""
-        self.version = 0  # the weights' version now
+        self.version = 0  # the engine's policy version (the engine sets it before each step)
         self.epoch = 0  # weight loads so far (a load may reuse a version): this one's blocks are shared
         self.shared_tokens = 0  # prompt tokens whose keys and values were shared, not computed
         self.max_num_seqs = max_num_seqs
@@ -70,9 +70,8 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
-    def new_weights(self, version: int) -> None:
-        """Weights of `version` are loaded: no block computed before is shared from now on."""
-        self.version = version
+    def new_weights(self) -> None:
+        """New weights are loaded: no block computed before is shared from now on."""
         self.epoch += 1
         self.blocks.forget()
 
@@ -97,7 +96,7 @@ class Scheduler:
                 end += bs  # (full blocks in common, the last token of `ids` left to compute)
             if self.window and end >= self.window + bs - 1:  # (its prefill trims the first block:
                 continue  # the sliding layers' prefix will not be there to share)
-            if other is not seq and other.num_computed < end:
+            if other.num_computed < end:  # (`seq` waits: never among the prefilling)
                 return True
         return False
 
