@@ -18,6 +18,9 @@ of turn (batches are received in any order), so the versions needed stay a handf
 
 The controller sees `start`, `publish`, `next_batch`, `collect`, `needed_versions`, `ready_batches`
 and `close`; the Ray backend (`rl/ray_backend.py`) provides the same.
+
+Each worker process runs `local_worker.worker_main`, forked from a fork server that has imported
+torch and parity once (`local_worker.worker_context`).
 """
 
 from __future__ import annotations
@@ -28,28 +31,23 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
-import signal
-import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from ..config import TrainConfig
 from ..errors import ParityError, WaitInterrupted
 from ..model import ModelConfig
 from ..procs import gone as process_gone
-from .build import build_env, model_skeleton
-from .faults import worker_faults
+from .local_worker import worker_context, worker_main
 from .rollout_worker import (
     RestartBudget,
-    RolloutWorker,
     State,
     first_batch,
     restored,
@@ -77,82 +75,6 @@ def split_threads(cfg: TrainConfig) -> tuple[int, int]:
 
 
 
-# --------------------------------------------------------------------------- the child process
-def _worker_main(cfg: TrainConfig, model_config: ModelConfig, state: State, version: int, todo: list[int],
-                 floor: int, weights_q, traj_q, stop, heartbeat, threads: int, spool: str) -> None:
-    """Rollout worker process body: the batches in `todo` (first, first + N, ... of N workers,
-    less those already received), in order unless held weights ask otherwise."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
-    traj_q.cancel_join_thread()  # once told to stop, never block this process's exit on the queue
-    parent = mp.parent_process()
-
-    def orphaned() -> bool:
-        if parent is not None and not parent.is_alive():
-            stop.set()  # the controller is gone, and the spool it would have removed is ours to
-            shutil.rmtree(spool, ignore_errors=True)
-        return stop.is_set()
-
-    try:
-        torch.set_num_threads(threads)
-        model = model_skeleton(cfg, model_config)
-        model.load_state_dict(state)
-        env = build_env(cfg, model_config.vocab_size)
-
-        def poll(block: bool) -> list[tuple[int, State]]:
-            got: list[tuple[int, State]] = []
-            if orphaned():
-                return got
-            try:
-                while True:
-                    got.append(weights_q.get(block=block, timeout=0.5 if block else None))
-                    block = False
-            except queue_mod.Empty:
-                pass
-            except (OSError, EOFError):  # weights shared by a controller that died mid-transfer
-                if orphaned():
-                    return []
-                raise
-            return got
-
-        def beat() -> None:
-            heartbeat.value = time.monotonic()
-
-        kept = state if cfg.deterministic else None  # kept while a later batch may need it again
-        worker = RolloutWorker(cfg, model, env, version, poll, beat, state=kept)
-        worker.todo = todo = list(todo)
-        worker.floor = floor
-        while todo:
-            b = worker.next_to_sample(todo)
-            wait_s = worker.wait_for(b, orphaned)
-            if wait_s is None:
-                return
-            batch = worker.sample(b, wait_s)
-            try:
-                _send(traj_q, spool, batch, corrupt=worker_faults(b))
-            except OSError:
-                if orphaned():  # the spool went with the controller
-                    return
-                raise
-            todo.remove(b)
-    except ParityError as exc:  # a problem that a restart would only repeat
-        if os.environ.get("PARITY_DEBUG", "0") not in ("", "0"):  # (your task's code: where it raised)
-            traceback.print_exc()
-        traj_q.put(("error", str(exc)))
-    except Exception as exc:  # unexpected: one line (its exit status tells the controller)
-        orphaned()  # (removes the spool if the controller is gone)
-        if os.environ.get("PARITY_DEBUG", "0") not in ("", "0"):
-            raise
-        text = (str(exc).strip().splitlines() or [""])[0][:300]
-        sys.stderr.write(f"parity: rollout worker failed: {type(exc).__name__}: {text} "
-                         "(PARITY_DEBUG=1 shows the traceback)\n")
-        raise SystemExit(1) from None  # (multiprocessing printed the traceback, once per restart)
-    except BaseException:
-        orphaned()
-        raise
-    while not orphaned():  # finished (or failed): stay until the controller has read everything
-        stop.wait(0.5)
-
-
 def remove_stale_spools(root: Path) -> list[Path]:
     """Remove the batch spools in `root` whose learner (the pid in the name) is gone: the second
     line of defence behind the orphaned worker's own cleanup (memory in /dev/shm). Returns them."""
@@ -162,15 +84,6 @@ def remove_stale_spools(root: Path) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             stale.append(path)
     return stale
-
-
-def _send(traj_q, spool: str, batch: RolloutBatch, corrupt: bool = False) -> None:
-    path = Path(spool) / f"batch-{batch.index}.pkl"
-    tmp = path.with_suffix(".tmp")
-    data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-    tmp.write_bytes(data[: len(data) // 2] if corrupt else data)  # (corrupt: a fault-injection test)
-    tmp.rename(path)
-    traj_q.put(("batch", str(path)))
 
 
 # --------------------------------------------------------------------------- the learner's side
@@ -203,8 +116,8 @@ class _WeightsQueue(multiprocessing.queues.Queue):
 
 
 class LocalRollout:
-    """Runs `rollout.workers` rollout workers as child processes (spawned) and hands their batches
-    over in order."""
+    """Runs `rollout.workers` rollout workers as child processes (`worker_context`) and hands their
+    batches over in order."""
 
 
     def __init__(self, cfg: TrainConfig, model_config: ModelConfig,
@@ -213,7 +126,7 @@ class LocalRollout:
         self.cfg = cfg
         self.model_config = model_config
         self.versions = versions
-        self.ctx = mp.get_context("spawn")
+        self.ctx = worker_context()
         self.budget = RestartBudget()  # worker restarts: 3 within any hour
         self.slots = [_Slot(i) for i in range(cfg.rollout.workers)]
         self.spool: str | None = None
@@ -268,10 +181,15 @@ class LocalRollout:
                               "checkpoint resumed with another max_policy_lag?); resume with the run's lag")
         rollout_threads, learner_threads = split_threads(self.cfg)
         torch.set_num_threads(learner_threads)
-        slot.process = self.ctx.Process(target=_worker_main, daemon=True, args=(
-            self.cfg, self.model_config, history[version], version, slot.todo, self.floor, slot.weights_q,
-            slot.traj_q, slot.stop, slot.heartbeat, rollout_threads, self.spool))
         with shared_memory_errors():  # (the weights it starts from go through /dev/shm)
+            # pickled here, their tensors' memory handed over on request like a queued version's: as
+            # the process's arguments each tensor was a file descriptor sent with the fork request,
+            # which a fork server caps at 252 (a model of 28 layers has more tensors)
+            start = bytes(ForkingPickler.dumps(history[version]))
+        slot.process = self.ctx.Process(target=worker_main, daemon=True, args=(
+            self.cfg, self.model_config, start, version, slot.todo, self.floor, slot.weights_q,
+            slot.traj_q, slot.stop, slot.heartbeat, rollout_threads, self.spool, dict(os.environ)))
+        with shared_memory_errors():  # (its semaphores and the fork server's socket)
             slot.process.start()
         for v in sorted(history):
             if v > version:

@@ -1,0 +1,60 @@
+"""How the local backend starts its rollout workers: forked from one fork server per learner process,
+each with its learner's environment as it is at that worker's start, and the weights it starts from
+sent whatever the number of tensors (a fork request carries at most 252 file descriptors)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import parity
+from parity.config import load_config
+from parity.metrics.summary import deterministic_view
+from parity.rl.controller import Controller
+
+RUN = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_tokens=8", "learner.lr=0.003",
+       "learner.micro_batch_size=4", "task.targets=[7, 8]", "max_policy_lag=1", "deterministic=true",
+       "eval_every=0"]
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def run_watching_parents(run_dir: Path, *extra: str) -> tuple[Controller, list[dict], set[int]]:
+    """A run of tiny, and the parent process of every worker seen at a step boundary."""
+    controller = Controller(load_config(None, RUN + ['model.preset="tiny"', "steps=4", "rollout.workers=2",
+                                                     f'run_dir="{run_dir}"', *extra]))
+    parents: set[int] = set()
+
+    def watch(step, metrics):
+        parents.update(parent_of(p) for p in controller.rollout.pids if p is not None)
+
+    return controller, controller.run(progress=watch), parents
+
+
+def test_workers_fork_from_one_server_and_take_their_learner_s_environment(tmp_path, monkeypatch):
+    """Two runs in this process: every worker of both is a child of the same process, which is not
+    this one (the fork server). The second run's faults are set after that server started, and its
+    worker still meets them: it took this process's environment at its start, not the server's."""
+    import os
+
+    _, first, parents = run_watching_parents(tmp_path / "first")
+    (tmp_path / "fault-state").mkdir()
+    monkeypatch.setenv("PARITY_FAULT_STATE", str(tmp_path / "fault-state"))
+    monkeypatch.setenv("PARITY_FAULTS", "worker-exit@1")
+    controller, second, more = run_watching_parents(tmp_path / "second")
+    assert len(parents | more) == 1 and os.getpid() not in parents
+    assert controller.rollout.restarts == 1  # the fault fired in the worker
+    assert deterministic_view(second) == deterministic_view(first)
+
+
+def test_a_model_of_more_tensors_than_a_fork_request_carries_trains(tmp_path):
+    """332 tensors (tiny at 30 layers). As the worker process's arguments each was a file descriptor
+    sent with the fork request, and the fork server refused the request: "too many fds"."""
+    model = parity.Model(dataclasses.replace(parity.ModelConfig.preset("tiny"), num_hidden_layers=30), seed=0)
+    assert len(model.state_dict()) > 252
+    model.save_pretrained(tmp_path / "model")
+    metrics = Controller(load_config(None, RUN + [f'model.checkpoint="{tmp_path / "model"}"', "steps=2",
+                                                  f'run_dir="{tmp_path / "run"}"'])).run()
+    assert [m["step"] for m in metrics] == [0, 1] and metrics[-1]["mismatch/kernel_max_abs"] == 0.0
