@@ -2,9 +2,9 @@
 
 Each lag trains one short fixed-lag run (deterministic, so the lag binds: batch b is sampled by
 version b - lag; `steps` = lag + `--after` so the bound holds for `--after` steps) in a fresh
-process, which reports its own peak resident memory (the learner) and its rollout worker's, and
-the most weight versions the learner kept (`sync/versions_kept`). Side by side: a run whose memory
-grows with the lag shows it here; parity's stays at a handful of copies.
+process, which reports its own peak resident memory (the learner), its rollout worker's (read at
+each step boundary) and the most weight versions the learner kept (`sync/versions_kept`). Side by
+side: a run whose memory grows with the lag shows it here; parity's stays at a handful of copies.
 """
 
 from __future__ import annotations
@@ -41,6 +41,18 @@ class MemoryRow:
         return self.lag + 1
 
 
+def _peak_kib(pid: int) -> int:
+    """A live process's peak resident memory in KiB (VmHWM); 0 when it cannot be read. The workers
+    are forked from a fork server, so they are not this process's children for getrusage."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _one(preset: str, dtype: str, lag: int, after: int, held: int, max_tokens: int) -> dict:
     """Train the run in this process; its figures as a dict."""
     from ..config import load_config
@@ -55,13 +67,19 @@ def _one(preset: str, dtype: str, lag: int, after: int, held: int, max_tokens: i
         "rollout.max_num_seqs=2", f"rollout.kv_cache_memory={64 << 20}",  # two short sequences
     ])
     t0 = time.perf_counter()
-    metrics = Controller(cfg).run()
+    controller = Controller(cfg)
+    worker_peak = [0]
+
+    def watch(step: int, metrics: dict) -> None:  # (a worker lives until the run ends)
+        worker_peak[0] = max([worker_peak[0], *(_peak_kib(p) for p in controller.rollout.pids if p)])
+
+    metrics = controller.run(progress=watch)
     return {
         "lag": lag, "steps": lag + after, "held_limit": held,
         "versions_kept_max": int(max(m["sync/versions_kept"] for m in metrics)),
         "version_mib": metrics[-1]["sync/version_bytes"] / 2**20,
         "learner_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "worker_peak_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
+        "worker_peak_gib": worker_peak[0] / 2**20,
         "wall_s": time.perf_counter() - t0,
     }
 
