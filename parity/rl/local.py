@@ -126,7 +126,7 @@ class LocalRollout:
         self.cfg = cfg
         self.model_config = model_config
         self.versions = versions
-        self.ctx = worker_context()
+        self.ctx = worker_context(cfg.model.device)
         self.budget = RestartBudget()  # worker restarts: 3 within any hour
         self.slots = [_Slot(i) for i in range(cfg.rollout.workers)]
         self.spool: str | None = None

@@ -1,9 +1,10 @@
 """The local backend's worker process: the body each rollout worker runs, and how it is started.
 
-Workers are forked from a fork server that imported torch and parity once (`worker_context`), so a
-worker starts in a tenth of a second rather than the seconds a fresh interpreter takes: a run's
-second worker, a restarted one, the next run in the same process. Each starts from its learner's
-environment as it is at the start (`worker_main`'s `environ`), as a spawned process would.
+Workers on the CPU are forked from a fork server that imported torch and parity once
+(`worker_context`), so a worker starts in a tenth of a second rather than the seconds a fresh
+interpreter takes: a run's second worker, a restarted one, the next run in the same process (a GPU
+run's workers are spawned). Each starts from its learner's environment as it is at the start
+(`worker_main`'s `environ`), as a spawned process would.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from .rollout_worker import RolloutWorker, State
 from .trajectory import RolloutBatch
 
 
-def worker_context():
+def worker_context(device: str = "cpu"):
     """The multiprocessing context rollout workers start in: a fork server that imports this module
-    (torch, parity) once and forks each worker from it, where the platform has one; spawn elsewhere.
-    Never a plain fork of the learner: its threads (OpenMP, the queues' feeders) do not survive one."""
-    if "forkserver" not in mp.get_all_start_methods():
+    (torch, parity) once and forks each worker from it, where the platform has one; spawn elsewhere
+    and for workers on a GPU (a process that asked whether CUDA is there may have initialised its
+    driver, which a forked child cannot use). Never a plain fork of the learner: its threads (OpenMP,
+    the queues' feeders) do not survive one."""
+    if device != "cpu" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])  # (no effect once this process's fork server runs)

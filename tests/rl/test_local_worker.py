@@ -58,3 +58,13 @@ def test_a_model_of_more_tensors_than_a_fork_request_carries_trains(tmp_path):
     metrics = Controller(load_config(None, RUN + [f'model.checkpoint="{tmp_path / "model"}"', "steps=2",
                                                   f'run_dir="{tmp_path / "run"}"'])).run()
     assert [m["step"] for m in metrics] == [0, 1] and metrics[-1]["mismatch/kernel_max_abs"] == 0.0
+
+
+def test_a_gpu_run_s_workers_are_spawned_and_a_cpu_run_s_forked_from_the_server():
+    """A fork server that asked whether CUDA is there may hold an initialised driver, which its forked
+    children cannot use: workers on a GPU start as fresh interpreters."""
+    from parity.rl.local_worker import worker_context
+
+    assert worker_context("cuda").get_start_method() == "spawn"
+    assert worker_context("cuda:1").get_start_method() == "spawn"
+    assert worker_context("cpu").get_start_method() == "forkserver"
