@@ -29,8 +29,7 @@ _SRC = Path(__file__).with_name("csrc") / "aligned_kernels.c"
 _SOURCES = (_SRC, _SRC.with_name("amx_gemm.c"), _SRC.with_name("gemm_f32.c"))
 _HEADERS = (_SRC.with_name("transpose16.h"),)  # (hashed with the sources: a change rebuilds)
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
-          "-fopenmp", "-shared",
-          "-fPIC"]
+          "-fopenmp", "-shared", "-fPIC"]
 _lib = None
 _reason = "not loaded yet"
 _enabled = os.environ.get("PARITY_NATIVE", "1") != "0"
@@ -107,14 +106,13 @@ def library():
     return _lib
 
 
-def set_enabled(flag: bool) -> bool:
-    """Use (True) or bypass (False) the native kernels from now on; returns the previous value.
-
-    Switch only between whole experiments: log-probs computed by the two implementations
-    differ in the last bits, so the engine and the learner must not straddle a switch.
-    """
+def set_enabled(flag: bool | None) -> bool:
+    """Use (True) or bypass (False) the native kernels from now on; returns the previous value (None:
+    only that). Switch only between whole experiments: log-probs computed by the two implementations
+    differ in the last bits, so the engine and the learner must not straddle a switch (a local rollout
+    worker takes its learner's setting at its start)."""
     global _enabled
-    previous, _enabled = _enabled, flag
+    previous, _enabled = _enabled, _enabled if flag is None else flag
     return previous
 
 

@@ -25,12 +25,14 @@ torch and parity once (`local_worker.worker_context`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.queues
 import os
 import pickle
 import queue as queue_mod
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,6 +46,7 @@ import torch
 from ..config import TrainConfig
 from ..errors import ParityError, WaitInterrupted
 from ..model import ModelConfig
+from ..ops import native
 from ..procs import gone as process_gone
 from .local_worker import worker_context, worker_main
 from .rollout_worker import (
@@ -171,6 +174,8 @@ class LocalRollout:
             slot.process = None
             return
         self._close_queues(slot)
+        if slot.stop is not None:  # (a worker replaced while alive, its fork server gone: it stops)
+            slot.stop.set()
         slot.weights_q, slot.traj_q, slot.stop = _WeightsQueue(self.ctx), self.ctx.Queue(), self.ctx.Event()
         slot.heartbeat = self.ctx.Value("d", 0.0, lock=False)
         slot.started = time.monotonic()
@@ -188,9 +193,15 @@ class LocalRollout:
             start = bytes(ForkingPickler.dumps(history[version]))
         slot.process = self.ctx.Process(target=worker_main, daemon=True, args=(
             self.cfg, self.model_config, start, version, slot.todo, self.floor, slot.weights_q,
-            slot.traj_q, slot.stop, slot.heartbeat, rollout_threads, self.spool, dict(os.environ)))
-        with shared_memory_errors():  # (its semaphores and the fork server's socket)
-            slot.process.start()
+            slot.traj_q, slot.stop, slot.heartbeat, rollout_threads, self.spool, dict(os.environ),
+            native.set_enabled(None)))
+        try:
+            with shared_memory_errors():  # (its semaphores and the fork server's socket)
+                slot.process.start()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the handles the worker never took, released
+                ForkingPickler.loads(start)
+            raise
         for v in sorted(history):
             if v > version:
                 slot.weights_q.put((v, history[v]))
@@ -277,6 +288,9 @@ class LocalRollout:
         if slot.process.is_alive():
             slot.process.kill()
             slot.process.join(10)
+        elif slot.process.exitcode == 255 and not process_gone(slot.process.pid):  # its fork server died,
+            with contextlib.suppress(OSError):  # the one that reported its status: it may live on
+                os.kill(slot.process.pid, signal.SIGKILL)
         self._start(slot, slot.todo)
 
     @staticmethod

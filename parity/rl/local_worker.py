@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from ..config import TrainConfig
 from ..errors import ParityError
 from ..model import ModelConfig
+from ..ops import native
 from .build import build_env, model_skeleton
 from .faults import worker_faults
 from .rollout_worker import RolloutWorker, State
@@ -47,13 +48,16 @@ def worker_context(device: str = "cpu"):
 
 def worker_main(cfg: TrainConfig, model_config: ModelConfig, start: bytes, version: int, todo: list[int],
                 floor: int, weights_q, traj_q, stop, heartbeat, threads: int, spool: str,
-                environ: dict[str, str]) -> None:
+                environ: dict[str, str], native_on: bool) -> None:
     """Rollout worker process body: the batches in `todo` (first, first + N, ... of N workers,
     less those already received), in order unless held weights ask otherwise. `start` is the
     pickled weights it starts from, `environ` its learner's environment when it was started (the
-    fork server's is that of the first worker's start: PARITY_FAULTS, say, may have changed since)."""
+    fork server's is that of the first worker's start: PARITY_FAULTS, say, may have changed since)
+    and `native_on` whether its learner uses the native kernels (read from PARITY_NATIVE when the
+    server imported them, or switched since: `native.set_enabled`)."""
     os.environ.clear()
     os.environ.update(environ)
+    native.set_enabled(native_on)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     traj_q.cancel_join_thread()  # once told to stop, never block this process's exit on the queue
     parent = mp.parent_process()

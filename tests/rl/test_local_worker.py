@@ -1,11 +1,16 @@
 """How the local backend starts its rollout workers: forked from one fork server per learner process,
-each with its learner's environment as it is at that worker's start, and the weights it starts from
-sent whatever the number of tensors (a fork request carries at most 252 file descriptors)."""
+each with its learner's environment and kernel switch as they are at that worker's start, the
+weights it starts from sent whatever the number of tensors (a fork request carries at most 252 file
+descriptors), and a fork server that dies under its workers replaced without a batch lost."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 from pathlib import Path
+
+import pytest
 
 import parity
 from parity.config import load_config
@@ -17,8 +22,19 @@ RUN = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_tokens
        "eval_every=0"]
 
 
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+def parent_of(pid: int) -> int | None:
+    """`pid`'s parent, None once it is gone (a worker exited and reaped)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def run_watching_parents(run_dir: Path, *extra: str) -> tuple[Controller, list[dict], set[int]]:
@@ -30,21 +46,20 @@ def run_watching_parents(run_dir: Path, *extra: str) -> tuple[Controller, list[d
     def watch(step, metrics):
         parents.update(parent_of(p) for p in controller.rollout.pids if p is not None)
 
-    return controller, controller.run(progress=watch), parents
+    metrics = controller.run(progress=watch)
+    return controller, metrics, parents - {None}
 
 
 def test_workers_fork_from_one_server_and_take_their_learner_s_environment(tmp_path, monkeypatch):
     """Two runs in this process: every worker of both is a child of the same process, which is not
     this one (the fork server). The second run's faults are set after that server started, and its
     worker still meets them: it took this process's environment at its start, not the server's."""
-    import os
-
     _, first, parents = run_watching_parents(tmp_path / "first")
     (tmp_path / "fault-state").mkdir()
     monkeypatch.setenv("PARITY_FAULT_STATE", str(tmp_path / "fault-state"))
     monkeypatch.setenv("PARITY_FAULTS", "worker-exit@1")
     controller, second, more = run_watching_parents(tmp_path / "second")
-    assert len(parents | more) == 1 and os.getpid() not in parents
+    assert len(parents) == 1 and parents == more and os.getpid() not in parents
     assert controller.rollout.restarts == 1  # the fault fired in the worker
     assert deterministic_view(second) == deterministic_view(first)
 
@@ -68,3 +83,47 @@ def test_a_gpu_run_s_workers_are_spawned_and_a_cpu_run_s_forked_from_the_server(
     assert worker_context("cuda").get_start_method() == "spawn"
     assert worker_context("cuda:1").get_start_method() == "spawn"
     assert worker_context("cpu").get_start_method() == "forkserver"
+
+
+def test_a_worker_takes_its_learner_s_kernel_switch_at_its_start(tmp_path):
+    """The native kernels switched off in this process between two runs (`native.set_enabled`): the
+    second run's worker computes as the learner does. The fork server had imported the switch as
+    PARITY_NATIVE was at its start, and its worker sampled on the native kernels while the learner
+    scored on the pure-PyTorch ones: kernel mismatch 9.5e-07."""
+    from parity.ops import native
+
+    if native.library() is None:
+        pytest.skip("no native kernels on this machine: both sides are the pure-PyTorch ones anyway")
+    runs = []
+    for name in ("native", "pure"):
+        previous = native.set_enabled(name == "native")
+        try:
+            runs.append(Controller(load_config(None, RUN + ['model.preset="tiny"', "steps=2",
+                                                            f'run_dir="{tmp_path / name}"'])).run())
+        finally:
+            native.set_enabled(previous)
+    assert all(m["mismatch/kernel_max_abs"] == 0.0 for metrics in runs for m in metrics)
+    assert [m["policy/entropy"] for m in runs[0]] != [m["policy/entropy"] for m in runs[1]]  # two kernels
+
+
+def test_a_fork_server_killed_under_its_worker_is_replaced_and_the_worker_with_it(tmp_path, monkeypatch):
+    """The fork server SIGKILLed while its worker holds batch 3: the worker's status came from that
+    server, so it read as dead (exit 255) while it lived on. It is killed, a new server and worker
+    sample batch 3 again, and the run ends as one never disturbed."""
+    reference = Controller(load_config(None, RUN + ['model.preset="tiny"', "steps=5",
+                                                    f'run_dir="{tmp_path / "reference"}"'])).run()
+    (tmp_path / "fault-state").mkdir()
+    monkeypatch.setenv("PARITY_FAULT_STATE", str(tmp_path / "fault-state"))
+    monkeypatch.setenv("PARITY_FAULTS", f"worker-hold@3:{tmp_path / 'never'}")
+    controller = Controller(load_config(None, RUN + ['model.preset="tiny"', "steps=5",
+                                                     f'run_dir="{tmp_path / "run"}"']))
+    old: list[int] = []
+
+    def kill_the_server(step, metrics):
+        if step == 1:
+            old.append(controller.rollout.pid)
+            os.kill(parent_of(old[0]), signal.SIGKILL)
+
+    metrics = controller.run(progress=kill_the_server)
+    assert controller.rollout.restarts == 1 and not alive(old[0])
+    assert deterministic_view(metrics) == deterministic_view(reference)
