@@ -117,6 +117,20 @@ class _WeightsQueue(multiprocessing.queues.Queue):
     def _on_queue_feeder_error(self, e, obj):  # called on the feeder thread (bound: not static)
         self.dropped = e
 
+    def take_back(self, wait_s: float = 10.0) -> None:
+        """Once its worker is gone, read back the versions it never took: each tensor's memory is
+        held for the taker until taken (a run's last versions, never needed, kept two copies of the
+        weights per run alive in a process that ran many, a study). A marker put last says all
+        are read; a read lock left held by a killed worker ends it at `wait_s`."""
+        try:
+            self.put(None)
+        except ValueError:  # closed already (a restart that closed it, then failed to start)
+            return
+        deadline = time.monotonic() + wait_s
+        with contextlib.suppress(Exception):  # (queue_mod.Empty at the deadline; a torn message)
+            while self.get(timeout=max(0.0, deadline - time.monotonic())) is not None:
+                pass
+
 
 class LocalRollout:
     """Runs `rollout.workers` rollout workers as child processes (`worker_context`) and hands their
@@ -306,6 +320,9 @@ class LocalRollout:
 
     @staticmethod
     def _close_queues(slot: _Slot) -> None:
+        """Close `slot`'s queues, its worker gone (or going: SIGKILLed, its stop set)."""
+        if slot.weights_q is not None:
+            slot.weights_q.take_back()
         for q in (slot.weights_q, slot.traj_q):
             if q is not None:
                 q.cancel_join_thread()  # unread weight messages must not block our exit
@@ -315,12 +332,13 @@ class LocalRollout:
         """Stop the workers and remove the spool directory."""
         started = [s for s in self.slots if s.process is not None and s.process.pid is not None]
         for slot in self.slots:
-            self._close_queues(slot)
             if slot.stop is not None:
                 slot.stop.set()
         for slot in started:
             slot.process.join(timeout=10)
             if slot.process.is_alive():
                 slot.process.terminate()
+        for slot in self.slots:
+            self._close_queues(slot)
         if self.spool is not None:
             shutil.rmtree(self.spool, ignore_errors=True)

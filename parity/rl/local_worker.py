@@ -81,7 +81,10 @@ def worker_main(cfg: TrainConfig, model_config: ModelConfig, start: bytes, versi
                 return got
             try:
                 while True:
-                    got.append(weights_q.get(block=block, timeout=0.5 if block else None))
+                    message = weights_q.get(block=block, timeout=0.5 if block else None)
+                    if message is None:  # (its learner taking back what was left: it is being replaced)
+                        return got
+                    got.append(message)
                     block = False
             except queue_mod.Empty:
                 pass
