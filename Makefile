@@ -5,8 +5,9 @@
 # pull a multi-GB CUDA build); TORCH_ARGS passes pip options with it, e.g. an --index-url.
 # Extra arguments go through ARGS, e.g. `make demo ARGS="--steps 20"`, `make test ARGS="-x tests/rl"`.
 # The tests run in JOBS pytest-xdist workers (2: the machine's cores; much of the suite waits on
-# subprocesses, Ray and sandboxes), each test file on one worker in its order, each worker on its share
-# of the cores (tests/conftest.py; how long it takes: the README); JOBS=0 runs them all in one.
+# subprocesses, Ray and sandboxes), each test file on one worker in its order, the longest files first,
+# each worker on its share of the cores (tests/conftest.py; how long it takes: the README); JOBS=0 runs
+# them all in one.
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0

@@ -121,15 +121,17 @@ class _WeightsQueue(multiprocessing.queues.Queue):
         """Once its worker is gone, read back the versions it never took: each tensor's memory is
         held for the taker until taken (a run's last versions, never needed, kept two copies of the
         weights per run alive in a process that ran many, a study). A marker put last says all
-        are read; a read lock left held by a killed worker ends it at `wait_s`."""
+        are read (at most `wait_s`)."""
         try:
             self.put(None)
         except ValueError:  # closed already (a restart that closed it, then failed to start)
             return
         deadline = time.monotonic() + wait_s
-        with contextlib.suppress(Exception):  # (queue_mod.Empty at the deadline; a torn message)
-            while self.get(timeout=max(0.0, deadline - time.monotonic())) is not None:
-                pass
+        with contextlib.suppress(Exception):  # (a torn message: nothing more to take back)
+            # (past the queue's read lock: a worker killed while it waited for weights holds it for good)
+            while self._reader.poll(max(0.0, deadline - time.monotonic())):
+                if ForkingPickler.loads(self._reader.recv_bytes()) is None:
+                    return
 
 
 class LocalRollout:
@@ -187,9 +189,9 @@ class LocalRollout:
         if not todo:
             slot.process = None
             return
-        self._close_queues(slot)
         if slot.stop is not None:  # (a worker replaced while alive, its fork server gone: it stops)
             slot.stop.set()
+        self._close_queues(slot)
         slot.weights_q, slot.traj_q, slot.stop = _WeightsQueue(self.ctx), self.ctx.Queue(), self.ctx.Event()
         slot.heartbeat = self.ctx.Value("d", 0.0, lock=False)
         slot.started = time.monotonic()
