@@ -22,9 +22,10 @@ os.environ.setdefault("PARITY_ALLOW_DEGRADED_SANDBOX", "1")  # the suite tests t
 DEVICE = os.environ.get("PARITY_TEST_DEVICE", "cpu")
 """Where the shared models live (and so where the bitwise suite runs)."""
 
-if not torch.cuda.is_available():  # before anything imports Triton (the first AdamW does, through
-    # torch._dynamo): the Triton kernels then run through its interpreter whichever test file comes
-    # first (the fused-draw tests skipped when a learner test had imported Triton before them)
+if not torch.cuda.is_available():  # before anything imports Triton (torch._dynamo does, and tests
+    # reach it through torch's AdamW or torch.compile): the Triton kernels then run through its
+    # interpreter whichever test file comes first (the fused-draw tests skipped when a learner test
+    # had imported Triton before them)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

@@ -4,7 +4,7 @@ Layers (a module may import its own package and any lower layer, never a higher 
 sibling package of its own layer):
 
     0  errors, _startup           (_startup: process settings made before torch is imported)
-    1  dtypes, hardware, fields, procs, seeds
+    1  dtypes, hardware, fields, procs, seeds, signals
     2  ops                        kernels behind the switch
     3  model                      one model definition on the kernels
     4  engine                     the rollout engine and the model-level Decoder
@@ -22,8 +22,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "parity"
 LAYERS = {"errors": 0, "_startup": 0, "dtypes": 1, "hardware": 1, "fields": 1, "procs": 1, "seeds": 1,
-          "ops": 2, "model": 3, "engine": 4, "config": 5, "envs": 5, "metrics": 5, "invariance": 5, "rl": 6,
-          "apps": 7, "cli": 8, "__main__": 9}
+          "signals": 1, "ops": 2, "model": 3, "engine": 4, "config": 5, "envs": 5, "metrics": 5,
+          "invariance": 5, "rl": 6, "apps": 7, "cli": 8, "__main__": 9}
 MAX_LINES = 400
 
 

@@ -380,6 +380,7 @@ def test_a_cached_base_does_not_hang_on_the_asking_processs_threads(tmp_path, mo
     cfg = SFTConfig(steps=2, batch_size=4)
     # (the cache moved by hand, not by PARITY_CACHE: the child would build the native kernels again)
     monkeypatch.setattr(sft, "base_dir", lambda c=None: tmp_path / "cache" / (c or RECIPES["base"]).key())
+    monkeypatch.setattr(sft, "BASE_EVAL_PROBLEMS", 2)  # (a 2-step base answers at its length limit)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     threads = torch.get_num_threads()
     try:

@@ -231,8 +231,7 @@ def train_sft(out_dir: str | Path, cfg: SFTConfig | None = None, progress=None,
     return record
 
 
-BUILDER = ".builder"
-"""In a base policy being built: the host name and pid of the process building it."""
+BUILDER = ".builder"  # in a base policy being built: the host name and pid of the process building it
 
 
 def _remove_stale_builds(out_dir: Path) -> None:
@@ -334,6 +333,7 @@ RECIPES: dict[str, SFTConfig] = {
 """The named base policies (`model.checkpoint = "<name>"`): 'base' for the tool task (and math
 answered directly, which this model size barely learns), 'base-math' for two-digit addition
 written as column sums, trained only part of the way so RL has signal."""
+BASE_EVAL_PROBLEMS = 100  # held-out problems per task a cached base is scored on at its build
 
 
 def get_base_policy(cfg: SFTConfig | None = None) -> Path:
@@ -344,7 +344,7 @@ def get_base_policy(cfg: SFTConfig | None = None) -> Path:
     if is_built(path):
         return path
     log.info("building the base policy (once; cached in %s)", path)
-    sft_child.build(path, cfg, progress_on_stderr=True)  # (the asking command's stdout may be JSON)
+    sft_child.build(path, cfg, BASE_EVAL_PROBLEMS, progress_on_stderr=True)  # (stdout may be JSON)
     return path
 
 

@@ -48,7 +48,7 @@ from ..errors import ParityError, WaitInterrupted
 from ..model import ModelConfig
 from ..ops import native
 from ..procs import gone as process_gone
-from .local_worker import worker_context, worker_main
+from .local_worker import main_without_a_file, worker_context, worker_main
 from .rollout_worker import (
     RestartBudget,
     State,
@@ -212,7 +212,7 @@ class LocalRollout:
             slot.traj_q, slot.stop, slot.heartbeat, rollout_threads, self.spool, dict(os.environ),
             native.set_enabled(None)))
         try:
-            with shared_memory_errors():  # (its semaphores and the fork server's socket)
+            with shared_memory_errors(), main_without_a_file():  # (/dev/shm: semaphores, the server socket)
                 slot.process.start()
         except BaseException:
             with contextlib.suppress(Exception):  # the handles the worker never took, released

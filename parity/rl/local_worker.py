@@ -9,6 +9,7 @@ run's workers are spawned). Each starts from its learner's environment as it is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue as queue_mod
@@ -44,6 +45,26 @@ def worker_context(device: str = "cpu"):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])  # (no effect once this process's fork server runs)
     return ctx
+
+
+@contextlib.contextmanager
+def main_without_a_file():
+    """While a worker starts: a main module whose file is no file is left out of its preparation.
+
+    A worker imports its parent's main module from that file first (multiprocessing's rule for
+    spawned and fork-server children); a script read from stdin (`python - < train.py`) names
+    '<stdin>', so every worker died on FileNotFoundError and the run gave up after 3 restarts. Such
+    a main is skipped as `python -c`'s is (what it defines cannot reach a worker either way)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is not None or not isinstance(path, str) or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def worker_main(cfg: TrainConfig, model_config: ModelConfig, start: bytes, version: int, todo: list[int],

@@ -1,45 +1,54 @@
-"""The optimizer of `parity`'s learners (RL and SFT): AdamW, built with Ctrl-C and SIGTERM held back.
+"""The optimizer of `parity`'s learners (RL and SFT): PyTorch's AdamW, without `torch._dynamo`.
 
-Building the first AdamW of a process imports `torch._dynamo`, which imports Triton, whose C++
-module initialisation calls back into Python. A Python signal handler runs at the next bytecode,
-and the CLI's SIGTERM handler raises (`Terminated`): raised inside that initialisation, the
-exception crossed C++ and the process aborted (SIGABRT, some 85 lines of C++ traceback) instead
-of exiting 143 with one line. While the optimizer is built, SIGINT and SIGTERM are only noted;
-the handlers in place before are restored and the signal raised again right after, so it is
-handled as it would have been a moment later.
+`torch.optim`'s methods are wrapped to switch TorchDynamo off inside them, and the wrappers import
+`torch._dynamo` on their first call, which imports Triton where it is installed: 2.0-2.3 s on an
+AVX2-only AMD EPYC (2026-12-07), as long as importing torch itself, in every process that builds
+an optimizer (each `parity train` and `parity sft`, each test that trains). parity never compiles
+the optimizer, so `AdamW` is `torch.optim.AdamW` with those methods unwrapped: the same code on the
+same tensors (the same bits, `tests/rl/test_optim.py`), state dicts in the same format (checkpoints
+of either load in the other), and no TorchDynamo import. Where a PyTorch version lacks a wrapper
+this expects, the method is PyTorch's as it is.
+
+It is still built under `signals_held` (a PyTorch whose optimizer does import Triton there stays
+safe from a SIGTERM during that import).
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
-from collections.abc import Iterator
+import inspect
 
 import torch
 
-HELD = (signal.SIGINT, signal.SIGTERM)
+from ..signals import signals_held
 
 
-@contextlib.contextmanager
-def signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM noted, not handled, inside the block; re-raised after it (main thread
-    only: elsewhere Python handlers do not run, and the block runs as it is)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in HELD}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        for s in dict.fromkeys(caught):  # (each once, in the order they came)
-            signal.raise_signal(s)
+def _unwrapped(name: str):
+    """`torch.optim.AdamW`'s method `name` without its decorators (None: not decorated here)."""
+    method = getattr(torch.optim.AdamW, name)
+    inner = inspect.unwrap(method)
+    return None if inner is method else inner
+
+
+class AdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW` whose methods run without importing `torch._dynamo` (module docstring)."""
+
+    _step = _unwrapped("step")
+
+    def step(self, closure=None):
+        """One update, with gradients recorded only for a differentiable optimizer (what PyTorch's
+        wrapper does outside a compiled graph)."""
+        if self._step is None:
+            return super().step(closure)
+        with torch.set_grad_enabled(self.defaults["differentiable"]):
+            return self._step(closure)
+
+
+for _name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+    if (_inner := _unwrapped(_name)) is not None:
+        setattr(AdamW, _name, _inner)
 
 
 def adamw(params, **kwargs) -> torch.optim.AdamW:
-    """`torch.optim.AdamW(params, **kwargs)`, built under `signals_held`."""
+    """`AdamW(params, **kwargs)`, built under `signals_held`."""
     with signals_held():
-        return torch.optim.AdamW(params, **kwargs)
+        return AdamW(params, **kwargs)

@@ -146,3 +146,33 @@ def test_versions_no_worker_took_are_taken_back_when_a_run_ends(tmp_path):
     run("first")
     run("second")
     assert len(os.listdir("/proc/self/fd")) - before < 20
+
+
+STDIN_RUN = """
+import multiprocessing, os, sys
+from parity.config import load_config
+from parity.rl.controller import Controller
+RUN = {run!r}
+metrics = Controller(load_config(None, RUN)).run()
+print("steps", len(metrics), "file", sys.modules["__main__"].__file__)
+# the control: a fork-server child started from this main as multiprocessing starts one
+child = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+child.start()
+child.join()
+print("control exit", child.exitcode)
+"""
+
+
+def test_a_run_from_a_script_read_from_stdin_starts_its_workers(tmp_path):
+    """`python - < train.py`: a worker imports its parent's main module from its file first, and
+    '<stdin>' is none, so every worker died on FileNotFoundError and the run gave up after 3
+    restarts. Such a main is left out of a worker's start; the control, a child started as
+    multiprocessing starts one, still dies."""
+    import subprocess
+    import sys
+
+    script = STDIN_RUN.format(run=RUN + ['model.preset="tiny"', "steps=2", f'run_dir="{tmp_path}"'])
+    proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "steps 2 file <stdin>" in proc.stdout and "restarting" not in proc.stderr
+    assert "control exit 1" in proc.stdout and "FileNotFoundError" in proc.stderr
