@@ -6,12 +6,19 @@ raised inside that initialisation, the exception crossed C++ and the process abo
 some 85 lines of C++ traceback) instead of exiting 143 with one line. Inside `signals_held`,
 SIGINT and SIGTERM are only noted; the handlers in place before are restored and the signals
 raised again right after, so each is handled as it would have been a moment later.
+
+Where parity meets that import: the Triton kernels' first import on a GPU (`ops.get_kernels`), the
+first layer recomputed under activation checkpointing (torch's checkpoint imports torch._dynamo,
+which imports Triton where it is installed), and PyTorch versions whose optimizer imports
+torch._dynamo in a way `rl/optim.py` does not undo.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -34,3 +41,10 @@ def signals_held() -> Iterator[None]:
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         for s in dict.fromkeys(caught):  # (each once, in the order they came)
             signal.raise_signal(s)
+
+
+def import_held(name: str) -> None:
+    """Import module `name` under `signals_held`, unless it is imported already."""
+    if name not in sys.modules:
+        with signals_held():
+            importlib.import_module(name)

@@ -24,6 +24,7 @@ from ..dtypes import COMPUTE_DTYPES
 from ..errors import ConfigError, InputError
 from ..hardware import check_device
 from ..ops import Kernels, check_backend, get_kernels
+from ..signals import import_held
 from .batch import ForwardBatch
 from .checkpoint import save_pretrained
 from .config import ModelConfig
@@ -360,6 +361,8 @@ class Model(nn.Module):
         # recompute: each layer keeps only its input for the backward and runs again there (the
         # same kernels on the same rows: the same bits, so the same gradients, bit for bit)
         recompute = recompute and cache is None and torch.is_grad_enabled()
+        if recompute:  # (torch's checkpoint imports torch._dynamo, and so Triton, at its first call)
+            import_held("torch._dynamo")
         routing, router_logits = [], []
         for i in range(len(self.model.layers)):
             x, experts, logits = (recomputed(run_layer, i, x, use_reentrant=False, preserve_rng_state=False)

@@ -429,6 +429,52 @@ def test_sigterm_while_the_first_optimizer_imports_triton_is_one_line_not_an_abo
     assert control.returncode in (-signal.SIGABRT, 128 + signal.SIGABRT), control.stderr[-2000:]
 
 
+CTRL_C_IN_CHECKPOINTING = """
+import os, signal, sys
+state = {"sent": False}
+def profile(frame, event, arg):
+    if not state["sent"] and event == "call" and frame.f_code.co_filename.endswith("enum.py"):
+        state["sent"] = True
+        sys.setprofile(None)
+        print("SIGINT sent inside Triton's initialisation", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+def hook(event, args):
+    if event == "import" and args[0] == "triton._C.libtriton" and not state["sent"]:
+        sys.setprofile(profile)
+if __name__ == "__main__":
+    import parity
+    if sys.argv[1] == "control":
+        import parity.model.decoder
+        parity.model.decoder.import_held = lambda name: None
+    model = parity.Model(parity.ModelConfig.preset("tiny"), seed=0)
+    sys.addaudithook(hook)
+    try:
+        parity.sequence_logprobs(model, [[1, 2, 3, 4]], recompute=True)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+        sys.exit(130)
+    print("not interrupted")
+"""
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed")
+def test_ctrl_c_while_activation_checkpointing_first_imports_triton_is_a_keyboard_interrupt(tmp_path):
+    """torch's activation checkpointing imports torch._dynamo, and so Triton, at its first call: a
+    Ctrl-C there (Python's own handler: KeyboardInterrupt, raised inside Triton's C++ init) aborted
+    the process. The model imports it under the signals held first (`parity/signals.py`): the
+    KeyboardInterrupt comes right after. The control, without that, aborts."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_IN_CHECKPOINTING)
+    runs = {mode: subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True,
+                                 timeout=300, cwd=Path(__file__).resolve().parents[2])
+            for mode in ("fixed", "control")}
+    for run in runs.values():
+        assert "SIGINT sent inside Triton's initialisation" in run.stderr, run.stderr[-2000:]
+    assert runs["fixed"].returncode == 130 and runs["fixed"].stdout.strip() == "KeyboardInterrupt"
+    control = runs["control"]
+    assert control.returncode in (-signal.SIGABRT, 128 + signal.SIGABRT), control.stderr[-2000:]
+
+
 def test_dev_shm_out_of_room_is_named(tmp_path):
     """Local workers share weights, batches and queue semaphores through /dev/shm: out of room, the
     run ended on "[Errno 28] No space left on device" (a semaphore's: no file named) after a
