@@ -197,6 +197,8 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["bench", "kernels", "--foo"], "--foo (`parity bench kernels --help` lists the options)"),
         (["train", *toy, "--set", "rollout.kv_cache_memory=2.0"], "2.0 reads as 2 bytes: a fraction"),
         (["train", "--resume", str(tmp_path / "no-run")], "no-run: no run there (a run directory holds"),
+        # a new user's walk (2026-12-07, ninth session): run_dir was silently the resumed run's
+        (["train", "--resume", str(tmp_path), "--set", 'run_dir="/x"'], "run_dir is fixed: a run continues"),
     ]
     for argv, message in cases:
         try:

@@ -335,3 +335,22 @@ def test_a_processors_chat_template_json_is_read_and_copied(tmp_path, bpe_dir):
     assert theirs.chat_template == "{{ messages[0]['content'] }}!"
     (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "own"}))
     assert HFTokenizer(ckpt / "tokenizer.json").chat_template == "own"
+
+
+def test_generate_names_unspellable_characters_and_a_missing_chat_template(tmp_path, capsys):
+    """A new user's walk (2026-12-07, ninth session): `generate` with characters a character
+    tokenizer cannot spell gave <|unk|> without a word (a dataset's prompts were warned of), and
+    --chat-kwarg on a checkpoint with no chat template said it needed --chat, which was given."""
+    from parity.model.tokenizer import build_char_tokenizer
+
+    build_char_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    parity.Model(parity.ModelConfig.preset("tiny", eos_token_id=1), seed=0).save_pretrained(tmp_path)
+    args = ["generate", "--model", str(tmp_path), "--max-tokens", "1"]
+    assert main([*args, "--prompt", "1+2=", "--prompt", "h\u00e9llo \U0001F600"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: prompt 1 holds characters this tokenizer cannot spell; the model sees them as <|unk|>" \
+        in err
+    assert main([*args, "--prompt", "1+2="]) == 0
+    assert "cannot spell" not in capsys.readouterr().err  # (the control: every character spelled)
+    assert main([*args, "--prompt", "hi", "--chat", "--chat-kwarg", "x=1"]) == 2
+    assert capsys.readouterr().err.strip().endswith("has none (--chat wraps prompts in its turn tokens)")

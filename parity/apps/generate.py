@@ -137,10 +137,20 @@ def main(args) -> int:
                       dtype=dtype, seed=args.seed, device=args.device)
     tokenizer = load_tokenizer(args.model, model.config.vocab_size)
     if getattr(args, "chat_kwarg", None):
-        if not args.chat or not getattr(tokenizer, "chat_template", None):
-            raise ParityError("--chat-kwarg needs --chat and a checkpoint with a chat template")
+        if not args.chat:
+            raise ParityError("--chat-kwarg needs --chat")
+        if not getattr(tokenizer, "chat_template", None):  # (parity's own bases: their turn tokens)
+            which = args.model or "this model"
+            raise ParityError(f"--chat-kwarg needs a checkpoint with a chat template; {which} has none "
+                              "(--chat wraps prompts in its turn tokens)")
         tokenizer.chat_template_kwargs = dict(_chat_kwarg(text) for text in args.chat_kwarg)
     prompts = _read_prompts(args, tokenizer)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    unspelled = [i for i, ids in enumerate(prompts) if unk is not None and unk in ids]
+    if unspelled and (args.prompt or args.prompts_file):  # (as a dataset's prompts are said to)
+        print(f"parity: warning: prompt {unspelled[0]}{' and others' if len(unspelled) > 1 else ''} holds "
+              f"characters this tokenizer cannot spell; the model sees them as {tokenizer.decode([unk])}",
+              file=sys.stderr, flush=True)
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_k=args.top_k,
                              top_p=args.top_p, seed=(args.seed + i) % (1 << 63), stop_strings=args.stop or [])
               for i in range(len(prompts))]

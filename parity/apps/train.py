@@ -31,6 +31,10 @@ def main(args) -> int:
         if fixed:
             raise ParityError(f"--resume: {fixed[0]} is fixed by the checkpoint; only "
                               f"{', '.join(RESUMABLE_MODEL_KEYS)} of the model can change on resume")
+        here = Path(args.resume).resolve()
+        if "run_dir" in overrides and Path(str(overrides["run_dir"])).resolve() != here:  # (was ignored)
+            raise ParityError(f"--resume: run_dir is fixed: a run continues in its own directory, "
+                              f"{args.resume}")
         if not (Path(args.resume) / "config.toml").is_file():  # (was "RUN/config.toml: no such config file")
             raise ParityError(f"--resume {args.resume}: no run there (a run directory holds config.toml)")
         cfg = load_config(Path(args.resume) / "config.toml", {**overrides, "run_dir": args.resume})

@@ -179,15 +179,16 @@ class Controller:
             self._catch_ctrl_c()  # again: ray.init installs a SIGTERM handler of its own over ours
             self.ready = []  # the backend holds them now
             clock = _Clock.resumed(self.metrics, self.start_step)
-            for step in range(self.start_step, cfg.steps):
-                rollout, stage = None, f"the evaluation before step {step} failed"
+            for step in range(self.start_step, cfg.steps):  # (messages count steps from 1, as the
+                # progress lines do; batches keep their index from 0, as a worker's own lines do)
+                rollout, stage = None, f"the evaluation before step {step + 1} failed"
                 try:  # until the update the learner is as at this step's start
                     t_eval = time.perf_counter()
                     evaluation = self.evaluate() if cfg.eval_every and step % cfg.eval_every == 0 else {}
                     clock.eval_s += time.perf_counter() - t_eval
                     t0, stage = time.perf_counter(), f"the rollout failed at batch {step}"
                     rollout = self.rollout.next_batch(step)
-                    wait_s, stage = time.perf_counter() - t0, f"the learner's step {step} failed"
+                    wait_s, stage = time.perf_counter() - t0, f"the learner's step {step + 1} failed"
                     assert rollout.index == step, f"batch {rollout.index} arrived for step {step}"
                     batch = TrajectoryBatch(rollout.trajectories)
                     m = self.learner.step(batch)
@@ -205,7 +206,7 @@ class Controller:
                     record = {"step": step, **m, "lag/bound": float(cfg.max_policy_lag), **rollout.stats,
                               **evaluation}  # all but the transport figures (publish_s, ...)
                     if self._write_after_failure(sink, record):  # (else resumed records
-                        self._save_after_failure(step + 1, f"recording step {step} failed")  # skip one)
+                        self._save_after_failure(step + 1, f"recording step {step + 1} failed")  # skip one)
                     raise
                 progress = self._show(progress, step, m)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:

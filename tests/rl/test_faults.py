@@ -269,7 +269,7 @@ def test_a_failure_anywhere_in_a_step_keeps_the_steps_trained_and_resumes(tmp_pa
         _fail_once(controller.rollout, "publish", 3, OSError(28, "No space left on device"))
     with caplog.at_level(logging.WARNING, logger="parity"), pytest.raises((RuntimeError, OSError)):
         controller.run()
-    said = "the learner's step 3 failed" if where == "learner" else "recording step 2 failed"
+    said = "the learner's step 4 failed" if where == "learner" else "recording step 3 failed"  # (1-based)
     assert f"{said}; the 3 steps trained are in" in caplog.text
     saved = checkpoint.latest(tmp_path / "run")
     assert saved.name == "checkpoint-3"
