@@ -6,8 +6,8 @@ AVX2-only AMD EPYC (2026-12-07), as long as importing torch itself, in every pro
 an optimizer (each `parity train` and `parity sft`, each test that trains). parity never compiles
 the optimizer, so `AdamW` is `torch.optim.AdamW` with those methods unwrapped: the same code on the
 same tensors (the same bits, `tests/rl/test_optim.py`), state dicts in the same format (checkpoints
-of either load in the other), and no TorchDynamo import. Where a PyTorch version lacks a wrapper
-this expects, the method is PyTorch's as it is.
+of either load in the other), and no TorchDynamo import. A method wrapped in a way this module
+does not know (another PyTorch version) is kept as PyTorch's.
 
 It is still built under `signals_held` (a PyTorch whose optimizer does import Triton there stays
 safe from a SIGTERM during that import).
@@ -15,17 +15,26 @@ safe from a SIGTERM during that import).
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from ..signals import signals_held
 
+KNOWN_WRAPPERS = ("_disable_dynamo.<locals>.inner", "_use_grad_for_differentiable.<locals>._use_grad",
+                  "Optimizer.profile_hook_step.<locals>.wrapper")
+"""The wrappers taken off (their code's qualified names): TorchDynamo's switch, the step's grad mode
+(done here as it does outside a compiled graph) and the profiler's hook (PyTorch puts it on this
+class's own step as it does on any optimizer's)."""
+
 
 def _unwrapped(name: str):
-    """`torch.optim.AdamW`'s method `name` without its decorators (None: not decorated here)."""
-    method = getattr(torch.optim.AdamW, name)
-    inner = inspect.unwrap(method)
+    """`torch.optim.AdamW`'s method `name` without its wrappers; None where it has none, or one this
+    module does not know (a PyTorch version that wraps it otherwise keeps its method as it is)."""
+    method = inner = getattr(torch.optim.AdamW, name)
+    while hasattr(inner, "__wrapped__"):
+        code = getattr(inner, "__code__", None)
+        if code is None or code.co_qualname not in KNOWN_WRAPPERS:
+            return None
+        inner = inner.__wrapped__
     return None if inner is method else inner
 
 

@@ -89,3 +89,21 @@ def test_step_takes_a_closure_and_records_no_graph(closure):
         loss()
         assert opt.step() is None
     assert w.grad_fn is None and not torch.equal(w.detach(), torch.tensor([1.0, -2.0]))
+
+
+def test_a_wrapper_of_another_kind_is_left_on(monkeypatch):
+    """Only the wrappers `KNOWN_WRAPPERS` names come off: a PyTorch that wraps a method otherwise
+    keeps its own (the control: today's wrappers do come off)."""
+    import functools
+
+    from parity.rl import optim
+
+    assert optim._unwrapped("zero_grad") is torch.optim.Optimizer.zero_grad.__wrapped__
+    original = torch.optim.AdamW.zero_grad
+
+    @functools.wraps(original)
+    def another_kind(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "zero_grad", another_kind)
+    assert optim._unwrapped("zero_grad") is None
