@@ -102,6 +102,7 @@ class _Slot:
     stop: Any = None
     heartbeat: Any = None  # shared double: the worker's last sign of life (time.monotonic; 0: none yet)
     started: float = 0.0  # when the process was started (time.monotonic)
+    error: str | None = None  # its last word, met by `collect`: raised when its next batch is asked for
 
 
 class _WeightsQueue(multiprocessing.queues.Queue):
@@ -185,7 +186,7 @@ class LocalRollout:
 
     def _start(self, slot: _Slot, todo: list[int]) -> None:
         """(Re)start `slot`'s worker on the batches `todo`."""
-        slot.todo = list(todo)
+        slot.todo, slot.error = list(todo), None
         if not todo:
             slot.process = None
             return
@@ -238,7 +239,9 @@ class LocalRollout:
         return self.ready.pop(step)
 
     def collect(self) -> None:
-        """Take in every batch the workers have finished (never waits)."""
+        """Take in every batch the workers have finished (never waits). A worker's error met here
+        is kept for the batch it failed: the step just trained is recorded whole, and the run
+        stops where the learner asks for that batch (as on Ray)."""
         for slot in self.slots:
             while self._receive(slot, block=False):
                 pass
@@ -258,6 +261,10 @@ class LocalRollout:
         """Take one message from `slot` into `ready` (restarting a dead or hung worker); False when
         nothing was there (block=False) or the worker has no batch left to send."""
         if not slot.todo:
+            return False
+        if slot.error is not None:
+            if block:
+                raise ParityError(f"rollout worker: {slot.error}")
             return False
         timeout = self.cfg.rollout.heartbeat_timeout_s
         while True:
@@ -286,7 +293,8 @@ class LocalRollout:
                 self._restart(slot, why)
                 continue
             if kind == "error":
-                raise ParityError(f"rollout worker: {value}")
+                slot.error = value
+                return self._receive(slot, block)
             batch = self._read(Path(value), slot.todo)
             if batch is None:  # unreadable: sample it again
                 self._restart(slot, f"sent a corrupt batch file ({value})")

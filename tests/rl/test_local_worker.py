@@ -176,3 +176,27 @@ def test_a_run_from_a_script_read_from_stdin_starts_its_workers(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "steps 2 file <stdin>" in proc.stdout and "restarting" not in proc.stderr
     assert "control exit 1" in proc.stdout and "FileNotFoundError" in proc.stderr
+
+
+def test_a_worker_error_met_while_batches_are_taken_in_waits_for_the_batch_it_failed(tmp_path):
+    """A worker's error (your reward raised on batch 3) met by `collect`, while the learner records
+    step 1, stopped the run there as "recording step 2 failed", that step's record without its
+    transport figures. It is kept for the batch it failed: batches before it are served, and
+    asking for that batch raises it."""
+    import queue
+
+    from parity.errors import ParityError
+    from parity.rl.local import LocalRollout
+    from parity.rl.trajectory import RolloutBatch
+
+    cfg = load_config(None, RUN + ['model.preset="tiny"', "steps=4", f'run_dir="{tmp_path}"'])
+    rollout = LocalRollout(cfg, cfg.model, lambda: {})
+    slot = rollout.slots[0]
+    slot.todo, slot.traj_q = [2, 3], queue.Queue()
+    rollout.ready[2] = RolloutBatch(2, [], 0, 0.0, 0.0)  # (received before the error)
+    slot.todo.remove(2)
+    slot.traj_q.put(("error", "task.reward raised ValueError: judge down"))
+    rollout.collect()  # not raised here
+    assert rollout.next_batch(2).index == 2
+    with pytest.raises(ParityError, match="^rollout worker: task.reward raised ValueError: judge down$"):
+        rollout.next_batch(3)
