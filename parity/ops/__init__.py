@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..signals import signals_held
+from ..signals import import_held
 from . import aligned, gemm, moe, native, standard
 from .functions import AttentionFn, RMSNormFn, SiluMulFn
 
@@ -188,8 +188,8 @@ def get_kernels(name: str, device: torch.device | str | None = None) -> Kernels:
     CUDA); `aligned` is the Triton kernels on CUDA and the CPU kernels elsewhere."""
     check_backend(name)
     if name == "aligned" and aligned_impl(device) == "triton":
-        with signals_held():  # (Triton's first import: `parity/signals.py`)
-            from .triton_bundle import TRITON_ALIGNED
+        import_held(f"{__name__}.triton_bundle")  # (Triton's first import: `parity/signals.py`)
+        from .triton_bundle import TRITON_ALIGNED
         return TRITON_ALIGNED
     return _BUNDLES[name]
 

@@ -9,15 +9,15 @@ same tensors (the same bits, `tests/rl/test_optim.py`), state dicts in the same 
 of either load in the other), and no TorchDynamo import. A method wrapped in a way this module
 does not know (another PyTorch version) is kept as PyTorch's.
 
-It is still built under `signals_held` (a PyTorch whose optimizer does import Triton there stays
-safe from a SIGTERM during that import).
+It is still built under `signals_held`, and where a method was kept as PyTorch's, `torch._dynamo`
+is imported there first (a SIGTERM during Triton's import, which it brings, aborted the process).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..signals import signals_held
+from ..signals import import_held, signals_held
 
 KNOWN_WRAPPERS = ("_disable_dynamo.<locals>.inner", "_use_grad_for_differentiable.<locals>._use_grad",
                   "Optimizer.profile_hook_step.<locals>.wrapper")
@@ -27,37 +27,45 @@ class's own step as it does on any optimizer's)."""
 
 
 def _unwrapped(name: str):
-    """`torch.optim.AdamW`'s method `name` without its wrappers; None where it has none, or one this
-    module does not know (a PyTorch version that wraps it otherwise keeps its method as it is)."""
+    """`torch.optim.AdamW`'s method `name` without its wrappers (None: it has none), and whether every
+    wrapper was one of `KNOWN_WRAPPERS` (if not, the method is None: PyTorch's is kept as it is)."""
     method = inner = getattr(torch.optim.AdamW, name)
     while hasattr(inner, "__wrapped__"):
         code = getattr(inner, "__code__", None)
         if code is None or code.co_qualname not in KNOWN_WRAPPERS:
-            return None
+            return None, False
         inner = inner.__wrapped__
-    return None if inner is method else inner
+    return (None if inner is method else inner), True
 
 
 class AdamW(torch.optim.AdamW):
     """`torch.optim.AdamW` whose methods run without importing `torch._dynamo` (module docstring)."""
 
-    _step = _unwrapped("step")
 
-    def step(self, closure=None):
-        """One update, with gradients recorded only for a differentiable optimizer (what PyTorch's
-        wrapper does outside a compiled graph)."""
-        if self._step is None:
-            return super().step(closure)
-        with torch.set_grad_enabled(self.defaults["differentiable"]):
-            return self._step(closure)
+def _step(self, closure=None):
+    """One update, with gradients recorded only for a differentiable optimizer (what PyTorch's
+    wrapper does outside a compiled graph)."""
+    with torch.set_grad_enabled(self.defaults["differentiable"]):
+        return _STEP(self, closure)
 
 
-for _name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
-    if (_inner := _unwrapped(_name)) is not None:
+KEPT: list[str] = []
+"""The methods kept as PyTorch's because a wrapper on them is not one of `KNOWN_WRAPPERS`."""
+_STEP, _known = _unwrapped("step")
+if _STEP is not None:  # (else torch's own step, which PyTorch's profiler hook wraps once, as any)
+    AdamW.step = _step
+for _name in ("step", "add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+    _inner, _known = _unwrapped(_name)
+    if not _known:
+        KEPT.append(_name)
+    elif _inner is not None and _name != "step":
         setattr(AdamW, _name, _inner)
 
 
 def adamw(params, **kwargs) -> torch.optim.AdamW:
-    """`AdamW(params, **kwargs)`, built under `signals_held`."""
+    """`AdamW(params, **kwargs)`, built under `signals_held` (and where a method was kept as PyTorch's,
+    with `torch._dynamo` imported under them first: such a method may import it at its first call)."""
     with signals_held():
+        if KEPT:
+            import_held("torch._dynamo")
         return AdamW(params, **kwargs)

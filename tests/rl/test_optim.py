@@ -88,7 +88,8 @@ def test_step_takes_a_closure_and_records_no_graph(closure):
     else:
         loss()
         assert opt.step() is None
-    assert w.grad_fn is None and not torch.equal(w.detach(), torch.tensor([1.0, -2.0]))
+    # (grad mode on inside the step would have failed the in-place update of a leaf; and it is on again)
+    assert torch.is_grad_enabled() and not torch.equal(w.detach(), torch.tensor([1.0, -2.0]))
 
 
 def test_a_wrapper_of_another_kind_is_left_on(monkeypatch):
@@ -98,7 +99,8 @@ def test_a_wrapper_of_another_kind_is_left_on(monkeypatch):
 
     from parity.rl import optim
 
-    assert optim._unwrapped("zero_grad") is torch.optim.Optimizer.zero_grad.__wrapped__
+    assert optim._unwrapped("zero_grad") == (torch.optim.Optimizer.zero_grad.__wrapped__, True)
+    assert optim.KEPT == []
     original = torch.optim.AdamW.zero_grad
 
     @functools.wraps(original)
@@ -106,4 +108,36 @@ def test_a_wrapper_of_another_kind_is_left_on(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "zero_grad", another_kind)
-    assert optim._unwrapped("zero_grad") is None
+    assert optim._unwrapped("zero_grad") == (None, False)
+
+
+KEPT_STEP = """
+import functools, sys, torch
+original = torch.optim.Adam.step
+@functools.wraps(original)
+def another_kind(*args, **kwargs):  # a PyTorch whose step has a wrapper parity does not know
+    return original(*args, **kwargs)
+torch.optim.Adam.step = another_kind
+from parity.rl.optim import KEPT, adamw
+print("kept", KEPT, "dynamo", "torch._dynamo" in sys.modules)
+counts = []
+for make in (adamw, torch.optim.AdamW):
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = make([w], lr=0.1)
+    if make is adamw:  # imported at its build, under the signals held, not at its first step
+        print("built", "torch._dynamo" in sys.modules)
+    calls = []
+    opt.register_step_post_hook(lambda *a: calls.append(1))
+    w.sum().backward()
+    opt.step()
+    counts.append(len(calls))
+print("hooks", counts)
+"""
+
+
+def test_a_step_kept_as_torchs_runs_its_hooks_once_and_imports_dynamo_under_the_signals_held():
+    """A review's finding: with torch's step kept, parity's own step wrapper called it through
+    `super()`, and both carried the profiler's hook: step hooks ran twice."""
+    proc = subprocess.run([sys.executable, "-c", KEPT_STEP], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "kept ['step'] dynamo False\nbuilt True\nhooks [1, 1]" in proc.stdout
