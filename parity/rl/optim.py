@@ -51,15 +51,14 @@ def _step(self, closure=None):
 
 KEPT: list[str] = []
 """The methods kept as PyTorch's because a wrapper on them is not one of `KNOWN_WRAPPERS`."""
-_STEP, _known = _unwrapped("step")
-if _STEP is not None:  # (else torch's own step, which PyTorch's profiler hook wraps once, as any)
-    AdamW.step = _step
+_STEP = None  # Adam's step without its wrappers (None: torch's own step, wrapped once by its profiler hook)
 for _name in ("step", "add_param_group", "zero_grad", "state_dict", "load_state_dict"):
     _inner, _known = _unwrapped(_name)
     if not _known:
         KEPT.append(_name)
-    elif _inner is not None and _name != "step":
-        setattr(AdamW, _name, _inner)
+    elif _inner is not None:
+        _STEP = _inner if _name == "step" else _STEP
+        setattr(AdamW, _name, _step if _name == "step" else _inner)
 
 
 def adamw(params, **kwargs) -> torch.optim.AdamW:
