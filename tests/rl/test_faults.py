@@ -442,6 +442,10 @@ def hook(event, args):
     if event == "import" and args[0] == "triton._C.libtriton" and not state["sent"]:
         sys.setprofile(profile)
 if __name__ == "__main__":
+    # Ctrl-C as in a terminal: a process started with SIGINT ignored (by a pytest-xdist worker some
+    # earlier test left so, or a shell's background job) inherits that, and the re-raised SIGINT
+    # was then ignored too (the run said "not interrupted")
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import parity
     if sys.argv[1] == "control":
         import parity.model.decoder
