@@ -11,7 +11,7 @@ from pathlib import Path
 from ..config import config_from_dict
 from ..config.loading import parse_override, read_toml, set_dotted
 from ..engine.sequence import SamplingParams
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..metrics.summary import pass_at_1_text
 from ..model import load_model
 from ..rl import checkpoint
@@ -24,10 +24,22 @@ from .ui import table
 
 def _newest(run, config: Path, names_run_dir: bool) -> str:
     """The newest checkpoint of the run whose config.toml `config` is (beside it, or in the run_dir
-    it names: not the default one, which may hold anyone's run), else the checkpoint it started from."""
+    it names: not the default one, which may hold anyone's run) that is intact, else the checkpoint it
+    started from."""
     saved = checkpoint.found(config.parent) or (checkpoint.found(Path(run.run_dir)) if names_run_dir else [])
-    if saved:
-        return str(saved[-1])
+    problems = []
+    for path in reversed(saved):  # the newest intact one, as a resume takes
+        try:
+            checkpoint.verify(path)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        if problems:
+            print(f"parity: warning: {problems[0]}; evaluating the older {path.name}", file=sys.stderr,
+                  flush=True)
+        return str(path)
+    if problems:
+        raise CheckpointError(f"{problems[0]} (no older checkpoint of this run is intact)")
     if not run.model.checkpoint:
         raise ConfigError(f"{config}: no checkpoint beside it or in {run.run_dir}, and its model was a "
                           "random preset: name one with --model")

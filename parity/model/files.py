@@ -6,10 +6,14 @@ the process for good (the safetensors library retries its open through SIGTERM),
 linked to /dev/zero was read until memory ran out, and JSON nested 100,000 deep or a 5,000-digit
 number failed naming no file. `regular_file` stats before anything opens the file (a stat never
 blocks), `read_text` reads at most the limit, `read_json` names the file in every error.
+`verify_manifest` checks a training checkpoint's files against the digests saved with them, before
+anything loads it (`load_model`, resume): flipped bytes inside a tensor give finite weights that
+pass every other check.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -64,3 +68,39 @@ def read_json(path: Path, error: type[Exception] = CheckpointError, limit: int =
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise error(f"{path}: not valid JSON ({str(exc).splitlines()[0][:200]})") from None
+
+
+MANIFEST = "manifest.json"
+"""The file a training checkpoint lists its files' SHA-256 digests in (`rl/checkpoint.py` writes it)."""
+
+
+def sha256(path: Path) -> str:
+    """The SHA-256 hex digest of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_manifest(path: Path) -> dict:
+    """The manifest of checkpoint directory `path`, every file it lists present, regular and of the
+    digest it lists, else CheckpointError naming the first that is not."""
+    path = Path(path)
+    try:
+        data = json.loads(read_text(path / MANIFEST, MAX_JSON_BYTES))
+        listed = dict(data["files"])
+    except (CheckpointError, ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"{path}: no readable {MANIFEST} (an incomplete checkpoint)") from None
+    for name, digest in listed.items():
+        f = path / str(name)
+        if not f.exists():
+            raise CheckpointError(f"{f}: missing (the checkpoint is incomplete)")
+        regular_file(f, 1 << 62)
+        try:
+            same = sha256(f) == digest
+        except OSError as exc:
+            raise CheckpointError(f"{f}: cannot be read ({exc.strerror or exc})") from None
+        if not same:
+            raise CheckpointError(f"{f}: contents do not match {MANIFEST} (truncated or corrupt)")
+    return data

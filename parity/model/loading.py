@@ -40,6 +40,8 @@ def load_model(path: str | Path, kernels: str = "aligned", dtype: torch.dtype | 
     (default the CPU; the weights are checked on the CPU, then moved), serving at most `context`
     positions when given (`ModelConfig.with_context`)."""
     path = checkpoint_dir(path)
+    if (path / files.MANIFEST).exists():  # a training checkpoint: its files as they were saved
+        files.verify_manifest(path)
     try:
         config = config_from_hf(read_json(path / "config.json"), path / "config.json").with_context(context)
     except ConfigError as exc:

@@ -27,6 +27,7 @@ from ..config import TaskSection
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, ParityError
 from ..fields import is_file_spec
+from ..model import files as model_files
 from ..model.tokenizer import copy_tokenizer
 from .faults import checkpoint_fault
 from .learner import Learner
@@ -34,14 +35,6 @@ from .reference import restore_reference
 from .trajectory import RolloutBatch
 
 log = logging.getLogger(__name__)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class _Writes(io.RawIOBase):
@@ -174,7 +167,7 @@ def save(run_dir: Path, step: int, model, learner: Learner, tokenizer: Path | No
                 if out.error is not None:
                     raise out.error from None
                 raise
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        files = {p.name: model_files.sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
         _sync(*sorted(tmp.iterdir()), tmp)  # on disk before the rename makes it the newest
     except (OSError, RuntimeError, CheckpointError) as exc:  # a full disk, say
@@ -310,19 +303,8 @@ def clear(run_dir: Path) -> None:
 
 
 def verify(path: Path) -> dict:
-    manifest = path / "manifest.json"
-    try:
-        data = json.loads(manifest.read_text())
-        files = dict(data["files"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointError(f"{path}: no readable manifest.json (an incomplete checkpoint)") from None
-    for name, digest in files.items():
-        f = path / name
-        if not f.exists():
-            raise CheckpointError(f"{f}: missing (the checkpoint is incomplete)")
-        if _sha256(f) != digest:
-            raise CheckpointError(f"{f}: contents do not match manifest.json (truncated or corrupt)")
-    return data
+    """`path`'s manifest, every file it lists intact (`model.files.verify_manifest`)."""
+    return model_files.verify_manifest(path)
 
 
 _ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -9,6 +9,7 @@ import shutil
 import signal
 
 import pytest
+import torch
 
 from parity.config import LearnerConfig, LossConfig, load_config, to_toml
 from parity.errors import ConfigError
@@ -300,6 +301,40 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
     (tmp_path / "checkpoint-2" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="manifest.json"):
         Controller(config(tmp_path, "steps=4"), resume=True)
+
+
+def test_a_checkpoint_with_flipped_weight_bytes_is_refused_wherever_it_is_loaded(tmp_path, capsys):
+    """Bytes overwritten inside a tensor's data give finite weights that pass every other load-time
+    check: `parity eval --config` scored such a checkpoint as if intact. `load_model` now checks a
+    training checkpoint's manifest first, and eval takes the newest intact checkpoint, saying so.
+    The control: the same file without its manifest loads, so only the manifest catches it."""
+    import struct
+
+    from parity.cli import main
+    from parity.errors import CheckpointError
+    from parity.model import load_model
+
+    Controller(config(tmp_path, "steps=2", "checkpoint_every=1")).run()
+    weights = tmp_path / "checkpoint-2" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little") + 256  # inside the first tensors' data
+    raw[start:start + 256] = struct.pack("<f", 1e30) * 64
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="model.safetensors: contents do not match manifest.json"):
+        load_model(tmp_path / "checkpoint-2")
+    capsys.readouterr()
+    assert main(["eval", "--config", str(tmp_path / "config.toml"), "--n", "2", "-k", "0", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "checkpoint-2/model.safetensors: contents do not match manifest.json" in err
+    assert "evaluating the older checkpoint-1" in err
+    shutil.rmtree(tmp_path / "checkpoint-1")
+    assert main(["eval", "--config", str(tmp_path / "config.toml"), "--n", "2", "-k", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no older checkpoint of this run is intact" in err[0]
+    (tmp_path / "checkpoint-2" / "manifest.json").unlink()  # the control: nothing else sees it
+    model = load_model(tmp_path / "checkpoint-2")
+    values = torch.cat([p.detach().flatten().float() for p in model.parameters()])
+    assert torch.isfinite(values).all() and values.abs().max() == 1e30
 
 
 def test_a_new_run_into_an_earlier_runs_dir_is_refused_or_starts_over(tmp_path, capsys):
