@@ -19,8 +19,9 @@ def read_metrics(run_dir: str | Path, before_step: int | None = None) -> list[di
     their numbers, not by line counts).
 
     A last line cut short (a process killed in the middle of writing it: no newline after it) is
-    left out with a warning; any other line that is not a JSON object is a `CheckpointError`
-    naming the file and the line."""
+    left out with a warning; any other line that is not a JSON object of numbers with an integer
+    "step" is a `CheckpointError` naming the file and the line (a null is read as NaN, as tools
+    that cannot write NaN write it)."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
         text = path.read_bytes().decode("utf-8")
@@ -42,7 +43,16 @@ def read_metrics(run_dir: str | Path, before_step: int | None = None) -> list[di
             raise CheckpointError(f"{path} line {n} is a JSON {type(record).__name__}, not a record "
                                   "(an object of metric names); fix or remove that line")
         step = record.get("step")
-        if before_step is not None and isinstance(step, (int, float)) and step >= before_step:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"{path} line {n}: its \"step\" is {json.dumps(step)}, not a step "
+                                  "number (an integer >= 0); fix or remove that line")
+        for key, value in record.items():
+            if value is None:  # NaN as other tools write it (pandas' to_json, jq): read back as NaN
+                record[key] = float("nan")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise CheckpointError(f"{path} line {n}: {key!r} is {json.dumps(value)[:60]}, not a number "
+                                      "(every metric is one; NaN may be written NaN or null); fix that line")
+        if before_step is not None and step >= before_step:
             break
         records.append(record)
     return records

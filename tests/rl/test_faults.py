@@ -211,8 +211,9 @@ def test_a_full_disk_is_a_one_line_error_and_nothing_earlier_is_lost(tmp_path):
 def test_a_damaged_metrics_file_is_named_and_a_cut_last_line_does_not_stop_a_resume(tmp_path, caplog):
     """A kill in the middle of writing metrics.jsonl leaves its last line cut short: resume
     failed on it with a bare JSON error (the checkpoint was fine), and a line that was JSON but
-    not a record raised a traceback. A cut last line is now left out with a warning; any other
-    damage is one line naming the file and the line."""
+    not a record raised a traceback, as did a value that is not a number (once the run had trained,
+    writing its report). A cut last line is now left out with a warning; any other damage is one
+    line naming the file and the line; a null (NaN as other tools write it) is read as NaN."""
     import logging
 
     from parity.errors import CheckpointError
@@ -229,10 +230,17 @@ def test_a_damaged_metrics_file_is_named_and_a_cut_last_line_does_not_stop_a_res
     assert [m["step"] for m in resumed.run()] == [0, 1, 3]
     lines = whole.splitlines()
     for damaged, message in ((["[1, 2, 3]", *lines[1:]], "line 1 is a JSON list, not a record"),
-                             ([lines[0], "{bad", lines[2]], "line 2 is not a JSON record")):
+                             ([lines[0], "{bad", lines[2]], "line 2 is not a JSON record"),
+                             ([lines[0], lines[1].replace("{", '{"x": "yes", ', 1)],
+                              "line 2: 'x' is \"yes\", not a number"),  # (a traceback in a report)
+                             ([lines[0].replace('"step": 0', '"step": "0"')], 'line 1: its "step" is "0"')):
         path.write_text("\n".join(damaged) + "\n")
         with pytest.raises(CheckpointError, match=f"metrics.jsonl {message}"):
             read_metrics(tmp_path / "run")
+    record = json.loads(lines[0])  # NaN as pandas and jq write it: null, read back as NaN
+    path.write_text(json.dumps({**record, "reward/mean": None}) + "\n")
+    value = read_metrics(tmp_path / "run")[0]["reward/mean"]
+    assert value != value and record["reward/mean"] == record["reward/mean"]
     path.write_bytes(b"\xae\xff\n")
     with pytest.raises(CheckpointError, match="metrics.jsonl is not UTF-8 text"):
         read_metrics(tmp_path / "run")
