@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -307,6 +308,19 @@ def test_bad_dataset_files_are_one_line_naming_the_line(tmp_path, tokenizer, lin
     with pytest.raises(ConfigError, match=message) as err:
         DatasetEnv(tokenizer, data, heldout_size=3)
     assert "\n" not in str(err.value)
+
+
+def test_a_data_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, tokenizer):
+    """A FIFO named as task.data (or heldout_data): its open waited for a writer for good; a device
+    too is refused before it is read. A regular file beside them loads (the check is not blanket)."""
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        with pytest.raises(ConfigError, match="not a regular file"):
+            DatasetEnv(tokenizer, str(path), heldout_size=1)
+    good = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"prompt": f"{i}+1=", "answer": i + 1})
+                                              for i in range(4)])
+    assert DatasetEnv(tokenizer, good, heldout_size=1)
 
 
 def test_task_config_fields_belong_to_their_task_and_paths_are_made_absolute(tmp_path, monkeypatch):

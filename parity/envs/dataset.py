@@ -27,7 +27,9 @@ import inspect
 import json
 import logging
 import math
+import os
 import random
+import stat
 import threading
 from pathlib import Path
 
@@ -52,6 +54,10 @@ def read_problems(path: str, key: str, needs_answer: bool, lines: list[int] | No
     rows: list[dict] = []
     size = number = 0
     try:
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # (a FIFO's open waited for a writer for good)
+            raise ConfigError(f"{key} {path}: not a regular file (a FIFO, device or directory): name a "
+                              "JSONL file")
         with open(path, "rb") as f:
             while line := f.readline(MAX_LINE_BYTES + 1):
                 number += 1
