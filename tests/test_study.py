@@ -293,6 +293,13 @@ def test_study_runs_at_the_base_policies_level_and_math_uses_base_math(tmp_path)
     ('[[runs]]\nname = "a"\ntrain = {"learner.loss" = "tis"}',
      "study run 'a': train sets learner.loss, which comes from the row's loss"),
     ('[[runs]]\nname = "a"\ntrain = 3', "study run 'a': train must be a table of training keys, got 3"),
+    # the study's [train] table: these were replaced by each row's own without a word (the runs
+    # trained another loss or lag than the file said); a default dtype and steps stay allowed
+    ('[train]\n"learner.loss" = "tis"', "study [train] sets learner.loss, which every row sets from the "
+     "row's loss: set it there"),
+    ("[train]\nmax_policy_lag = 4", "study [train] sets max_policy_lag, which every row sets from the row"),
+    ('[train]\nrun_dir = "/tmp/x"', "study [train] sets run_dir, which every row sets from the row's name"),
+    ('[train]\n"task.name" = "math"', "study [train] sets task.name, which every row sets from the study's"),
     ('[[runs]]\nname = "a"\ntrain = {"learner.loss_config.ppo_eps" = -1}',
      "study run a: LossConfig.ppo_eps must be > 0"),
 ])
@@ -302,6 +309,13 @@ def test_a_study_config_of_the_wrong_types_is_one_line(tmp_path, text, message):
     path.write_text(text + "\n")
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_study(str(path))
+
+
+def test_a_studys_train_table_may_set_the_default_dtype_and_steps(tmp_path):
+    path = tmp_path / "study.toml"
+    path.write_text('[train]\n"model.dtype" = "float32"\nsteps = 7\n')
+    study = load_study(str(path))
+    assert study.train["model.dtype"] == "float32" and study.train["steps"] == 7
 
 
 def test_a_run_written_before_a_config_field_was_added_is_still_this_studys(tmp_path):

@@ -24,11 +24,13 @@ from ..errors import ConfigError
 from ..ops import check_backend
 
 ROW_KEYS = {"max_policy_lag": "the row's lag", "deterministic": "the row's staleness",
-            "seed": "the study's seeds", "run_dir": "the row's name", "model.kernels": "the row's kernels",
-            "learner.loss": "the row's loss", "learner.mechanism": "the study (always on)",
-            "task.name": "the study's task", "model.dtype": "the row's dtype", "steps": "the row's steps"}
+            "seed": "the study's seeds (--seeds)", "run_dir": "the row's name and the study's out_dir",
+            "model.kernels": "the row's kernels", "learner.loss": "the row's loss",
+            "learner.mechanism": "the study (always on)", "task.name": "the study's task",
+            "model.dtype": "the row's dtype", "steps": "the row's steps"}
 """Training keys every row sets from the study's fields and its own (key -> where it comes from),
-so a row's `train` may not."""
+so a row's `train` may not, nor the study's [train] table (bar model.dtype and steps: the default
+of rows that do not set their own)."""
 
 
 @dataclass
@@ -181,7 +183,11 @@ def load_study(
         raise ConfigError(f"study.out_dir must be a directory path, got {data['out_dir']!r}")
     if not isinstance(data.get("train", {}), dict):
         raise ConfigError(f"study train: expected a [train] table of config keys, got {data['train']!r}")
-    train = {**DEFAULT_TRAIN, **data.get("train", {})}
+    shared = data.get("train", {})
+    if taken := sorted(set(shared) & (set(ROW_KEYS) - {"model.dtype", "steps"})):  # (set, then replaced)
+        raise ConfigError(f"study [train] sets {taken[0]}, which every row sets from "
+                          f"{ROW_KEYS[taken[0]]}: set it there")
+    train = {**DEFAULT_TRAIN, **shared}
     if quick:
         train.update(QUICK_TRAIN)
         if train.get("model.checkpoint") == "base":  # a smoke base of the task's own recipe
