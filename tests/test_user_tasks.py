@@ -575,6 +575,7 @@ def test_eval_config_of_a_hand_written_file_does_not_take_the_default_run_dirs_c
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "default" / "checkpoint-5").mkdir(parents=True)  # someone else's run
+    (tmp_path / "runs" / "default" / "checkpoint-5" / "manifest.json").write_text('{"files": {}}')  # (intact)
     (tmp_path / "mine.toml").write_text('[task]\nname = "math"\n[model]\ncheckpoint = "base-math"\n')
     run = load_config(tmp_path / "mine.toml")
     assert _newest(run, tmp_path / "mine.toml", names_run_dir=False) == "base-math"
