@@ -55,7 +55,12 @@ class Toy(Env):
         reward = sum(t == self.target for t in turn_ids) / max(1, len(turn_ids))
         episode.reward, episode.passed = reward, reward >= 0.5
         episode.info["metrics"] = {"length": len(turn_ids)}  # its own figure, averaged per batch
-        return Turn(None, True, float("nan") if self.mode == "nan" else reward)
+        if self.mode == "passed_none":
+            episode.passed = None
+        if self.mode == "calls_str":
+            episode.tool_calls = "2"
+        return Turn(None, "no" if self.mode == "done_str" else True,
+                    float("nan") if self.mode == "nan" else reward)
 '''
 
 
@@ -365,6 +370,10 @@ def toy_file(tmp_path):
     ("raise", r"step\(Episode, list\) raised KeyError: 'boom'"),
     ("nan", r"step returned reward nan"),
     ("observation", r"done = False, but the environment's multi_turn is False"),
+    # (a traceback in `parity eval`; in training a worker crash, restarted 3 times)
+    ("passed_none", r"episode.passed = None; it must be True or False"),
+    ("calls_str", r"episode.tool_calls = '2'; it must be an integer >= 0"),
+    ("done_str", r"step returned done = 'no'; done is True or False"),
 ])
 def test_a_custom_env_is_checked_where_it_enters_the_run(tmp_path, mode, message):
     spec = f"{toy_file(tmp_path)}:Toy"

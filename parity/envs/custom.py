@@ -37,6 +37,13 @@ from ..fields import is_file_spec
 from .base import Env, Episode, Turn
 
 log = logging.getLogger(__name__)
+
+
+def _flag(value) -> bool:
+    """Whether `value` is a truth value: a bool, NumPy's or an integer 0 or 1."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":  # (numpy.bool_ is no Integral)
+        return True
+    return isinstance(value, numbers.Integral) and value in (0, 1)
 _LOADED: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
@@ -276,6 +283,9 @@ class CheckedEnv(Env):
             raise self._fail(f"step returned reward {turn.reward!r:.60}; a reward is a finite number "
                              "(float32)")
         self._check_metrics(episode)
+        self._check_episode(episode)
+        if not _flag(turn.done):
+            raise self._fail(f"step returned done = {turn.done!r:.40}; done is True or False")
         if not turn.done:
             if not self.multi_turn:
                 raise self._fail("step returned done = False, but the environment's multi_turn is False")
@@ -284,6 +294,20 @@ class CheckedEnv(Env):
         if not getattr(episode, "_passed_set", True):  # the env never set it: solved = a reward of 1+
             episode.passed = reward >= 1.0
         return Turn(None, True, reward)
+
+    def _check_episode(self, episode: Episode) -> None:
+        """The figures every episode carries, as evaluation and the rollout metrics add them up:
+        passed and answered True/False (or 0/1), the counts integers >= 0. A None or a string
+        there was a traceback in `parity eval` and, in training, a worker crash restarted 3 times."""
+        for name in ("passed", "answered"):
+            value = getattr(episode, name)
+            if not _flag(value):
+                raise self._fail(f"episode.{name} = {value!r:.40}; it must be True or False")
+            object.__setattr__(episode, name, bool(value))  # (not "set by the env" where it was not)
+        for name in ("turns", "tool_calls", "tool_errors"):
+            value = getattr(episode, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise self._fail(f"episode.{name} = {value!r:.40}; it must be an integer >= 0")
 
     def _check_metrics(self, episode: Episode) -> None:
         """The env's own per-episode figures (averaged as rollout/<name>, eval/<name>): names to
