@@ -69,14 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--task", choices=list(TASK_NAMES),
                     help="task (default: the config's, else tool; yours: its task.* keys in [train])")
     st.add_argument("--seeds", type=_csv(int), help="comma-separated seeds")
-    st.add_argument("--out", help="output directory (default: the config's out_dir, built in runs/study)")
+    st.add_argument("--out", type=os.path.expanduser,
+                    help="output directory (default: the config's out_dir, built in runs/study)")
     st.add_argument("--report-only", action="store_true",
                     help="train nothing: write the report from the runs already finished")
     st.add_argument("--overwrite", action="store_true",
                     help="train again the runs in --out that another config wrote (refused without it)")
 
     s = _command(sub, "sft", "sft", "train (or show) the cached base policy")
-    s.add_argument("--out", help="output directory (default: the cache)")
+    s.add_argument("--out", type=os.path.expanduser, help="output directory (default: the cache)")
     s.add_argument("--recipe", default="base", choices=BASE_CHECKPOINTS,
                    help="which base policy: 'base' (tool use) or 'base-math' (column-sum addition)")
     s.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")

@@ -328,6 +328,30 @@ def test_a_data_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, tokenizer
     assert DatasetEnv(tokenizer, good, heldout_size=1)
 
 
+def test_a_tilde_in_a_configs_paths_is_the_home_directory(tmp_path, monkeypatch):
+    """run_dir, model.checkpoint and a study's out_dir (from TOML, --set or --out, where no shell
+    expands it) beginning with ~: each made a directory named ~ in the working directory (and
+    `rm -rf ~` to clean it up deletes your home) or was "not found". A relative path stays relative."""
+    from parity.apps.study_grid import load_study
+    from parity.cli import build_parser
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home = tmp_path / "home"
+    cfg = load_config(None, ['run_dir="~/runs/a"', 'model.checkpoint="~/ckpt"'])
+    assert cfg.run_dir == str(home / "runs" / "a") and cfg.model.checkpoint == str(home / "ckpt")
+    assert load_config(None, ['run_dir="runs/a"']).run_dir == "runs/a"
+    study = load_study(None, quick=True, out_dir="~/study")
+    assert study.out_dir == str(home / "study")
+    assert study.train["model.checkpoint"] == str(home / "study" / "quick-base")
+    assert build_parser().parse_args(["sft", "--out", "~/base"]).out == str(home / "base")
+    from parity.errors import CheckpointError
+    from parity.model import load_model
+    with pytest.raises(CheckpointError, match=f"^{home / 'ckpt'}: checkpoint directory not found"):
+        load_model("~/ckpt")  # (eval/generate/check --model "~/ckpt")
+    with pytest.raises(CheckpointError, match="a checkpoint is a directory path, got NoneType"):
+        load_model(None)  # (pathlib's TypeError)
+
+
 def test_task_config_fields_belong_to_their_task_and_paths_are_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     task = TaskSection(name="dataset", data="d.jsonl", reward="r.py:score")

@@ -6,6 +6,7 @@ file describes (`load_study`), and `run_config`, the training config of one cell
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -181,6 +182,7 @@ def load_study(
         runs = [StudyRun(**r) for r in runs]
     if not isinstance(out_dir or data.get("out_dir", "runs/study"), str):  # (--quick makes a Path of it)
         raise ConfigError(f"study.out_dir must be a directory path, got {data['out_dir']!r}")
+    where = os.path.expanduser(out_dir or data.get("out_dir", "runs/study"))  # (~ was a directory named ~)
     if not isinstance(data.get("train", {}), dict):
         raise ConfigError(f"study train: expected a [train] table of config keys, got {data['train']!r}")
     shared = data.get("train", {})
@@ -192,9 +194,9 @@ def load_study(
         train.update(QUICK_TRAIN)
         if train.get("model.checkpoint") == "base":  # a smoke base of the task's own recipe
             name = "quick-base-math" if (task or data.get("task", "tool")) == "math" else "quick-base"
-            train["model.checkpoint"] = str(Path(out_dir or data.get("out_dir", "runs/study")) / name)
+            train["model.checkpoint"] = str(Path(where) / name)
     cfg = StudyConfig(quick=quick,
-        out_dir=out_dir or data.get("out_dir", "runs/study"),
+        out_dir=where,
         seeds=seeds or ([0] if quick else data.get("seeds", [0, 1, 2])),
         task=task or data.get("task", "tool"),
         train=train,

@@ -10,6 +10,7 @@ many versions back it keeps weights — are set from `rollout.temperature`, `mod
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,8 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="model")
+        if self.checkpoint and self.checkpoint.startswith("~"):  # (was "not found")
+            self.checkpoint = os.path.expanduser(self.checkpoint)
         check_backend(self.kernels, "model.kernels")
         hardware.check_device(self.device, "model.device")
         if self.dtype == "auto":  # (a GPU's answer is bf16 whatever its host CPU has)
@@ -259,6 +262,8 @@ class TrainConfig:
             raise ConfigError(f"steps must be in 1..{MAX_STEPS:,}, got {self.steps}")
         if not str(self.run_dir).strip():
             raise ConfigError("run_dir must name a directory, got an empty string")
+        if str(self.run_dir).startswith("~"):  # (made a directory named ~ in the working directory)
+            self.run_dir = os.path.expanduser(self.run_dir)
         if Path(self.run_dir).exists() and not Path(self.run_dir).is_dir():
             raise ConfigError(f"run_dir {self.run_dir} exists and is not a directory")
         if self.max_policy_lag < 0:

@@ -6,6 +6,7 @@ before any weight is copied, so a bad file is refused, never half-loaded."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -24,8 +25,11 @@ _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def checkpoint_dir(path) -> Path:
-    """`path` as a Path, or a one-line CheckpointError where no checkpoint directory is there."""
-    path = Path(path)
+    """`path` as a Path (a leading ~ your home), or a one-line CheckpointError where no checkpoint
+    directory is there."""
+    if not isinstance(path, (str, os.PathLike)):  # (load_model(None) was pathlib's TypeError)
+        raise CheckpointError(f"a checkpoint is a directory path, got {type(path).__name__} {path!r:.40}")
+    path = Path(path).expanduser()
     if not path.is_dir():
         why = "not a directory (a checkpoint is a directory of config.json and model.safetensors)" \
             if path.exists() else "checkpoint directory not found"
