@@ -215,6 +215,11 @@ def test_rewards_in_a_list_are_summed_with_their_weights_and_logged_by_part(tmp_
     bonus = DatasetEnv(tokenizer, data, reward=["exact", f"{tmp_path}/parts.py:formatted"], heldout_size=5)
     wrong = bonus.start(problem)  # weights 1 and 1: 1.0 from the format alone, still not solved
     assert bonus.step(wrong, tokenizer.encode("answer: 99999")).reward == 1.0 and not wrong.passed
+    huge = DatasetEnv(tokenizer, data, reward=["exact", f"{tmp_path}/parts.py:formatted"],
+                      reward_weights=[1e39, 1.0], heldout_size=5)  # each part finite, the sum not (float32)
+    with pytest.raises(ParityError, match=r"task.reward_weights \[1e\+39, 1.0\] make a reward of 1e\+39"):
+        huge.step(huge.start(problem), tokenizer.encode(f"answer: {problem['answer']}"))
+    assert huge.step(huge.start(problem), tokenizer.encode("no idea")).reward == 0.0  # (0 x 1e39: finite)
     assert TaskSection(name="dataset", data=data, reward=["exact"]).reward == "exact"
     assert env_metrics([episode, other], "eval/")["eval/reward/exact"] == 0.5
     assert "1 x" not in env.describe() and "0.25 x" in env.describe()

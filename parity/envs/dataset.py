@@ -310,7 +310,12 @@ class DatasetEnv(Env):
                                   "or true/false")
         if len(parts) > 1:  # each part logged as rollout/reward/<name> and eval/reward/<name>
             episode.info["metrics"] = {f"reward/{name}": value for name, value in parts.items()}
-        episode.reward = sum(w * parts[name] for name, _, _, w in self.rewards)
+        total = sum(w * parts[name] for name, _, _, w in self.rewards)
+        if finite_number(total) is None:  # (each part was checked; weights of 1e39 made the sum inf)
+            weights = [w for *_, w in self.rewards]
+            raise ParityError(f"task.reward_weights {weights} make a reward of {total:.4g} from parts "
+                              f"{parts}: the weighted sum must be a finite number (float32)")
+        episode.reward = total
         episode.passed = parts[self.rewards[0][0]] >= 1.0  # the first part decides (not a format bonus)
         return Turn(None, True, episode.reward)
 
