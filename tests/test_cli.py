@@ -76,6 +76,12 @@ def test_check_covers_moe(capsys):
     assert "preset tiny-moe" in out and "PASS" in out
 
 
+def test_a_case_named_twice_is_checked_once(capsys):
+    assert main(["check", "--json", "--rounds", "1", "--dtype", "float32", "--cases", "batch,batch"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert [r["case"] for r in results if r["kernels"] == "aligned"] == ["batch"]
+
+
 def test_check_on_a_saved_checkpoint(tmp_path, capsys):
     import parity
 

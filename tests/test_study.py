@@ -249,6 +249,9 @@ def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
     out.mkdir()
     assert main(["study", "--quick", "--out", str(out), "--report-only"]) == 2
     assert "no finished study runs" in capsys.readouterr().err
+    missing = tmp_path / "missing"  # a report of nothing: the directory was made first
+    assert main(["study", "--quick", "--out", str(missing), "--report-only"]) == 2
+    assert "no finished study runs" in capsys.readouterr().err and not missing.exists()
 
 
 def test_study_runs_at_the_base_policies_level_and_math_uses_base_math(tmp_path):

@@ -23,7 +23,7 @@ from .ui import status, table, term_as_interrupt
 
 
 def main(args) -> int:
-    cases = args.cases or list(CASES)
+    cases = list(dict.fromkeys(args.cases or CASES))  # (batch,batch ran the case twice)
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise ParityError(f"unknown check case {unknown[0]!r}: expected some of {', '.join(CASES)}")

@@ -159,6 +159,8 @@ def run_study(study: StudyConfig, progress: bool = True, train: bool = True, ove
     out = Path(study.out_dir)
     if out.exists() and not out.is_dir():
         raise ParityError(f"{out} exists and is not a directory: choose another --out")
+    if not train and not out.exists():  # (a report of nothing made the directory first)
+        raise ParityError(f"{out}: no such directory, so no finished study runs to report on")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
