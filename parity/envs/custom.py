@@ -44,6 +44,8 @@ def _flag(value) -> bool:
     if isinstance(value, bool) or type(value).__name__ == "bool_":  # (numpy.bool_ is no Integral)
         return True
     return isinstance(value, numbers.Integral) and value in (0, 1)
+
+
 _LOADED: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
