@@ -337,7 +337,10 @@ def load(path: Path, cfg):
     """(model, learner, step, ready batches) restored from a verified checkpoint directory."""
     from ..model import load_model
 
-    verify(path)
+    if not (path / model_files.MANIFEST).exists():
+        verify(path)  # (refused: a checkpoint without one is incomplete)
+    # load_model checks every file against the manifest first (here once: the optimizer state is
+    # several times the weights' size, and was hashed twice)
     model = load_model(path, kernels=cfg.model.kernels, dtype=dtype_from_name(cfg.learner.compute_dtype),
                        device=cfg.model.device, context=cfg.model.context)
     _check_belongs(path, cfg, model)
