@@ -10,7 +10,6 @@ A directory without a valid manifest, or whose files do not match it, is refused
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import logging
@@ -103,13 +102,10 @@ def _digest(path: str) -> str | None:
         key = (path, stat.st_size, stat.st_mtime_ns)
         if key in _DIGESTS:
             return _DIGESTS[key]
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
+        digest = model_files.sha256(path)[:16]
         if time.time_ns() - stat.st_mtime_ns > 2_000_000_000:
-            _DIGESTS[key] = h.hexdigest()[:16]
-        return h.hexdigest()[:16]
+            _DIGESTS[key] = digest
+        return digest
     except OSError:
         return None
 
