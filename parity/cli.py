@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which base policy: 'base' (tool use) or 'base-math' (column-sum addition)")
     s.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--eval-problems", type=int, default=100, help="held-out per task, 0: skip (%(default)s)")
+    s.add_argument("--eval-problems", type=int, default=100,
+                   help="held-out per task, at most 200, 0: skip (%(default)s)")
     s.add_argument("--force", action="store_true", help="rebuild even when cached")
 
     e = _command(sub, "eval", "evaluate", "held-out pass@1 (greedy) and mean@k of a checkpoint on a task")

@@ -73,12 +73,17 @@ def test_trajectory_fields_are_checked_by_what_they_mean():
              (dict(reward=3.5e38), r"reward 3.5e\+38 is not a finite number \(float32\)"),
              (dict(rollout_logprobs=[0.0, 0.0, "a"]), r"rollout_logprobs\[2\] = 'a' is not a finite"),
              (dict(loss_mask=[0, 0, 0], excluded="engine error: prompt too long"),
-              "engine error: prompt too long, before it sampled a token; leave it out")]
+              "engine error: prompt too long, before it sampled a token; leave it out"),
+             (dict(policy_versions=[-1, "a", 0]), r"policy_versions\[1\] = 'a' is not an integer"),
+             (dict(policy_versions=[-1, -1, 0.5]), r"policy_versions\[2\] = 0.5 is not an integer"),
+             (dict(cache_versions=[-1, -1, True]), r"cache_versions\[2\] = True is not an integer")]
     for kw, message in cases:
         with pytest.raises(InputError, match=message):
             TrajectoryBatch([_traj(**kw)])
     with pytest.raises(InputError, match="takes a list of Trajectory, got Trajectory"):
         TrajectoryBatch(_traj())
+    as_tensor = TrajectoryBatch([_traj(policy_versions=torch.tensor([-1, -1, 0]))])  # integer tensors: fine
+    assert as_tensor.versions.tolist() == [[-1, 0]]
 
 
 def test_a_reward_that_is_not_a_number_is_named_at_from_output(tiny):
@@ -91,6 +96,8 @@ def test_a_reward_that_is_not_a_number_is_named_at_from_output(tiny):
     for bad in (None, "1", float("nan"), 1e39, -1e39):
         with pytest.raises(InputError, match="is not a finite number"):
             Trajectory.from_output(out, bad, 0)
+    with pytest.raises(InputError, match="takes an engine RequestOutput, got dict"):  # (an AttributeError)
+        Trajectory.from_output(vars(out), 1.0, 0)
 
 
 def test_the_learner_steps_under_no_grad_and_refuses_what_it_cannot_train():
@@ -128,6 +135,11 @@ def test_the_learner_steps_under_no_grad_and_refuses_what_it_cannot_train():
       for b in ("aligned", "standard")],  # (silently broadcast to both rows)
     *[(b, lambda K: K.token_logprobs(torch.randn(2, 16), torch.tensor([3, 4]), 0.0), "positive finite temp")
       for b in ("aligned", "standard")],  # (a ZeroDivisionError)
+    *[(b, lambda K: K.token_logprobs(torch.randn(2, 16), torch.tensor([3, 16]), 1.0),
+       r"in \[0, 16\), got 3..16")
+      for b in ("aligned", "standard")],  # (torch's index error, out of the kernel)
+    *[(b, lambda K: K.token_logprobs(torch.randn(2, 16), torch.tensor([3.0, 1.0]), 1.0), "integer token ids")
+      for b in ("aligned", "standard")],
 ])
 def test_kernels_refuse_shapes_that_do_not_fit(backend, call, message):
     """The native kernels read through raw pointers: shapes are checked before they run (the

@@ -131,6 +131,10 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["bench", "learner", "--presets", "qwen3-0.6b", "--batch", "100000"], "GiB is available"),
         (["eval", "-k", "-1"], "--k must be >= 0"),
         (["eval", "-k", "100000"], "--k must be at most 64"),
+        (["sft", "--eval-problems", "1000"], "--eval-problems must be at most 200"),  # (ran 200)
+        (["sft", "--out", ""], "--out is empty"),  # (fell back to the default: the cache)
+        (["study", " "], "the config path is empty"),
+        (["eval", "--model", ""], "--model is empty"),
         (["generate", "--seed", str(10**23), "--prompt", "x"], "--seed"),
         (["generate", "--prompts-file", str(tmp_path / "prompts.txt")], "prompts.txt: not UTF-8"),
         (["generate", "--prompts-file", str(tmp_path / "extra.jsonl")], "unknown field 'max_tokens'"),
@@ -148,7 +152,7 @@ def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatc
         (["train", *toy, "--set", 'run_dir="/proc/self/x"'], "run_dir /proc/self/x cannot be used"),
         (["eval", "--set", "learner.lr=1"], "keys only (--n"),  # (offered task.learner.lr)
         (["eval", "--set", "model.checkpoint=x"], "eval takes the model from --model"),  # (won over it)
-        (["compile", "--gemm-candidates", ""], "--gemm-candidates: no tiles given"),  # (compiled the passes)
+        (["compile", "--gemm-candidates", ""], "--gemm-candidates is empty"),  # (compiled the passes)
         (["train", str(tmp_path / "not-utf8.toml")], "not-utf8.toml: not UTF-8"),
         (["train", *toy, "--set", "steps=1000000000"], "steps must be in 1..10,000,000"),
         (["train", *toy, "--set", "eval_prompts=100000000"], "eval_prompts must be at most 100,000"),

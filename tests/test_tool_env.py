@@ -13,6 +13,7 @@ from parity.envs.base import Env, Episode, Turn
 from parity.envs.chat import prompt_text
 from parity.envs.math import MathEnv
 from parity.envs.tool import KINDS, ToolEnv, format_result, make_tool_problem, tool_call_text, tool_output
+from parity.metrics.diagnostics import rollout_stats
 from parity.model import Model, ModelConfig, sequence_logprobs
 from parity.model.tokenizer import HFTokenizer, build_char_tokenizer
 from parity.rl.evaluate import evaluate
@@ -180,6 +181,20 @@ def test_a_turn_that_overflows_the_context_ends_the_episode(tokenizer):
 
     res = run_episodes(Engine(_tiny()), Flood(tokenizer), ["x"], [SamplingParams(max_tokens=4, seed=0)])
     assert res[0].reward == 0.0 and "exceed" in res[0].episode.info["ended"]
+    # the batch's metrics say so (it was silent: a reward of 0 like any failure); the control, an
+    # episode that ends on its own, counts in neither share
+    class Once(EchoEnv):
+        multi_turn = False
+
+        def step(self, episode, turn_ids):
+            return Turn(None, done=True)
+
+    model = _tiny()
+    every = list(range(model.config.vocab_size))  # (its first token stops it: finish_reason "stop")
+    done = run_episodes(Engine(model), Once(tokenizer), ["x"], [SamplingParams(max_tokens=4, seed=0,
+                                                                                 stop_token_ids=every)])
+    stats = rollout_stats(res + done)
+    assert stats["rollout/context_full"] == 0.5 and stats["rollout/truncated"] == 0.5, stats
 
 
 def test_evaluate_reports_pass_at_1_and_mean_at_k(tokenizer):

@@ -85,12 +85,18 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("k", "eval_problems"):
         if getattr(args, name, 0) < 0:
             usage_error(f"--{name.replace('_', '-')} must be >= 0 (0 = skip)")
+    if getattr(args, "eval_problems", 0) > 200:  # (sft evaluated the 200 there are, silently)
+        usage_error("--eval-problems must be at most 200 (the size of each task's held-out set)")
     if getattr(args, "k", 0) > 64:  # (as the trainer's eval_samples)
         usage_error("--k must be at most 64 samples per problem")
     if getattr(args, "vocab", None) is not None and args.vocab < 2:
         usage_error("--vocab must be at least 2")
     if getattr(args, "seed", None) is not None and not 0 <= args.seed < 2**63:
         usage_error("--seed must be in 0..2**63-1")
+    for name, value in vars(args).items():  # (--out "" fell back to the default directory)
+        if isinstance(value, str) and not value.strip():
+            usage_error(f"{'the config path' if name == 'config' else '--' + name.replace('_', '-')} "
+                        f"is empty")
     for name, value in vars(args).items():  # a size of 1e11 hung for minutes, or died out of memory
         values = value if isinstance(value, list) else [value]
         limit = MAX_BATCH if name in ("batch", "batches", "num_seqs", "max_num_seqs") else MAX_COUNT

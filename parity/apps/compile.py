@@ -305,8 +305,6 @@ def _failure(err: Exception) -> str:
 
 def main(args) -> int:
     dtypes = [dtype_from_name(d, "--dtype") for d in args.dtype]
-    if args.gemm_candidates is not None and not args.gemm_candidates.strip():  # (compiled the passes)
-        raise ConfigError("--gemm-candidates: no tiles given (omit the value for bench gemm's list)")
     for preset in args.presets:
         ModelConfig.preset(preset)
     if args.batch < 1 or args.length < 4:

@@ -2,12 +2,14 @@
 
 Keys follow `area/name`: `mismatch/...` (rollout vs learner log-probs), `is_weight/...`
 (importance weights w = exp(learner − rollout)), `lag/...` (learner version minus the version
-that sampled each token), `response/...`, `reward/...`.
+that sampled each token), `response/...`, `reward/...`, `rollout/...` (the episodes).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .summary import env_metrics
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -108,3 +110,17 @@ def bucketed_stats(rollout_lp: torch.Tensor, mask: torch.Tensor, kernel_delta: t
                 out[f"mechanism/kernel_abs_mean/{label}"] = float(ks.mean())
                 out[f"mechanism/kernel_abs_max/{label}"] = float(ks.max())
     return out
+
+
+def rollout_stats(results) -> dict[str, float]:
+    """Per-batch statistics of a rollout's `EpisodeResult`s: tool use, answers, pass rate, the env's
+    own metrics, and the shares of episodes whose last turn hit max_tokens or the KV cache
+    (`truncated`) and that an observation past the context ended (`context_full`: both were silent)."""
+    episodes, n = [r.episode for r in results], len(results)
+    return env_metrics(episodes, "rollout/") | {"rollout/pass_rate": sum(e.passed for e in episodes) / n,
+            "rollout/answered": sum(e.answered for e in episodes) / n,
+            "rollout/tool_calls": sum(e.tool_calls for e in episodes) / n,
+            "rollout/tool_errors": sum(e.tool_errors for e in episodes) / n,
+            "rollout/turns": sum(e.turns for e in episodes) / n,
+            "rollout/truncated": sum(r.output.finish_reason == "length" for r in results) / n,
+            "rollout/context_full": sum(bool(e.info.get("context_full")) for e in episodes) / n}

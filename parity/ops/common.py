@@ -36,13 +36,20 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def check_logprob_args(logits: torch.Tensor, tokens: torch.Tensor | None, temperature: float) -> None:
     """The arguments of a backend's `token_logprobs` / `log_softmax`: a positive finite temperature
     (0 was a ZeroDivisionError) and one target per row of logits [..., V] (logits [2, V] with one
-    target broadcast it to both rows, silently). Shapes and a number only: no device sync."""
+    target broadcast it to both rows, silently), integer targets in the vocabulary. On an
+    accelerator, shapes and a number only: no device sync (the range is checked on CPU only)."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
             or not 0 < temperature < float("inf"):
         raise ValueError(f"log-probs need a positive finite temperature, got {temperature!r}")
     if tokens is not None and (logits.dim() < 1 or tuple(tokens.shape) != tuple(logits.shape[:-1])):
         raise ValueError(f"log-probs need one target per row of logits: logits {tuple(logits.shape)}, "
                          f"targets {tuple(tokens.shape)}")
+    if tokens is not None and (tokens.is_floating_point() or tokens.dtype == torch.bool):
+        raise ValueError(f"log-prob targets must be integer token ids, got {tokens.dtype}")
+    if tokens is not None and tokens.device.type == "cpu" and tokens.numel() \
+            and not 0 <= int(tokens.min()) <= int(tokens.max()) < logits.shape[-1]:  # (torch's index error)
+        raise ValueError(f"log-prob targets must be token ids in [0, {logits.shape[-1]}), got "
+                         f"{int(tokens.min())}..{int(tokens.max())}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -31,7 +31,7 @@ from ..config import TrainConfig
 from ..engine import Engine, RequestOutput, SamplingParams
 from ..envs.base import Env, Episode, Turn
 from ..errors import InputError
-from ..metrics.summary import env_metrics
+from ..metrics.diagnostics import rollout_stats
 from ..model import sequence_logprobs
 from ..seeds import request_seed
 from .trajectory import RolloutBatch, Trajectory, micro_batches
@@ -71,16 +71,6 @@ def sampling_params(cfg: TrainConfig, batch_index: int, n: int) -> list[Sampling
     return [SamplingParams(temperature=cfg.rollout.temperature, max_tokens=limits[i],
                            seed=request_seed(cfg.seed, batch_index, i), ignore_eos=toy)
             for i in range(n)]
-
-
-def rollout_stats(episodes: list[Episode]) -> dict[str, float]:
-    """Per-batch episode statistics (tool use, answers, pass rate, the env's own metrics)."""
-    n = len(episodes)
-    return env_metrics(episodes, "rollout/") | {"rollout/pass_rate": sum(e.passed for e in episodes) / n,
-            "rollout/answered": sum(e.answered for e in episodes) / n,
-            "rollout/tool_calls": sum(e.tool_calls for e in episodes) / n,
-            "rollout/tool_errors": sum(e.tool_errors for e in episodes) / n,
-            "rollout/turns": sum(e.turns for e in episodes) / n}  # (the built-in figures win a name)
 
 
 # --------------------------------------------------------------------------- episodes on the engine
@@ -139,7 +129,7 @@ def run_episodes(engine: Engine, env: Env, problems: list, params: list[Sampling
                         active[out.request_id] = (i, episode, start)
                         continue
                     except InputError as exc:  # the observation does not fit the context
-                        episode.info["ended"] = str(exc)
+                        episode.info["ended"], episode.info["context_full"] = str(exc), True
                         episode.reward, episode.passed = 0.0, False
                 episode.reward = turn.reward if turn.done else 0.0
                 # a request the engine failed (finish_reason "error") is already gone from it
@@ -361,7 +351,7 @@ class RolloutWorker:
         if self.scores(batch_index) and trajectories[0].rollout_routing is None:
             self.score(trajectories)
         return RolloutBatch(batch_index, trajectories, version, time.perf_counter() - t0, wait_s,
-                            rollout_stats([r.episode for r in results]), self._load_s)
+                            rollout_stats(results), self._load_s)
 
     def scores(self, batch_index: int) -> bool:
         """Whether batch `batch_index` gets `sampled_learner_logprobs`: in async runs (lag > 0),

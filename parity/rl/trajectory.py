@@ -34,6 +34,18 @@ def _finite_log_prob(value) -> bool:
         return False
 
 
+def _first_non_integer(values) -> int | None:
+    """The index of the first entry of `values` that is not an integer (a bool is not), or None.
+    (A string in policy_versions was a TypeError naming no response; 0.5 was truncated to 0.)"""
+    if isinstance(values, torch.Tensor) and not (values.is_floating_point() or values.dtype == torch.bool
+                                                 or values.is_complex()):
+        return None
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            return i
+    return None
+
+
 @dataclass
 class Trajectory:
     token_ids: list[int]
@@ -67,6 +79,12 @@ class Trajectory:
         top-p that is the truncated one (`sampled_logprobs`), so the importance weights correct
         the truncation too (and the mismatch figures include it); without truncation the two are
         the same numbers."""
+        fields = ("prompt_token_ids", "token_ids", "full_token_ids", "loss_mask", "sampled_logprobs",
+                  "policy_versions", "routing", "cache_versions", "finish_reason", "request_id")
+        missing = [f for f in fields if not hasattr(out, f)]
+        if missing:  # (a dict was an AttributeError)
+            raise InputError(f"Trajectory.from_output takes an engine RequestOutput, got "
+                             f"{type(out).__name__} (no {missing[0]})")
         p = len(out.prompt_token_ids)
         routing = None
         if out.routing is not None:
@@ -104,6 +122,10 @@ class Trajectory:
                 raise InputError(f"{where}: {self.excluded}, before it sampled a token; leave it out "
                                  f"of the batch")
             raise InputError(f"{where}: loss_mask selects no token")
+        for name in ("policy_versions", "cache_versions"):
+            bad = None if getattr(self, name) is None else _first_non_integer(getattr(self, name))
+            if bad is not None:
+                raise InputError(f"{where}: {name}[{bad}] = {getattr(self, name)[bad]!r} is not an integer")
         for t, (m, lp) in enumerate(zip(self.loss_mask, self.rollout_logprobs)):
             if m and not _finite_log_prob(lp):
                 raise InputError(f"{where}: rollout_logprobs[{t}] = {lp!r} is not a finite log-prob")
@@ -155,12 +177,12 @@ class TrajectoryBatch:
             n = len(t.token_ids) - 1
             self.mask[i, :n] = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
             self.rollout_logprobs[i, :n] = torch.tensor(t.rollout_logprobs[1:], dtype=torch.float32)
-            self.versions[i, :n] = torch.tensor(t.policy_versions[1:])
+            self.versions[i, :n] = torch.as_tensor(t.policy_versions[1:])
             if t.sampled_learner_logprobs is not None:
                 self.sampled_learner_logprobs[i, :n] = torch.tensor(t.sampled_learner_logprobs[1:],
                                                                     dtype=torch.float32)
             own = t.policy_versions if t.cache_versions is None else t.cache_versions
-            cache[i, :n] = torch.tensor(own[1:])
+            cache[i, :n] = torch.as_tensor(own[1:])
         self.versions[self.mask == 0] = -1
         self.stale_cache = (self.mask > 0) & (cache < self.versions)
         self.sampled_learner_logprobs[self.mask == 0] = float("nan")

@@ -24,7 +24,9 @@ special-token text in its tracebacks, which were those tokens before). Regenerat
 (ninth session, an AVX2-only EPYC: the fingerprint moved there) when mean@k's interval became
 `eval/mean@k_lo95` / `_hi95` and k3 moved to expm1: against the previous recording the float32
 run changed nowhere else beyond 7e-15 (k3's last bits), the tool run nowhere, the bfloat16 run
-within 0.8% (the other machine's bf16 rounding).
+within 0.8% (the other machine's bf16 rounding). Regenerated on 2026-12-07 (eleventh session, the
+same fingerprint) when the episodes' `rollout/truncated` and `rollout/context_full` shares were added:
+every other figure of every step matched the previous recording bit for bit.
 
 `tests/test_golden.py` re-runs them and compares bit for bit where the fingerprint matches,
 within a stated tolerance where it does not (native kernels and MKL follow the CPU's
