@@ -237,7 +237,7 @@ class Learner:
                     ref = self.reference.logprobs(sub, cfg)
                 else:  # (scored once for every epoch)
                     ref = ref_lp[idx][:, :lp_pad.shape[1]]
-                kl = kl_penalty(lp_pad, ref, sub.mask, cfg.loss_config, cfg.kl_estimator)
+                kl = kl_penalty(lp_pad, ref, sub.mask, cfg.loss_config, cfg.kl_estimator, sub.included)
                 loss = loss + cfg.kl_coef * kl
                 extra["train/kl_ref"] = extra.get("train/kl_ref", 0.0) + float(kl.detach()) * part / whole
             for k, (num, den) in stats.items():  # fractions of the whole batch: sums, divided below

@@ -105,13 +105,15 @@ KL_CLAMP = 20.0
 
 
 def kl_penalty(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, cfg: LossConfig,
-               estimator: str) -> torch.Tensor:
+               estimator: str, included: torch.Tensor | None = None) -> torch.Tensor:
     """The KL penalty per sampled token from d = ref_lp − lp ('k1' −d, 'k2' d²/2, 'k3' e^d − d − 1,
     computed as expm1(d) − d so that a d of 1e-8 is not lost to cancellation), aggregated over
     tokens and responses as the objective is (`cfg.aggregation`); differentiable in `lp`. Each
     value estimates KL(π ‖ π_ref) on tokens drawn from π; as a loss, k2's gradient follows
     KL(π ‖ π_ref), k3's KL(π_ref ‖ π), k1's is 0 in expectation (`LearnerConfig.kl_estimator`).
-    Exactly 0 where the two log-probs are equal."""
+    Exactly 0 where the two log-probs are equal. `included` [B] bool: the responses the objective
+    trains on (an excluded one, which the engine failed, gets no KL gradient either; it still
+    counts in the normalisation, as in the objective)."""
     d = _masked(ref_lp - lp, mask)
     if estimator == "k1":
         per_token = -d
@@ -122,7 +124,9 @@ def kl_penalty(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, cfg: 
         per_token = torch.expm1(d) - d
     else:
         raise ConfigError(f"unknown KL estimator {estimator!r}: expected k1, k2 or k3")
-    return -_objective(per_token, mask, torch.ones(lp.shape[0], dtype=lp.dtype, device=lp.device), cfg)
+    weight = torch.ones(lp.shape[0], dtype=lp.dtype, device=lp.device) if included is None \
+        else included.to(device=lp.device, dtype=lp.dtype)
+    return -_objective(per_token, mask, weight, cfg)
 
 
 def _weights(log_w: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
