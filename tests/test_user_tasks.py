@@ -204,12 +204,16 @@ def test_rewards_in_a_list_are_summed_with_their_weights_and_logged_by_part(tmp_
     assert env.step(episode, tokenizer.encode(f"answer: {problem['answer']}")).reward == 1.75
     assert episode.passed and episode.info["metrics"] == {"reward/exact": 1.0, "reward/formatted": 1.0,
                                                          "reward/exact_2": 1.0}
+    from parity.engine import RequestOutput
+    from parity.metrics.diagnostics import rollout_stats
     from parity.metrics.summary import env_metrics
-    from parity.rl.rollout_worker import rollout_stats
+    from parity.rl.rollout_worker import EpisodeResult
 
     other = env.start(problem)
     env.step(other, tokenizer.encode("no idea"))
-    assert rollout_stats([episode, other])["rollout/reward/formatted"] == 0.5
+    stopped = RequestOutput(0, [1], [2], [0.0], [0.0], [0], [1], "stop")
+    results = [EpisodeResult(stopped, e) for e in (episode, other)]
+    assert rollout_stats(results)["rollout/reward/formatted"] == 0.5
     wrong = env.start(problem)  # formatted, wrong: a reward of 0.25, and not solved
     assert env.step(wrong, tokenizer.encode("answer: 99999")).reward == 0.25 and not wrong.passed
     bonus = DatasetEnv(tokenizer, data, reward=["exact", f"{tmp_path}/parts.py:formatted"], heldout_size=5)
