@@ -195,6 +195,9 @@ def test_a_turn_that_overflows_the_context_ends_the_episode(tokenizer):
                                                                                  stop_token_ids=every)])
     stats = rollout_stats(res + done)
     assert stats["rollout/context_full"] == 0.5 and stats["rollout/truncated"] == 0.5, stats
+    from parity.metrics.summary import step_line
+    step = {"reward/mean": 0.0, "train/loss": 0.0, "time/wait_s": 0.0}
+    assert "context full 50%" in step_line({**step, **stats}) and "context" not in step_line(step)  # the bar
 
 
 def test_evaluate_reports_pass_at_1_and_mean_at_k(tokenizer):

@@ -132,6 +132,8 @@ def step_line(m: dict, timing: bool = False) -> str:
         f"reward {m['reward/mean']:.3f}  lag max {m.get('lag/max', 0):.0f}  "
         f"w peak/median {m.get('is_weight/peak_over_median', 1):.3f}  "
         f"kernel mismatch {m.get('mismatch/kernel_max_abs', NAN):.3g}")
+    if m.get("rollout/context_full"):  # (episodes ended, reward 0, by an observation past the context)
+        text += f"  context full {m['rollout/context_full']:.0%}"
     if timing:
         text += f"  wait {m['time/wait_s']:.2f}s"
     elif "eval/pass@1" in m:
