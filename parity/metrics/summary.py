@@ -148,6 +148,16 @@ def steady(record: dict) -> float:
     return record.get("throughput/steady_steps_per_hour", record.get("throughput/steps_per_hour", NAN))
 
 
+def kernel_text(metrics: Metrics) -> str:
+    """The run's largest kernel mismatch, or why it has none."""
+    kernel = series(metrics, "mismatch/kernel_max_abs")
+    if kernel:
+        return f"{max(kernel):.3g}"
+    if series(metrics, "mismatch/decomposed_frac"):  # decomposed, but no token's θ_old log-prob was at hand
+        return "not measured (no token could be split: mismatch/decomposed_frac 0)"
+    return "not measured (learner.decompose_every = 0)"
+
+
 def run_rows(metrics: Metrics) -> list[tuple[str, str]]:
     """The run report's summary table (figure, value)."""
     if not metrics:
@@ -155,7 +165,6 @@ def run_rows(metrics: Metrics) -> list[tuple[str, str]]:
     last = metrics[-1]
     first10, last10 = head(metrics, 0.10), tail(metrics, 0.10)
     evals = pass_at_1_track(metrics)
-    kernel = series(metrics, "mismatch/kernel_max_abs")
 
     def val(k, fmt="{:.4g}"):
         return fmt.format(last[k]) if k in last else "-"
@@ -167,7 +176,7 @@ def run_rows(metrics: Metrics) -> list[tuple[str, str]]:
         ("rollout-learner KL k3, first 10% -> last 10%",
          f"{mean(series(first10, 'mismatch/k3')):.3g} -> {mean(series(last10, 'mismatch/k3')):.3g}"),
         ("kernel mismatch max |Δ| (all steps)",
-         f"{max(kernel):.3g}" if kernel else "not measured (learner.decompose_every = 0)"),
+         kernel_text(metrics)),
         ("importance weight peak/median (max over steps)",
          f"{max(series(metrics, 'is_weight/peak_over_median'), default=1.0):.4g}"),
         ("largest gradient norm before clipping",
@@ -190,14 +199,13 @@ def demo_rows(metrics: Metrics) -> list[tuple[str, str]]:
     peak = series(metrics, "is_weight/peak_over_median")
     first10, last10 = head(metrics, 0.10), tail(metrics, 0.10)
     pts = f"  ({(after - before) * 100:+.1f} points)" if before is not None and after is not None else ""
-    kernel = series(metrics, "mismatch/kernel_max_abs")
     recheck = series(metrics, "mismatch/learner_recheck_max_abs")
     return [
         ("held-out pass@1 (greedy), before -> after", f"{pass_at_1_text(first)} -> {after_text}{pts}"),
         ("rollout-learner KL at the sampling version (max)",
          f"{max(series(metrics, 'mismatch/kernel_k3'), default=NAN):.3g}"),
         ("kernel mismatch max |Δ log-prob| (all steps)",
-         f"{max(kernel):.3g}" if kernel else "not measured (learner.decompose_every = 0)"),
+         kernel_text(metrics)),
         ("learner process vs rollout worker, old tokens re-scored: max |Δ| (steps)",
          f"{max(recheck):.3g} ({len(recheck)})" if recheck else "-"),
         ("importance weight peak/median (median step / worst step)",

@@ -53,10 +53,12 @@ def decompose(learner, batch: TrajectoryBatch, learner_lp: torch.Tensor,
     (`mismatch/routing_flip_frac`, a kernel mismatch too)."""
     stats: dict[str, float] = {}
     stale = batch.stale_cache
-    mask = batch.mask.bool() & ~stale
-    lp_old = batch.sampled_learner_logprobs.clone()
-    now = mask & (batch.versions == learner.version)  # this step's weights: already computed
-    lp_old[now] = learner_lp[now]
+    sampled = batch.mask.bool()
+    mask = sampled & ~stale
+    lp_old = batch.sampled_learner_logprobs.clone()  # learner(θ of the token's version), stale ones too
+    current = sampled & (batch.versions == learner.version)  # this step's weights: already computed
+    lp_old[current] = learner_lp[current]
+    now = mask & current
     flips = routed = 0
 
     def count_flips(sel, mine, rollout):
@@ -69,7 +71,7 @@ def decompose(learner, batch: TrajectoryBatch, learner_lp: torch.Tensor,
     if learner_routing is not None and batch.routing is not None:
         count_flips(now, learner_routing, batch.routing)
     stats.update(recheck(learner, batch, lp_old, mask & ~now & ~lp_old.isnan()))
-    todo = mask & lp_old.isnan()
+    todo = sampled & lp_old.isnan()  # (stale tokens too: their gap is reported apart, not left out)
     for v in batch.versions[todo].unique().tolist():
         if v not in learner.history:
             continue  # neither scored by the worker nor kept here
@@ -85,7 +87,7 @@ def decompose(learner, batch: TrajectoryBatch, learner_lp: torch.Tensor,
         block[sel] = lp_v[sel]
         lp_old[rows, :width] = block
         if route_v is not None:
-            count_flips(sel, route_v, sub.routing)
+            count_flips(sel & ~sub.stale_cache, route_v, sub.routing)
     covered = mask & ~lp_old.isnan()
     kernel = (lp_old - batch.rollout_logprobs).masked_fill(~covered, 0.0)
     lag_part = (learner_lp - lp_old).masked_fill(~covered, 0.0)
@@ -97,11 +99,10 @@ def decompose(learner, batch: TrajectoryBatch, learner_lp: torch.Tensor,
     learner.last_kernel_delta = kernel.masked_fill(~covered, float("nan"))  # for the mechanism buckets
     if stale.any():
         stats["mismatch/stale_cache_frac"] = float(stale.sum() / batch.mask.sum())
-        have = stale & ~batch.sampled_learner_logprobs.isnan()
-        have_now = stale & (batch.versions == learner.version)
-        gap = torch.where(have_now, learner_lp, batch.sampled_learner_logprobs) - batch.rollout_logprobs
-        if (have | have_now).any():
-            stats["mismatch/stale_cache_max_abs"] = float(gap[have | have_now].abs().max())
+        have = stale & ~lp_old.isnan()  # (from the worker, this step, or a version kept here)
+        if have.any():
+            stats["mismatch/stale_cache_max_abs"] = float((lp_old - batch.rollout_logprobs)[have].abs().max())
+    stats["mismatch/decomposed_frac"] = float(covered.sum() / batch.mask.sum())  # (0 too: it was missing)
     if covered.any():
         stats["mismatch/kernel_max_abs"] = float(kernel[covered].abs().max())
         stats["mismatch/kernel_mean_abs"] = float(kernel[covered].abs().mean())
@@ -109,7 +110,6 @@ def decompose(learner, batch: TrajectoryBatch, learner_lp: torch.Tensor,
         stats["mismatch/kernel_k3"] = float((torch.expm1(d) - d).mean())
         stats["mismatch/weight_lag_max_abs"] = float(lag_part[covered].abs().max())
         stats["mismatch/weight_lag_mean_abs"] = float(lag_part[covered].abs().mean())
-        stats["mismatch/decomposed_frac"] = float(covered.sum() / batch.mask.sum())
     if routed:
         stats["mismatch/routing_flip_frac"] = flips / routed
     return stats

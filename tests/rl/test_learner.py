@@ -193,6 +193,51 @@ def test_aligned_kernel_mismatch_is_exactly_zero_at_every_lag():
     assert all(r["is_weight/max"] == 1.0 == r["is_weight/min"] for r in results if r["lag/max"] == 0)
 
 
+def _rows(learner, versions, gap, stale=False, seed=0):
+    """Rows of 12 tokens (3 prompt) sampled at `versions`, no worker scores; μ = the learner path at
+    the row's version minus `gap[i]`; `stale`: every token read keys/values one version older."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, v in enumerate(versions):
+        ids = torch.randint(1, 128, (12,), generator=gen).tolist()
+        row = Trajectory(ids, [0] * 3 + [1] * 9, [0.0] * 12, [-1] * 3 + [v] * 9, float(i % 2), i // 2,
+                         cache_versions=[-1] * 3 + [v - 1] * 9 if stale else None)
+        lp = learner.logprobs(TrajectoryBatch([row]), version=v)[0]
+        row.rollout_logprobs = [0.0] * 3 + [min(0.0, float(x)) - gap[i] for x in lp[2:]]
+        rows.append(row)
+    return TrajectoryBatch(rows)
+
+
+def test_the_split_says_when_no_token_could_be_split_and_measures_every_stale_token():
+    """An audit's two edge cases. (a) A decomposed step whose tokens' versions are neither
+    scored by the worker nor kept here reported no `decomposed_frac` at all (a step not decomposed
+    looks the same; the summary said decompose_every = 0): now 0. (b) Stale-cache tokens of an
+    older version, unscored, were left out of `stale_cache_max_abs` though the learner keeps that
+    version (0.3 reported for a 0.8 gap): now measured from it."""
+    learner = Learner(model(seed=2), LearnerConfig(lr=3e-3, micro_batch_size=4, max_policy_lag=2))
+    learner.step(_rows(learner, [0, 0], [0.0, 0.0]))
+    learner.kept_back.clear()
+    stale = _rows(learner, [0, 0, 1, 1], [0.8, 0.8, 0.3, 0.3], stale=True)
+    assert stale.stale_cache[stale.mask.bool()].all()
+    m = learner.step(stale)
+    assert m["mismatch/stale_cache_frac"] == 1.0 and m["mismatch/decomposed_frac"] == 0.0
+    assert abs(m["mismatch/stale_cache_max_abs"] - 0.8) < 1e-5, m  # (version 0's rows: its history)
+    assert "mismatch/kernel_max_abs" not in m  # nothing split: no kernel figure
+    from parity.metrics.summary import kernel_text
+    assert "no token could be split" in kernel_text([m]) and "decompose_every = 0" in kernel_text([{}])
+    fresh = Learner(model(seed=2), LearnerConfig(lr=3e-3, micro_batch_size=4, max_policy_lag=2))
+    fresh.step(_rows(fresh, [0, 0], [0.0, 0.0]))
+    fresh.kept_back.clear()
+    unscored = _rows(fresh, [0, 0], [0.01, 0.01])
+    fresh.retain([])  # (version 0 let go: no worker needs it)
+    m = fresh.step(unscored)
+    assert m["mismatch/decomposed_frac"] == 0.0 and "mismatch/kernel_max_abs" not in m
+    control = Learner(model(seed=2), LearnerConfig(lr=3e-3, micro_batch_size=4, max_policy_lag=2))
+    control.step(_rows(control, [0, 0], [0.0, 0.0]))
+    m = control.step(_rows(control, [0, 0], [0.01, 0.01]))  # version 0 kept: split, kernel gap 0.01
+    assert m["mismatch/decomposed_frac"] == 1.0 and abs(m["mismatch/kernel_max_abs"] - 0.01) < 1e-5
+
+
 def test_aligned_bf16_with_float32_master_weights():
     results = _train_with_lag("aligned", "bfloat16", lags=(0, 2))
     assert all(r["mismatch/kernel_max_abs"] == 0.0 for r in results)
