@@ -41,7 +41,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     """Finish when one of these is sampled (it is kept in the output)."""
     stop_strings: list[str] = field(default_factory=list)
-    """Finish when the decoded text ends with one of these (needs a tokenizer on the engine)."""
+    """Finish on the token whose text completes one of these in the turn's text (needs a tokenizer on
+    the engine); that token may carry characters past it, and the output is not cut there."""
     ignore_eos: bool = False
     """Do not stop on the model's EOS token."""
 
