@@ -46,8 +46,20 @@ def _bench_options(parser: argparse.ArgumentParser, reps: int) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
 
 
+def _version() -> str:
+    """`parity --version`: what a bug report needs (the bits follow torch's build and the CPU)."""
+    import platform
+
+    import torch
+
+    from . import __version__
+    return (f"parity {__version__} (torch {torch.__version__}, Python {platform.python_version()}, "
+            f"{platform.machine()})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="parity", description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     all_dtypes = list(DTYPE_NAMES)
 

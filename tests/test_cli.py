@@ -104,6 +104,15 @@ def test_bad_input_is_one_line_no_traceback(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("parity: error: unknown model preset 'huge'"), proc
 
 
+def test_version_names_parity_and_what_its_bits_follow(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    import parity
+    assert done.value.code == 0
+    expected = f"parity {parity.__version__} (torch {torch.__version__}, Python "
+    assert capsys.readouterr().out.startswith(expected)
+
+
 def test_more_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
     """Found by a hostile-input review: each of these used to give a traceback, an unnamed
     error, a hang, an out-of-memory kill, or a silent reinterpretation. All are refused in one line
