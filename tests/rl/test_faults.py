@@ -423,8 +423,9 @@ def test_sigterm_while_the_first_optimizer_imports_triton_is_one_line_not_an_abo
     script = tmp_path / "sigterm.py"
     script.write_text(SIGTERM_IN_TRITON_INIT)
     runs = {}
-    for mode in ("parity", "held", "control"):
-        runs[mode] = subprocess.run([sys.executable, str(script), str(tmp_path / mode), mode],
+    for mode in ("parity", "held", "control"):  # (a run directory named "parity" beside the script,
+        # on its sys.path, shadowed the installed package as a namespace package in the next runs)
+        runs[mode] = subprocess.run([sys.executable, str(script), str(tmp_path / f"run-{mode}"), mode],
                                     capture_output=True, text=True, timeout=300,
                                     cwd=Path(__file__).resolve().parents[2])
         sent = "SIGTERM sent inside Triton's initialisation" in runs[mode].stderr
