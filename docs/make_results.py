@@ -56,6 +56,8 @@ def stat(xs: list[float]) -> tuple[float, float]:
     """Mean and half the min..max range over seeds."""
     if not xs:
         return math.nan, math.nan
+    if len(xs) == 1:  # (no spread; an infinite value's max - min was NaN, which read "within spread")
+        return xs[0], 0.0
     return sum(xs) / len(xs), (max(xs) - min(xs)) / 2
 
 
@@ -70,12 +72,14 @@ def cell(xs: list[float], fmt: str) -> str:
 def worse(standard: list[float], aligned: list[float]) -> str:
     """'yes' when the standard row is worse (larger) than the aligned row beyond both seed spreads,
     'reversed' when it is better beyond them, else 'no (within seed spread)'; 'no (equal to 3
-    digits)' when the means agree as the table shows them; ', one seed' when either row has a
-    single seed (no spread to compare against)."""
+    digits)' when the means agree as the table shows them; ' (one seed)' when either row has a
+    single seed (no spread to compare against), ' (two seeds)' with two (under no difference at all
+    the rule says 'yes' half the time with one seed, one time in six with two, one in twenty with
+    three)."""
     (sm, ss), (am, as_) = stat(standard), stat(aligned)
     if math.isnan(sm) or math.isnan(am):
         return "-"
-    one = " (one seed)" if min(len(standard), len(aligned)) < 2 else ""
+    one = {1: " (one seed)", 2: " (two seeds)"}.get(min(len(standard), len(aligned)), "")
     if f"{sm:.3g}" == f"{am:.3g}":
         return "no (equal to 3 digits)"
     if sm - ss > am + as_:
@@ -105,8 +109,8 @@ def comparison(r: dict) -> list[str]:
     is_v = worse(vals(r, "std-fixed-64", "is_peak_over_median"), vals(r, "fixed-64", "is_peak_over_median"))
     kl_v = worse(vals(r, "std-fixed-64", "kl_last_over_first"), vals(r, "fixed-64", "kl_last_over_first"))
     gn_v = worse(vals(r, "std-fixed-64", "grad_norm_max"), vals(r, "fixed-64", "grad_norm_max"))
-    mm_v = ("yes" if max(vals(r, "fixed-64", "kernel_mismatch_max")) == 0
-            and min(vals(r, "std-fixed-64", "kernel_mismatch_max")) > 0 else "no")
+    al_mm, std_mm = vals(r, "fixed-64", "kernel_mismatch_max"), vals(r, "std-fixed-64", "kernel_mismatch_max")
+    mm_v = "-" if not al_mm or not std_mm else "yes" if max(al_mm) == 0 and min(std_mm) > 0 else "no"
     d_std, d_al = delta(r, "std-fixed-64"), delta(r, "fixed-64")
     acc_v = worse([-x for x in d_std], [-x for x in d_al])
     if acc_v.startswith("yes") and stat(d_std)[0] >= 0:
@@ -179,7 +183,25 @@ def bucket_mean(r: dict, run: str, below: float | None = None, above: float | No
 def max_weight(r: dict, run: str) -> float:
     """The largest importance weight of a row over all buckets (mean over seeds of each bucket's max)."""
     figs = r["runs"][run]["figures"]
-    return max((f["mean"] for k, f in figs.items() if k.startswith("mech_is_max/")), default=math.nan)
+    return max((f["mean"] for k, f in figs.items() if k.startswith("mech_is_max/") and f["mean"] is not None
+                and not math.isnan(f["mean"])), default=math.nan)  # (a NaN first made max() NaN)
+
+
+def peak_bucket(r: dict, run: str) -> float:
+    """The upper edge of the probability bucket holding a row's largest importance weight (NaN: none,
+    or every bucket's the same: no bucket holds it more than another)."""
+    figs = r["runs"][run]["figures"]
+    peak = max_weight(r, run)
+    if peak == min((f["mean"] for k, f in figs.items() if k.startswith("mech_is_max/")
+                    and f["mean"] is not None and not math.isnan(f["mean"])), default=math.nan):
+        return math.nan
+    return next((float(k.split("/", 1)[1][1:].split("-")[1]) for k, f in figs.items()
+                 if k.startswith("mech_is_max/") and f["mean"] == peak), math.nan)
+
+
+def aligned_rows(r: dict) -> list[str]:
+    """The study's rows on aligned kernels."""
+    return [name for name, run in r["runs"].items() if run["run"].get("kernels") == "aligned"]
 
 
 def reasons(r: dict, rollout_ratio: float | None, async_ratio: float | None) -> list[str]:
@@ -187,31 +209,39 @@ def reasons(r: dict, rollout_ratio: float | None, async_ratio: float | None) -> 
     word is chosen by comparing numbers."""
     km, lag = num(r, "std-fixed-64", "kernel_mismatch_mean"), num(r, "std-fixed-64", "weight_lag_mean_abs")
     low, high = bucket_mean(r, "std-fixed-64", below=0.1), bucket_mean(r, "std-fixed-64", above=0.5)
-    exact = num(r, "fixed-64", "kernel_mismatch_max") == 0 == num(r, "sync", "kernel_mismatch_max") \
-        and num(r, "sync", "is_peak_over_median") == 1
+    aligned = [vals(r, name, "kernel_mismatch_max") for name in aligned_rows(r)]  # (fixed-64 and sync
+    top = max((max(v) for v in aligned if v), default=math.nan)  # only, before: a row at 0.02 read "exact")
+    exact = bool(aligned) and all(aligned) and top == 0 and num(r, "sync", "is_peak_over_median") == 1
     out = [
         ("- **The premise holds exactly.** On every aligned row the rollout and the learner agree bit "
          "for bit at the sampling version" if exact else "- **The premise does not hold on this run.** "
          "The aligned rows do not agree bit for bit at the sampling version")
-        + f" (kernel mismatch {fig(r, 'fixed-64', 'kernel_mismatch_max')} "
-        f"on fixed-64, {fig(r, 'sync', 'kernel_mismatch_max')} on sync), and the synchronous aligned "
+        + f" (kernel mismatch at most {top:.3g} over the {len(aligned)} aligned rows"
+        + ("" if all(aligned) else ", some not measured") + "), and the synchronous aligned "
         f"run's importance weights are {'exactly 1' if exact else 'not all 1'} "
         f"(peak/median {fig(r, 'sync', 'is_peak_over_median')}). "
         "The standard rows carry a real kernel mismatch in bfloat16: max |Δ log-prob| "
         f"{fig(r, 'std-fixed-64', 'kernel_mismatch_max')}, per-token mean {km:.3g}"
         + (f"; in float32 the same rows show max {fig(r, 'std-fixed-64-fp32', 'kernel_mismatch_max')}, "
            f"mean {fig(r, 'std-fixed-64-fp32', 'kernel_mismatch_mean')} "
-           f"({km / num(r, 'std-fixed-64-fp32', 'kernel_mismatch_mean'):.0f}x less than bfloat16)."
-           if "std-fixed-64-fp32" in r["runs"] else "."),
+           + (f"({km / fp32:.0f}x less than bfloat16)." if (fp32 := num(r, "std-fixed-64-fp32",
+                                                                         "kernel_mismatch_mean")) > 0 else
+              "(none in float32).") if "std-fixed-64-fp32" in r["runs"] else "."),
     ]
     if not math.isnan(low) and not math.isnan(high):
         where = ("**The kernel mismatch sits on low-probability tokens, as the published explanations "
                  "say**" if low > 3 * high else "**The kernel mismatch is not concentrated on "
                  "low-probability tokens here**")
+        times = f"{low / high:.0f}x" if high > 0 else "none above p 0.5"  # (a ZeroDivisionError)
+        peaks = {name: peak_bucket(r, name) for name in ("fixed-64", "std-fixed-64")}
+        also = (" The largest importance weights also sit in the low-probability buckets (p < 0.1), on "
+                "the aligned row as well: there they come from weight lag alone (see the mechanism table)."
+                if all(v <= 0.1 for v in peaks.values()) else
+                " The largest importance weight sits in the bucket up to p " + ", ".join(
+                    f"{v:g} on {name}" for name, v in peaks.items() if not math.isnan(v)) + " (the mechanism "
+                "table has every bucket)." if any(not math.isnan(v) for v in peaks.values()) else "")
         out.append(f"- {where}: on std-fixed-64 the mean |Δ log-prob| is {low:.3g} for sampled tokens "
-                   f"the rollout gave p < 0.1 and {high:.3g} for p > 0.5 ({low / high:.0f}x). The largest "
-                   "importance weights also sit in the low-probability buckets, on aligned rows as well: "
-                   "there they come from weight lag alone (see the mechanism table).")
+                   f"the rollout gave p < 0.1 and {high:.3g} for p > 0.5 ({times}).{also}")
     ratio = lag / km if km else math.inf
     out.append(
         f"- **Weight lag vs kernels at lag 64.** The per-token mean |Δ log-prob| from 64 versions of "
@@ -227,23 +257,26 @@ def reasons(r: dict, rollout_ratio: float | None, async_ratio: float | None) -> 
                    " Without clipping at lag 64, both rows carry large weights from the lag alone (the "
                    f"largest bucket maximum, a mean over seeds: aligned {w_al:.4g}, standard {w_std:.4g}),"
                    " so this figure measures the lag here, not the kernels; the published aligned run's "
-                   "0.0555 came with importance weights within 1.5x of their median.")
+                   "0.0555 came with importance weights within 1.5x of their median."
+                   if min(w_al, w_std) > 2 else  # (said "large" of weights of 1.0 and 1.01)
+                   f" The largest importance weights (bucket maxima, a mean over seeds) were aligned "
+                   f"{w_al:.4g}, standard {w_std:.4g}.")
         out.append(
             f"- **Gradient norms.** The largest gradient norm (aligned "
             f"{fig(r, 'fixed-64', 'grad_norm_max')}, standard {fig(r, 'std-fixed-64', 'grad_norm_max')}; "
             f"sync {fig(r, 'sync', 'grad_norm_max')}) is set by the few tokens with the largest weight "
             f"x advantage in a batch.{weights}")
     std_gain, al_gain = stat(delta(r, "std-fixed-64"))[0], stat(delta(r, "fixed-64"))[0]
-    out.append(
-        f"- **Learning.** Aligned fixed-64 went {fig(r, 'fixed-64', 'pass1_start', '{:.1%}')} -> "
-        f"{fig(r, 'fixed-64', 'pass1_end', '{:.1%}')} held-out pass@1 ({al_gain:+.1f} points) at an exact "
-        f"lag of 64 without clipping; standard unclipped {std_gain:+.1f}, standard + TIS "
-        f"{stat(delta(r, 'std-fixed-64-tis'))[0]:+.1f}, standard + sequence gate "
-        f"{stat(delta(r, 'std-fixed-64-gate'))[0]:+.1f}, sync {stat(delta(r, 'sync'))[0]:+.1f}. "
-        + ("Standard kernels did not make held-out accuracy fall within these "
-           f"{r['config']['train'].get('steps')} updates, as it did in the published runs of a far "
-           "larger model (34.27% -> 13.96%)." if std_gain >= 0 else
-           "Standard kernels made held-out accuracy fall, the published direction."))
+    if math.isnan(std_gain) and math.isnan(al_gain):  # (printed "nan% -> nan% (+nan points)")
+        out.append("- **Learning.** Held-out accuracy was not measured (no evaluations in these runs).")
+    else:
+        out.append(
+            f"- **Learning.** Aligned fixed-64 went {fig(r, 'fixed-64', 'pass1_start', '{:.1%}')} -> "
+            f"{fig(r, 'fixed-64', 'pass1_end', '{:.1%}')} held-out pass@1 ({al_gain:+.1f} points) at an "
+            f"exact lag of 64 without clipping; standard unclipped {std_gain:+.1f}, standard + TIS "
+            f"{stat(delta(r, 'std-fixed-64-tis'))[0]:+.1f}, standard + sequence gate "
+            f"{stat(delta(r, 'std-fixed-64-gate'))[0]:+.1f}, sync {stat(delta(r, 'sync'))[0]:+.1f}. "
+            + learning_verdict(r, std_gain))
     tis_kl, al_kl = num(r, "std-fixed-64-tis", "kl_last_over_first"), num(r, "fixed-64", "kl_last_over_first")
     if not math.isnan(tis_kl):
         out.append(
@@ -268,15 +301,16 @@ def reasons(r: dict, rollout_ratio: float | None, async_ratio: float | None) -> 
              f"{async_ratio:.2f}x the learner steps/hour of synchronous training side by side; "
              if async_ratio is not None else "")
     ratio = num(r, "async-8", "throughput_vs_sync")
-    cap = ("Rollout and learner share two CPU cores here, so the gain is what the two sides can "
-           "overlap there; the study's rows ran one after another, each under the load of its hour (see "
+    cores = r.get("machine", {}).get("cores")
+    cap = (f"Rollout and learner share {cores or 'the'} CPU cores here, so the gain is what the two sides "
+           "can overlap there; the study's rows ran one after another, each under the load of its hour (see "
            "the study's wall time above), so a side-by-side `parity bench async` run is the figure to "
-           "compare" + (f" (this one, {ratio:.2f}x, is above the overlap the two cores allow)" if ratio > 2.2
-                        else "") + ".")
+           "compare.")
+    study = ("there is no async-8 row" if math.isnan(ratio) else  # (printed "nanx sync")
+             f"async-8 reached {ratio:.2f}x sync")
     out.append(
         f"- **Throughput.** {speed}{'i' if speed else 'I'}n the study, whose rows ran one after "
-        "another on a shared machine, "
-        f"async-8 reached {fig(r, 'async-8', 'throughput_vs_sync', '{:.2f}')}x sync (published "
+        f"another on a shared machine, {study} (published "
         f"{PUBLISHED['throughput_vs_sync']}x with rollout and training on separate GPUs). {cap} The "
         "fixed-staleness rows run generation and training in lock-step (that is what makes the lag "
         "exactly 64), so their steps/hour is not an async speed figure.")
@@ -288,8 +322,27 @@ def reasons(r: dict, rollout_ratio: float | None, async_ratio: float | None) -> 
     seeds = sorted({s for run in r["runs"].values() for s in run["seeds"]})
     out.append(f"- Spreads are half the min..max range over seeds ({', '.join(map(str, seeds))}); a "
                "verdict says 'yes' only when the standard row is worse than the aligned row beyond "
-               "both spreads.")
+               "both spreads (under no difference at all that rule says 'yes' half the time with one seed, "
+               "one time in six with two, one in twenty with three: a verdict says how many seeds it had "
+               "when fewer than three).")
     return out
+
+
+def learning_verdict(r: dict, std_gain: float) -> str:
+    """What the held-out change says of the kernels: a fall is the kernels' only when standard
+    unclipped lost more than aligned unclipped beyond both seed spreads (it was said of any fall,
+    of a NaN, and of a fall equal to aligned's)."""
+    if math.isnan(std_gain):
+        return "Held-out accuracy was not measured on standard unclipped (no evaluations)."
+    if std_gain >= 0:
+        return ("Standard kernels did not make held-out accuracy fall within these "
+                f"{r['config']['train'].get('steps')} updates, as it did in the published runs of a far "
+                "larger model (34.27% -> 13.96%).")
+    verdict = worse([-x for x in delta(r, "std-fixed-64")], [-x for x in delta(r, "fixed-64")])
+    if verdict.startswith("yes"):
+        return f"Standard kernels made held-out accuracy fall, the published direction{verdict[3:]}."
+    return (f"Held-out accuracy fell on standard unclipped, but not by more than on aligned unclipped "
+            f"beyond both seed spreads ({verdict}), so this run does not show that the kernels made it fall.")
 
 
 def tis_split(r: dict) -> str:

@@ -3,6 +3,8 @@ grid end to end (the CI smoke run)."""
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import json
 import math
 import shutil
@@ -234,6 +236,27 @@ def test_quick_study_runs_the_default_grid_end_to_end(tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr
     text = (page / "results.md").read_text()
     assert "| standard + TIS | standard + sequence gate |" in text and "Truncation or kernels?" not in text
+
+    # what the page says follows the numbers (a 2026-12-07 audit: "holds exactly" checked two of the
+    # aligned rows, "accuracy fell" was said of NaN, "nanx sync", a crash on a figure not measured)
+    spec = importlib.util.spec_from_file_location("make_results", script)
+    pages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pages)
+    said = " ".join(pages.reasons(results, None, None))
+    assert "The premise holds exactly" in said and "async-8 reached" in said  # the controls
+    edited = copy.deepcopy(results)
+    edited["runs"]["fixed-64-tis"]["figures"]["kernel_mismatch_max"]["values"] = [0.02]
+    assert "The premise does not hold" in " ".join(pages.reasons(edited, None, None))
+    for run in edited["runs"].values():
+        for key in ("pass1_start", "pass1_end"):
+            run["figures"][key]["values"] = [None]
+    del edited["runs"]["async-8"]
+    said = " ".join(pages.reasons(edited, None, None))
+    assert "not measured (no evaluations" in said and "there is no async-8 row" in said
+    edited["runs"]["fixed-64"]["figures"]["kernel_mismatch_max"]["values"] = [float("nan")]
+    assert pages.comparison(edited)[2].endswith("| - |")
+    assert pages.worse([math.inf], [1.0]) == "yes (one seed)"  # (an infinite rise read "within spread")
+    assert pages.worse([3.0, 4.0], [1.0, 1.5]) == "yes (two seeds)"
 
     # a report from finished runs only: drop one row's run, nothing is trained, the row is left out
     shutil.rmtree(out / "std-fixed-64-gate-seed0")
