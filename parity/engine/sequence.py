@@ -28,11 +28,12 @@ class SamplingParams:
     """How to sample one request. Validated on construction."""
 
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (argmax, log-probs recorded at temperature 1)."""
+    """Softmax temperature; 0 means greedy (argmax, ties to the lower token id; log-probs recorded at
+    temperature 1)."""
     max_tokens: int = 64
     """Most tokens to sample for this request (per turn, for multi-turn requests)."""
     top_k: int = 0
-    """Keep only the k most likely tokens (0 = off)."""
+    """Keep only the k most likely tokens (0 = off; ties to the lower token id)."""
     top_p: float = 1.0
     """Keep the smallest set of tokens whose probability reaches top_p (1.0 = off); with top_k,
     of the k tokens' renormalised probabilities (top-k first, as transformers and vLLM do)."""
