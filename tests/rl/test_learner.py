@@ -67,13 +67,26 @@ def test_lag_zero_weights_are_exactly_one_and_gradient_equals_on_policy():
     assert any(g.abs().sum() > 0 for g in grads["on_policy"])
 
 
+def ragged_batch(seed=1) -> TrajectoryBatch:
+    """12 responses of 3 to 15 tokens: micro-batches of a few token rows, where a GEMM's rows
+    depend on how many there are under the standard kernels (from 12 rows up they did not, on an
+    AVX2 CPU: a batch of 15-token responses could not tell the kernels apart)."""
+    outs = parity.Engine(model(seed=seed), max_num_seqs=8).generate(
+        [[1 + i % 5] * (2 + i % 3) for i in range(12)],
+        [SamplingParams(max_tokens=1 + (i * 5) % 11, seed=i) for i in range(12)])
+    return TrajectoryBatch([Trajectory.from_output(o, float(i % 2), i // 4) for i, o in enumerate(outs)])
+
+
 def test_learner_logprobs_do_not_depend_on_micro_batch_size():
-    m = model(seed=1)
-    batch = rollout(parity.Engine(m, max_num_seqs=8), seed=1)
-    learner = Learner(m, LearnerConfig())
-    ref = learner.logprobs(batch, micro_batch_size=len(batch))
-    for mb in (1, 2, 5):
-        assert torch.equal(learner.logprobs(batch, micro_batch_size=mb), ref)
+    batch = ragged_batch()
+    assert min(len(s) for s in batch.sequences) <= 4
+    differ = []
+    for kernels in ("aligned", "standard"):  # the second, the control: some micro-batch size differs
+        learner = Learner(model(kernels, seed=1), LearnerConfig())
+        ref = learner.logprobs(batch, micro_batch_size=len(batch))
+        differ.append([not torch.equal(learner.logprobs(batch, micro_batch_size=mb), ref)
+                       for mb in (1, 2, 5)])
+    assert not any(differ[0]) and any(differ[1]), differ
 
 
 def test_a_top_k_sample_is_weighted_against_the_distribution_it_was_drawn_from():
@@ -417,8 +430,8 @@ def test_micro_batches_cover_the_batch_in_order_within_both_caps(lengths, max_se
 def test_a_token_budget_changes_the_micro_batches_but_not_a_bit_of_the_log_probs():
     """micro_batch_tokens regroups the batch (more, smaller micro-batches of ragged lengths); the
     learner's log-probs stay bit for bit those of one micro-batch, and training runs through the
-    same grouping. (Batch-composition invariance itself, with its standard-kernel control, is
-    proved in tests/parity/test_bitwise.py.)"""
+    same grouping. The control: responses short enough for micro-batches of a few token rows,
+    where the standard kernels' bits move (the first batch's could not tell them apart)."""
     m = model(seed=1)
     engine = parity.Engine(m, max_num_seqs=8)
     outs = engine.generate([[1 + i % 5] * (2 + i % 7) for i in range(12)],
@@ -429,6 +442,14 @@ def test_a_token_budget_changes_the_micro_batches_but_not_a_bit_of_the_log_probs
     groups = micro_batches([len(s) for s in batch.sequences], len(batch), 40)
     assert len(groups) > 3 and len({len(g) for g in groups}) > 1
     assert torch.equal(budget.logprobs(batch), whole)
+    ragged, differ = ragged_batch(), []  # the control: on the standard kernels, budgets that make
+    for kernels in ("aligned", "standard"):  # micro-batches of a few rows move some bits
+        m_k = model(kernels, seed=1)
+        one = Learner(m_k, LearnerConfig(micro_batch_size=len(ragged))).logprobs(ragged)
+        differ.append([not torch.equal(one, Learner(m_k, LearnerConfig(
+            micro_batch_size=len(ragged), micro_batch_tokens=tokens)).logprobs(ragged))
+            for tokens in (8, 16, 24)])
+    assert not any(differ[0]) and any(differ[1]), differ
     before = [p.detach().clone() for p in m.parameters()]
     metrics = budget.step(batch)
     assert math.isfinite(metrics["train/loss"])
