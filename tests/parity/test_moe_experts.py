@@ -48,12 +48,14 @@ def _need_fused(x, gate_up, down) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + ("-skewed" if c[5] else ""))
 def test_the_one_call_experts_have_the_loops_bits(case) -> None:
     """Every slot's output, experts of 1-8 slots in the native call, the others by the loop beside
-    them, equals the expert-by-expert loop's (`gemm.linear`, `silu_mul`, `gemm.linear`)."""
+    them, equals the expert-by-expert loop's (`gemm.linear`, `silu_mul`, `gemm.linear`); the
+    standard bundle's experts, the control, do not."""
     x, idx, gate_up, down = _layer(sum(case[:5]), *case)
     _need_fused(x, gate_up, down)
     got, want = ALIGNED.moe_experts(x, idx, gate_up, down), LOOP(x, idx, gate_up, down)
     assert got.shape == (case[0] * case[1], case[3]) and torch.equal(got, want)
     assert not torch.equal(want, torch.zeros_like(want))
+    assert not torch.equal(STANDARD.moe_experts(x, idx, gate_up, down), want)  # the control
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
