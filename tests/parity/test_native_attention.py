@@ -6,7 +6,11 @@ at the head sizes with their own code (32, 64, 128) and one without (48), in flo
 for prefill rows and decode rows, with a sliding window and with soft-capped scores.
 
 Known to be able to fail: summing a grouped head's denominator in another order (r > 0 from the
-last key down) fails every grouped case.
+last key down) fails every case the kernel groups. How many heads share a load follows the vector
+registers: with AVX-512 every head size here is grouped; with AVX2 only 32 (2 heads), and at 48,
+64 and 128 each head runs alone, so there these cases compare one code path with itself (an audit
+of 2026-12-07 ran the mutation on an AVX2 EPYC: the 6 cases of head size 32 failed, the other 10
+passed). The control is that mutation, run by hand: it needs the C library rebuilt.
 """
 
 from __future__ import annotations
