@@ -46,12 +46,17 @@ def assert_blocks_all_back(eng):
         assert sorted(g.free) == list(range(1, g.num_blocks + 1)) and not g.refs and not g.index
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_group_shares_its_prompt_and_records_the_same_bits(dtype):
+# (bf16 on `small`: on `tiny` the standard kernels' bf16 bits did not move with the shared prefix on an
+# AVX2 CPU, so the bf16 case could not fail there)
+SHARING = [("float32", "tiny"), ("bfloat16", "small")]
+
+
+@pytest.mark.parametrize("dtype, preset", SHARING)
+def test_a_group_shares_its_prompt_and_records_the_same_bits(dtype, preset):
     """Members of a group arriving together: the first prefills, the others wait one step and
     take its full blocks (all but the last token's block); tokens and log-probs equal the run
     without prefix caching bit for bit, and the learner's."""
-    model = cached_model("tiny", "aligned", dtype, 0, 0.1)
+    model = cached_model(preset, "aligned", dtype, 0, 0.1)
     prompts, params = groups(1)
     eng = parity.Engine(model, max_num_seqs=16)
     eng.policy_version = 7  # (as a rollout worker starting at version 7 sets it)
@@ -69,11 +74,12 @@ def test_a_group_shares_its_prompt_and_records_the_same_bits(dtype):
     assert_blocks_all_back(eng)
 
 
-def test_control_standard_kernels_record_other_bits_when_sharing():
+@pytest.mark.parametrize("dtype, preset", SHARING)
+def test_control_standard_kernels_record_other_bits_when_sharing(dtype, preset):
     """The same requests on standard kernels: a request that prefills only its prompt's tail
     computes its first sampled token's log-prob in another GEMM shape than the full prefill, and
     records other bits (so the aligned test above can fail)."""
-    model = cached_model("tiny", "standard", "float32", 0, 0.1)
+    model = cached_model(preset, "standard", dtype, 0, 0.1)
     differ = 0
     for seed in (1, 2):  # (on one thread, 3 and 5 of 24 requests differ on an AMD EPYC; 11 and 12 on two)
         prompts, params = groups(seed, n=6)
