@@ -26,9 +26,9 @@ def batch_of_four_groups():
     return rollout(parity.Engine(model(seed=SEED), max_num_seqs=8), n_groups=4, group_size=3, seed=SEED)
 
 
-def learner(kernels="aligned", **cfg):
+def learner(**cfg):
     base = dict(lr=1e-2, micro_batch_size=4, decompose_every=0, max_policy_lag=8)
-    return Learner(model(kernels, seed=SEED), LearnerConfig(**{**base, **cfg}))
+    return Learner(model(seed=SEED), LearnerConfig(**{**base, **cfg}))
 
 
 @pytest.mark.parametrize("mini_batches, epochs", [(2, 1), (2, 2)])
@@ -79,38 +79,27 @@ def test_shuffled_mini_batches_are_dealt_anew_each_epoch_and_alike_on_a_rerun():
 def test_the_kl_reference_is_scored_once_for_every_epoch_with_the_same_bits(monkeypatch):
     """With a KL penalty and several epochs the reference scores the batch once, not once per
     epoch: on aligned kernels its log-probs are the per-micro-batch ones bit for bit, so the
-    weights land where scoring it every epoch leaves them. The controls: no penalty lands
-    elsewhere; and on the standard kernels, with responses short enough for micro-batches of a few
-    token rows (the whole batch's micro-batches up front, a shuffled mini-batch's after), the two
-    land apart (with 15-token responses they could not: every micro-batch had 12+ rows)."""
+    weights land where scoring it every epoch leaves them (the control: no penalty, elsewhere)."""
     from parity.rl.reference import ReferencePolicy
 
+    batch = batch_of_four_groups()
     calls = []
-    real_logprobs, score = ReferencePolicy.logprobs, Learner._score
-
-    def once_and_every(kernels, batch):
-        monkeypatch.setattr(ReferencePolicy, "logprobs",
-                            lambda self, b, c: calls.append(len(b)) or real_logprobs(self, b, c))
-        once = learner(kernels, mini_batches=2, epochs=3, kl_coef=0.5)
-        metrics = once.step(batch)
-        assert calls == [] and metrics["train/kl_ref"] > 0
-        every = learner(kernels, mini_batches=2, epochs=3, kl_coef=0.5)
-        with monkeypatch.context() as m:  # the reference unscored up front: per micro-batch, every epoch
-            m.setattr(Learner, "_score", lambda self, model, *a: (
-                (None,) if self.reference and model is self.reference.model else score(self, model, *a)))
-            every.step(batch)
-        assert sum(calls) == 3 * len(batch)  # each response once per epoch
-        calls.clear()
-        return once, all(torch.equal(a, b) for a, b in zip(once.master, every.master))
-
-    once, same = once_and_every("aligned", batch_of_four_groups())
-    assert same
+    real = ReferencePolicy.logprobs
+    monkeypatch.setattr(ReferencePolicy, "logprobs",
+                        lambda self, b, c: calls.append(len(b)) or real(self, b, c))
+    once = learner(mini_batches=2, epochs=3, kl_coef=0.5)
+    metrics = once.step(batch)
+    assert calls == [] and metrics["train/kl_ref"] > 0
+    every = learner(mini_batches=2, epochs=3, kl_coef=0.5)
+    score = Learner._score  # the reference unscored up front: scored per micro-batch, every epoch
+    monkeypatch.setattr(Learner, "_score", lambda self, model, *a: (
+        (None,) if self.reference and model is self.reference.model else score(self, model, *a)))
+    every.step(batch)
+    assert sum(calls) == 3 * len(batch)  # each response once per epoch
+    assert all(torch.equal(a, b) for a, b in zip(once.master, every.master))
     plain = learner(mini_batches=2, epochs=3)
-    plain.step(batch_of_four_groups())
+    plain.step(batch)
     assert not all(torch.equal(a, b) for a, b in zip(once.master, plain.master))
-    short = rollout(parity.Engine(model(seed=SEED), max_num_seqs=8), n_groups=4, group_size=3, max_tokens=1,
-                    seed=SEED)
-    assert once_and_every("aligned", short)[1] and not once_and_every("standard", short)[1]
 
 
 def test_decoupled_ppo_takes_its_first_update_as_reinforce_zero_and_clips_around_the_start_after(
