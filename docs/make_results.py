@@ -180,23 +180,26 @@ def bucket_mean(r: dict, run: str, below: float | None = None, above: float | No
     return total / weight if weight else math.nan
 
 
+def bucket_maxima(r: dict, run: str) -> dict[float, float]:
+    """A row's largest importance weight per probability bucket (mean over seeds), by the bucket's
+    upper edge; buckets without a number left out (a NaN first made max() NaN)."""
+    return {float(k.split("/", 1)[1][1:].split("-")[1]): f["mean"]
+            for k, f in r["runs"][run]["figures"].items()
+            if k.startswith("mech_is_max/") and f["mean"] is not None and not math.isnan(f["mean"])}
+
+
 def max_weight(r: dict, run: str) -> float:
     """The largest importance weight of a row over all buckets (mean over seeds of each bucket's max)."""
-    figs = r["runs"][run]["figures"]
-    return max((f["mean"] for k, f in figs.items() if k.startswith("mech_is_max/") and f["mean"] is not None
-                and not math.isnan(f["mean"])), default=math.nan)  # (a NaN first made max() NaN)
+    return max(bucket_maxima(r, run).values(), default=math.nan)
 
 
 def peak_bucket(r: dict, run: str) -> float:
     """The upper edge of the probability bucket holding a row's largest importance weight (NaN: none,
     or every bucket's the same: no bucket holds it more than another)."""
-    figs = r["runs"][run]["figures"]
-    peak = max_weight(r, run)
-    if peak == min((f["mean"] for k, f in figs.items() if k.startswith("mech_is_max/")
-                    and f["mean"] is not None and not math.isnan(f["mean"])), default=math.nan):
+    maxima = bucket_maxima(r, run)
+    if not maxima or max(maxima.values()) == min(maxima.values()):
         return math.nan
-    return next((float(k.split("/", 1)[1][1:].split("-")[1]) for k, f in figs.items()
-                 if k.startswith("mech_is_max/") and f["mean"] == peak), math.nan)
+    return max(maxima, key=maxima.get)
 
 
 def aligned_rows(r: dict) -> list[str]:
