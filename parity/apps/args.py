@@ -93,11 +93,10 @@ def check_args(args: argparse.Namespace) -> None:
         usage_error("--vocab must be at least 2")
     if getattr(args, "seed", None) is not None and not 0 <= args.seed < 2**63:
         usage_error("--seed must be in 0..2**63-1")
-    for name, value in vars(args).items():  # (--out "" fell back to the default directory)
-        if isinstance(value, str) and not value.strip():
+    for name, value in vars(args).items():  # a size of 1e11 hung for minutes, or died out of memory
+        if isinstance(value, str) and not value.strip():  # (--out "" fell back to the default directory)
             usage_error(f"{'the config path' if name == 'config' else '--' + name.replace('_', '-')} "
                         f"is empty")
-    for name, value in vars(args).items():  # a size of 1e11 hung for minutes, or died out of memory
         values = value if isinstance(value, list) else [value]
         limit = MAX_BATCH if name in ("batch", "batches", "num_seqs", "max_num_seqs") else MAX_COUNT
         if name not in ("seed", "seeds") and any(type(v) is int and v > limit for v in values):
