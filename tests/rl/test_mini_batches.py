@@ -17,7 +17,7 @@ from parity.rl import learner as learner_module
 from parity.rl.controller import Controller
 
 from .test_controller import BASE
-from .test_learner import fail_on_call, model, rollout
+from .test_learner import fail_on_call, model, ragged_batch, rollout
 
 SEED = 8
 
@@ -26,9 +26,9 @@ def batch_of_four_groups():
     return rollout(parity.Engine(model(seed=SEED), max_num_seqs=8), n_groups=4, group_size=3, seed=SEED)
 
 
-def learner(**cfg):
+def learner(kernels="aligned", **cfg):
     base = dict(lr=1e-2, micro_batch_size=4, decompose_every=0, max_policy_lag=8)
-    return Learner(model(seed=SEED), LearnerConfig(**{**base, **cfg}))
+    return Learner(model(kernels, seed=SEED), LearnerConfig(**{**base, **cfg}))
 
 
 @pytest.mark.parametrize("mini_batches, epochs", [(2, 1), (2, 2)])
@@ -76,59 +76,82 @@ def test_shuffled_mini_batches_are_dealt_anew_each_epoch_and_alike_on_a_rerun():
     assert not all(torch.equal(x, y) for x, y in zip(a.master, in_order.master))
 
 
-def test_the_kl_reference_is_scored_once_for_every_epoch_with_the_same_bits(monkeypatch):
+def record_gradients(monkeypatch) -> dict:
+    """Each learner's gradients at each optimizer step, by `tag` (compared before AdamW: its first
+    step is lr x sign(g), so the weights after it cannot show a gradient off in its last bits)."""
+    seen: dict = {}
+    real = Learner._optimizer_step
+
+    def record(self):
+        seen.setdefault(self.tag, []).append([m.grad.clone() for m in self.master])
+        real(self)
+
+    monkeypatch.setattr(Learner, "_optimizer_step", record)
+    return seen
+
+
+def tagged(tag: str, kernels: str = "aligned", **cfg) -> Learner:
+    """A learner on `micro_batch_size` 5: of a mini-batch of 6 responses, the last is scored alone,
+    while a batch scored up front holds it among others (on the standard kernels a response of a
+    few tokens alone gets other bits on this CPU, at one thread and at two)."""
+    x = learner(kernels, micro_batch_size=5, **cfg)
+    x.tag = tag
+    return x
+
+
+@pytest.mark.parametrize("kernels", ["aligned", "standard"])
+def test_the_kl_reference_is_scored_once_for_every_epoch_with_the_same_bits(monkeypatch, kernels):
     """With a KL penalty and several epochs the reference scores the batch once, not once per
-    epoch: on aligned kernels its log-probs are the per-micro-batch ones bit for bit, so the
-    weights land where scoring it every epoch leaves them (the control: no penalty, elsewhere)."""
+    epoch: on aligned kernels its log-probs are the per-micro-batch ones bit for bit, so every
+    update's gradient is the one scoring it every epoch gives. The controls: the standard kernels'
+    gradients part at some update (the reference's bits moved with its micro-batches); without the
+    penalty the last update's gradient is another (at the first the penalty's is 0)."""
     from parity.rl.reference import ReferencePolicy
 
-    batch = batch_of_four_groups()
+    batch, seen = ragged_batch(), record_gradients(monkeypatch)
     calls = []
     real = ReferencePolicy.logprobs
     monkeypatch.setattr(ReferencePolicy, "logprobs",
                         lambda self, b, c: calls.append(len(b)) or real(self, b, c))
-    once = learner(mini_batches=2, epochs=3, kl_coef=0.5)
-    metrics = once.step(batch)
+    metrics = tagged("once", kernels, mini_batches=2, epochs=3, kl_coef=0.5).step(batch)
     assert calls == [] and metrics["train/kl_ref"] > 0
-    every = learner(mini_batches=2, epochs=3, kl_coef=0.5)
     score = Learner._score  # the reference unscored up front: scored per micro-batch, every epoch
     monkeypatch.setattr(Learner, "_score", lambda self, model, *a: (
         (None,) if self.reference and model is self.reference.model else score(self, model, *a)))
-    every.step(batch)
+    tagged("every", kernels, mini_batches=2, epochs=3, kl_coef=0.5).step(batch)
     assert sum(calls) == 3 * len(batch)  # each response once per epoch
-    assert all(torch.equal(a, b) for a, b in zip(once.master, every.master))
-    plain = learner(mini_batches=2, epochs=3)
-    plain.step(batch)
-    assert not all(torch.equal(a, b) for a, b in zip(once.master, plain.master))
+    same = [all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(seen["once"], seen["every"])]
+    assert len(same) == 6 and all(same) == (kernels == "aligned"), same
+    tagged("plain", kernels, mini_batches=2, epochs=3).step(batch)
+    assert not all(torch.equal(a, b) for a, b in zip(seen["once"][-1], seen["plain"][-1]))
 
 
+@pytest.mark.parametrize("kernels", ["aligned", "standard"])
 def test_decoupled_ppo_takes_its_first_update_as_reinforce_zero_and_clips_around_the_start_after(
-        monkeypatch):
-    """π_prox is the learner before the batch's first update, scored without gradients: on aligned
-    kernels it is the first update's own log-probs bit for bit, so r = 1 there and that update is
-    REINFORCE Zero's exactly (with one update per batch, every update is). Later updates clip
-    r = π/π_prox, which REINFORCE Zero never does (the control: the weights part after update 1).
-    (The standard kernels' control for batch-composition invariance is in tests/parity/test_bitwise.py.)"""
-    batch = batch_of_four_groups()
-    seen = {}
-    real = Learner._optimizer_step
-
-    def record(self):
-        real(self)
-        seen.setdefault(self.config.loss, []).append([m.detach().clone() for m in self.master])
-
-    monkeypatch.setattr(Learner, "_optimizer_step", record)
-    metrics = learner(loss="decoupled_ppo", mini_batches=2, epochs=2, lr=5e-2).step(batch)
-    learner(loss="reinforce_zero", mini_batches=2, epochs=2, lr=5e-2).step(batch)
+        monkeypatch, kernels):
+    """π_prox is the learner before the batch's first update, scored without gradients on other
+    micro-batches: on aligned kernels it is the first update's own log-probs bit for bit, so r = 1
+    there and that update's gradient is REINFORCE Zero's exactly (with one update per batch, every
+    update is). Later updates clip r = π/π_prox, which REINFORCE Zero never does (the weights part
+    after update 1). The control: on the standard kernels π_prox's bits moved with its
+    micro-batches, and the first gradients part."""
+    batch, seen = ragged_batch(), record_gradients(monkeypatch)
+    metrics = tagged("decoupled_ppo", kernels, loss="decoupled_ppo", mini_batches=2, epochs=2,
+                     lr=5e-2).step(batch)
+    tagged("reinforce_zero", kernels, loss="reinforce_zero", mini_batches=2, epochs=2, lr=5e-2).step(batch)
     first = zip(seen["decoupled_ppo"][0], seen["reinforce_zero"][0])
-    assert all(torch.equal(a, b) for a, b in first)
+    assert all(torch.equal(a, b) for a, b in first) == (kernels == "aligned")
+    if kernels == "standard":
+        return
     assert not all(torch.equal(a, b) for a, b in zip(seen["decoupled_ppo"][-1], seen["reinforce_zero"][-1]))
     assert metrics["loss/frac_clipped"] > 0
-    assert metrics["mismatch/max_abs"] == 0.0  # reported at the weights the batch started from
-    one = {name: learner(loss=name) for name in ("decoupled_ppo", "reinforce_zero")}
+    start = learner().logprobs(batch)[batch.mask.bool()]  # (another policy sampled the batch)
+    gap = (start - batch.rollout_logprobs[batch.mask.bool()]).abs().max()
+    assert metrics["mismatch/max_abs"] == float(gap) > 0  # reported at the weights the batch started from
+    one = {name: tagged(name + "/1", loss=name) for name in ("decoupled_ppo", "reinforce_zero")}
     for x in one.values():
         x.step(batch)
-    assert all(torch.equal(a, b) for a, b in zip(one["decoupled_ppo"].master, one["reinforce_zero"].master))
+    assert all(torch.equal(a, b) for a, b in zip(*(seen[x.tag][0] for x in one.values())))
 
 
 def test_a_mini_batch_whose_loss_overflows_skips_only_its_own_update(tmp_path):
