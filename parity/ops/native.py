@@ -50,21 +50,22 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def _build() -> ctypes.CDLL:
+def _build(sources: tuple[Path, ...] = _SOURCES, headers: tuple[Path, ...] = _HEADERS) -> ctypes.CDLL:
+    """Compile `sources` (the tests build mutated copies, their controls) into the cache and load them."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found")
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in (*_SOURCES, *_HEADERS))
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in (*sources, *headers))
                          + " ".join(_FLAGS).encode() + _cpu_signature().encode())
     out = _cache_dir() / f"aligned_kernels-{key.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_so = Path(tmp) / out.name
-            proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp_so), *map(str, _SOURCES), "-lm"],
+            proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp_so), *map(str, sources), "-lm"],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"compiling {' and '.join(src.name for src in _SOURCES)} failed: "
+                raise RuntimeError(f"compiling {' and '.join(src.name for src in sources)} failed: "
                                    f"{proc.stderr.strip()[:200]}")
             os.replace(tmp_so, out)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(str(out))

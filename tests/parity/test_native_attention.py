@@ -10,15 +10,19 @@ last key down) fails every case the kernel groups. How many heads share a load f
 registers: with AVX-512 every head size here is grouped; with AVX2 only 32 (2 heads), and at 48,
 64 and 128 each head runs alone, so there these cases compare one code path with itself (an audit
 of 2026-12-07 ran the mutation on an AVX2 EPYC: the 6 cases of head size 32 failed, the other 10
-passed). The control is that mutation, run by hand: it needs the C library rebuilt.
+passed). The control is that mutation, built by `mutants.py`: it fails where the CPU groups.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from parity.ops import native
+
+from . import mutants
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no native kernels here")
 
@@ -33,9 +37,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)  # (a denormal or -0 compares equal to 0 as floats)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", CASES)
-def test_grouped_heads_give_each_heads_bits_alone(case, dtype):
+def _heads_together_equal_alone(case, dtype) -> bool:
     b, m, hq, hkv, d, window, softcap = case
     gen = torch.Generator().manual_seed(hq * d + m)
     bs = 16
@@ -52,8 +54,42 @@ def test_grouped_heads_give_each_heads_bits_alone(case, dtype):
     alone = native.attention(q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2), pos, bs,
                              with_lse=True, window=window, softcap=softcap)
     real = pos >= 0
-    assert torch.equal(_bits(together[0][real]), _bits(alone[0][real])), "outputs differ"
-    assert torch.equal(_bits(together[1][real]), _bits(alone[1][real])), "log-sum-exps differ"
+    return all(torch.equal(_bits(x[real]), _bits(y[real])) for x, y in zip(together, alone))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_heads_give_each_heads_bits_alone(case, dtype):
+    assert _heads_together_equal_alone(case, dtype), "outputs or log-sum-exps differ"
+
+
+REVERSED_DENOMINATOR = {  # a grouped head after the first sums its denominator from the last key down
+    "for (int r = 0; r < R; r++) denom[r] = denom[r] + scores[r * stride + j];":
+        "for (int r = 0; r < R; r++) denom[r] = denom[r] + scores[r * stride + (r ? n - 1 - (j - n0) : j)];"}
+
+
+@pytest.fixture(scope="module")
+def reversed_denominator():
+    return mutants.build(REVERSED_DENOMINATOR)
+
+
+def _grouped(case) -> bool:
+    """Whether the kernel computes this case's heads in groups: `R_MAX` of `csrc/aligned_kernels.c`
+    at the vector width `-march=native` gives here (16 floats with AVX-512, 8 with AVX, else 4)."""
+    flags = next((ln.split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("flags")), []) if Path("/proc/cpuinfo").exists() else []
+    vl, regs = (16, 16) if "avx512f" in flags else (8, 8) if "avx" in flags else (4, 8)
+    _, _, hq, hkv, d, _, _ = case
+    return hq // hkv >= 2 and regs * vl // min(d, 8 * vl) >= 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_control_a_grouped_head_summed_in_another_order_fails(case, dtype, monkeypatch, reversed_denominator):
+    """The same check on the kernels rebuilt with the mutation above fails on every case the kernel
+    groups on this CPU (head size 32 on AVX2, all of them on AVX-512), and passes on the others."""
+    mutants.use(monkeypatch, reversed_denominator)
+    assert _heads_together_equal_alone(case, dtype) == (not _grouped(case))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
