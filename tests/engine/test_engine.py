@@ -48,6 +48,11 @@ def check_outputs(model, outs, params) -> int:
     return bad
 
 
+def differing(runs, others) -> int:
+    """How many outputs' tokens or log-probs differ between two runs of the same requests."""
+    return sum(a.token_ids != b.token_ids or a.logprobs != b.logprobs for a, b in zip(runs, others))
+
+
 params_st = st.builds(
     SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.0, 1.5]),
     max_tokens=st.integers(1, 24), top_k=st.sampled_from([0, 0, 5]),
@@ -55,17 +60,29 @@ params_st = st.builds(
 prompt_st = st.lists(st.integers(0, 127), min_size=1, max_size=60)
 
 
-@settings(max_examples=20, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(st.sampled_from(["float32", "bfloat16"]),
-       st.lists(st.tuples(prompt_st, params_st), min_size=1, max_size=7),
-       st.integers(1, 8), st.sampled_from([1, 7, 32, 256]), st.sampled_from([None, 192, 288]),
-       st.integers(0, 3))
-def test_recorded_logprobs_equal_learner_logprobs(dtype, reqs, max_seqs, budget, cache, stagger):
-    model = cached_model("tiny", "aligned", dtype, 1, 0.1)
-    prompts, params = [r[0] for r in reqs], [r[1] for r in reqs]
-    outs, _ = run_engine(model, prompts, params, max_seqs, budget, cache, stagger)
-    assert check_outputs(model, outs, params) == 0
+@pytest.mark.parametrize("kernels", ["aligned", "standard"])
+def test_recorded_logprobs_equal_learner_logprobs(kernels):
+    """The control: on the standard kernels some of the first generated cases record log-probs the
+    learner does not reproduce."""
+    mismatched = []
+
+    @settings(max_examples=20 if kernels == "aligned" else 5, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.sampled_from(["float32", "bfloat16"]),
+           st.lists(st.tuples(prompt_st, params_st), min_size=1, max_size=7),
+           st.integers(1, 8), st.sampled_from([1, 7, 32, 256]), st.sampled_from([None, 192, 288]),
+           st.integers(0, 3))
+    def case(dtype, reqs, max_seqs, budget, cache, stagger):
+        model = cached_model("tiny", kernels, dtype, 1, 0.1)
+        prompts, params = [r[0] for r in reqs], [r[1] for r in reqs]
+        outs, _ = run_engine(model, prompts, params, max_seqs, budget, cache, stagger)
+        if kernels == "aligned":
+            assert check_outputs(model, outs, params) == 0
+        else:
+            mismatched.append(check_outputs(model, outs, params))
+
+    case()
+    assert kernels == "aligned" or sum(mismatched) > 0, mismatched  # the control
 
 
 def _pressure_workload(seed=0, n=12):
@@ -78,6 +95,7 @@ def _pressure_workload(seed=0, n=12):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_preemption_under_cache_pressure_changes_nothing(dtype):
+    """The control: on the standard kernels the preempted and recomputed run samples other bits."""
     model = cached_model("tiny", "aligned", dtype, 2, 0.1)
     prompts, params = _pressure_workload()
     roomy, _ = run_engine(model, prompts, params, max_num_seqs=8, budget=48)
@@ -91,6 +109,10 @@ def test_preemption_under_cache_pressure_changes_nothing(dtype):
     cache = eng.runner.cache
     assert not eng.has_unfinished() and len(eng.blocks.free) == eng.blocks.num_blocks
     assert cache.k[:, :-1].count_nonzero() == 0 and cache.v[:, :-1].count_nonzero() == 0
+    standard = cached_model("tiny", "standard", dtype, 2, 0.1)
+    roomy, _ = run_engine(standard, prompts, params, max_num_seqs=8, budget=48)
+    tight, _ = run_engine(standard, prompts, params, max_num_seqs=8, budget=48, cache_tokens=256)
+    assert differing(roomy, tight) > 0  # the control
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -104,13 +126,19 @@ def test_control_standard_kernels_mismatch(dtype):
 
 @pytest.mark.parametrize("draws", ["generator", "counter"])
 def test_seeded_request_same_alone_and_in_busy_batch(draws):
-    """Per-request CPU generators (a CPU's default) and counter-based draws (a GPU's) alike."""
-    model = cached_model("tiny", "aligned", "float32", 3, 0.1)
+    """Per-request CPU generators (a CPU's default) and counter-based draws (a GPU's) alike. The
+    control: on the standard kernels the request in the busy batch records other bits than alone."""
     target, p = [4, 8, 15, 16, 23, 42], SamplingParams(temperature=1.0, max_tokens=30, seed=7, top_p=0.95)
-    alone, _ = run_engine(model, [target], [p], draws=draws)
     prompts, params = _pressure_workload(2, 10)
-    busy, _ = run_engine(model, prompts[:5] + [target] + prompts[5:], params[:5] + [p] + params[5:],
-                         max_num_seqs=6, budget=20, stagger=2, draws=draws)
+
+    def alone_and_busy(model):
+        alone, _ = run_engine(model, [target], [p], draws=draws)
+        busy, _ = run_engine(model, prompts[:5] + [target] + prompts[5:], params[:5] + [p] + params[5:],
+                             max_num_seqs=6, budget=20, stagger=2, draws=draws)
+        return alone, busy
+
+    model = cached_model("tiny", "aligned", "float32", 3, 0.1)
+    alone, busy = alone_and_busy(model)
     assert busy[5].token_ids == alone[0].token_ids
     assert busy[5].logprobs == alone[0].logprobs
     other = SamplingParams(temperature=1.0, max_tokens=30, seed=8, top_p=0.95)
@@ -120,6 +148,8 @@ def test_seeded_request_same_alone_and_in_busy_batch(draws):
     twins, _ = run_engine(model, [target, target], [unseeded, unseeded], draws=draws)
     assert twins[0].token_ids != twins[1].token_ids  # unseeded requests draw noise of their own
     assert check_outputs(model, busy, params[:5] + [p] + params[5:]) == 0
+    alone, busy = alone_and_busy(cached_model("tiny", "standard", "float32", 3, 0.1))
+    assert differing(alone, busy[5:6]) > 0  # the control
 
 
 def test_the_cpu_default_draws_from_generators_and_counter_draws_differ():
@@ -195,14 +225,18 @@ def test_greedy_equals_naive_full_recompute():
 
 @pytest.mark.parametrize("draws", ["generator", "counter"])
 def test_top_k_and_top_p_record_the_truncated_logprob(draws):
+    """The control: on the standard kernels the recorded full log-probs are not the learner's."""
+    top_k = SamplingParams(temperature=1.0, max_tokens=20, top_k=3, seed=1)
     model = cached_model("tiny", "aligned", "float32", 5, 0.3)
-    [o], _ = run_engine(model, [[3, 1, 4]], [SamplingParams(temperature=1.0, max_tokens=20, top_k=3, seed=1)],
-                        draws=draws)
+    [o], _ = run_engine(model, [[3, 1, 4]], [top_k], draws=draws)
     assert all(s >= f for s, f in zip(o.sampled_logprobs, o.logprobs))
     assert any(s > f for s, f in zip(o.sampled_logprobs, o.logprobs))
     with torch.no_grad():
         full = parity.sequence_logprobs(model, [o.full_token_ids])[0][2:]
     assert torch.equal(full, torch.tensor(o.logprobs, dtype=torch.float32))
+    standard = cached_model("tiny", "standard", "float32", 5, 0.3)
+    outs, _ = run_engine(standard, [[3, 1, 4]], [top_k], draws=draws)
+    assert check_outputs(standard, outs, [top_k]) > 0  # the control
     # the value, not only its direction: with one token kept its probability is 1, log-prob 0
     greedy_cut = SamplingParams(temperature=1.0, max_tokens=8, top_k=1, seed=1)
     [one], _ = run_engine(model, [[3, 1, 4]], [greedy_cut], draws=draws)
@@ -223,47 +257,65 @@ def test_a_top_k_or_top_p_that_keeps_every_token_records_the_plain_logprob(cut):
 
 
 def test_multi_turn_keeps_prefix_and_masks_environment():
-    model = cached_model("tiny", "aligned", "float32", 6, 0.1)
-    eng = parity.Engine(model, max_num_seqs=4)
+    """The control: on the standard kernels the continued request's log-probs are not the learner's."""
     p = SamplingParams(temperature=1.0, max_tokens=5, seed=3)
-    rid = eng.add_request([1, 2, 3, 4], p, multi_turn=True)
-    other = eng.add_request([7, 7, 7], SamplingParams(max_tokens=12, seed=1))
-    turn1 = [o for _ in range(20) for o in eng.step() if o.request_id == rid]
-    assert turn1 and turn1[0].finish_reason == "length"
-    seq = eng.seqs[rid]
-    computed = seq.num_computed
-    eng.continue_request(rid, [60, 61, 62])
-    batch = eng.scheduler.schedule()  # the next forward feeds only what is not cached yet
-    fed = dict((s.request_id, n) for s, n in batch)
-    assert fed[rid] == len(seq) - computed == 4  # last sampled token + 3 environment tokens
-    while eng.has_unfinished():
-        eng.step()
-    out = eng.release(rid)
+
+    def two_turns(model):
+        """The released multi-turn request, its learner log-probs, the other request and the engine."""
+        eng = parity.Engine(model, max_num_seqs=4)
+        rid = eng.add_request([1, 2, 3, 4], p, multi_turn=True)
+        other = eng.add_request([7, 7, 7], SamplingParams(max_tokens=12, seed=1))
+        turn1 = [o for _ in range(20) for o in eng.step() if o.request_id == rid]
+        assert turn1 and turn1[0].finish_reason == "length"
+        seq = eng.seqs[rid]
+        computed = seq.num_computed
+        eng.continue_request(rid, [60, 61, 62])
+        batch = eng.scheduler.schedule()  # the next forward feeds only what is not cached yet
+        fed = dict((s.request_id, n) for s, n in batch)
+        assert fed[rid] == len(seq) - computed == 4  # last sampled token + 3 environment tokens
+        while eng.has_unfinished():
+            eng.step()
+        out = eng.release(rid)
+        with torch.no_grad():
+            ref = parity.sequence_logprobs(model, [out.full_token_ids])[0][3:]
+        return out, ref, other, eng
+
+    model = cached_model("tiny", "aligned", "float32", 6, 0.1)
+    out, ref, other, eng = two_turns(model)
     assert out.loss_mask == [1] * 5 + [0] * 3 + [1] * (len(out.token_ids) - 8)
     assert out.policy_versions[5:8] == [-1, -1, -1]
-    with torch.no_grad():
-        ref = parity.sequence_logprobs(model, [out.full_token_ids])[0][3:]
     got = torch.tensor(out.logprobs, dtype=torch.float32)
     mask = torch.tensor(out.loss_mask, dtype=torch.bool)
     assert torch.equal(ref[mask], got[mask])
     assert other not in eng.seqs
+    out, ref, _, _ = two_turns(cached_model("tiny", "standard", "float32", 6, 0.1))
+    mask = torch.tensor(out.loss_mask, dtype=torch.bool)
+    assert not torch.equal(ref[mask], torch.tensor(out.logprobs, dtype=torch.float32)[mask])  # the control
 
 
 @pytest.mark.parametrize("mode", ["inflight", "drain"])
 def test_weight_updates_tag_tokens_with_versions(mode):
-    model = parity.Model(parity.ModelConfig.preset("tiny"), seed=7)
+    """The control: on the standard kernels the late request's log-probs are not the learner's."""
     new = parity.Model(parity.ModelConfig.preset("tiny"), seed=8).state_dict()
-    eng = parity.Engine(model, max_num_seqs=4)
-    first = [eng.add_request([1, 2, 3], SamplingParams(max_tokens=12, seed=i)) for i in range(2)]
-    outs = {}
-    for _ in range(4):
-        for o in eng.step():
-            outs[o.request_id] = o
-    eng.update_weights(new, version=1, mode=mode)
-    late = eng.add_request([5, 6], SamplingParams(max_tokens=6, seed=9))
-    while eng.has_unfinished():
-        for o in eng.step():
-            outs[o.request_id] = o
+
+    def run(kernels):
+        model = parity.Model(parity.ModelConfig.preset("tiny"), kernels=kernels, seed=7)
+        eng = parity.Engine(model, max_num_seqs=4)
+        first = [eng.add_request([1, 2, 3], SamplingParams(max_tokens=12, seed=i)) for i in range(2)]
+        outs = {}
+        for _ in range(4):
+            for o in eng.step():
+                outs[o.request_id] = o
+        eng.update_weights(new, version=1, mode=mode)
+        late = eng.add_request([5, 6], SamplingParams(max_tokens=6, seed=9))
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs[o.request_id] = o
+        with torch.no_grad():  # the late request ran entirely on the new weights
+            ref = parity.sequence_logprobs(model, [outs[late].full_token_ids])[0][1:]
+        return eng, first, late, outs, ref
+
+    eng, first, late, outs, ref = run("aligned")
     for rid in first:
         v = outs[rid].policy_versions
         if mode == "inflight":
@@ -272,9 +324,9 @@ def test_weight_updates_tag_tokens_with_versions(mode):
             assert v == [0] * len(v)
     assert outs[late].policy_versions == [1] * 6
     assert eng.policy_version == 1
-    with torch.no_grad():  # the late request ran entirely on the new weights
-        ref = parity.sequence_logprobs(model, [outs[late].full_token_ids])[0][1:]
     assert torch.equal(ref, torch.tensor(outs[late].logprobs, dtype=torch.float32))
+    _, _, late, outs, ref = run("standard")
+    assert not torch.equal(ref, torch.tensor(outs[late].logprobs, dtype=torch.float32))  # the control
 
 
 def test_bad_requests_fail_alone():
@@ -417,23 +469,31 @@ def test_a_request_that_outgrows_the_cache_ends_at_its_length_keeping_its_tokens
 
 
 def test_paused_request_preempted_under_pressure_can_still_continue():
-    model = cached_model("tiny", "aligned", "float32", 1, 0.1)
-    eng = parity.Engine(model, max_num_seqs=4, kv_cache_tokens=96)
-    rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, seed=1), multi_turn=True)
-    while eng.seqs[rid].status.value != "paused":
-        eng.step()
-    eng.generate([[9] * 40, [8] * 40], SamplingParams(max_tokens=10))  # forces the paused cache out
-    assert eng.scheduler.num_preemptions > 0
-    eng.continue_request(rid, [50, 51])
-    while eng.has_unfinished():
-        eng.step()
-    out = eng.release(rid)
-    with torch.no_grad():
-        ref = parity.sequence_logprobs(model, [out.full_token_ids])[0][2:]
+    """The control: on the standard kernels the continued request's log-probs are not the learner's."""
+    def continued(model):
+        """The engine, the request's id, its output and the learner's log-probs of its tokens."""
+        eng = parity.Engine(model, max_num_seqs=4, kv_cache_tokens=96)
+        rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, seed=1), multi_turn=True)
+        while eng.seqs[rid].status.value != "paused":
+            eng.step()
+        eng.generate([[9] * 40, [8] * 40], SamplingParams(max_tokens=10))  # forces the paused cache out
+        assert eng.scheduler.num_preemptions > 0
+        eng.continue_request(rid, [50, 51])
+        while eng.has_unfinished():
+            eng.step()
+        out = eng.release(rid)
+        with torch.no_grad():
+            ref = parity.sequence_logprobs(model, [out.full_token_ids])[0][2:]
+        return eng, rid, out, ref
+
+    eng, rid, out, ref = continued(cached_model("tiny", "aligned", "float32", 1, 0.1))
     mask = torch.tensor(out.loss_mask, dtype=torch.bool)
     assert torch.equal(ref[mask], torch.tensor(out.logprobs, dtype=torch.float32)[mask])
     with pytest.raises(InputError, match="no such request"):
         eng.release(rid)
+    _, _, out, ref = continued(cached_model("tiny", "standard", "float32", 1, 0.1))
+    mask = torch.tensor(out.loss_mask, dtype=torch.bool)
+    assert not torch.equal(ref[mask], torch.tensor(out.logprobs, dtype=torch.float32)[mask])  # the control
 
 
 def test_update_weights_checks_everything_before_copying():

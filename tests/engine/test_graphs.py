@@ -87,22 +87,31 @@ def test_padding_rows_never_touch_a_sequences_blocks():
 
 def test_the_engine_samples_the_same_run_with_graphs():
     """Generation through emulated graphs: the same tokens and log-probs as eager steps, and the
-    learner's log-probs bit for bit."""
-    model = _model("aligned")
+    learner's log-probs bit for bit. The control: on the standard kernels the graphs' padded steps
+    record other bits than eager ones."""
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [3] * 20, [7, 1]]
     params = [SamplingParams(temperature=1.0, max_tokens=n, seed=i, ignore_eos=True)
               for i, n in enumerate((9, 4, 12, 1))]
-    runs = {}
-    for mode in ("off", "emulate"):
-        engine = Engine(model, max_num_seqs=4, kv_cache_tokens=2048, graphs=mode)
-        runs[mode] = engine.generate(prompts, params)
-        if mode == "emulate":
-            assert engine.runner.graphs.replays > 0
+
+    def eager_and_graphed(model):
+        runs = {}
+        for mode in ("off", "emulate"):
+            engine = Engine(model, max_num_seqs=4, kv_cache_tokens=2048, graphs=mode)
+            runs[mode] = engine.generate(prompts, params)
+            if mode == "emulate":
+                assert engine.runner.graphs.replays > 0
+        return runs
+
+    model = _model("aligned")
+    runs = eager_and_graphed(model)
     for eager, graphed, prompt in zip(runs["off"], runs["emulate"], prompts):
         assert eager.token_ids == graphed.token_ids
         assert torch.equal(torch.tensor(eager.logprobs), torch.tensor(graphed.logprobs))
         ref = reference(model, [torch.tensor(graphed.full_token_ids)])[0][len(prompt) - 1:]
         assert torch.equal(ref, torch.tensor(graphed.logprobs, dtype=torch.float32))
+    runs = eager_and_graphed(_model("standard"))
+    assert any(a.token_ids != b.token_ids or a.logprobs != b.logprobs
+               for a, b in zip(runs["off"], runs["emulate"]))  # the control
 
 
 def test_the_graphs_case_of_parity_check():

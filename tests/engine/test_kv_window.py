@@ -20,7 +20,7 @@ import parity
 from parity import SamplingParams
 from parity.engine import memory
 from tests.conftest import cached_model
-from tests.engine.test_engine import check_outputs
+from tests.engine.test_engine import check_outputs, differing
 
 
 def _workload(seed: int, n: int = 6):
@@ -46,6 +46,8 @@ def _run(model, prompts, params, cache_tokens=None, budget=48):
 
 @pytest.mark.parametrize("preset, dtype", [("tiny-gemma3", "float32"), ("tiny-gemma2", "bfloat16")])
 def test_sliding_layers_give_back_blocks_behind_the_window_and_keep_the_bits(preset, dtype, monkeypatch):
+    """The control: on the standard kernels the trimmed engine records log-probs the learner does not
+    reproduce (the trimmed and the whole cache give the same bits there too: no control for that)."""
     model = cached_model(preset, "aligned", dtype, 3, 0.1)
     window, bs = model.config.sliding_window, model.block_size  # 24 keys, 32 a block
     prompts, params = _workload(1)
@@ -57,6 +59,8 @@ def test_sliding_layers_give_back_blocks_behind_the_window_and_keep_the_bits(pre
     assert longest > 4 * window and most[0] == -(-longest // bs)  # the full layers: every block
     assert most[1] <= -(-window // bs) + 2  # the sliding layers: a window's (the control: trimmed)
     assert check_outputs(model, outs, params) == 0  # the learner's log-probs, bit for bit
+    standard = cached_model(preset, "standard", dtype, 3, 0.1)
+    assert check_outputs(standard, _run(standard, prompts, params)[0], params) > 0  # the control
     monkeypatch.setattr(parity.engine.engine, "plan_cache", lambda *a: (memory.plan_cache(*a)[0], None))
     whole, one, _ = _run(model, prompts, params)  # every layer in one numbering, nothing trimmed
     assert one.runner.cache.num_groups == 1
@@ -67,7 +71,9 @@ def test_sliding_layers_give_back_blocks_behind_the_window_and_keep_the_bits(pre
 def test_a_model_whose_every_layer_slides_holds_only_windows(monkeypatch):
     """Mistral v0.1 / Phi-3-mini-like (every layer slides over 40 keys): one window group, so a
     sequence of any length holds at most a window's blocks, and the engine's capacity is the
-    context; the same tokens and log-probs as a cache that keeps every position."""
+    context; the same tokens and log-probs as a cache that keeps every position. The control: on
+    the standard kernels the engine records log-probs the learner does not reproduce (the window
+    and the whole cache give the same bits there too: no control for that)."""
     model = cached_model("tiny-mistral", "aligned", "float32", 3, 0.1)
     window, bs = model.config.sliding_window, model.block_size
     prompts, params = _workload(3)
@@ -76,6 +82,8 @@ def test_a_model_whose_every_layer_slides_holds_only_windows(monkeypatch):
     assert "every layer slides over 40 keys" in eng.describe_cache()
     assert max(len(o.full_token_ids) for o in outs) > 3 * window and most[0] <= -(-window // bs) + 2
     assert check_outputs(model, outs, params) == 0
+    standard = cached_model("tiny-mistral", "standard", "float32", 3, 0.1)
+    assert check_outputs(standard, _run(standard, prompts, params)[0], params) > 0  # the control
     monkeypatch.setattr(parity.engine.engine, "plan_cache", lambda *a: (64, None))  # every position kept
     whole, one, _ = _run(model, prompts, params)
     assert one.runner.cache.windows == [0]
@@ -88,7 +96,9 @@ def test_a_prompt_longer_than_a_small_window_cache_is_fed_in_what_fits():
     fits as its window moves (the capacity says 512): with a budget that takes the prompt in one
     step, the waiting request was refused ("KV cache too small for 200 tokens", nothing sampled)
     while a 32-token budget chunked it and ran. A lone request is now fed what fits, chunked like
-    the small budget's run: the same tokens and log-probs, the learner's bit for bit."""
+    the small budget's run: the same tokens and log-probs, the learner's bit for bit. The control:
+    on the standard kernels the run's log-probs are not the learner's (both budgets feed the same
+    chunks, so their runs are the same bits on any kernels)."""
     model = cached_model("tiny-mistral", "aligned", "float32", 3, 0.1)
     prompt, params = [i % 128 for i in range(200)], [SamplingParams(max_tokens=6, seed=0, ignore_eos=True)]
     runs = []
@@ -99,12 +109,16 @@ def test_a_prompt_longer_than_a_small_window_cache_is_fed_in_what_fits():
     assert runs[0][0].error is None and runs[0][0].finish_reason == "length"
     assert runs[0][0].token_ids == runs[1][0].token_ids and runs[0][0].logprobs == runs[1][0].logprobs
     assert check_outputs(model, runs[0], params) == 0
+    standard = cached_model("tiny-mistral", "standard", "float32", 3, 0.1)
+    eng = parity.Engine(standard, max_num_seqs=1, max_num_batched_tokens=2048, kv_cache_tokens=128)
+    assert check_outputs(standard, eng.generate([prompt], params[0]), params) > 0  # the control
 
 
 def test_cache_pressure_in_both_groups_changes_nothing():
     """A cache of 6 full blocks and as many window ones: sequences are preempted and recomputed
     (the window group's trimmed entries with them); tokens and log-probs are those of a roomy
-    cache, and every block of both groups is given back and cleared at the end."""
+    cache, and every block of both groups is given back and cleared at the end. The control: on the
+    standard kernels the preempted run records other bits than the roomy one."""
     model = cached_model("tiny-gemma3", "aligned", "float32", 4, 0.1)
     prompts, params = _workload(2, 4)
     roomy, _, _ = _run(model, prompts, params)
@@ -115,6 +129,9 @@ def test_cache_pressure_in_both_groups_changes_nothing():
     for group, k, v in zip(eng.blocks.groups, eng.runner.cache._k, eng.runner.cache._v):
         assert not group.tables and len(group.free) == group.num_blocks
         assert k[:, :-1].count_nonzero() == 0 and v[:, :-1].count_nonzero() == 0
+    standard = cached_model("tiny-gemma3", "standard", "float32", 4, 0.1)
+    roomy, tight = (_run(standard, prompts, params, n)[0] for n in (None, 6 * model.block_size))
+    assert differing(roomy, tight) > 0  # the control
 
 
 def test_the_plan_spends_the_budget_on_the_full_layers():
@@ -133,11 +150,15 @@ def test_the_plan_spends_the_budget_on_the_full_layers():
 def test_decode_graphs_and_the_decoder_trim_with_the_same_bits():
     """The `Decoder` (parity check's prefill/decode and graph cases) keeps the sliding layers in a
     window group too: chunked prefill, decode steps and decode graphs (emulated: both groups'
-    tables and slots in the static step) past several windows give the learner's bits."""
+    tables and slots in the static step) past several windows give the learner's bits. The control:
+    on the standard kernels the same cases find mismatches."""
     from parity.invariance import run_checks
     model = cached_model("tiny-gemma3", "aligned", "float32", 5, 0.1)
     results = run_checks(model, rounds=2, seed=4, max_len=128, cases=("decode", "graphs"))
     assert all(r.comparisons > 0 and r.mismatches == 0 for r in results), results
+    standard = cached_model("tiny-gemma3", "standard", "float32", 5, 0.1)
+    controls = run_checks(standard, rounds=2, seed=4, max_len=128, cases=("decode", "graphs"))
+    assert any(r.mismatches > 0 for r in controls), controls  # the control
     dec = parity.Decoder(model, max_tokens=512)
     assert dec.cache.num_groups == 2
     dec.extend({0: list(range(100))})

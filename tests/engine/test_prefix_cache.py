@@ -92,7 +92,8 @@ def test_control_standard_kernels_record_other_bits_when_sharing(dtype, preset):
 
 def test_a_block_matches_only_behind_the_same_tokens():
     """A block's tokens at another position, or behind other tokens, are not its prefix: nothing
-    is shared, and every request records the learner's bits."""
+    is shared, and every request records the learner's bits. The control: on the standard kernels
+    some request's log-probs are not the learner's."""
     model = cached_model("tiny", "aligned", "float32", 1, 0.1)
     rng = random.Random(5)
     x, y, z = ([rng.randrange(128) for _ in range(32)] for _ in range(3))
@@ -101,6 +102,9 @@ def test_a_block_matches_only_behind_the_same_tokens():
     eng = parity.Engine(model, max_num_seqs=4, max_num_batched_tokens=66)  # (the first alone first)
     outs = eng.generate(prompts, params)
     assert eng.scheduler.shared_tokens == 0 and check_outputs(model, outs, params) == 0
+    standard = cached_model("tiny", "standard", "float32", 1, 0.1)
+    outs = parity.Engine(standard, max_num_seqs=4, max_num_batched_tokens=66).generate(prompts, params)
+    assert check_outputs(standard, outs, params) > 0  # the control
 
 
 @pytest.mark.parametrize("length, waits", [(70, True), (100, False)])
@@ -108,7 +112,8 @@ def test_sliding_layers_wait_only_for_a_prefix_they_can_share(length, waits):
     """Mistral's window of 40 keys: the first member's prefill frees the sliding layers' first
     block once it passes 40 + 31 tokens, and a prefix is matched from its first block; so a
     group's members wait for a 70-token prompt's prefill (and share its 64 tokens), not for a
-    100-token one's (nothing to share: they start at once). Every output is the learner's."""
+    100-token one's (nothing to share: they start at once). Every output is the learner's. The
+    control: on the standard kernels some output's log-probs are not the learner's."""
     model = cached_model("tiny-mistral", "aligned", "float32", 0, 0.1)
     prompt = [random.Random(length).randrange(128) for _ in range(length)]
     params = [SamplingParams(temperature=1.0, max_tokens=4, seed=i, ignore_eos=True) for i in range(4)]
@@ -120,11 +125,15 @@ def test_sliding_layers_wait_only_for_a_prefix_they_can_share(length, waits):
     outs = eng.generate([prompt] * 4, params)
     assert eng.scheduler.shared_tokens == (3 * 64 if waits else 0)
     assert check_outputs(model, outs, params) == 0
+    standard = cached_model("tiny-mistral", "standard", "float32", 0, 0.1)
+    outs = parity.Engine(standard, max_num_seqs=8).generate([prompt] * 4, params)
+    assert check_outputs(standard, outs, params) > 0  # the control
 
 
 def test_a_small_cache_preempts_shared_blocks_and_gives_them_back():
     """A cache of a few blocks: sequences holding shared blocks are preempted and recomputed (and
-    may share again); every output still equals the learner's, every block comes back."""
+    may share again); every output still equals the learner's, every block comes back. The
+    control: on the standard kernels some output's log-probs are not the learner's."""
     model = cached_model("tiny", "aligned", "float32", 2, 0.1)
     prompts, params = groups(2, group=3)
     outs, eng = generate(model, prompts, params, max_num_seqs=8, kv_cache_tokens=8 * 32,
@@ -132,45 +141,68 @@ def test_a_small_cache_preempts_shared_blocks_and_gives_them_back():
     assert eng.scheduler.num_preemptions > 0 and eng.scheduler.shared_tokens > 0
     assert all(o.error is None for o in outs) and check_outputs(model, outs, params) == 0
     assert_blocks_all_back(eng)
+    standard = cached_model("tiny", "standard", "float32", 2, 0.1)
+    outs, _ = generate(standard, prompts, params, max_num_seqs=8, kv_cache_tokens=8 * 32,
+                       max_num_batched_tokens=48)
+    assert check_outputs(standard, outs, params) > 0  # the control
 
 
 @pytest.mark.parametrize("version", [0, 1])
 def test_new_weights_are_not_served_blocks_the_old_ones_computed(version):
     """A paused multi-turn request holds its prompt's indexed blocks; weights change (under the
-    same version number, too); a request with that prompt must prefill it under the new weights."""
-    model = cached_model("tiny", "aligned", "float32", 3, 0.1).twin("aligned")
+    same version number, too); a request with that prompt must prefill it under the new weights.
+    The control: on the standard kernels some output's log-probs are not the learner's."""
     prompts, params = groups(3, group=2, n=1)
-    eng = parity.Engine(model, max_num_seqs=4)
-    eng.add_request(prompts[0], params[0], multi_turn=True)
-    while not eng.step():  # (it pauses, holding its blocks)
-        pass
-    state = {n: p.detach() * 1.5 for n, p in model.named_parameters()}
-    eng.update_weights(state, version=version, mode="inflight")
-    outs = eng.generate(prompts, params)
+
+    def after_the_update(model):
+        eng = parity.Engine(model, max_num_seqs=4)
+        eng.add_request(prompts[0], params[0], multi_turn=True)
+        while not eng.step():  # (it pauses, holding its blocks)
+            pass
+        state = {n: p.detach() * 1.5 for n, p in model.named_parameters()}
+        eng.update_weights(state, version=version, mode="inflight")
+        return eng.generate(prompts, params), eng
+
+    model = cached_model("tiny", "aligned", "float32", 3, 0.1).twin("aligned")
+    outs, eng = after_the_update(model)
     # the group's second member shares the first's blocks, computed under the new weights; had
     # the paused request's been served, both would share and the first's bits would be wrong
     assert eng.scheduler.shared_tokens == (len(prompts[0]) - 1) // model.block_size * model.block_size
     assert check_outputs(model, outs, params) == 0  # (the model holds the new weights)
     assert {v for o in outs for v in o.cache_versions} == {version}
+    standard = cached_model("tiny", "standard", "float32", 3, 0.1).twin("standard")
+    assert check_outputs(standard, after_the_update(standard)[0], params) > 0  # the control
 
 
 def test_a_continued_turn_after_a_shared_prompt():
     """Multi-turn requests that started on shared blocks: environment tokens appended, the next
-    turn sampled; each whole sequence scores as the learner's."""
-    model = cached_model("tiny", "aligned", "float32", 4, 0.1)
+    turn sampled; each whole sequence scores as the learner's. The control: on the standard kernels
+    some sequence's log-probs are not the learner's."""
     prompts, params = groups(4, group=3, n=2)
-    eng = parity.Engine(model, max_num_seqs=8)
-    ids = [eng.add_request(p, q, multi_turn=True) for p, q in zip(prompts, params)]
-    paused = {}
-    while len(paused) < len(ids):
-        for o in eng.step():
-            paused[o.request_id] = o
-    assert eng.scheduler.shared_tokens > 0
-    for rid in ids:
-        eng.continue_request(rid, [5, 6, 7])
-    while eng.has_unfinished():
-        eng.step()
-    outs = [eng.release(rid) for rid in ids]
+
+    def two_turns(model):
+        eng = parity.Engine(model, max_num_seqs=8)
+        ids = [eng.add_request(p, q, multi_turn=True) for p, q in zip(prompts, params)]
+        paused = {}
+        while len(paused) < len(ids):
+            for o in eng.step():
+                paused[o.request_id] = o
+        assert eng.scheduler.shared_tokens > 0
+        for rid in ids:
+            eng.continue_request(rid, [5, 6, 7])
+        while eng.has_unfinished():
+            eng.step()
+        return [eng.release(rid) for rid in ids], eng
+
+    def learner_and_engine(model, o):
+        """The learner's and the engine's log-probs on the sampled tokens of one output."""
+        with torch.no_grad():
+            ref = parity.sequence_logprobs(model, [o.full_token_ids])[0][len(o.prompt_token_ids) - 1:]
+        mask = torch.tensor(o.loss_mask, dtype=torch.bool)
+        return ref[mask], torch.tensor(o.logprobs, dtype=torch.float32)[mask]
+
+    model = cached_model("tiny", "aligned", "float32", 4, 0.1)
+    outs, eng = two_turns(model)
     with torch.no_grad():
         for o in outs:
             ref = parity.sequence_logprobs(model, [o.full_token_ids])[0][len(o.prompt_token_ids) - 1:]
@@ -178,6 +210,9 @@ def test_a_continued_turn_after_a_shared_prompt():
             assert mask.sum() > len(o.loss_mask) - mask.sum() > 0
             assert torch.equal(ref[mask], torch.tensor(o.logprobs, dtype=torch.float32)[mask])
     assert_blocks_all_back(eng)
+    standard = cached_model("tiny", "standard", "float32", 4, 0.1)
+    outs, _ = two_turns(standard)
+    assert not all(torch.equal(*learner_and_engine(standard, o)) for o in outs)  # the control
 
 
 def test_off_shares_nothing_and_bad_values_are_refused():
