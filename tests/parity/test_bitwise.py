@@ -239,6 +239,41 @@ def test_control_standard_prefix_differs():
     assert _standard_mismatches("float32", "tiny", 3, cases=("prefix",)) > 0
 
 
+@pytest.mark.skipif(not ON_CPU, reason="CPU thread counts")
+def test_control_standard_kernels_move_with_the_thread_count():
+    """The thread case's own control, without a batch's help (its reference is each sequence alone,
+    which the standard kernels' batching alone would fail): a lone sequence of 6-11 tokens at 1 and
+    at 2 threads, against itself alone, moves the standard kernels' bits (MKL's float32 GEMM takes
+    another path at 2 threads for 5-7 and 9-11 rows on this CPU) and not the aligned kernels'.
+    In bf16 this shows on `small` only: on `tiny`, the model of the thread case's bf16 half, bf16
+    rounding hid every move (0 of 190 lone sequences of 2-96 tokens, two models)."""
+    cases = (("tiny", "float32", 5, 0.1, [torch.arange(n) % 128 for n in (7, 11)]),
+             ("small", "bfloat16", 0, 0.02, [torch.arange(n) * 3 % 128 for n in (6, 7)]))
+    found = {}
+    for preset, dtype, seed, std, seqs in cases:
+        for kernels in ("standard", "aligned"):
+            model = cached_model(preset, kernels, dtype, seed, std)
+            pairs = [p for s in seqs for p in case_threads(model, [s], reference(model, [s]))]
+            found[kernels, dtype] = compare(pairs)[1]
+    assert found["standard", "float32"] > 0 and found["standard", "bfloat16"] > 0, found
+    assert found["aligned", "float32"] == 0 and found["aligned", "bfloat16"] == 0, found
+
+
+@pytest.mark.skipif(not ON_CPU, reason="CPU thread counts")
+def test_control_standard_float32_differs_in_a_process_at_another_thread_count(monkeypatch):
+    """The process case's own control: a child with this process's settings gives the standard
+    kernels' bits too (they are deterministic: 0 of 8 children scoring a lone 7- or 11-token
+    sequence moved, float32 and bf16, at 1 and at 2 threads), so another process can move them by
+    its settings only; a lone 11-token sequence scored at 1 thread here and at 2 in the child
+    (OMP_NUM_THREADS) gets other float32 standard-kernel bits."""
+    model = cached_model("tiny", "standard", "float32", 5, 0.1)
+    seq = [torch.arange(11) % 128]
+    torch.set_num_threads(1)  # (the autouse fixture gives the count back)
+    refs = reference(model, seq)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert compare(case_process(model, seq, refs))[1] > 0
+
+
 def test_control_same_suite_on_aligned_passes():
     for dtype, preset, rounds in (("float32", "tiny", 3), ("bfloat16", "small", 3)):
         model = cached_model(preset, "aligned", dtype, 0, 0.02)

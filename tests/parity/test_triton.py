@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import parity
 from parity.errors import ConfigError
 from parity.invariance import reference, run_checks
+from tests.parity import mutants
 from tests.parity.schedules import assert_kernel_schedules_agree, assert_model_schedules_agree
 
 try:  # imports triton with its interpreter turned on (no GPU here)
@@ -231,7 +232,15 @@ def test_attention_schedule_is_chosen_by_shapes():
     assert ta._schedule(1, 8, 2048, 64, 10_000, 128, cpu) == "walk"  # partials over the workspace
 
 
-def test_row_lse_and_norm_rows_are_independent(triton_impl):
+def test_row_lse_and_norm_rows_are_independent(triton_impl, tmp_path):
+    """A row's log-sum-exp and RMSNorm bits do not depend on the rows launched with it. The plain
+    ops cannot be the control: torch's logsumexp and log_softmax and the standard RMSNorm kept every
+    row's bits on this CPU (800 shapes of 1-300 rows by 1-6,000 columns, sliced, reshaped and
+    misaligned, at 1 and 2 threads: none moved). So the controls are the kernels on a schedule the
+    launch chooses, as a batch-dependent kernel's is: a lone row's log-sum-exp in another schedule
+    (a program per row, 2048-column chunks) moves some rows (2 of 90 here); a norm that sums each
+    row's squares in two halves when launched on a few rows moves some rows of the 4-row slices
+    against the whole launch (12 of 88 here)."""
     from parity.ops import triton_kernels as tk
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(90, 3000, generator=gen)
@@ -240,6 +249,22 @@ def test_row_lse_and_norm_rows_are_independent(triton_impl):
     assert torch.equal(tk.row_lse(logits[37:38], 1 / 0.7), lse[37:38])
     x, w = torch.randn(90, 64, generator=gen), torch.randn(64, generator=gen)
     assert torch.equal(tk.rms_norm(x[5:9], w, 1e-6), tk.rms_norm(x, w, 1e-6)[5:9])
+
+    def lone_row_lse(row):  # the controls
+        out = torch.empty(1)
+        tk._row_lse_kernel[(1,)](row, out, 1, row.shape[1], row.stride(0), 1 / 0.7, ROWS=1, BLOCK_V=2048)
+        return out
+    assert not torch.equal(torch.cat([lone_row_lse(logits[r:r + 1]) for r in range(90)]), lse)
+    halves = mutants.triton_kernel(tk._rms_norm_kernel, tmp_path, "mean_sq = tl.sum(x * x, axis=1) / H",
+                     "half = cols[None, :] < BLOCK // 2\n    mean_sq = (tl.sum(tl.where(half, x * x, 0.0), "
+                     "axis=1) + tl.sum(tl.where(half, 0.0, x * x), axis=1)) / H")
+
+    def norm_in_halves(rows):
+        out = torch.empty_like(rows)
+        halves[(1,)](rows, w, out, rows.shape[0], 64, rows.stride(0), out.stride(0), 1e-6, ROWS=64, BLOCK=64)
+        return out
+    assert not torch.equal(torch.cat([norm_in_halves(x[i:i + 4]) for i in range(0, 88, 4)]),
+                           tk.rms_norm(x, w, 1e-6)[:88])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
