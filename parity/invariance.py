@@ -217,6 +217,7 @@ def case_threads(model, seqs, refs, temperature=1.0) -> Pairs:
 _CHILD = """
 import sys, json, torch, parity
 spec = json.load(open(sys.argv[1]))
+torch.set_num_threads(spec["threads"])
 model = parity.load_model(spec["path"], kernels=spec["kernels"], block_size=spec["block_size"],
                           device=spec["device"])
 seqs = [torch.tensor(s) for s in spec["seqs"]]
@@ -227,12 +228,13 @@ torch.save([o.cpu() for o in out], spec["out"])
 
 
 def case_process(model, seqs, refs, temperature=1.0) -> Pairs:
-    """A separate Python process loads the saved checkpoint and scores the batch."""
+    """A separate Python process, at another CPU thread count (1 where this one runs more, else 2),
+    loads the saved checkpoint and scores the batch."""
     with tempfile.TemporaryDirectory(prefix="parity-check-") as tmp:
         model.save_pretrained(Path(tmp) / "ckpt")
         spec = {"path": str(Path(tmp) / "ckpt"), "kernels": model.kernels.name,
                 "block_size": model.block_size, "device": str(model.device),
-                "seqs": [s.tolist() for s in seqs],
+                "seqs": [s.tolist() for s in seqs], "threads": 1 if torch.get_num_threads() > 1 else 2,
                 "temperature": temperature, "out": str(Path(tmp) / "out.pt")}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         proc = subprocess.run([sys.executable, "-c", _CHILD, str(Path(tmp) / "spec.json")],

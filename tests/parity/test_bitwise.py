@@ -132,9 +132,12 @@ def test_long_sequences():
 
 
 def test_two_processes():
-    for dtype in ("float32", "bfloat16"):
+    """A child process, at another thread count, scores the batch with each sequence's bits alone
+    (float32 at 1 thread here, the child at 2; bf16 at 2 here, the child at 1)."""
+    for dtype, threads in (("float32", 1), ("bfloat16", 2)):
+        torch.set_num_threads(threads)
         model = cached_model("tiny", "aligned", dtype, 5, 0.1)
-        seqs = [torch.arange(n) % 128 for n in (3, 40, 97)]
+        seqs = [torch.arange(n) % 128 for n in (3, 11, 40, 97)]
         assert_equal_pairs(case_process(model, seqs, reference(model, seqs)))
 
 
@@ -260,18 +263,16 @@ def test_control_standard_kernels_move_with_the_thread_count():
 
 
 @pytest.mark.skipif(not ON_CPU, reason="CPU thread counts")
-def test_control_standard_float32_differs_in_a_process_at_another_thread_count(monkeypatch):
+def test_control_standard_float32_differs_in_a_process_at_another_thread_count():
     """The process case's own control: a child with this process's settings gives the standard
     kernels' bits too (they are deterministic: 0 of 8 children scoring a lone 7- or 11-token
-    sequence moved, float32 and bf16, at 1 and at 2 threads), so another process can move them by
-    its settings only; a lone 11-token sequence scored at 1 thread here and at 2 in the child
-    (OMP_NUM_THREADS) gets other float32 standard-kernel bits."""
+    sequence moved, float32 and bf16, at 1 and at 2 threads), so the case runs the child at another
+    thread count; there a lone 11-token sequence (scored at 1 thread here, at 2 in the child) gets
+    other float32 standard-kernel bits."""
     model = cached_model("tiny", "standard", "float32", 5, 0.1)
     seq = [torch.arange(11) % 128]
     torch.set_num_threads(1)  # (the autouse fixture gives the count back)
-    refs = reference(model, seq)
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert compare(case_process(model, seq, refs))[1] > 0
+    assert compare(case_process(model, seq, reference(model, seq)))[1] > 0
 
 
 def test_control_same_suite_on_aligned_passes():
