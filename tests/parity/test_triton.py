@@ -255,9 +255,10 @@ def test_row_lse_and_norm_rows_are_independent(triton_impl, tmp_path):
         tk._row_lse_kernel[(1,)](row, out, 1, row.shape[1], row.stride(0), 1 / 0.7, ROWS=1, BLOCK_V=2048)
         return out
     assert not torch.equal(torch.cat([lone_row_lse(logits[r:r + 1]) for r in range(90)]), lse)
-    halves = mutants.triton_kernel(tk._rms_norm_kernel, tmp_path, "mean_sq = tl.sum(x * x, axis=1) / H",
-                     "half = cols[None, :] < BLOCK // 2\n    mean_sq = (tl.sum(tl.where(half, x * x, 0.0), "
-                     "axis=1) + tl.sum(tl.where(half, 0.0, x * x), axis=1)) / H")
+    halves = mutants.triton_kernel(
+        tk._rms_norm_kernel, tmp_path, "mean_sq = tl.sum(x * x, axis=1) / H",
+        "half = cols[None, :] < BLOCK // 2\n    mean_sq = (tl.sum(tl.where(half, x * x, 0.0), "
+        "axis=1) + tl.sum(tl.where(half, 0.0, x * x), axis=1)) / H")
 
     def norm_in_halves(rows):
         out = torch.empty_like(rows)
