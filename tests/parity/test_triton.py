@@ -30,6 +30,9 @@ try:  # imports triton with its interpreter turned on (no GPU here)
     import parity.ops.triton_kernels  # noqa: F401
 except ConfigError as err:  # triton missing: `make test` installs it
     pytest.skip(str(err), allow_module_level=True)
+import triton  # noqa: E402  (after parity turned the interpreter on)
+import triton.language as tl  # noqa: E402
+
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CUDA present: the bitwise suite runs on the GPU instead")
 
@@ -80,6 +83,37 @@ def test_an_interpreter_that_cannot_run_kernels_is_a_one_line_error():
     with pytest.raises(ConfigError, match="cannot be trusted"):
         triton_kernels._probe_interpreter(_FakeKernel(value=3.0))
     triton_kernels._probe_interpreter(_FakeKernel())  # the control: a stand-in that works passes
+
+
+@triton.jit
+def _doubled(x):
+    return x * 2.0
+
+
+@triton.jit
+def _helper_loop_kernel(out_ptr, n):
+    acc = tl.zeros((4,), tl.float32)  # (Triton's own helper, which sees `tl.core` alone)
+    for _ in range(0, n):
+        acc = _doubled(acc + 1.0)
+    tl.store(out_ptr + tl.arange(0, 4), acc)
+
+
+def test_the_interpreter_patches_the_language_once_a_launch(monkeypatch):
+    """`triton_kernels` has a launch patch `triton.language` once, and each module set its helpers
+    see once more, not at every helper call (the scans were a quarter of this file's time); the language is
+    put back after the launch. The control: the interpreter's own helper call patches at each."""
+    from triton.runtime import interpreter as ti
+    real, patched = ti._patch_lang, []
+    monkeypatch.setattr(ti, "_patch_lang", lambda fn: patched.append(fn.__name__) or real(fn))
+    arange, out = tl.arange, torch.zeros(4)
+    _helper_loop_kernel[(1,)](out, 5)
+    assert torch.equal(out, torch.full((4,), 62.0))  # x -> 2 (x + 1) five times from 0
+    assert patched == ["_helper_loop_kernel", "zeros"] and tl.arange is arange
+    patched.clear()
+    monkeypatch.setattr(ti.InterpretedFunction, "__call__", ti.InterpretedFunction.__call__.__wrapped__)
+    _helper_loop_kernel[(1,)](out.zero_(), 5)
+    assert torch.equal(out, torch.full((4,), 62.0))
+    assert patched == ["_helper_loop_kernel", "zeros"] + ["_doubled"] * 5  # the control
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
