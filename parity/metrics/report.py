@@ -57,7 +57,10 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path | None]:
     png = None
     plt = _pyplot()
     if plt is not None and metrics:
-        fig, axes = plt.subplots(2, 5, figsize=(22, 7))
+        # fixed margins, not tight_layout (which draws the figure once more to measure it: 0.4 s of
+        # a 6-step run's 2.8 s report, and every run writes one)
+        fig, axes = plt.subplots(2, 5, figsize=(22, 7), gridspec_kw=dict(
+            left=0.04, right=0.99, bottom=0.08, top=0.95, wspace=0.25, hspace=0.35))
         for ax, (title, keys) in zip(axes.flat, PANELS):
             for key in keys:
                 pts = [(m["step"], m[key]) for m in metrics if key in m]
@@ -84,7 +87,6 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path | None]:
         ax.bar(list(hist), list(hist.values()))
         ax.set_title("policy lag histogram (fraction of tokens)", fontsize=10)
         ax.set_xlabel("lag (policy versions: learner steps)")
-        fig.tight_layout()
         png = run_dir / "report.png"
         fig.savefig(png, dpi=90)
         plt.close(fig)
