@@ -16,10 +16,13 @@ bits or runs fast there (that is `scripts/gpu_check.sh` on a GPU).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
@@ -146,9 +149,32 @@ def _tool(name: str) -> str:
 def _inspect(cubin: bytes) -> tuple[int, int, dict, str]:
     """(registers, stack bytes per thread, matrix instruction counts, how it loads: 'TMA' for the
     Tensor Memory Accelerator's UTMALDG, 'cp.async' for LDGSTS, else 'plain') of a cubin, by
-    cuobjdump."""
-    import tempfile
+    cuobjdump: half a second a binary for its SASS, so the answer is kept in parity's cache under
+    the cubin's hash (and the Triton version, whose cuobjdump reads it) and read back next time."""
+    import triton
 
+    from .native import _cache_dir
+
+    key = hashlib.sha256(triton.__version__.encode() + b"\0" + cubin).hexdigest()[:32]
+    kept = _cache_dir().parent / "cubins" / f"{key}.json"
+    try:
+        regs, stack, matrix, loads = json.loads(kept.read_text())
+        return int(regs), int(stack), dict(matrix), str(loads)
+    except (OSError, ValueError, TypeError):  # not kept yet (or unreadable: read the cubin again)
+        pass
+    found = _read_cubin(cubin)
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        part = kept.with_name(f"{kept.name}.{os.getpid()}")
+        part.write_text(json.dumps(found))
+        os.replace(part, kept)  # whole or absent for a concurrent reader
+    except OSError:  # a cache that cannot be written costs time only
+        pass
+    return found
+
+
+def _read_cubin(cubin: bytes) -> tuple[int, int, dict, str]:
+    """`_inspect`'s answer, from Triton's bundled cuobjdump."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

@@ -153,6 +153,26 @@ def test_control_a_spilling_tile_is_reported():
     assert "register spills" in proc.stdout and "_attention_kernel" in proc.stdout
 
 
+def test_a_cubins_reading_is_kept_and_read_back(tmp_path, monkeypatch):
+    """cuobjdump's half second a binary is paid once per cubin: the answer is kept in parity's cache
+    under the cubin's hash; another cubin, or a kept file that cannot be read, is read again."""
+    from parity.ops import triton_target
+
+    monkeypatch.setenv("PARITY_CACHE", str(tmp_path))
+    answer, reads = (40, 0, {"HGMMA.64x64x16": 2}, "TMA"), []
+    monkeypatch.setattr(triton_target, "_read_cubin", lambda cubin: reads.append(cubin) or answer)
+    for _ in range(2):
+        assert triton_target._inspect(b"cubin a") == answer
+    assert reads == [b"cubin a"]
+    assert triton_target._inspect(b"cubin b") == answer and reads == [b"cubin a", b"cubin b"]
+    kept = sorted((tmp_path / "cubins").iterdir())
+    assert len(kept) == 2
+    for path in kept:
+        path.write_text("{half written")
+    assert triton_target._inspect(b"cubin a") == answer
+    assert reads == [b"cubin a", b"cubin b", b"cubin a"]  # the control: an unreadable entry is read again
+
+
 def test_control_a_kernel_over_the_shared_memory_limit_is_refused():
     """A GEMM tile whose pipeline needs more shared memory than an sm_86 block may take fails to
     load as it would on that GPU; the default tiles fit."""
