@@ -48,11 +48,23 @@ def _share_the_cores() -> None:
 _share_the_cores()
 
 
-HEAVY_FIRST = ("tests/rl/test_ray.py", "tests/parity/test_triton.py", "tests/test_sft_demo.py",
-               "tests/test_cli.py", "tests/rl/test_faults.py", "tests/test_study.py",
-               "tests/parity/test_bitwise.py", "tests/parity/test_triton_compile.py")
-"""The files that take longest (`--durations=0` on 2 cores, 2026-12-07), given out first: under
-`--dist loadfile` a long file that started last kept one worker busy alone at the end."""
+HEAVY_FIRST = ("tests/rl/test_ray.py", "tests/parity/test_triton.py", "tests/rl/test_faults.py",
+               "tests/test_cli.py", "tests/parity/test_bitwise.py", "tests/test_sft_demo.py",
+               "tests/test_study.py", "tests/rl/test_ray_nodes.py", "tests/parity/test_triton_compile.py",
+               "tests/rl/test_controller.py", "tests/test_sandbox_hardening.py", "tests/test_user_tasks.py",
+               "tests/rl/test_local_worker.py", "tests/test_families.py", "tests/test_sandbox.py",
+               "tests/engine/test_engine.py", "tests/parity/test_gemm_rows.py", "tests/rl/test_optim.py")
+"""The files that take 13 s or more (`--durations=0` on 2 cores, 2026-12-08: 217 s down to 13 s),
+longest first, given out first (the rest follow, each under 10 s): under `--dist loadfile` a long
+file that started last kept one worker busy alone at the end."""
+
+
+def pytest_configure(config):
+    """Keep HEAVY_FIRST's order under `--dist loadfile`: pytest-xdist (3.6 on) otherwise re-sorts the
+    files by how many tests each has, so a long file of few tests (the study's, 53 s in 4 tests)
+    could start last."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
