@@ -62,8 +62,9 @@ file that started last kept one worker busy alone at the end."""
 def pytest_configure(config):
     """Keep HEAVY_FIRST's order under `--dist loadfile`: pytest-xdist (3.6 on) otherwise re-sorts the
     files by how many tests each has, so a long file of few tests (the study's, 53 s in 4 tests)
-    could start last."""
-    if hasattr(config.option, "loadscopereorder"):
+    could start last. An explicit `--loadscope-reorder` still wins."""
+    asked = "--loadscope-reorder" in config.invocation_params.args
+    if hasattr(config.option, "loadscopereorder") and not asked:
         config.option.loadscopereorder = False
 
 

@@ -128,7 +128,7 @@ def _patch_the_language_once_a_launch() -> None:
         if not stack:
             return device_call(self, *args, **kwargs)
         mine = langs(self.fn)
-        if not mine <= stack[-1]:
+        if not mine or not mine <= stack[-1]:  # (none: the interpreter's own one-line refusal)
             stack[-1] |= mine  # patched by this call, and left so (as the interpreter leaves it)
             return device_call(self, *args, **kwargs)
         fn = self.rewrite()

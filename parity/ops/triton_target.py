@@ -16,6 +16,7 @@ bits or runs fast there (that is `scripts/gpu_check.sh` on a GPU).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -155,7 +156,7 @@ def _inspect(cubin: bytes) -> tuple[int, int, dict, str]:
 
     from .native import _cache_dir
 
-    key = hashlib.sha256(triton.__version__.encode() + b"\0" + cubin).hexdigest()[:32]
+    key = hashlib.sha256(triton.__version__.encode() + b"\0" + _reading() + cubin).hexdigest()[:32]
     kept = _cache_dir().parent / "cubins" / f"{key}.json"
     try:
         regs, stack, matrix, loads = json.loads(kept.read_text())
@@ -163,14 +164,22 @@ def _inspect(cubin: bytes) -> tuple[int, int, dict, str]:
     except (OSError, ValueError, TypeError):  # not kept yet (or unreadable: read the cubin again)
         pass
     found = _read_cubin(cubin)
+    part = kept.with_name(f"{kept.name}.{os.getpid()}")
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
-        part = kept.with_name(f"{kept.name}.{os.getpid()}")
         part.write_text(json.dumps(found))
         os.replace(part, kept)  # whole or absent for a concurrent reader
     except OSError:  # a cache that cannot be written costs time only
-        pass
+        part.unlink(missing_ok=True)
     return found
+
+
+@functools.lru_cache(maxsize=1)
+def _reading() -> bytes:
+    """The hash of `_read_cubin`'s own text: a change to how a cubin is read retires what was kept."""
+    import inspect
+
+    return hashlib.sha256(inspect.getsource(_read_cubin).encode()).digest()
 
 
 def _read_cubin(cubin: bytes) -> tuple[int, int, dict, str]:

@@ -116,6 +116,22 @@ def test_the_interpreter_patches_the_language_once_a_launch(monkeypatch):
     assert patched == ["_helper_loop_kernel", "zeros"] + ["_doubled"] * 5  # the control
 
 
+def test_a_helper_that_sees_no_triton_language_is_still_refused(tmp_path, monkeypatch):
+    """A helper whose module imports neither `triton.language` nor its core is refused by the
+    interpreter ("must be visible"); skipping its patch inside a launch must not let it run."""
+    from triton.runtime.interpreter import InterpreterError
+    (tmp_path / "bare_helper.py").write_text("import triton\n\n\n@triton.jit\ndef helper(x):\n"
+                                             "    return x * 2.0\n")
+    (tmp_path / "bare_kernel.py").write_text(
+        "import triton\nimport triton.language as tl\n\nfrom bare_helper import helper\n\n\n"
+        "@triton.jit\ndef kernel(out_ptr):\n    tl.store(out_ptr + tl.arange(0, 1), helper(tl.zeros((1,), "
+        "tl.float32) + 1.0))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import bare_kernel
+    with pytest.raises(InterpreterError, match="must be visible"):
+        bare_kernel.kernel[(1,)](torch.zeros(1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemm_rows_do_not_depend_on_the_batch(triton_impl, dtype):
     from parity.ops import triton_gemm as tk
